@@ -1,0 +1,112 @@
+"""Every error fenced raises, under one root.
+
+    FencedError                      root; carries .name, .token, .fence
+     ├── ConfigError (ValueError)    bad input, raised at definition time; names the fix
+     ├── ClaimUnavailable            the claim store could not be reached: fail closed
+     ├── ClaimHeld                   another live holder has the claim (the "raise" policy)
+     ├── ClaimLost                   the claim expired or was taken while we worked
+     ├── NotOwner                    an operation on a claim this process does not hold
+     ├── StaleFence                  a write carried a fence lower than one already accepted
+     └── StoreError                  content store / pointer / upsert problems
+          └── CorruptObject          a stored object no longer matches its digest
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ClaimHeld",
+    "ClaimLost",
+    "ClaimUnavailable",
+    "ConfigError",
+    "CorruptObject",
+    "FencedError",
+    "NotOwner",
+    "StaleFence",
+    "StoreError",
+]
+
+
+class FencedError(Exception):
+    """Root of every fenced error; carries the claim name, token and fence it is about."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: str | None = None,
+        token: str | None = None,
+        fence: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.name = name
+        self.token = token
+        self.fence = fence
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only arguments do not survive the default pickling, and Celery
+        # pickles exceptions into result backends and across pool processes.
+        return (_rebuild, (type(self), self.message, self.__dict__.copy()))
+
+
+def _rebuild(cls: type[FencedError], message: str, state: dict[str, object]) -> FencedError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.__dict__.update(state)
+    return err
+
+
+class ConfigError(FencedError, ValueError):
+    """Bad input (a ttl, a template, a path, a table); the message names the fix."""
+
+
+class ClaimUnavailable(FencedError):
+    """The claim store could not be reached, so the work must not run (fail closed)."""
+
+
+class ClaimHeld(FencedError):
+    """Another live holder has the claim."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: str | None = None,
+        token: str | None = None,
+        fence: int | None = None,
+        expires_in: float | None = None,
+    ) -> None:
+        super().__init__(message, name=name, token=token, fence=fence)
+        self.expires_in = expires_in
+
+
+class ClaimLost(FencedError):
+    """The claim expired or was taken by another holder while the work ran."""
+
+
+class NotOwner(FencedError):
+    """An operation needed a claim this process does not hold."""
+
+
+class StaleFence(FencedError):
+    """A write carried a fence lower than one already accepted: a stale holder."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        name: str | None = None,
+        token: str | None = None,
+        fence: int | None = None,
+        current: int | None = None,
+    ) -> None:
+        super().__init__(message, name=name, token=token, fence=fence)
+        self.current = current
+
+
+class StoreError(FencedError):
+    """A content store, pointer or upsert operation failed."""
+
+
+class CorruptObject(StoreError):
+    """A stored object's bytes no longer match its digest."""

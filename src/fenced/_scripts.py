@@ -1,0 +1,193 @@
+"""The Lua scripts behind every claim operation, registered once and run with EVALSHA.
+
+Each constant states its KEYS, ARGV and return value. Every key a script touches is
+one claim's key and shares that claim's hash tag, so the scripts run on Redis Cluster.
+Release and refresh compare the owner token first and never touch a claim held under
+another token.
+
+The fence is minted inside ACQUIRE: ``max(previous fence + 1, Redis TIME in µs)``. The
+``TIME`` floor keeps it strictly increasing even after a restart of a Redis that keeps
+nothing on disk, as long as the server clock moves forward (µs values stay below 2^53,
+so Lua's doubles hold them exactly).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.exceptions import NoScriptError
+
+__all__ = ["ACQUIRE", "FORCE_RELEASE", "RECORD", "REFRESH", "RELEASE", "Script"]
+
+
+class Script:
+    """A Lua script with its SHA1 computed once; EVALSHA first, EVAL on a cold cache."""
+
+    def __init__(self, name: str, source: str) -> None:
+        self.name = name
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """Run on a client (one round trip when the server already has the script)."""
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            # EVAL also caches the script, so the next call is an EVALSHA hit again.
+            return client.eval(self.source, len(keys), *keys, *args)
+
+
+Call = tuple[Script, Sequence[str], Sequence[Any]]
+
+
+def run_pipeline(client: Any, calls: Sequence[Call]) -> list[Any]:
+    """Run many script calls in one round trip; errors come back in place of results.
+
+    When the server has lost its script cache (a restart), the scripts are loaded and
+    the batch is sent once more.
+    """
+    for attempt in (1, 2):
+        pipe = client.pipeline(transaction=False)
+        for script, keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        result: list[Any] = pipe.execute(raise_on_error=False)
+        if attempt == 2 or not any(isinstance(r, NoScriptError) for r in result):
+            return result
+        for source in {script.source for script, _k, _a in calls}:
+            client.script_load(source)
+    raise AssertionError("unreachable")
+
+
+# ACQUIRE
+# KEYS[1] lock   KEYS[2] fence   KEYS[3] runs   KEYS[4] skips   KEYS[5] rerun
+# ARGV[1] token  ARGV[2] ttl in ms
+# ARGV[3] JSON of a "started" run record, or "" to record nothing
+# ARGV[4] JSON of a "skipped" run record, or "" to record nothing (and count no skip)
+# ARGV[5] maximum length of the runs stream (approximate trim)
+# ARGV[6] "1" to ask the holder for one more run when we lose the race, else "0"
+# returns {1, fence}                                    when the claim is ours
+#         {0, holder token, pttl ms, holder fence, consecutive skips, rerun asked}
+ACQUIRE = Script(
+    "acquire",
+    """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local fence = redis.call('INCR', KEYS[2])
+  if fence < now then
+    redis.call('SET', KEYS[2], string.format('%d', now))
+    fence = now
+  end
+  if ARGV[3] ~= '' then
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
+               'event', 'started', 'token', ARGV[1], 'fence', string.format('%d', fence),
+               'r', ARGV[3])
+  end
+  return {1, fence}
+end
+local holder = redis.call('GET', KEYS[1])
+local pttl = redis.call('PTTL', KEYS[1])
+local fence = tonumber(redis.call('GET', KEYS[2]) or '0')
+local skips = 0
+if ARGV[4] ~= '' then
+  skips = redis.call('INCR', KEYS[4])
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
+             'event', 'skipped', 'holder', holder or '', 'r', ARGV[4])
+end
+local rerun = 0
+if ARGV[6] == '1' then
+  rerun = redis.call('INCR', KEYS[5])
+end
+return {0, holder or '', pttl, fence, skips, rerun}
+""",
+)
+
+# REFRESH
+# KEYS[1] lock
+# ARGV[1] token  ARGV[2] ttl in ms
+# returns 1 when the lease was extended, 0 when the token no longer holds it
+REFRESH = Script(
+    "refresh",
+    """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+""",
+)
+
+# RELEASE
+# KEYS[1] lock   KEYS[2] runs   KEYS[3] skips   KEYS[4] rerun
+# ARGV[1] token
+# ARGV[2] JSON of the finished run record, or "" to record nothing
+# ARGV[3] maximum length of the runs stream
+# ARGV[4] outcome ("ok" resets the consecutive-skip count)
+# ARGV[5] fence of the run being finished (recorded beside the outcome)
+# ARGV[6] "1" to take (read and clear) the rerun request, else "0"
+# returns {1 if our token held the lease and it is now deleted else 0, rerun requests taken}
+RELEASE = Script(
+    "release",
+    """
+local released = 0
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  released = 1
+end
+if ARGV[2] ~= '' then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
+             'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
+             'outcome', ARGV[4], 'r', ARGV[2])
+  if ARGV[4] == 'ok' then
+    redis.call('DEL', KEYS[3])
+  end
+end
+local rerun = 0
+if ARGV[6] == '1' and released == 1 then
+  rerun = tonumber(redis.call('GET', KEYS[4]) or '0')
+  if rerun > 0 then
+    redis.call('DEL', KEYS[4])
+  end
+end
+return {released, rerun}
+""",
+)
+
+# FORCE_RELEASE: clear a claim whatever its token, for an operator or a supervisor
+# KEYS[1] lock   KEYS[2] runs
+# ARGV[1] expected token prefix ("" = any holder)   ARGV[2] JSON record   ARGV[3] maxlen
+# returns the token that was deleted, or "" when nothing matched
+FORCE_RELEASE = Script(
+    "force_release",
+    """
+local holder = redis.call('GET', KEYS[1])
+if not holder then return '' end
+if ARGV[1] ~= '' and string.sub(holder, 1, string.len(ARGV[1])) ~= ARGV[1] then
+  return ''
+end
+redis.call('DEL', KEYS[1])
+if ARGV[2] ~= '' then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
+             'event', 'released', 'token', holder, 'outcome', 'released', 'r', ARGV[2])
+end
+return holder
+""",
+)
+
+# RECORD: append one run record without touching the lease
+# KEYS[1] runs   KEYS[2] skips
+# ARGV[1] event  ARGV[2] outcome  ARGV[3] JSON record  ARGV[4] maxlen  ARGV[5] token
+# returns the stream entry id
+RECORD = Script(
+    "record",
+    """
+local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*',
+                      'event', ARGV[1], 'token', ARGV[5], 'outcome', ARGV[2], 'r', ARGV[3])
+if ARGV[2] == 'ok' then redis.call('DEL', KEYS[2]) end
+return id
+""",
+)
+
+ALL_SCRIPTS = (ACQUIRE, REFRESH, RELEASE, FORCE_RELEASE, RECORD)

