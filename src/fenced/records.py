@@ -1,0 +1,208 @@
+"""Run records and skip counters: what happened to each claim, newest first.
+
+Records live in one capped Redis stream per claim (``{ns}:{name}:runs``), JSON only.
+The claim scripts write them in the same round trip as the lease operation: ACQUIRE
+appends ``started`` (or ``skipped``), RELEASE appends ``finished`` with the outcome.
+A run is assembled from its ``started`` and ``finished`` entries by token.
+
+Outcomes: ``ok``, ``skipped``, ``failed``, ``lost``, ``aborted``, ``released`` (by an
+operator), and ``running`` for a run whose end was not (yet) recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ._claim import MAX_RECORDS, Holder
+from ._keys import ClaimKeys
+from ._scripts import RECORD
+
+__all__ = ["OUTCOMES", "RunRecord", "consecutive_skips", "history", "last", "record"]
+
+OUTCOMES = ("ok", "skipped", "failed", "lost", "aborted", "released", "running")
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+@dataclass
+class RunRecord:
+    """One run of a claim: its outcome and where, when and under which fence it ran."""
+
+    name: str
+    outcome: str
+    task_id: str | None = None
+    worker: str | None = None
+    token: str | None = None
+    fence: int | None = None
+    started: float | None = None
+    finished: float | None = None
+    duration: float | None = None
+    reason: str | None = None
+    holder: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form (the secret part of the token shortened)."""
+        data = asdict(self)
+        if self.token:
+            data["token"] = self.token.split(":", 1)[0][:8] + "…"
+        return data
+
+
+def _entry_time(entry_id: str) -> float:
+    return int(entry_id.split("-", 1)[0]) / 1000.0
+
+
+def _fields(raw: Any) -> dict[str, str]:
+    return {_text(k): _text(v) for k, v in raw.items()}
+
+
+def _worker(data: dict[str, Any]) -> str | None:
+    if data.get("worker"):
+        return str(data["worker"])
+    if data.get("host"):
+        return f"{data['host']}:{data.get('pid')}"
+    return None
+
+
+def history(client: Any, name: str, limit: int = 20, namespace: str = "fenced") -> list[RunRecord]:
+    """The most recent runs of a claim, newest first (one round trip)."""
+    keys = ClaimKeys.of(name, namespace)
+    # Each run writes up to two entries; read enough to pair them.
+    entries = client.xrevrange(keys.runs, count=max(1, limit) * 2 + 2)
+    finished: dict[str, tuple[str, dict[str, str]]] = {}
+    runs: list[tuple[float, RunRecord]] = []
+    for entry_id, raw in entries:
+        eid = _text(entry_id)
+        f = _fields(raw)
+        data = json.loads(f.get("r") or "{}")
+        event = f.get("event")
+        at = _entry_time(eid)
+        if event in ("finished", "released"):
+            finished[f.get("token", "")] = (eid, f)
+            if event == "released":
+                runs.append((at, _released(name, f, data, at)))
+            continue
+        if event == "skipped":
+            runs.append(
+                (
+                    at,
+                    RunRecord(
+                        name=name,
+                        outcome="skipped",
+                        task_id=data.get("task_id"),
+                        worker=_worker(data),
+                        started=at,
+                        finished=at,
+                        duration=0.0,
+                        reason=data.get("reason", "already running"),
+                        holder=str(Holder.parse(f["holder"])) if f.get("holder") else None,
+                        extra=_extra(data),
+                    ),
+                )
+            )
+            continue
+        if event == "started":
+            token = f.get("token", "")
+            end = finished.pop(token, None)
+            rec = RunRecord(
+                name=name,
+                outcome="running",
+                task_id=data.get("task_id"),
+                worker=_worker(data),
+                token=token,
+                fence=int(f["fence"]) if f.get("fence") else None,
+                started=at,
+                extra=_extra(data),
+            )
+            if end is not None:
+                end_id, end_f = end
+                end_data = json.loads(end_f.get("r") or "{}")
+                rec.outcome = end_f.get("outcome", "ok")
+                rec.finished = _entry_time(end_id)
+                rec.duration = end_data.get("duration", rec.finished - at)
+                rec.reason = end_data.get("reason")
+                rec.extra.update(_extra(end_data))
+            runs.append((at, rec))
+    # Finished entries whose start fell outside the window still tell an outcome.
+    for token, (eid, f) in finished.items():
+        if f.get("event") != "finished":
+            continue
+        data = json.loads(f.get("r") or "{}")
+        at = _entry_time(eid)
+        runs.append(
+            (
+                at,
+                RunRecord(
+                    name=name,
+                    outcome=f.get("outcome", "ok"),
+                    task_id=data.get("task_id"),
+                    worker=_worker(data),
+                    token=token,
+                    fence=int(f["fence"]) if f.get("fence", "0") not in ("", "0") else None,
+                    finished=at,
+                    duration=data.get("duration"),
+                    reason=data.get("reason"),
+                    extra=_extra(data),
+                ),
+            )
+        )
+    runs.sort(key=lambda pair: pair[0], reverse=True)
+    return [rec for _at, rec in runs[:limit]]
+
+
+_CORE = {"task_id", "host", "pid", "at", "worker", "reason", "duration", "outcome"}
+
+
+def _extra(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if k not in _CORE}
+
+
+def _released(name: str, f: dict[str, str], data: dict[str, Any], at: float) -> RunRecord:
+    return RunRecord(
+        name=name,
+        outcome="released",
+        worker=_worker(data),
+        token=f.get("token"),
+        finished=at,
+        reason=data.get("reason"),
+        holder=str(Holder.parse(f["token"])) if f.get("token") else None,
+        extra=_extra(data),
+    )
+
+
+def last(client: Any, name: str, namespace: str = "fenced") -> RunRecord | None:
+    """The most recent run of a claim, or None."""
+    runs = history(client, name, limit=1, namespace=namespace)
+    return runs[0] if runs else None
+
+
+def consecutive_skips(client: Any, name: str, namespace: str = "fenced") -> int:
+    """Skips since the last successful run of a claim."""
+    value = client.get(ClaimKeys.of(name, namespace).skips)
+    return int(value) if value is not None else 0
+
+
+def record(
+    client: Any,
+    name: str,
+    outcome: str,
+    *,
+    namespace: str = "fenced",
+    token: str = "",
+    event: str = "finished",
+    max_records: int = MAX_RECORDS,
+    **data: Any,
+) -> str:
+    """Append one record outside a lease operation (e.g. an aborted run before acquire)."""
+    if outcome not in OUTCOMES:
+        raise ValueError(f"outcome {outcome!r} is not one of {', '.join(OUTCOMES)}")
+    keys = ClaimKeys.of(name, namespace)
+    data.setdefault("at", time.time())
+    payload = json.dumps(data, separators=(",", ":"), default=str)
+    return _text(RECORD(client, [keys.runs, keys.skips], [event, outcome, payload, max_records, token]))
