@@ -194,9 +194,7 @@ class Claim:
     @property
     def held(self) -> bool:
         """True while this process holds the claim and its local deadline has not passed."""
-        return (
-            self._state == _HELD and self._pid == os.getpid() and self._clock() < self._deadline
-        )
+        return self._state == _HELD and self._pid == os.getpid() and self._clock() < self._deadline
 
     @property
     def lost(self) -> bool:
@@ -302,8 +300,11 @@ class Claim:
     def _abandon(self, token: str) -> None:
         """A request that timed out may still have landed: drop that lease if we can."""
         try:
-            RELEASE(self.redis, [self.key, self.keys.runs, self.keys.skips, self.keys.rerun],
-                    [token, "", self.max_records, "", 0, "0"])
+            RELEASE(
+                self.redis,
+                [self.key, self.keys.runs, self.keys.skips, self.keys.rerun],
+                [token, "", self.max_records, "", 0, "0"],
+            )
         except Exception:  # best effort; the lease expires within its ttl anyway
             pass
 
@@ -429,9 +430,7 @@ class Claim:
             )
             return False
         with self._mutex:
-            if self._state == _HELD:
-                self._state = _RELEASED
-            elif self._state == _LOST:
+            if self._state == _HELD or self._state == _LOST:
                 self._state = _RELEASED
         self.rerun_requested = int(res[1])
         return int(res[0]) == 1

@@ -1,14 +1,14 @@
 """Every error fenced raises, under one root.
 
-    FencedError                      root; carries .name, .token, .fence
-     ├── ConfigError (ValueError)    bad input, raised at definition time; names the fix
-     ├── ClaimUnavailable            the claim store could not be reached: fail closed
-     ├── ClaimHeld                   another live holder has the claim (the "raise" policy)
-     ├── ClaimLost                   the claim expired or was taken while we worked
-     ├── NotOwner                    an operation on a claim this process does not hold
-     ├── StaleFence                  a write carried a fence lower than one already accepted
-     └── StoreError                  content store / pointer / upsert problems
-          └── CorruptObject          a stored object no longer matches its digest
+FencedError                      root; carries .name, .token, .fence
+ ├── ConfigError (ValueError)    bad input, raised at definition time; names the fix
+ ├── ClaimUnavailable            the claim store could not be reached: fail closed
+ ├── ClaimHeld                   another live holder has the claim (the "raise" policy)
+ ├── ClaimLost                   the claim expired or was taken while we worked
+ ├── NotOwner                    an operation on a claim this process does not hold
+ ├── StaleFence                  a write carried a fence lower than one already accepted
+ └── StoreError                  content store / pointer / upsert problems
+      └── CorruptObject          a stored object no longer matches its digest
 """
 
 from __future__ import annotations

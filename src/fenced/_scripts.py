@@ -17,7 +17,6 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-import redis
 from redis.exceptions import NoScriptError
 
 __all__ = ["ACQUIRE", "FORCE_RELEASE", "RECORD", "REFRESH", "RELEASE", "Script"]

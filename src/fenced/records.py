@@ -205,4 +205,6 @@ def record(
     keys = ClaimKeys.of(name, namespace)
     data.setdefault("at", time.time())
     payload = json.dumps(data, separators=(",", ":"), default=str)
-    return _text(RECORD(client, [keys.runs, keys.skips], [event, outcome, payload, max_records, token]))
+    return _text(
+        RECORD(client, [keys.runs, keys.skips], [event, outcome, payload, max_records, token])
+    )

@@ -1,0 +1,1 @@
+"""Runnable scenarios of the seed documents, on an embedded Redis."""

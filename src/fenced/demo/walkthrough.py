@@ -1,0 +1,46 @@
+"""A short walkthrough of one claim's life on an embedded Redis, printed as it happens."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from .. import Claim, ClaimLost
+from ..server import RedisServer, available_binaries
+
+
+def run(say: Callable[[str], None] = print) -> int:
+    """Two claims contend for one resource; returns 0 when every expectation held."""
+    binaries = available_binaries()
+    binary = binaries.get("bundled") or binaries.get("system")
+    failures = 0
+
+    def expect(ok: bool, what: str) -> None:
+        nonlocal failures
+        say(("  ok    " if ok else "  FAIL  ") + what)
+        failures += 0 if ok else 1
+
+    with RedisServer(binary, unix=True) as server:
+        say(f"embedded redis-server {server.version()} at {server.url}")
+        r = server.client()
+        a = Claim(r, "rebuild:incidents", ttl=1.0)
+        b = Claim(r, "rebuild:incidents", ttl=1.0)
+        expect(a.acquire(), f"worker A acquires 'rebuild:incidents' (fence {a.fence})")
+        expect(not b.acquire(), f"worker B is refused: held by {b.holder}")
+        say("  ..    A works for 3 s, three times the 1 s ttl; the heartbeat renews it")
+        time.sleep(3.0)
+        expect(a.held and r.pttl(a.key) > 0, "A still holds the claim")
+        expect(a.release(), "A releases (compare-and-delete on its own token)")
+        expect(b.acquire(), f"B acquires (fence {b.fence} > {a.fence})")
+        expect((b.fence or 0) > (a.fence or 0), "the fence only goes up")
+        r.set(b.key, "someone-else", px=5000)
+        try:
+            b.refresh()
+            b.check()
+            expect(False, "B notices its lease was taken")
+        except ClaimLost:
+            expect(True, "B notices its lease was taken: ClaimLost")
+        expect(not b.release(), "B's release leaves the other holder's lease alone")
+        expect(r.get(b.key) == b"someone-else", "the other holder still holds it")
+    say("all expectations held" if failures == 0 else f"{failures} expectation(s) failed")
+    return 0 if failures == 0 else 1

@@ -1,0 +1,286 @@
+"""The claim against real Redis servers: atomicity, ownership, fences, loss."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Any
+
+import pytest
+import redis
+
+from fenced import Claim, ClaimLost, ClaimUnavailable, ConfigError, FencedError, NotOwner
+from fenced.server import RedisServer, free_port
+
+
+class CountingConnection(redis.UnixDomainSocketConnection):
+    """Counts what the client puts on the wire: one call here is one round trip."""
+
+    sent: list[Any] = []
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        CountingConnection.sent.append(command)
+        super().send_packed_command(command, check_health)
+
+
+def test_acquire_is_one_round_trip_and_exclusive(server: RedisServer, r: Any) -> None:
+    assert server.socket_path
+    counted = redis.Redis(
+        connection_pool=redis.ConnectionPool(
+            connection_class=CountingConnection, path=server.socket_path
+        )
+    )
+    a = Claim(counted, "rebuild:incidents", ttl=5, heartbeat=False)
+    b = Claim(r, "rebuild:incidents", ttl=5, heartbeat=False)
+    a.acquire()  # loads the script into the server cache
+    a.release()
+    CountingConnection.sent.clear()
+    assert a.acquire() is True
+    assert len(CountingConnection.sent) == 1
+    assert b"EVALSHA" in bytes(CountingConnection.sent[0][0])
+    assert b.acquire() is False
+    assert a.held and not b.held
+    assert b.holder is not None and b.holder.token == a.token
+    assert b.holder.fence == a.fence
+    assert b.holder.pid == os.getpid()
+    assert 0 < (b.holder.expires_in or 0) <= 5
+    assert a.release() is True
+    assert b.acquire() is True
+    assert b.fence is not None and a.fence is not None and b.fence > a.fence
+    b.release()
+
+
+def test_fifty_threads_racing_exactly_one_wins(server: RedisServer) -> None:
+    client = server.client()
+    for round_ in range(5):
+        claims = [Claim(client, f"race:{round_}", ttl=10, heartbeat=False) for _ in range(50)]
+        barrier = threading.Barrier(50)
+        won: list[Claim] = []
+
+        def go(c: Claim, barrier: threading.Barrier, won: list[Claim]) -> None:
+            barrier.wait()
+            if c.acquire():
+                won.append(c)
+
+        threads = [threading.Thread(target=go, args=(c, barrier, won)) for c in claims]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(won) == 1
+        assert client.get(won[0].key).decode() == won[0].token
+
+
+def test_token_is_unguessable_and_readable(r: Any) -> None:
+    c = Claim(r, "t", ttl=5, heartbeat=False, task_id="task-123")
+    c.acquire()
+    assert c.token is not None
+    rand, host, pid, task = c.token.split(":", 3)
+    assert len(rand) == 32 and int(rand, 16) >= 0  # 128 random bits
+    assert pid == str(os.getpid()) and task == "task-123" and host
+    c.release()
+
+
+def test_release_and_refresh_never_touch_another_token(r: Any) -> None:
+    a = Claim(r, "own", ttl=5, heartbeat=False)
+    assert a.acquire()
+    r.set(a.key, "someone-else", px=5000)
+    assert a.refresh() is False
+    assert a.lost
+    assert a.release() is False
+    value = r.get(a.key)
+    assert value in (b"someone-else", "someone-else")
+    assert 0 < r.pttl(a.key) <= 5000
+
+
+def test_release_reports_when_we_no_longer_own_it(r: Any) -> None:
+    a = Claim(r, "gone", ttl=5, heartbeat=False)
+    assert a.acquire()
+    r.delete(a.key)
+    assert a.release() is False
+    assert a.release() is False  # twice is harmless
+
+
+def test_fence_strictly_increases_over_1000_acquisitions(r: Any) -> None:
+    c = Claim(r, "fence:many", ttl=5, heartbeat=False)
+    fences = []
+    for _ in range(1000):
+        assert c.acquire()
+        fences.append(c.fence)
+        c.release()
+    assert all(b > a for a, b in itertools.pairwise(fences))
+
+
+def test_fence_survives_restart_without_persistence(own_server: RedisServer) -> None:
+    client = own_server.client()
+    c = Claim(client, "fence:restart", ttl=5, heartbeat=False)
+    # Push the counter ahead of the clock floor, the case a restart could undo.
+    last = 0
+    for _ in range(50):
+        assert c.acquire()
+        assert c.fence is not None and c.fence > last
+        last = c.fence
+        c.release()
+    own_server.restart()
+    assert client.get(c.keys.fence) is None  # the counter really is gone
+    assert c.acquire()
+    assert c.fence is not None and c.fence > last
+    c.release()
+
+
+def test_context_manager(r: Any) -> None:
+    with Claim(r, "ctx", ttl=5) as c:
+        assert c
+        with Claim(r, "ctx", ttl=5) as other:
+            assert not other
+            assert other.holder is not None and other.holder.token == c.token
+    assert r.get(c.key) is None
+
+
+def test_context_manager_raises_when_lost_during_block(r: Any) -> None:
+    with pytest.raises(ClaimLost), Claim(r, "ctx-lost", ttl=5, heartbeat=False) as c:
+        r.set(c.key, "thief")
+        c.refresh()
+    assert r.get(c.key) in (b"thief", "thief")
+
+
+def test_blocking_acquire_waits_for_release(r: Any) -> None:
+    a = Claim(r, "wait", ttl=5)
+    b = Claim(r, "wait", ttl=5)
+    assert a.acquire()
+    threading.Timer(0.3, a.release).start()
+    assert b.acquire(blocking=True, timeout=5)
+    assert b.fence is not None and a.fence is not None and b.fence > a.fence
+    b.release()
+
+
+def test_blocking_acquire_times_out(r: Any) -> None:
+    a = Claim(r, "wait-out", ttl=5)
+    b = Claim(r, "wait-out", ttl=5)
+    assert a.acquire()
+    start = time.monotonic()
+    assert b.acquire(blocking=True, timeout=0.3) is False
+    assert time.monotonic() - start >= 0.3
+    a.release()
+
+
+def test_steps_checks_between_steps(r: Any) -> None:
+    c = Claim(r, "steps", ttl=5, heartbeat=False)
+    c.acquire()
+    done = []
+    with pytest.raises(ClaimLost):
+        for i in c.steps(range(5)):
+            done.append(i)
+            if i == 2:
+                r.set(c.key, "thief")
+                c.refresh()
+    assert done == [0, 1, 2]
+
+
+def test_check_without_claim_is_not_owner(r: Any) -> None:
+    c = Claim(r, "never", ttl=5)
+    with pytest.raises(NotOwner):
+        c.check()
+
+
+def test_local_deadline_without_heartbeat(r: Any) -> None:
+    now = [100.0]
+    c = Claim(r, "clock", ttl=10, heartbeat=False, clock=lambda: now[0])
+    c.acquire()
+    c.check()
+    now[0] += 9.9  # inside the drift margin: already too late to trust the lease
+    with pytest.raises(ClaimLost):
+        c.check()
+
+
+def test_unreachable_redis_fails_closed_with_address() -> None:
+    port = free_port()
+    client = redis.Redis(port=port, socket_connect_timeout=0.5)
+    c = Claim(client, "down", ttl=5)
+    with pytest.raises(ClaimUnavailable) as info:
+        c.acquire()
+    assert f"127.0.0.1:{port}" in str(info.value) or f"localhost:{port}" in str(info.value)
+    assert info.value.name == "down"
+    assert isinstance(info.value, FencedError)
+    assert not c.held
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fix"),
+    [
+        ({"ttl": 0}, "positive number"),
+        ({"ttl": -1}, "positive number"),
+        ({"ttl": 10, "refresh_every": 10}, "below ttl"),
+        ({"ttl": 10, "refresh_every": 0}, "above 0"),
+    ],
+)
+def test_bad_input_is_a_value_error_naming_the_fix(
+    r: Any, kwargs: dict[str, Any], fix: str
+) -> None:
+    with pytest.raises(ConfigError, match=fix) as info:
+        Claim(r, "bad", **kwargs)
+    assert isinstance(info.value, ValueError)
+
+
+def test_empty_name_is_rejected(r: Any) -> None:
+    with pytest.raises(ConfigError, match="empty"):
+        Claim(r, "", ttl=5)
+
+
+def test_acquire_twice_is_an_error(r: Any) -> None:
+    c = Claim(r, "twice", ttl=5, heartbeat=False)
+    c.acquire()
+    with pytest.raises(FencedError, match="already held"):
+        c.acquire()
+    c.release()
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time, redis
+    from fenced import Claim, ClaimLost
+    client = redis.Redis.from_url(sys.argv[1])
+    c = Claim(client, "paused", ttl=1.0)
+    assert c.acquire()
+    print("acquired", c.fence, flush=True)
+    try:
+        for i in c.steps(range(1000)):
+            print("step", i, flush=True)
+            time.sleep(0.05)
+    except ClaimLost:
+        print("lost", flush=True)
+        print("released", c.release(), flush=True)
+    """
+)
+
+
+def test_paused_holder_declares_loss_and_spares_new_holder(own_server: RedisServer) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, own_server.url], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith("acquired")
+        assert proc.stdout.readline().startswith("step")
+        os.kill(proc.pid, signal.SIGSTOP)
+        client = own_server.client()
+        thief = Claim(client, "paused", ttl=30)
+        deadline = time.monotonic() + 10
+        while not thief.acquire():
+            assert time.monotonic() < deadline, "lease never expired"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGCONT)
+        out, _ = proc.communicate(timeout=20)
+        assert "lost" in out.splitlines()
+        assert "released False" in out
+        assert client.get(thief.key).decode() == thief.token
+        thief.release()
+    finally:
+        proc.kill()
+        proc.wait()

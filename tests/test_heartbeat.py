@@ -1,0 +1,143 @@
+"""The heartbeat: one thread per process renews every claim; loss is declared on time."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from fenced import Claim, ClaimLost
+from fenced._heartbeat import heartbeat
+from fenced.server import RedisServer
+
+
+def wait_for(predicate: Any, timeout: float, step: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return bool(predicate())
+
+
+def test_claim_survives_five_ttls_in_one_long_step(r: Any) -> None:
+    c = Claim(r, "long-step", ttl=0.6)
+    assert c.acquire()
+    time.sleep(3.0)  # one step, five times the ttl, no check() in between
+    assert c.held
+    c.check()
+    raw = r.get(c.key)
+    assert (raw.decode() if isinstance(raw, bytes) else raw) == c.token
+    assert 0 < r.pttl(c.key) <= 600
+    assert c.release()
+
+
+def test_two_hundred_claims_add_at_most_one_thread(server: RedisServer) -> None:
+    client = server.client()
+    before = {t.ident for t in threading.enumerate()}
+    claims = [Claim(client, f"many:{i}", ttl=1.0) for i in range(200)]
+    for c in claims:
+        assert c.acquire()
+    time.sleep(2.5)
+    added = {t.ident for t in threading.enumerate()} - before
+    assert len(added) <= 1
+    assert all(c.held for c in claims)
+    assert all(client.pttl(c.key) > 0 for c in claims)
+    for c in claims:
+        c.release()
+
+
+def test_renewals_are_pipelined(server: RedisServer) -> None:
+    client = server.client()
+    hb = heartbeat()
+    claims = [Claim(client, f"pipe:{i}", ttl=0.9) for i in range(500)]
+    for c in claims:
+        c.acquire()
+    rounds, trips = hb.rounds, hb.round_trips
+    time.sleep(2.0)  # about six refresh intervals
+    done_rounds = hb.rounds - rounds
+    done_trips = hb.round_trips - trips
+    assert all(c.held for c in claims)
+    # 500 claims over ~6 intervals: a handful of batched round trips, not 3,000.
+    assert 0 < done_trips <= 40, (done_rounds, done_trips)
+    for c in claims:
+        c.release()
+
+
+def test_forked_child_holds_none_of_the_parents_claims(server: RedisServer) -> None:
+    client = server.client()
+    c = Claim(client, "fork", ttl=0.6)
+    assert c.acquire()
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            report = [
+                str(len(heartbeat())),
+                str(c.held),
+                str(c.release()),
+                str(threading.active_count()),
+            ]
+            time.sleep(1.5)
+            report.append(str(len(heartbeat())))
+            os.write(write_fd, ",".join(report).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    # The parent stops renewing; if the child renewed the lease, it would survive.
+    heartbeat().discard(c)
+    _, _status = os.waitpid(pid, 0)
+    report = os.read(read_fd, 1000).decode().split(",")
+    os.close(read_fd)
+    assert report[0] == "0"  # empty registry in the child
+    assert report[1] == "False"  # not held in the child
+    assert report[2] == "False"  # and not released by the child
+    assert report[4] == "0"
+    assert client.get(c.key) is None  # nobody renewed it: it expired
+    c._state = "released"
+
+
+def test_overwritten_key_is_lost_within_one_refresh_interval(r: Any) -> None:
+    lost = threading.Event()
+    c = Claim(r, "stolen", ttl=1.5, on_lost=lambda claim: lost.set())
+    assert c.acquire()
+    r.set(c.key, "thief", px=10_000)
+    start = time.monotonic()
+    assert lost.wait(c.refresh_every + 0.5)
+    assert time.monotonic() - start <= c.refresh_every + 0.5
+    assert c.lost
+    with pytest.raises(ClaimLost):
+        c.check()
+    assert c.release() is False
+    assert r.get(c.key) in (b"thief", "thief")
+
+
+def test_paused_redis_loss_declared_by_local_deadline(own_server: RedisServer) -> None:
+    client = own_server.client()
+    fired: list[float] = []
+    c = Claim(client, "redis-paused", ttl=1.0, on_lost=lambda claim: fired.append(time.monotonic()))
+    assert c.acquire()
+    acquired = time.monotonic()
+    own_server.pause()
+    try:
+        assert wait_for(lambda: bool(fired), timeout=3.0)
+        # Declared by the local deadline (ttl less drift), not after some reply.
+        assert fired[0] - acquired <= 1.0 + 0.3
+        with pytest.raises(ClaimLost):
+            c.check()
+    finally:
+        own_server.resume()
+    assert c.lost  # a lost claim never comes back, even though Redis is back
+
+
+def test_redis_restart_while_held_is_loss(own_server: RedisServer) -> None:
+    client = own_server.client()
+    lost = threading.Event()
+    c = Claim(client, "restart-held", ttl=1.0, on_lost=lambda claim: lost.set())
+    assert c.acquire()
+    own_server.restart()  # the lease is gone with the memory
+    assert lost.wait(3.0)
+    assert c.lost

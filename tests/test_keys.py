@@ -1,0 +1,108 @@
+"""Claim names: templates, canonical values, hashing, hash tags; property tests."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fenced import ConfigError, claim_name, hash_value
+from fenced._keys import ClaimKeys, check_fields, template_fields, validate_name
+
+values = st.one_of(st.text(max_size=80), st.integers(), st.binary(max_size=40))
+
+
+def test_plain_template() -> None:
+    assert claim_name("rebuild:{tenant}:{layer}", tenant="acme", layer="roads") == (
+        "rebuild:acme:roads"
+    )
+
+
+def test_long_or_unsafe_values_are_hashed_stably() -> None:
+    url = "https://example.com/feed?x=1&y={2}"
+    name = claim_name("feed:{url}", url=url)
+    assert name == "feed:" + hash_value(url)
+    assert name == claim_name("feed:{url}", url=url)
+    assert hash_value(url).startswith("h1-") and len(hash_value(url)) == 43
+    assert "{" not in name and "}" not in name
+
+
+def test_value_looking_like_a_digest_cannot_collide() -> None:
+    digest = hash_value("secret")
+    assert claim_name("x:{a}", a=digest) != claim_name("x:{a}", a="secret")
+
+
+@pytest.mark.parametrize(
+    "template", ["x:{a.b}", "x:{a[0]}", "x:{}", "x:{0}", "x:{a!r}", "x:{a:>5}", "x:{a"]
+)
+def test_only_plain_fields(template: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        template_fields(template)
+    assert isinstance(info.value, ValueError)
+
+
+def test_missing_field_names_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"layer=\.\.\."):
+        claim_name("rebuild:{tenant}:{layer}", tenant="a")
+
+
+def test_field_the_function_lacks_is_caught_at_definition() -> None:
+    with pytest.raises(ConfigError, match="no argument"):
+        check_fields("rebuild:{tenant}", ["layer"], "task rebuild_map")
+
+
+@pytest.mark.parametrize("bad", ["", "   "])
+def test_empty_template(bad: str) -> None:
+    with pytest.raises(ConfigError, match="empty"):
+        claim_name(bad)
+
+
+def test_all_keys_share_one_hash_tag() -> None:
+    keys = ClaimKeys.of("rebuild:acme:roads", "ns")
+    tags = {k[k.index("{") + 1 : k.index("}")] for k in keys.all()}
+    assert tags == {"rebuild:acme:roads"}
+    assert all(k.startswith("ns:") for k in keys.all())
+    assert ClaimKeys.name_from_key(keys.lock, "ns") == "rebuild:acme:roads"
+
+
+def test_names_with_braces_stay_in_one_slot() -> None:
+    keys = ClaimKeys.of("odd {name} here", "fenced")
+    assert keys.name.count("{") == 0
+    assert all(k.count("{") == 1 for k in keys.all())
+
+
+def test_bad_namespace() -> None:
+    with pytest.raises(ConfigError, match="namespace"):
+        ClaimKeys.of("x", "a{b")
+
+
+@settings(max_examples=400)
+@given(values, values, values, values)
+def test_distinct_values_give_distinct_names(
+    a1: object, b1: object, a2: object, b2: object
+) -> None:
+    def canon(v: object) -> object:
+        # Values equal as text (1 and "1") name the same resource by design.
+        return v if isinstance(v, bytes) else str(v)
+
+    n1 = claim_name("r:{a}:{b}", a=a1, b=b1)
+    n2 = claim_name("r:{a}:{b}", a=a2, b=b2)
+    if (canon(a1), canon(b1)) != (canon(a2), canon(b2)):
+        assert n1 != n2
+    else:
+        assert n1 == n2
+
+
+@given(st.text(min_size=1, max_size=300))
+def test_any_name_becomes_a_safe_key(name: str) -> None:
+    safe = validate_name(name)
+    keys = ClaimKeys.of(safe)
+    assert "{" not in safe and "}" not in safe
+    assert all(k.count("{") == 1 and k.count("}") == 1 for k in keys.all())
+    assert validate_name(name) == safe  # stable
+
+
+@given(st.text(min_size=1, max_size=100), st.text(min_size=1, max_size=100))
+def test_distinct_raw_names_stay_distinct(a: str, b: str) -> None:
+    if a != b:
+        assert validate_name(a) != validate_name(b)
