@@ -57,13 +57,20 @@ def test_whole_worker_killed_mid_run_redelivery_completes(
         # Redis brings an unacknowledged message back after the visibility timeout.
         with Worker(services, visibility=4, name="successor"):
             assert result.get(timeout=WAIT)["status"] == "ok"
-        runs = records.history(locks, name)
-        assert runs[0].outcome == "ok" and runs[0].task_id == result.id
-        assert runs[0].fence is not None and dead.fence is not None
-        assert runs[0].fence > dead.fence
-        assert "skipped" not in {run.outcome for run in runs}  # a redelivery is no duplicate
+        # A Redis broker may hand the message out once more while it runs (the short
+        # visibility timeout); such a copy ends as a skipped duplicate and is left out.
+        runs = [
+            run
+            for run in records.history(locks, name)
+            if run.reason != "duplicate delivery of a completed task"
+        ]
+        assert [run.outcome for run in runs] == ["ok", "aborted"]  # no skip, no conflict
+        ok, aborted = runs
+        assert ok.task_id == aborted.task_id == result.id
+        assert aborted.fence == dead.fence and aborted.reason and "died" in aborted.reason
+        assert ok.fence is not None and dead.fence is not None and ok.fence > dead.fence
         outputs = [obs.get(f"out:{k}:roads:{i}") for i in range(6)]
-        assert outputs == [str(runs[0].fence)] * 6
+        assert outputs == [str(ok.fence)] * 6
         retries = [n for n in notes(obs, "signal:retry") if n["task_id"] == result.id]
         assert all("ClaimHeld" in n["reason"] for n in retries)
         assert read_holder(locks, name) is None

@@ -28,7 +28,7 @@ What one run does:
    thread running it at its next bytecode, and a task in a main thread (prefork, solo)
    is also woken from a sleep or a blocking call by ``SIGUSR2``. The run fails with
    ``ClaimLost`` and its record says ``lost``; the loser never deletes the new
-   holder's lease.
+   holder's lease. (Under gevent or eventlet there is no interrupt; checks still raise.)
 4. In ``finally`` the claim is released with the run's outcome (one round trip, which
    also ends the run record), and if a rerun was asked meanwhile the task is sent once
    more with the same arguments.
@@ -52,6 +52,7 @@ import logging
 import os
 import random
 import signal
+import sys
 import threading
 import weakref
 from collections import Counter
@@ -466,6 +467,15 @@ def _install_signal_handler() -> bool:
     return True
 
 
+def _green_threads() -> bool:
+    """True when gevent or eventlet replaced threads: an interrupt could hit another task."""
+    gevent = sys.modules.get("gevent.monkey")
+    if gevent is not None and gevent.is_module_patched("threading"):
+        return True
+    eventlet = sys.modules.get("eventlet.patcher")
+    return bool(eventlet is not None and eventlet.is_monkey_patched("thread"))
+
+
 def _stack() -> list[tuple[Task[Any, Any], Claim]]:
     stack: list[tuple[Task[Any, Any], Claim]] | None = getattr(_local, "stack", None)
     if stack is None:
@@ -616,7 +626,7 @@ class ClaimedTask(Task[Any, Any]):
             ttl=cfg.ttl,
             refresh_every=cfg.refresh_every,
             namespace=cfg.namespace,
-            on_lost=run.on_lost if cfg.interrupt else None,
+            on_lost=run.on_lost if cfg.interrupt and not _green_threads() else None,
             task_id=request.id,
             records=True,
             record_extra=extra,
@@ -629,10 +639,10 @@ class ClaimedTask(Task[Any, Any]):
         if not acquired:
             return self._conflict(claim, cfg)
         if request.id and (request.retries or (request.delivery_info or {}).get("redelivered")):
-            self._drop_if_done(claim, cfg, request.id, args, kwargs)
+            self._settle_earlier_attempts(claim, cfg, request.id, args, kwargs)
         return self._run(run, claim, cfg, args, kwargs)
 
-    def _drop_if_done(
+    def _settle_earlier_attempts(
         self,
         claim: Claim,
         cfg: _Config,
@@ -640,15 +650,30 @@ class ClaimedTask(Task[Any, Any]):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
-        """A second delivery of a task id that already ran to the end does not run again.
+        """Before a retried or redelivered message runs, look at its task id's earlier runs.
 
-        Checked only for retried or redelivered messages (one more round trip), while
-        the claim is held, so no attempt of this task id can finish meanwhile. E.g. a
-        Redis broker's visibility timeout shorter than the run hands the same message
-        to a second worker; it waits for the first attempt's lease, then lands here.
+        An earlier run that ended ``ok`` means this delivery is a duplicate: it does not
+        run again (e.g. a Redis broker's visibility timeout shorter than the run handed
+        the message to a second worker, which waited for the first attempt's lease). An
+        earlier run with no end recorded died with its worker: it is recorded as
+        ``aborted``. We hold the claim, so no attempt of this task id is running. This
+        costs a round trip, on this path only.
         """
         try:
             runs = records.history(cfg.client, claim.name, limit=100, namespace=cfg.namespace)
+            for run in runs:
+                if run.task_id == task_id and run.outcome == "running" and run.token:
+                    if run.token == claim.token:
+                        continue
+                    records.record(
+                        cfg.client,
+                        claim.name,
+                        "aborted",
+                        namespace=cfg.namespace,
+                        token=run.token,
+                        reason="its worker died mid-run (found by a later delivery)",
+                        task_id=task_id,
+                    )
         except Exception:  # cannot tell: running once more is safe under the claim
             log.warning("fenced: could not read the run records of %r", claim.name, exc_info=True)
             return
