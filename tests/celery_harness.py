@@ -175,15 +175,16 @@ class Worker:
         self.proc.wait(30)
 
     def stop(self) -> None:
-        """Kill the worker and drop its log (kept when the test failed: see log_path)."""
+        """Kill the worker."""
         self.kill()
 
     def __enter__(self) -> Worker:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
+        """Kill the worker; keep its log when it failed (or FENCED_TEST_KEEP_LOGS is set)."""
         self.stop()
-        if exc[0] is None:
+        if exc[0] is None and not os.environ.get("FENCED_TEST_KEEP_LOGS"):
             Path(self.log_path).unlink(missing_ok=True)
         else:
             sys.stderr.write(f"worker log: {self.log_path}\n{self.log()[-4000:]}\n")

@@ -113,8 +113,8 @@ def _runs(cel: Cel, k: str) -> list[dict[str, Any]]:
 
 def test_same_task_enqueued_twice_one_runs_one_skips(cel: Cel) -> None:
     k = key()
-    first = cel.send("t.rebuild", k, "roads", steps=4, step_time=0.3, run=f"{k}-1")
-    second = cel.send("t.rebuild", k, "roads", steps=4, step_time=0.3, run=f"{k}-2")
+    first = cel.send("t.rebuild", k, "roads", steps=5, step_time=0.4, run=f"{k}-1")
+    second = cel.send("t.rebuild", k, "roads", steps=5, step_time=0.4, run=f"{k}-2")
     results = {first.id: first.get(timeout=WAIT), second.id: second.get(timeout=WAIT)}
     ok = [tid for tid, res in results.items() if res["status"] == "ok"]
     skipped = [tid for tid, res in results.items() if res["status"] == "skipped"]
@@ -182,9 +182,16 @@ def test_overrunning_task_aborts_instead_of_writing(cel: Cel) -> None:
     """A pool child paused past its lease: another run takes over; the first aborts."""
     k = key()
     ttl = cel.services.ttl
-    paused = cel.send("t.rebuild", k, "roads", steps=10, step_time=0.5, run=f"{k}-old")
-    wait_for("the first step", lambda: len(notes(cel.obs, f"marks:{k}-old")) >= 2)
-    pid = notes(cel.obs, f"marks:{k}-old")[0]["pid"]
+    paused = cel.send("t.rebuild", k, "roads", steps=10, step_time=1.0, run=f"{k}-old")
+
+    def sleeping() -> dict[str, Any] | None:
+        # Both writes of a step are done: the task sleeps until its next check.
+        marks = notes(cel.obs, f"marks:{k}-old")
+        if marks and cel.obs.exists(f"out:{k}:roads:{marks[-1]['i']}"):
+            return marks[-1]
+        return None
+
+    pid = wait_for("a step to be written", sleeping)["pid"]
     os.kill(pid, signal.SIGSTOP)
     try:
         written_before = len(notes(cel.obs, f"marks:{k}-old"))
@@ -231,7 +238,7 @@ def test_redelivered_task_waits_for_its_earlier_attempts_lease(cel: Cel) -> None
     task_id = f"redelivered-{k}"
     name = f"rebuild:{k}:roads"
     # An earlier attempt of this task id holds the claim (its process died).
-    cel.locks.set(ClaimKeys.of(name).lock, new_token(task_id), px=1500)
+    cel.locks.set(ClaimKeys.of(name).lock, new_token(task_id), px=3000)
     result = cel.client.send_task(
         "t.rebuild",
         args=(k, "roads"),
@@ -285,7 +292,7 @@ def test_two_tenants_overlap_while_one_tenant_and_layer_never_does(cel: Cel) -> 
     k = key()
     tenants = [f"{k}-a", f"{k}-b"]
     sent = [
-        cel.send("t.rebuild", tenant, "roads", steps=4, step_time=0.3, run=f"{k}-{i}")
+        cel.send("t.rebuild", tenant, "roads", steps=5, step_time=0.3, run=f"{k}-{i}")
         for i in range(3)
         for tenant in tenants
     ]

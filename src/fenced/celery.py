@@ -636,10 +636,19 @@ class ClaimedTask(Task[Any, Any]):
             acquired = claim.acquire(request_rerun=cfg.on_conflict == "rerun")
         except ClaimUnavailable as exc:
             raise self._unavailable(exc, cfg) from None
+        except BaseException as exc:  # e.g. a soft time limit: never leave a lease renewed
+            claim.release(outcome="failed", reason=f"interrupted while acquiring: {exc!r}")
+            raise
         if not acquired:
             return self._conflict(claim, cfg)
         if request.id and (request.retries or (request.delivery_info or {}).get("redelivered")):
-            self._settle_earlier_attempts(claim, cfg, request.id, args, kwargs)
+            try:
+                self._settle_earlier_attempts(claim, cfg, request.id, args, kwargs)
+            except Ignore:
+                raise
+            except BaseException as exc:
+                self._finish(claim, "failed", repr(exc)[:500], args, kwargs)
+                raise
         return self._run(run, claim, cfg, args, kwargs)
 
     def _settle_earlier_attempts(
@@ -674,7 +683,7 @@ class ClaimedTask(Task[Any, Any]):
                         reason="its worker died mid-run (found by a later delivery)",
                         task_id=task_id,
                     )
-        except Exception:  # cannot tell: running once more is safe under the claim
+        except (redis.RedisError, OSError):  # cannot tell: running again is safe under the claim
             log.warning("fenced: could not read the run records of %r", claim.name, exc_info=True)
             return
         if not any(run.task_id == task_id and run.outcome == "ok" for run in runs):
