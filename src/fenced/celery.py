@@ -67,11 +67,11 @@ try:
     from billiard.exceptions import WorkerLostError
     from celery import Task
     from celery.exceptions import Ignore, Retry, SoftTimeLimitExceeded
-    from celery.utils.dispatch import Signal
     from celery.worker.request import Request
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"fenced.celery needs Celery: pip install 'fenced[celery]' ({exc})") from exc
 
+from . import celery_signals as signals
 from . import records
 from ._claim import _HOST, Claim, Holder, force_release
 from ._errors import ClaimHeld, ClaimLost, ClaimUnavailable, ConfigError, NotOwner
@@ -111,17 +111,6 @@ RETRY_MARGIN = 0.25
 #: The signal that wakes a task in a main thread when its claim is lost.
 INTERRUPT_SIGNAL = getattr(signal, "SIGUSR2", None)
 
-
-class _Signals:
-    """Signals sent by fenced's Celery integration."""
-
-    #: Sent when a claim's consecutive skips reach ``claim_alert_after_skips`` (and each
-    #: multiple of it): ``sender`` is the task, with ``name``, ``skips`` and ``holder``.
-    claim_skips_exceeded = Signal(name="claim_skips_exceeded")
-
-
-#: ``fenced.celery.signals.claim_skips_exceeded.connect(receiver)``.
-signals = _Signals()
 
 #: In-process counters: runs, ok, failed, lost, skipped, skips_exceeded, reruns,
 #: conflict_retries, redelivery_retries, unavailable, aborted (per process: a prefork
@@ -328,8 +317,7 @@ def _signature_of(run: Any) -> inspect.Signature | None:
     return sig
 
 
-def _make_spec(cls: type, source: Any, run: Any) -> _Spec:
-    where = f"task {cls.__module__}.{cls.__qualname__}"
+def _make_spec(source: Any, run: Any, where: str) -> _Spec:
     if callable(source) and not isinstance(source, str):
         label = getattr(source, "__qualname__", None) or repr(source)
         return _Spec(None, source, (), (), {}, label)
@@ -537,7 +525,7 @@ class ClaimedTask(Task[Any, Any]):
                         f"{where} uses ClaimedTask but has no claim: name the resource two "
                         "runs would collide on, e.g. claim='rebuild:{tenant}:{layer}'"
                     )
-                cls._fenced_spec = _make_spec(cls, source, run)
+                cls._fenced_spec = _make_spec(source, run, where)
 
     # -- the claim of the current run --------------------------------------------------
 
