@@ -113,8 +113,8 @@ INTERRUPT_SIGNAL = getattr(signal, "SIGUSR2", None)
 
 
 #: In-process counters: runs, ok, failed, lost, skipped, skips_exceeded, reruns,
-#: conflict_retries, redelivery_retries, unavailable, aborted (per process: a prefork
-#: child counts its own runs, the main process counts ``aborted``).
+#: conflict_retries, redelivery_retries, unavailable, duplicates, aborted (per process:
+#: a prefork child counts its own runs, the main process counts ``aborted``).
 metrics: Counter[str] = Counter()
 _metrics_lock = threading.Lock()
 
@@ -207,7 +207,7 @@ def _check_alert(value: Any, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ConfigError(
             f"{where}: claim_alert_after_skips={value!r} must be a whole number of skips "
-            "(0 or None never alerts), e.g. 5"
+            "(0 never alerts), e.g. 5"
         )
     return value
 
@@ -585,7 +585,7 @@ class ClaimedTask(Task[Any, Any]):
             ttl=merged["claim_ttl"],
             refresh_every=merged["claim_refresh_every"],
             on_conflict=merged["claim_on_conflict"],
-            alert_after=_check_alert(merged["claim_alert_after_skips"], self.name),
+            alert_after=merged["claim_alert_after_skips"],
             on_skips_exceeded=merged["claim_on_skips_exceeded"],
             interrupt=merged["claim_interrupt"],
             namespace=merged["claim_namespace"],
