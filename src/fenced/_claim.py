@@ -364,9 +364,9 @@ class Claim:
 
     # Called by the heartbeat thread (and refresh) ------------------------------------
 
-    def _refresh_confirmed(self, sent: float) -> None:
+    def _refresh_confirmed(self, sent: float, token: str | None = None) -> None:
         with self._mutex:
-            if self._state != _HELD:
+            if self._state != _HELD or (token is not None and token != self.token):
                 return
             # The server applied PEXPIRE no earlier than we sent it, so the lease runs
             # at least until sent + ttl.
@@ -378,9 +378,9 @@ class Claim:
             if self._state == _HELD:
                 self._next_refresh = self._clock() + self.refresh_every * 0.35
 
-    def _declare_lost(self, reason: str) -> None:
+    def _declare_lost(self, reason: str, token: str | None = None) -> None:
         with self._mutex:
-            if self._state != _HELD:
+            if self._state != _HELD or (token is not None and token != self.token):
                 return
             self._state = _LOST
             self.lost_reason = reason

@@ -89,6 +89,14 @@ class Heartbeat:
 
     def _run(self) -> None:
         while True:
+            try:
+                self._tick()
+            except Exception:  # a renewer that dies silently is the bug to avoid
+                log.exception("fenced: heartbeat tick failed; retrying")
+                time.sleep(0.05)
+
+    def _tick(self) -> None:
+        while True:
             with self._cond:
                 now = time.monotonic()
                 due: list[Claim] = []
@@ -114,6 +122,7 @@ class Heartbeat:
                 c._declare_lost("no refresh was confirmed before the local deadline")
             if due:
                 self._refresh(due)
+            return
 
     def _refresh(self, claims: list[Claim]) -> None:
         by_client: dict[int, tuple[Any, list[Claim]]] = {}
@@ -124,7 +133,10 @@ class Heartbeat:
         for client, group in by_client.values():
             for start in range(0, len(group), BATCH):
                 batch = group[start : start + BATCH]
-                calls = [(REFRESH, [c.key], [c.token, c._ttl_ms]) for c in batch]
+                # Snapshot the tokens: a claim released and acquired again meanwhile
+                # must not be judged by the answer about its previous lease.
+                tokens = [c.token for c in batch]
+                calls = [(REFRESH, [c.key], [t, c._ttl_ms]) for c, t in zip(batch, tokens)]
                 sent = time.monotonic()
                 try:
                     self.round_trips += 1
@@ -140,15 +152,14 @@ class Heartbeat:
                     for c in batch:
                         c._refresh_failed(sent)
                     continue
-                for c, res in zip(batch, results):
+                for c, token, res in zip(batch, tokens, results):
                     if isinstance(res, Exception):
                         log.warning("fenced: refresh of %s failed: %s", c.name, res)
                         c._refresh_failed(sent)
                     elif res == 1:
-                        c._refresh_confirmed(sent)
+                        c._refresh_confirmed(sent, token)
                     else:
-                        self.discard(c)
-                        c._declare_lost("the lease is gone or held under another token")
+                        c._declare_lost("the lease is gone or held under another token", token)
 
     def _client_for(self, claim: Claim) -> Any:
         """A client on a private pool with a socket timeout below the claim's interval."""
