@@ -102,7 +102,9 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
         event = f.get("event")
         at = _entry_time(eid)
         if event in ("finished", "released"):
-            finished[f.get("token", "")] = (eid, f)
+            # Newest first: a run cleared by an operator and then finished by its holder
+            # (as lost) ends with the holder's own record, not the release.
+            finished.setdefault(f.get("token", ""), (eid, f))
             if event == "released":
                 runs.append((at, _released(name, f, data, at)))
             continue
