@@ -26,7 +26,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any, TypeVar
@@ -137,6 +137,7 @@ class Claim:
         *,
         task_id: str | None = None,
         records: bool = False,
+        record_extra: Mapping[str, Any] | None = None,
         max_records: int = MAX_RECORDS,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
@@ -169,6 +170,8 @@ class Claim:
         self.on_lost = on_lost
         self.task_id = task_id
         self.records = records
+        # Written into every run record of this claim (e.g. the command a run executes).
+        self.record_extra = dict(record_extra or {})
         self.max_records = max_records
         self._clock = clock
         self._sleep = sleep
@@ -251,6 +254,7 @@ class Claim:
         if not self.records:
             return ""
         data = {"task_id": self.task_id, "host": _HOST, "pid": os.getpid(), "at": time.time()}
+        data.update(self.record_extra)
         data.update(extra)
         return json.dumps(data, separators=(",", ":"), default=str)
 
