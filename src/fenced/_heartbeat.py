@@ -40,8 +40,10 @@ BATCH = 1000
 #: A claim is refreshed early when it is due within this share of its interval, so
 #: claims acquired at different moments share round trips.
 COALESCE = 0.25
-#: How long the thread waits for work before it looks again.
+#: The longest the thread sleeps when nothing is due sooner.
 IDLE_WAIT = 30.0
+#: The shortest such sleep (claims with shorter intervals wake the thread themselves).
+MIN_NAP = 0.1
 
 
 class Heartbeat:
@@ -52,6 +54,10 @@ class Heartbeat:
         self._claims: dict[int, Claim] = {}
         self._thread: threading.Thread | None = None
         self._wake_at = math.inf
+        # The thread never sleeps longer than the shortest interval it has served, so
+        # a claim acquired while it sleeps is due no sooner than its next look and
+        # add() need not wake it: a wake per acquire costs every acquire a thread switch.
+        self._nap = IDLE_WAIT
         self._pools: dict[tuple[int, float], Any] = {}
         self._pool_owners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         self.rounds = 0
@@ -63,6 +69,8 @@ class Heartbeat:
         """Start renewing a claim (starts the thread on first use)."""
         with self._cond:
             self._claims[id(claim)] = claim
+            if claim.refresh_every < self._nap:
+                self._nap = max(MIN_NAP, claim.refresh_every)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="fenced-heartbeat", daemon=True
@@ -101,7 +109,7 @@ class Heartbeat:
                 now = time.monotonic()
                 due: list[Claim] = []
                 expired: list[Claim] = []
-                wake = now + IDLE_WAIT
+                wake = now + self._nap
                 for c in self._claims.values():
                     if now >= c._deadline:
                         expired.append(c)
