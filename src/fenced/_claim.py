@@ -50,11 +50,22 @@ RETRY_INTERVAL = 0.05
 #: Run records kept per claim (the stream is trimmed approximately).
 MAX_RECORDS = 1000
 _HOST = socket.gethostname().replace(":", "_") or "localhost"
+# This process's pid, kept current across fork: os.getpid() is a system call, and the
+# acquire/release path asked for it several times per cycle.
+_pid = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def new_token(task_id: str | None = None) -> str:
     """A fresh owner token: 128 random bits, then host, pid and task id for humans."""
-    return f"{secrets.token_hex(16)}:{_HOST}:{os.getpid()}:{task_id or ''}"
+    return f"{secrets.token_hex(16)}:{_HOST}:{_pid}:{task_id or ''}"
 
 
 def _text(value: Any) -> str:
@@ -163,6 +174,9 @@ class Claim:
         self.keys = ClaimKeys.of(name, namespace)
         self.name: str = self.keys.name
         self.key: str = self.keys.lock
+        # Built once: every acquire and release sends them.
+        self._acquire_keys = tuple(self.keys.all())
+        self._release_keys = (self.key, self.keys.runs, self.keys.skips, self.keys.rerun)
         self.namespace = namespace
         self.ttl = float(ttl)
         self.refresh_every = float(refresh_every)
@@ -181,7 +195,7 @@ class Claim:
         self._drift = self.ttl * 0.01 + 0.002
         self._mutex = threading.Lock()
         self._state = _IDLE
-        self._pid = os.getpid()
+        self._pid = _pid
         self._deadline = 0.0
         self._next_refresh = 0.0
         self._started_at = 0.0
@@ -197,7 +211,7 @@ class Claim:
     @property
     def held(self) -> bool:
         """True while this process holds the claim and its local deadline has not passed."""
-        return self._state == _HELD and self._pid == os.getpid() and self._clock() < self._deadline
+        return self._state == _HELD and self._pid == _pid and self._clock() < self._deadline
 
     @property
     def lost(self) -> bool:
@@ -223,7 +237,7 @@ class Claim:
 
     def acquire(self, blocking: bool = False, timeout: float | None = None) -> bool:
         """Take the claim; non-blocking by default. Raises ClaimUnavailable if Redis is down."""
-        if self._state == _HELD and self._pid == os.getpid():
+        if self._state == _HELD and self._pid == _pid:
             raise FencedError(
                 f"claim {self.name!r} is already held by this object: release it first, "
                 "or use a second Claim",
@@ -264,7 +278,7 @@ class Claim:
         try:
             res = ACQUIRE(
                 self.redis,
-                self.keys.all(),
+                self._acquire_keys,
                 [
                     token,
                     self._ttl_ms,
@@ -287,7 +301,7 @@ class Claim:
                 self.fence = int(res[1])
                 self.holder = None
                 self.lost_reason = None
-                self._pid = os.getpid()
+                self._pid = _pid
                 self._state = _HELD
                 self._started_at = sent
                 self._deadline = sent + self.ttl - self._drift
@@ -306,7 +320,7 @@ class Claim:
         try:
             RELEASE(
                 self.redis,
-                [self.key, self.keys.runs, self.keys.skips, self.keys.rerun],
+                self._release_keys,
                 [token, "", self.max_records, "", 0, "0"],
             )
         except Exception:  # best effort; the lease expires within its ttl anyway
@@ -316,7 +330,7 @@ class Claim:
 
     def refresh(self) -> bool:
         """Extend the lease now; False (and the claim is lost) if another token holds it."""
-        if self._state != _HELD or self._pid != os.getpid():
+        if self._state != _HELD or self._pid != _pid:
             return False
         sent = self._clock()
         try:
@@ -338,7 +352,7 @@ class Claim:
 
     def check(self) -> None:
         """Raise ClaimLost once the claim is lost; NotOwner if it is not held at all."""
-        if self._state == _HELD and self._pid == os.getpid():
+        if self._state == _HELD and self._pid == _pid:
             if self._clock() < self._deadline:
                 return
             self._declare_lost("no refresh was confirmed before the local deadline")
@@ -352,7 +366,7 @@ class Claim:
             )
         raise NotOwner(
             f"claim {self.name!r} is not held here ({self._state}"
-            + (", inherited across fork" if self._pid != os.getpid() else "")
+            + (", inherited across fork" if self._pid != _pid else "")
             + "): acquire it first",
             name=self.name,
             token=self.token,
@@ -401,7 +415,7 @@ class Claim:
 
     def release(self, outcome: str | None = None, reason: str | None = None) -> bool:
         """Give the claim back; True only if our token still held it (then it is deleted)."""
-        if self._pid != os.getpid() or self.token is None or self._state in (_IDLE, _RELEASED):
+        if self._pid != _pid or self.token is None or self._state in (_IDLE, _RELEASED):
             # A forked child never releases its parent's lease: the token is the parent's.
             return False
         if self.heartbeat:
@@ -419,7 +433,7 @@ class Claim:
         try:
             res = RELEASE(
                 self.redis,
-                [self.key, self.keys.runs, self.keys.skips, self.keys.rerun],
+                self._release_keys,
                 [self.token, record, self.max_records, outcome, self.fence or 0, "1"],
             )
         except _UNREACHABLE as exc:
