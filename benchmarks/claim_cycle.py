@@ -561,9 +561,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # Many short rounds: a neighbour's burst of CPU then spans several contenders of
     # one round instead of one contender's whole measurement.
-    rounds = args.rounds or (12 if args.quick else 36)
-    seconds = args.seconds or (0.05 if args.quick else 0.1)
-    beat_ttl, beat_intervals, settle = (1.5, 3, 2) if args.quick else (6.0, 4, 3)
+    rounds = args.rounds or (10 if args.quick else 36)
+    seconds = args.seconds or (0.04 if args.quick else 0.1)
+    beat_ttl, beat_intervals, settle = (1.5, 3, 3) if args.quick else (6.0, 4, 3)
     calib_ops = 200 if args.quick else 1000
 
     # Peers log or warn on paths that are normal here (pottery logs each release).
@@ -587,7 +587,11 @@ def main(argv: list[str] | None = None) -> int:
         calib = {c.key: calibrate(server, c.op, calib_ops) for c in contenders}
         gc.collect()
         rates = interleave(
-            {c.key: c.op for c in contenders}, rounds=rounds, seconds=seconds, progress=say
+            {c.key: c.op for c in contenders},
+            rounds=rounds,
+            seconds=seconds,
+            warmup=0.05 if args.quick else 0.1,
+            progress=say,
         )
         beat = None
         if not args.no_heartbeat_cost and args.held > 0:
