@@ -14,6 +14,7 @@ from ._errors import (
     StaleFence,
     StoreError,
 )
+from ._exclusive import Skipped, exclusive
 from ._keys import claim_name, hash_value
 
 __version__ = "0.1.0"
@@ -28,10 +29,12 @@ __all__ = [
     "FencedError",
     "Holder",
     "NotOwner",
+    "Skipped",
     "StaleFence",
     "StoreError",
     "__version__",
     "claim_name",
+    "exclusive",
     "hash_value",
     "read_holder",
 ]

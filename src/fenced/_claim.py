@@ -26,7 +26,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from types import TracebackType
 from typing import Any, TypeVar
@@ -52,11 +52,22 @@ MAX_RECORDS = 1000
 _HOST = socket.gethostname().replace(":", "_") or "localhost"
 _SKIP = "already running"
 _SKIP_RERUN = "already running; rerun requested"
+# This process's pid, kept current across fork: os.getpid() is a system call, and the
+# acquire/release path asked for it several times per cycle.
+_pid = os.getpid()
+
+
+def _after_fork_in_child() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def new_token(task_id: str | None = None) -> str:
     """A fresh owner token: 128 random bits, then host, pid and task id for humans."""
-    return f"{secrets.token_hex(16)}:{_HOST}:{os.getpid()}:{task_id or ''}"
+    return f"{secrets.token_hex(16)}:{_HOST}:{_pid}:{task_id or ''}"
 
 
 def _text(value: Any) -> str:
@@ -145,7 +156,7 @@ def force_release(
     says ``released``. Returns the holder that was cleared, or None (one round trip).
     """
     keys = ClaimKeys.of(name, namespace)
-    payload = {"host": _HOST, "pid": os.getpid(), "at": time.time(), "reason": reason}
+    payload = {"host": _HOST, "pid": _pid, "at": time.time(), "reason": reason}
     payload.update(data)
     token = FORCE_RELEASE(
         client,
@@ -178,7 +189,7 @@ class Claim:
         *,
         task_id: str | None = None,
         records: bool = False,
-        record_extra: dict[str, Any] | None = None,
+        record_extra: Mapping[str, Any] | None = None,
         max_records: int = MAX_RECORDS,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
@@ -204,6 +215,9 @@ class Claim:
         self.keys = ClaimKeys.of(name, namespace)
         self.name: str = self.keys.name
         self.key: str = self.keys.lock
+        # Built once: every acquire and release sends them.
+        self._acquire_keys = tuple(self.keys.all())
+        self._release_keys = (self.key, self.keys.runs, self.keys.skips, self.keys.rerun)
         self.namespace = namespace
         self.ttl = float(ttl)
         self.refresh_every = float(refresh_every)
@@ -211,7 +225,8 @@ class Claim:
         self.on_lost = on_lost
         self.task_id = task_id
         self.records = records
-        self.record_extra = dict(record_extra) if record_extra else {}
+        # Written into every run record of this claim (e.g. the command a run executes).
+        self.record_extra = dict(record_extra or {})
         self.max_records = max_records
         self._clock = clock
         self._sleep = sleep
@@ -221,7 +236,7 @@ class Claim:
         self._drift = self.ttl * 0.01 + 0.002
         self._mutex = threading.Lock()
         self._state = _IDLE
-        self._pid = os.getpid()
+        self._pid = _pid
         self._deadline = 0.0
         self._next_refresh = 0.0
         self._started_at = 0.0
@@ -237,7 +252,7 @@ class Claim:
     @property
     def held(self) -> bool:
         """True while this process holds the claim and its local deadline has not passed."""
-        return self._state == _HELD and self._pid == os.getpid() and self._clock() < self._deadline
+        return self._state == _HELD and self._pid == _pid and self._clock() < self._deadline
 
     @property
     def lost(self) -> bool:
@@ -269,7 +284,7 @@ class Claim:
         With ``request_rerun``, losing the race asks the holder for one more run after
         its own (see ``Claim.rerun_requested``); many requests during one run coalesce.
         """
-        if self._state == _HELD and self._pid == os.getpid():
+        if self._state == _HELD and self._pid == _pid:
             raise FencedError(
                 f"claim {self.name!r} is already held by this object: release it first, "
                 "or use a second Claim",
@@ -310,7 +325,7 @@ class Claim:
         try:
             res = ACQUIRE(
                 self.redis,
-                self.keys.all(),
+                self._acquire_keys,
                 [
                     token,
                     self._ttl_ms,
@@ -338,7 +353,7 @@ class Claim:
                 self.fence = int(res[1])
                 self.holder = None
                 self.lost_reason = None
-                self._pid = os.getpid()
+                self._pid = _pid
                 self._state = _HELD
                 self._started_at = sent
                 self._deadline = sent + self.ttl - self._drift
@@ -357,7 +372,7 @@ class Claim:
         try:
             RELEASE(
                 self.redis,
-                [self.key, self.keys.runs, self.keys.skips, self.keys.rerun],
+                self._release_keys,
                 [token, "", self.max_records, "", 0, "0"],
             )
         except Exception:  # best effort; the lease expires within its ttl anyway
@@ -367,7 +382,7 @@ class Claim:
 
     def refresh(self) -> bool:
         """Extend the lease now; False (and the claim is lost) if another token holds it."""
-        if self._state != _HELD or self._pid != os.getpid():
+        if self._state != _HELD or self._pid != _pid:
             return False
         sent = self._clock()
         try:
@@ -389,7 +404,7 @@ class Claim:
 
     def check(self) -> None:
         """Raise ClaimLost once the claim is lost; NotOwner if it is not held at all."""
-        if self._state == _HELD and self._pid == os.getpid():
+        if self._state == _HELD and self._pid == _pid:
             if self._clock() < self._deadline:
                 return
             self._declare_lost("no refresh was confirmed before the local deadline")
@@ -403,7 +418,7 @@ class Claim:
             )
         raise NotOwner(
             f"claim {self.name!r} is not held here ({self._state}"
-            + (", inherited across fork" if self._pid != os.getpid() else "")
+            + (", inherited across fork" if self._pid != _pid else "")
             + "): acquire it first",
             name=self.name,
             token=self.token,
@@ -419,9 +434,9 @@ class Claim:
 
     # Called by the heartbeat thread (and refresh) ------------------------------------
 
-    def _refresh_confirmed(self, sent: float) -> None:
+    def _refresh_confirmed(self, sent: float, token: str | None = None) -> None:
         with self._mutex:
-            if self._state != _HELD:
+            if self._state != _HELD or (token is not None and token != self.token):
                 return
             # The server applied PEXPIRE no earlier than we sent it, so the lease runs
             # at least until sent + ttl.
@@ -433,9 +448,9 @@ class Claim:
             if self._state == _HELD:
                 self._next_refresh = self._clock() + self.refresh_every * 0.35
 
-    def _declare_lost(self, reason: str) -> None:
+    def _declare_lost(self, reason: str, token: str | None = None) -> None:
         with self._mutex:
-            if self._state != _HELD:
+            if self._state != _HELD or (token is not None and token != self.token):
                 return
             self._state = _LOST
             self.lost_reason = reason
@@ -452,7 +467,7 @@ class Claim:
 
     def release(self, outcome: str | None = None, reason: str | None = None) -> bool:
         """Give the claim back; True only if our token still held it (then it is deleted)."""
-        if self._pid != os.getpid() or self.token is None or self._state in (_IDLE, _RELEASED):
+        if self._pid != _pid or self.token is None or self._state in (_IDLE, _RELEASED):
             # A forked child never releases its parent's lease: the token is the parent's.
             return False
         if self.heartbeat:
@@ -470,7 +485,7 @@ class Claim:
         try:
             res = RELEASE(
                 self.redis,
-                [self.key, self.keys.runs, self.keys.skips, self.keys.rerun],
+                self._release_keys,
                 [self.token, record, self.max_records, outcome, self.fence or 0, "1"],
             )
         except _UNREACHABLE as exc:

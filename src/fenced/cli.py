@@ -2,14 +2,26 @@
 
 from __future__ import annotations
 
+import enum
+import json
+import os
 import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any
 
 try:
     import typer
 except ImportError:  # pragma: no cover - exercised only without the extra
     typer = None  # type: ignore[assignment]
 
+from ._run import EXIT_UNAVAILABLE, EXIT_USAGE
+
 app = typer.Typer(no_args_is_help=True, add_completion=False) if typer else None
+
+#: Exit status when a command refuses to act (e.g. ``release`` without ``--force``).
+EXIT_REFUSED = 1
 
 
 def main() -> None:
@@ -19,7 +31,72 @@ def main() -> None:
     app()
 
 
+def _err(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _redis_url(url: str | None) -> str:
+    url = url or os.environ.get("FENCED_REDIS_URL")
+    if not url:
+        _err("fenced: no Redis given: pass --redis URL or set FENCED_REDIS_URL")
+        raise SystemExit(EXIT_USAGE)
+    return url
+
+
+def _client(url: str | None) -> Any:
+    import redis
+
+    address = _redis_url(url)
+    try:
+        return redis.Redis.from_url(address, socket_connect_timeout=5, socket_timeout=10)
+    except ValueError as exc:
+        _err(f"fenced: bad Redis URL {address!r}: {exc}")
+        raise SystemExit(EXIT_USAGE) from None
+
+
+@contextmanager
+def _talking_to(client: Any) -> Iterator[None]:
+    """Turn an unreachable Redis and bad input into one-line messages and exit codes."""
+    import redis
+
+    from . import ConfigError
+    from ._claim import describe_client
+
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        _err(f"fenced: cannot reach Redis at {describe_client(client)}: {exc}")
+        raise SystemExit(EXIT_UNAVAILABLE) from None
+    except ConfigError as exc:
+        _err(f"fenced: {exc}")
+        raise SystemExit(EXIT_USAGE) from None
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str), flush=True)
+
+
 if app is not None:
+    from rich.console import Console
+
+    class OnBusy(str, enum.Enum):
+        """What ``fenced run`` does when another holder has the claim."""
+
+        skip = "skip"
+        wait = "wait"
+        fail = "fail"
+
+    RedisOpt = Annotated[
+        str | None,
+        typer.Option(
+            "--redis", metavar="URL", envvar="FENCED_REDIS_URL", help="Redis of the claims."
+        ),
+    ]
+    NamespaceOpt = Annotated[str, typer.Option("--namespace", help="Key prefix of the claims.")]
+    JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+    NameArg = Annotated[
+        str, typer.Argument(metavar="NAME", help="Claim name: the resource two runs collide on.")
+    ]
 
     @app.command()
     def demo() -> None:
@@ -34,3 +111,237 @@ if app is not None:
         from . import __version__
 
         print(__version__)
+
+    @app.command(
+        "run",
+        epilog="Example (crontab): */5 * * * * fenced run --quiet backup:db -- /opt/backup.sh",
+    )
+    def run_cmd(
+        name: NameArg,
+        command: Annotated[
+            list[str] | None,
+            typer.Argument(metavar="-- CMD", help="The command and its arguments, after '--'."),
+        ] = None,
+        ttl: Annotated[
+            float,
+            typer.Option(min=0.05, help="Lease in seconds; renewed every ttl/3 while it runs."),
+        ] = 30.0,
+        redis_url: RedisOpt = None,
+        namespace: NamespaceOpt = "fenced",
+        on_busy: Annotated[
+            OnBusy, typer.Option("--on-busy", help="When another holder has the claim.")
+        ] = OnBusy.skip,
+        wait_timeout: Annotated[
+            float | None,
+            typer.Option(metavar="S", help="With --on-busy wait: give up after S seconds."),
+        ] = None,
+        grace: Annotated[
+            float, typer.Option(metavar="S", help="Claim lost: SIGKILL this long after SIGTERM.")
+        ] = 10.0,
+        quiet: Annotated[
+            bool, typer.Option("--quiet", "-q", help="Print nothing on a skip.")
+        ] = False,
+    ) -> None:
+        """Run a command while holding a claim: a distributed flock for cron.
+
+        The command runs in its own process group while the claim is renewed.
+        Signals sent to fenced run are forwarded: TERM, INT, HUP and QUIT to the
+        command's group, USR1 and USR2 to the command alone. A skip prints one
+        line naming the holder (nothing with --quiet).
+
+        \b
+        Exit status:
+          CMD's  the command's own status; killed by signal N: 128+N
+          0      busy with --on-busy skip (the default)
+          75     busy with --on-busy fail, or waited past --wait-timeout
+          76     claim lost while the command ran: SIGTERM, then SIGKILL
+          69     Redis unreachable: the command was not started
+          2      usage: no --redis and no FENCED_REDIS_URL, bad option
+          126    command not executable; 127 command not found
+        """
+        from ._run import RunOptions, run_command
+
+        client = _client(redis_url)
+        opts = RunOptions(
+            name=name,
+            argv=list(command or []),
+            ttl=ttl,
+            namespace=namespace,
+            on_busy=on_busy.value,
+            wait_timeout=wait_timeout,
+            grace=grace,
+            quiet=quiet,
+        )
+        with _talking_to(client):
+            code = run_command(client, opts)
+        raise typer.Exit(code)
+
+    @app.command("ls")
+    def ls_cmd(
+        redis_url: RedisOpt = None,
+        namespace: NamespaceOpt = "fenced",
+        as_json: JsonOpt = False,
+        watch: Annotated[bool, typer.Option("--watch", "-w", help="Redraw until Ctrl-C.")] = False,
+        interval: Annotated[
+            float, typer.Option(min=0.1, help="Seconds between draws with --watch.")
+        ] = 1.0,
+    ) -> None:
+        """List every held claim: holder, age, time left, fence, skips, last outcome."""
+        from ._inspect import list_claims
+
+        client = _client(redis_url)
+        if not watch:
+            with _talking_to(client):
+                infos = list_claims(client, namespace)
+            if as_json:
+                _print_json([i.as_dict() for i in infos])
+            else:
+                _console().print(_ls_view(infos, namespace))
+            return
+        _watch(lambda: list_claims(client, namespace), namespace, as_json, interval)
+
+    def _console() -> Console:
+        # Names, commands and reasons are data: never read them as markup or emoji codes.
+        return Console(markup=False, emoji=False, highlight=False)
+
+    def _ls_view(infos: list[Any], namespace: str) -> Any:
+        from rich.text import Text
+
+        from ._views import claims_table
+
+        if not infos:
+            return Text(f"no claims held in namespace {namespace!r}")
+        return claims_table(infos, f"{len(infos)} held in namespace {namespace!r}")
+
+    def _watch(read: Callable[[], list[Any]], namespace: str, as_json: bool, every: float) -> None:
+        import redis
+        from rich.live import Live
+        from rich.text import Text
+
+        def view() -> Any:
+            try:
+                infos = read()
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                # Watching outlives a Redis restart: say so and look again.
+                return Text(f"cannot reach Redis: {exc}", style="red")
+            return [i.as_dict() for i in infos] if as_json else _ls_view(infos, namespace)
+
+        try:
+            if as_json:
+                while True:  # one JSON document per line and draw
+                    print(json.dumps(view(), default=str), flush=True)
+                    time.sleep(every)
+            with Live(view(), console=_console(), auto_refresh=False) as live:
+                while True:
+                    time.sleep(every)
+                    live.update(view(), refresh=True)
+        except KeyboardInterrupt:
+            return
+
+    @app.command("show")
+    def show_cmd(
+        name: NameArg,
+        limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="Runs to show.")] = 20,
+        redis_url: RedisOpt = None,
+        namespace: NamespaceOpt = "fenced",
+        as_json: JsonOpt = False,
+    ) -> None:
+        """Show a claim's holder and its run records, newest first."""
+        from ._inspect import show_claim
+        from ._views import report_table
+
+        client = _client(redis_url)
+        with _talking_to(client):
+            report = show_claim(client, name, namespace, limit)
+        if as_json:
+            _print_json(report.as_dict())
+            return
+        console = _console()
+        console.print(report_table(report))
+        if not report.runs:
+            console.print(
+                "no run records (fenced run records every run; in Python: Claim(records=True))"
+            )
+
+    @app.command("release")
+    def release_cmd(
+        name: NameArg,
+        force: Annotated[
+            bool, typer.Option("--force", help="Required: clear a live claim.")
+        ] = False,
+        reason: Annotated[
+            str | None, typer.Option(metavar="TEXT", help="Why; kept in the run records.")
+        ] = None,
+        token: Annotated[
+            str, typer.Option(metavar="PREFIX", help="Only if the holder's token starts so.")
+        ] = "",
+        redis_url: RedisOpt = None,
+        namespace: NamespaceOpt = "fenced",
+        as_json: JsonOpt = False,
+    ) -> None:
+        """Clear a stale claim by hand, recording who did it and why.
+
+        A claim whose holder died is freed by its ttl anyway: use this when the
+        ttl is long and the holder is known to be gone. Clearing a live claim
+        lets a second run start beside the first.
+
+        \b
+        Exit status:
+          0   released, or nothing was held
+          1   refused: no --force, or --token names another holder
+          2   usage: no --reason, no --redis
+          69  Redis unreachable
+        """
+        from ._claim import read_holder
+        from ._inspect import force_release, operator
+
+        client = _client(redis_url)
+        if not force:
+            held = ""
+            try:
+                holder = read_holder(client, name, namespace)
+                held = f" (held by {holder})" if holder else " (nothing is held under it)"
+            except Exception:
+                pass  # the refusal stands on its own; Redis is only asked to say more
+            _err(
+                f"fenced: refusing to release {name!r} without --force{held}; check that "
+                "its holder is gone (fenced ls), then add --force --reason TEXT"
+            )
+            raise typer.Exit(EXIT_REFUSED)
+        if not reason or not reason.strip():
+            _err("fenced: add --reason TEXT: the run records keep why a claim was cleared")
+            raise typer.Exit(EXIT_USAGE)
+        by = operator()
+        with _talking_to(client):
+            holder = force_release(
+                client, name, reason, namespace=namespace, by=by, token_prefix=token
+            )
+            current = read_holder(client, name, namespace) if holder is None and token else None
+        result = {
+            "name": name,
+            "released": holder is not None,
+            "holder": holder.as_dict() if holder else None,
+            "by": by,
+            "reason": reason,
+        }
+        if current is not None:
+            msg = f"fenced: {name!r} is held by another token ({current}); not released"
+            code = EXIT_REFUSED
+        elif holder is None:
+            msg = f"fenced: nothing held under {name!r} in namespace {namespace!r}"
+            code = 0
+        else:
+            msg = f"fenced: released {name!r}, was held by {holder}; recorded by {by}: {reason}"
+            code = 0
+        if as_json:
+            _print_json(result)
+        else:
+            print(msg, flush=True)
+        if code:
+            if as_json:
+                _err(msg)
+            raise typer.Exit(code)
+
+
+if __name__ == "__main__":
+    main()

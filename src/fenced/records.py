@@ -20,7 +20,16 @@ from ._claim import MAX_RECORDS, Holder
 from ._keys import ClaimKeys
 from ._scripts import RECORD
 
-__all__ = ["OUTCOMES", "RunRecord", "consecutive_skips", "history", "last", "record"]
+__all__ = [
+    "OUTCOMES",
+    "RunRecord",
+    "consecutive_skips",
+    "entries_for",
+    "from_entries",
+    "history",
+    "last",
+    "record",
+]
 
 OUTCOMES = ("ok", "skipped", "failed", "lost", "aborted", "released", "running")
 
@@ -73,8 +82,17 @@ def _worker(data: dict[str, Any]) -> str | None:
 def history(client: Any, name: str, limit: int = 20, namespace: str = "fenced") -> list[RunRecord]:
     """The most recent runs of a claim, newest first (one round trip)."""
     keys = ClaimKeys.of(name, namespace)
-    # Each run writes up to two entries; read enough to pair them.
-    entries = client.xrevrange(keys.runs, count=max(1, limit) * 2 + 2)
+    entries = client.xrevrange(keys.runs, count=entries_for(limit))
+    return from_entries(name, entries, limit)
+
+
+def entries_for(limit: int) -> int:
+    """How many stream entries to read for ``limit`` runs (each run writes up to two)."""
+    return max(1, limit) * 2 + 2
+
+
+def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
+    """Assemble runs, newest first, from XREVRANGE entries (for callers that pipeline)."""
     finished: dict[str, tuple[str, dict[str, str]]] = {}
     runs: list[tuple[float, RunRecord]] = []
     for entry_id, raw in entries:
@@ -84,7 +102,9 @@ def history(client: Any, name: str, limit: int = 20, namespace: str = "fenced") 
         event = f.get("event")
         at = _entry_time(eid)
         if event in ("finished", "released"):
-            finished[f.get("token", "")] = (eid, f)
+            # Newest first: a run cleared by an operator and then finished by its holder
+            # (as lost) ends with the holder's own record, not the release.
+            finished.setdefault(f.get("token", ""), (eid, f))
             if event == "released":
                 runs.append((at, _released(name, f, data, at)))
             continue

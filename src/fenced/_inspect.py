@@ -1,0 +1,224 @@
+"""Claims seen from outside, as an operator sees them: list, read history, clear a stale one.
+
+Listing SCANs for lock keys (never ``KEYS``, which blocks the server) and reads
+everything else about the claims it found in pipelined round trips. Ages and times are
+measured on the Redis server's clock, the one its stream entry ids come from.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import re
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._claim import MAX_RECORDS, Holder, read_holder
+from ._keys import ClaimKeys
+from ._scripts import FORCE_RELEASE
+from .records import RunRecord, entries_for, from_entries, history
+
+__all__ = ["ClaimInfo", "ClaimReport", "force_release", "list_claims", "operator", "show_claim"]
+
+#: Runs read per claim for ``ls``: enough for the current run and the one before it.
+LS_RUNS = 10
+#: Claims read per pipelined round trip.
+BATCH = 500
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass
+class ClaimInfo:
+    """One held claim: who holds it, for how long, and how its previous run ended."""
+
+    name: str
+    holder: Holder
+    age: float | None
+    expires_in: float | None
+    fence: int | None
+    skips: int
+    last_outcome: str | None
+    last_finished: float | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form (the secret part of the token shortened)."""
+        return {
+            "name": self.name,
+            "holder": self.holder.as_dict(),
+            "age": self.age,
+            "expires_in": self.expires_in,
+            "fence": self.fence,
+            "skips": self.skips,
+            "last_outcome": self.last_outcome,
+            "last_finished": self.last_finished,
+            "extra": self.extra,
+        }
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+def _lock_keys(client: Any, namespace: str) -> Iterator[str]:
+    pattern = _glob_escape(namespace) + ":{*}:lock"
+    seen: set[str] = set()
+    for key in client.scan_iter(match=pattern, count=1000):
+        text = _text(key)
+        if text not in seen:  # SCAN may return a key more than once
+            seen.add(text)
+            yield text
+
+
+def list_claims(client: Any, namespace: str = "fenced") -> list[ClaimInfo]:
+    """Every claim held now under a namespace, sorted by name."""
+    names = sorted(
+        {n for k in _lock_keys(client, namespace) if (n := ClaimKeys.name_from_key(k, namespace))}
+    )
+    infos: list[ClaimInfo] = []
+    for start in range(0, len(names), BATCH):
+        infos += _read_batch(client, names[start : start + BATCH], namespace)
+    missing = [i for i in infos if i.age is None]
+    if missing:
+        _find_starts(client, missing, namespace)
+    return infos
+
+
+def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo]:
+    pipe = client.pipeline(transaction=False)
+    pipe.time()
+    for name in names:
+        keys = ClaimKeys(namespace, name)
+        pipe.get(keys.lock)
+        pipe.pttl(keys.lock)
+        pipe.get(keys.fence)
+        pipe.get(keys.skips)
+        pipe.xrevrange(keys.runs, count=entries_for(LS_RUNS))
+    results = pipe.execute()
+    secs, micros = results[0]
+    now = int(secs) + int(micros) / 1e6
+    infos: list[ClaimInfo] = []
+    for i, name in enumerate(names):
+        token, pttl, fence, skips, entries = results[1 + 5 * i : 6 + 5 * i]
+        if token is None:
+            continue  # released between the scan and the read
+        fence_int = int(fence) if fence is not None else None
+        holder = Holder.parse(_text(token), int(pttl), fence_int)
+        info = ClaimInfo(
+            name=name,
+            holder=holder,
+            age=None,
+            expires_in=holder.expires_in,
+            fence=fence_int,
+            skips=int(skips) if skips is not None else 0,
+            last_outcome=None,
+            last_finished=None,
+        )
+        _apply_runs(info, from_entries(name, entries, LS_RUNS), now)
+        infos.append(info)
+    return infos
+
+
+def _apply_runs(info: ClaimInfo, runs: list[RunRecord], now: float) -> None:
+    token = info.holder.token
+    for run in runs:
+        if run.token == token:
+            if run.started is not None and info.age is None:
+                info.age = max(0.0, now - run.started)
+                info.extra = run.extra
+            continue
+        if info.last_outcome is None and run.outcome != "skipped":
+            # A run of another token that never recorded its end did not finish.
+            info.last_outcome = "unfinished" if run.outcome == "running" else run.outcome
+            info.last_finished = run.finished
+
+
+def _find_starts(client: Any, infos: list[ClaimInfo], namespace: str) -> None:
+    """Second look, deeper into the streams, for runs whose start lies behind many skips."""
+    pipe = client.pipeline(transaction=False)
+    pipe.time()
+    for info in infos:
+        pipe.xrevrange(ClaimKeys(namespace, info.name).runs, count=MAX_RECORDS)
+    results = pipe.execute()
+    secs, micros = results[0]
+    now = int(secs) + int(micros) / 1e6
+    for info, entries in zip(infos, results[1:]):
+        _apply_runs(info, from_entries(info.name, entries, MAX_RECORDS), now)
+
+
+@dataclass
+class ClaimReport:
+    """A claim's current holder (if any) and its runs, newest first."""
+
+    name: str
+    namespace: str
+    holder: Holder | None
+    runs: list[RunRecord]
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "name": self.name,
+            "namespace": self.namespace,
+            "holder": self.holder.as_dict() if self.holder else None,
+            "runs": [run.as_dict() for run in self.runs],
+        }
+
+
+def show_claim(client: Any, name: str, namespace: str = "fenced", limit: int = 20) -> ClaimReport:
+    """The holder and the run records of one claim."""
+    keys = ClaimKeys.of(name, namespace)
+    return ClaimReport(
+        keys.name,
+        namespace,
+        read_holder(client, keys.name, namespace),
+        history(client, keys.name, limit=limit, namespace=namespace),
+    )
+
+
+def operator() -> str:
+    """Who is at the keyboard: user@host, for the record of a manual release."""
+    try:
+        user = getpass.getuser()
+    except Exception:  # no passwd entry in some containers
+        user = str(os.getuid())
+    return f"{user}@{socket.gethostname()}"
+
+
+def force_release(
+    client: Any,
+    name: str,
+    reason: str,
+    *,
+    namespace: str = "fenced",
+    by: str | None = None,
+    token_prefix: str = "",
+) -> Holder | None:
+    """Delete a claim whatever its token; record who did it and why. The holder, or None."""
+    keys = ClaimKeys.of(name, namespace)
+    before = read_holder(client, keys.name, namespace)
+    record = json.dumps(
+        {
+            "by": by or operator(),
+            "reason": reason,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "at": time.time(),
+        },
+        separators=(",", ":"),
+    )
+    deleted = _text(
+        FORCE_RELEASE(client, [keys.lock, keys.runs], [token_prefix, record, MAX_RECORDS])
+    )
+    if not deleted:
+        return None
+    if before is not None and before.token == deleted:
+        return before
+    return Holder.parse(deleted)

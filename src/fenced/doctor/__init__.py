@@ -1,0 +1,80 @@
+"""Configuration checks: the Redis, Celery and naming mistakes that quietly break claims.
+
+Each check returns :class:`Finding` objects that say what is wrong, why it matters for
+claims, and the exact setting or command that fixes it. :func:`run_doctor` gathers them
+into a :class:`Report` whose exit code is non-zero when any finding is an error.
+
+The rules come from running claims in production (the seed's "Gotchas"): an evicting
+Redis silently removes locks, a time limit below the lease kills a worker mid-claim,
+a Redis broker redelivers a message still running after ``visibility_timeout``, and a
+claim name that is too fine protects nothing while one that is too coarse serialises
+a parallel pipeline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from ._celery import DEFAULT_CLAIM_TTL, DEFAULT_VISIBILITY_TIMEOUT, check_celery, lock_store_url
+from ._finding import Finding, Report, Severity, format_text, render
+from ._naming import CONTENDED_OUTCOMES, check_naming, load_records
+from ._redis import MIN_REDIS, check_redis, version_findings
+
+__all__ = [
+    "CONTENDED_OUTCOMES",
+    "DEFAULT_CLAIM_TTL",
+    "DEFAULT_VISIBILITY_TIMEOUT",
+    "MIN_REDIS",
+    "Finding",
+    "Report",
+    "Severity",
+    "check_celery",
+    "check_naming",
+    "check_redis",
+    "format_text",
+    "load_records",
+    "lock_store_url",
+    "render",
+    "run_doctor",
+    "version_findings",
+]
+
+
+def run_doctor(
+    client: Any = None,
+    app: Any = None,
+    records: Iterable[Mapping[str, Any]] | None = None,
+    *,
+    claim_ttls: Mapping[str, float] | None = None,
+    longest_eta: float | None = None,
+    namespace: str = "fenced",
+    max_skew: float = 0.5,
+    clock: Callable[[], float] = time.time,
+) -> Report:
+    """Run every check that has something to look at; records default to those in Redis."""
+    found: list[Finding] = []
+    reachable = False
+    if client is not None:
+        redis_found = check_redis(client, max_skew=max_skew, clock=clock)
+        reachable = "redis.unreachable" not in {f.code for f in redis_found}
+        found += redis_found
+    if app is not None:
+        found += check_celery(app, claim_ttls, longest_eta=longest_eta)
+    if records is None and reachable:
+        try:
+            records = load_records(client, namespace)
+        except Exception as exc:
+            found.append(
+                Finding(
+                    "info",
+                    "naming.records-unavailable",
+                    f"Could not read run records ({exc})",
+                    "Naming checks need run records; they were skipped.",
+                    "Run the doctor against the lock Redis the workers use.",
+                )
+            )
+    if records is not None:
+        found += check_naming(records)
+    return Report(found)

@@ -1,0 +1,351 @@
+"""Checks of a Celery app's settings and claimed tasks against claim-safe settings."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from ._finding import Finding
+
+__all__ = ["DEFAULT_CLAIM_TTL", "DEFAULT_VISIBILITY_TIMEOUT", "check_celery", "lock_store_url"]
+
+#: The ttl a claim gets when its task names none (the default of :class:`fenced.Claim`).
+DEFAULT_CLAIM_TTL = 30.0
+#: The Redis transport's visibility timeout when ``broker_transport_options`` sets none.
+DEFAULT_VISIBILITY_TIMEOUT = 3600.0
+
+_REDIS_SCHEMES = {"redis", "rediss", "redis+socket", "socket", "sentinel", "unix"}
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g} s"
+
+
+def _first_url(value: Any) -> str | None:
+    """The first URL of a broker setting (a list or a ';'-separated failover string)."""
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value else None
+    if not value:
+        return None
+    return str(value).split(";")[0].strip() or None
+
+
+def _is_redis(url: str | None) -> bool:
+    return bool(url) and urlsplit(str(url)).scheme.lower() in _REDIS_SCHEMES
+
+
+def _redact(url: str | None) -> str:
+    """A URL fit to print: its password replaced."""
+    parts = urlsplit(str(url))
+    if not parts.password:
+        return str(url)
+    host = parts.netloc.rsplit("@", 1)[1]
+    return parts._replace(netloc=f"{parts.username or ''}:***@{host}").geturl()
+
+
+def _same_database(a: str | None, b: str | None) -> bool:
+    """True when two Redis URLs name the same database on the same server."""
+    if not (_is_redis(a) and _is_redis(b)):
+        return False
+    return _database(str(a)) == _database(str(b))
+
+
+def _database(url: str) -> tuple[str, str, int]:
+    parts = urlsplit(url)
+    query = parse_qs(parts.query)
+    db_text = (query.get("db") or query.get("virtual_host") or [""])[0]
+    if parts.scheme in ("unix", "socket", "redis+socket"):
+        where = parts.path
+    else:
+        host = (parts.hostname or "localhost").lower()
+        if host in ("localhost", "::1"):
+            host = "127.0.0.1"
+        where = f"{host}:{parts.port or 6379}"
+        db_text = db_text or parts.path.strip("/")
+    return ("redis", where, int(db_text) if db_text.isdigit() else 0)
+
+
+def lock_store_url(app: Any) -> str | None:
+    """The lock store's URL for a Celery app: its setting, the environment, or the broker."""
+    setting = app.conf.get("fenced_redis_url")
+    if setting:
+        return str(setting)
+    env = os.environ.get("FENCED_REDIS_URL")
+    if env:
+        return env
+    broker = _first_url(app.conf.broker_url)
+    return broker if _is_redis(broker) else None
+
+
+def _is_claimed(task: Any) -> bool:
+    """A task takes a claim when fenced's ``claim`` option (a template) is set on it."""
+    return getattr(task, "claim", None) is not None
+
+
+def _user_tasks(app: Any) -> list[Any]:
+    return [t for name, t in sorted(app.tasks.items()) if not name.startswith("celery.")]
+
+
+def _claim_ttl(task: Any, claim_ttls: Mapping[str, float]) -> float:
+    if task.name in claim_ttls:
+        return float(claim_ttls[task.name])
+    ttl = getattr(task, "claim_ttl", None)
+    return float(ttl) if ttl is not None else DEFAULT_CLAIM_TTL
+
+
+def _hard_limit(task: Any, conf: Any) -> float | None:
+    limit = getattr(task, "time_limit", None) or conf.get("task_time_limit")
+    return float(limit) if limit else None
+
+
+def _names(tasks: Iterable[Any]) -> str:
+    return ", ".join(t.name for t in tasks)
+
+
+def check_celery(
+    app: Any,
+    claim_ttls: Mapping[str, float] | None = None,
+    *,
+    longest_eta: float | None = None,
+) -> list[Finding]:
+    """Check a Celery app's settings and registered tasks against claim-safe settings.
+
+    A task is *claimed* when it has a ``claim`` attribute (fenced's task option); its
+    lease is ``claim_ttls[name]``, else its ``claim_ttl``, else the Claim default.
+    ``longest_eta`` is the longest ETA/countdown the application uses, when known;
+    time limits and ETAs passed per call to ``apply_async`` cannot be seen here.
+    """
+    conf = app.conf
+    ttls = dict(claim_ttls or {})
+    tasks = _user_tasks(app)
+    claimed = [t for t in tasks if _is_claimed(t)]
+    late = [t for t in claimed if getattr(t, "acks_late", False)]
+    found: list[Finding] = []
+    broker = _first_url(conf.broker_url)
+    redis_broker = _is_redis(broker)
+
+    if not claimed:
+        found.append(
+            Finding(
+                "info",
+                "celery.no-claimed-tasks",
+                f"None of the {len(tasks)} registered tasks has a claim",
+                "Task-level checks (acks_late, time limits versus claim TTL) had nothing to check.",
+                "Give a task a claim, e.g. "
+                '`@app.task(base=ClaimedTask, claim="rebuild:{layer}", acks_late=True)`.',
+            )
+        )
+
+    early = [t for t in claimed if not getattr(t, "acks_late", False)]
+    if early:
+        found.append(
+            Finding(
+                "warning",
+                "celery.acks-late",
+                f"acks_late is off for claimed task(s): {_names(early)}",
+                "Without acks_late the message is acknowledged when the task starts: a "
+                "worker killed mid-run (a deploy, OOM) loses the work outright. The claim "
+                "it held expires, but nothing brings the run back.",
+                "`task_acks_late = True` in the Celery config, or `acks_late=True` in each "
+                "task's decorator; fenced treats the redelivery as a resumption, not a "
+                "duplicate.",
+                subject=_names(early),
+            )
+        )
+
+    for task in claimed:
+        ttl = _claim_ttl(task, ttls)
+        limit = _hard_limit(task, conf)
+        if limit is not None and limit <= ttl:
+            found.append(
+                Finding(
+                    "error",
+                    "celery.time-limit",
+                    f"Task {task.name}: time_limit {_seconds(limit)} is not longer than "
+                    f"its claim TTL {_seconds(ttl)}",
+                    "Task time limits must be longer than the lock TTL: the hard limit kills "
+                    "the process holding the claim, which then cannot release it, so the "
+                    "resource stays blocked for up to the TTL. A limit within one lease "
+                    "means the TTL (sized to outlive a run) and the limit disagree about "
+                    "how long a run takes.",
+                    f"Raise the limit above the TTL, e.g. `@app.task(time_limit="
+                    f"{math.ceil(ttl * 2)})`, or shorten `claim_ttl` (the heartbeat renews the "
+                    "lease, so it needs only to cover a few missed renewals).",
+                    subject=task.name,
+                )
+            )
+
+    if redis_broker:
+        found += _visibility_findings(app, tasks, claimed, ttls, longest_eta)
+
+    multiplier = int(conf.get("worker_prefetch_multiplier") or 0)
+    if late and multiplier > 1:
+        found.append(
+            Finding(
+                "warning",
+                "celery.prefetch-multiplier",
+                f"worker_prefetch_multiplier is {multiplier} with acks_late claimed tasks",
+                "Each worker process reserves extra messages behind a long run: they wait "
+                "there unacknowledged while other workers sit idle, and on a Redis broker "
+                "their visibility timeout runs down while they wait.",
+                "`worker_prefetch_multiplier = 1`.",
+            )
+        )
+
+    lost_unhandled = [
+        t
+        for t in late
+        if not getattr(t, "reject_on_worker_lost", None)
+        and not getattr(t, "retry_on_worker_lost", None)
+    ]
+    if lost_unhandled:
+        found.append(
+            Finding(
+                "warning",
+                "celery.reject-on-worker-lost",
+                f"task_reject_on_worker_lost is not set for acks_late claimed task(s): "
+                f"{_names(lost_unhandled)}",
+                "When a pool process dies (OOM killer, SIGKILL) Celery acknowledges the "
+                "message as failed by default, so acks_late does not bring the run back. "
+                "With it set the message is redelivered; fenced recognises its own task id "
+                "on the claim and resumes once the dead holder's lease ends.",
+                "`task_reject_on_worker_lost = True` (or `reject_on_worker_lost=True` on the "
+                "task; newer Celery also offers `task_retry_on_worker_lost = True`).",
+                subject=_names(lost_unhandled),
+            )
+        )
+
+    setting = "worker_cancel_long_running_tasks_on_connection_loss"
+    if late and setting in conf and not conf.get(setting):
+        found.append(
+            Finding(
+                "warning",
+                "celery.cancel-on-connection-loss",
+                f"{setting} is False with acks_late claimed tasks",
+                "After a broker connection loss the running task can no longer acknowledge "
+                "its message, which is redelivered while the task keeps running: the copy "
+                "finds the claim held under its own task id, waits out the lease the "
+                "original keeps renewing, then runs the whole task a second time.",
+                f"`{setting} = True`.",
+            )
+        )
+
+    found += _lock_store_findings(app, claimed, broker)
+    return found
+
+
+def _visibility_findings(
+    app: Any,
+    tasks: list[Any],
+    claimed: list[Any],
+    ttls: Mapping[str, float],
+    longest_eta: float | None,
+) -> list[Finding]:
+    conf = app.conf
+    options = conf.get("broker_transport_options") or {}
+    visibility = float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT))
+    found: list[Finding] = []
+    late = [t for t in tasks if getattr(t, "acks_late", False)]
+    needs: list[tuple[float, str]] = []
+    for task in late:
+        limit = _hard_limit(task, conf)
+        if limit is not None:
+            needs.append((limit, f"time_limit of {task.name}"))
+    if longest_eta is not None:
+        needs.append((float(longest_eta), "longest ETA/countdown"))
+    for task in claimed:
+        # A conflict retries (or a redelivery resumes) after the holder's lease: a
+        # countdown up to the claim TTL, and retries use default_retry_delay.
+        needs.append((_claim_ttl(task, ttls), f"claim TTL of {task.name} (retry countdown)"))
+        delay = getattr(task, "default_retry_delay", None)
+        if delay:
+            needs.append((float(delay), f"default_retry_delay of {task.name}"))
+    if needs:
+        need, source = max(needs)
+        if need >= visibility:
+            suggested = math.ceil(need * 1.25 / 60) * 60
+            found.append(
+                Finding(
+                    "error",
+                    "celery.visibility-timeout",
+                    f"The Redis broker's visibility_timeout ({_seconds(visibility)}) is not "
+                    f"longer than the {source} ({_seconds(need)})",
+                    "A Redis broker redelivers any message unacknowledged for longer than "
+                    "visibility_timeout, to another worker, while the first still runs it "
+                    "(acks_late) or still waits for its ETA: the same task runs twice, and "
+                    "the copy queues behind, or collides with, the original's claim.",
+                    f'`broker_transport_options = {{"visibility_timeout": {suggested}}}` '
+                    "(longer than the longest time limit and ETA).",
+                )
+            )
+    unbounded = [t for t in late if _hard_limit(t, conf) is None]
+    if unbounded:
+        found.append(
+            Finding(
+                "warning",
+                "celery.unbounded-task",
+                f"acks_late task(s) without a time limit on a Redis broker: {_names(unbounded)}",
+                f"Nothing bounds these runs below the visibility timeout "
+                f"({_seconds(visibility)}): a run that outlasts it is delivered again while "
+                "it still works.",
+                "Give each a `time_limit` below the visibility timeout (and above its claim "
+                "TTL), or raise `visibility_timeout` above the slowest run.",
+                subject=_names(unbounded),
+            )
+        )
+    return found
+
+
+def _lock_store_findings(app: Any, claimed: list[Any], broker: str | None) -> list[Finding]:
+    conf = app.conf
+    setting = conf.get("fenced_redis_url")
+    env = os.environ.get("FENCED_REDIS_URL")
+    if not claimed and not setting:
+        return []
+    if not setting and not env:
+        if not _is_redis(broker):
+            return [
+                Finding(
+                    "error",
+                    "fenced.lock-store-missing",
+                    "No lock store is configured and the broker is not Redis",
+                    "Claimed tasks have nowhere to take their claims: they fail closed and "
+                    "never run.",
+                    '`fenced_redis_url = "redis://host:6379/1"` in the Celery config, or '
+                    "FENCED_REDIS_URL in the workers' environment.",
+                )
+            ]
+        return [
+            Finding(
+                "warning",
+                "fenced.lock-store-implicit",
+                "fenced_redis_url is not set (nor FENCED_REDIS_URL): claims fall back to "
+                f"the broker's database ({_redact(broker)})",
+                "Claims then share a database with the broker's queues: a flush of the "
+                "broker or an eviction policy chosen for it removes locks, and the "
+                "configuration nobody wrote down is the one that changes unnoticed.",
+                '`fenced_redis_url = "redis://host:6379/1"` (a database of its own, on a '
+                "Redis with `maxmemory-policy noeviction`).",
+            )
+        ]
+    store = str(setting or env)
+    found: list[Finding] = []
+    for role, url in (("broker", broker), ("result backend", conf.get("result_backend"))):
+        if isinstance(url, str) and _same_database(store, url):
+            found.append(
+                Finding(
+                    "warning",
+                    "fenced.lock-store-shared",
+                    f"The lock store is the same Redis database as the {role} ({_redact(url)})",
+                    f"Locks share a database with the {role}'s keys: flushing or "
+                    "reconfiguring it (eviction, a cache TTL policy) removes live claims.",
+                    "Give claims a database of their own, e.g. "
+                    '`fenced_redis_url = "redis://host:6379/1"`, separate from broker and '
+                    "result backend.",
+                    subject=role,
+                )
+            )
+    return found

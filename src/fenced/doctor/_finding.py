@@ -1,0 +1,123 @@
+"""What a check returns (Finding), the report of a run, and how it is shown."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+__all__ = ["Finding", "Report", "Severity", "format_text", "render"]
+
+Severity = Literal["error", "warning", "info"]
+_ORDER = {"error": 0, "warning": 1, "info": 2}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem (or note): what is wrong, why it matters for claims, and the fix."""
+
+    severity: Severity
+    code: str
+    what: str
+    why: str
+    fix: str
+    subject: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return asdict(self)
+
+
+@dataclass
+class Report:
+    """Every finding of one doctor run; non-zero exit code when any is an error."""
+
+    findings: list[Finding] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Errors first; the order within a severity is the order of the checks.
+        self.findings = sorted(self.findings, key=lambda f: _ORDER[f.severity])
+
+    @property
+    def errors(self) -> list[Finding]:
+        """Findings that make claims unsafe."""
+        return [f for f in self.findings if f.severity == "error"]
+
+    @property
+    def warnings(self) -> list[Finding]:
+        """Findings that weaken claims or waste work."""
+        return [f for f in self.findings if f.severity == "warning"]
+
+    @property
+    def exit_code(self) -> int:
+        """1 when any finding is an error, else 0."""
+        return 1 if self.errors else 0
+
+    def codes(self, severity: Severity | None = None) -> set[str]:
+        """The codes found, optionally of one severity."""
+        return {f.code for f in self.findings if severity is None or f.severity == severity}
+
+    def by_code(self, code: str) -> list[Finding]:
+        """The findings with one code."""
+        return [f for f in self.findings if f.code == code]
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form with a count per severity."""
+        counts = {s: sum(f.severity == s for f in self.findings) for s in _ORDER}
+        return {
+            "exit_code": self.exit_code,
+            "counts": counts,
+            "findings": [f.as_dict() for f in self.findings],
+        }
+
+    def as_json(self, indent: int | None = 2) -> str:
+        """The report as JSON text."""
+        return json.dumps(self.as_dict(), indent=indent, default=str)
+
+
+def format_text(report: Report) -> str:
+    """The report as plain text, errors first."""
+    if not report.findings:
+        return "fenced doctor: no findings.\n"
+    lines: list[str] = []
+    for f in report.findings:
+        lines.append(f"{f.severity.upper():8} {f.code}: {f.what}")
+        lines.append(f"         why: {f.why}")
+        lines.append(f"         fix: {f.fix}")
+        lines.append("")
+    counts = report.as_dict()["counts"]
+    lines.append(
+        f"{counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} note(s)"
+    )
+    return "\n".join(lines) + "\n"
+
+
+_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+def render(report: Report, console: Any = None) -> None:
+    """Print the report: with rich when it is installed, as plain text otherwise."""
+    try:
+        from rich.console import Console
+        from rich.panel import Panel
+        from rich.text import Text
+    except ImportError:
+        print(format_text(report), end="")
+        return
+    console = console or Console()
+    if not report.findings:
+        console.print("[green]fenced doctor: no findings.[/green]")
+        return
+    for f in report.findings:
+        body = Text()
+        body.append(f.what + "\n", style="bold")
+        body.append("why  ", style="dim")
+        body.append(f.why + "\n")
+        body.append("fix  ", style="dim")
+        body.append(f.fix, style="green")
+        title = Text(f"{f.severity} · {f.code}", style=_STYLE[f.severity])
+        console.print(Panel(body, title=title, title_align="left", border_style=_STYLE[f.severity]))
+    counts = report.as_dict()["counts"]
+    console.print(
+        f"{counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} note(s)"
+    )

@@ -1,0 +1,192 @@
+"""Naming checks from run records: claim names too fine to protect, or too coarse to share."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .._errors import ConfigError
+from .._keys import ClaimKeys, template_fields
+from ._finding import Finding
+
+__all__ = ["CONTENDED_OUTCOMES", "check_naming", "load_records"]
+
+#: Run outcomes that mean a run queued behind, or gave way to, another holder.
+CONTENDED_OUTCOMES = frozenset({"skipped", "waited", "retried"})
+
+
+def _args_key(args: Any) -> str | None:
+    if args is None:
+        return None
+    if isinstance(args, Mapping):
+        return json.dumps(dict(args), sort_keys=True, default=str)
+    return str(args)
+
+
+def _fields_of(template: str) -> list[str]:
+    try:
+        return template_fields(template)
+    except ConfigError:
+        return []
+
+
+def _without(template: str, fields: Iterable[str]) -> str:
+    for name in fields:
+        template = re.sub(r"[:/\-_.]?\{" + re.escape(name) + r"\}", "", template)
+    return template
+
+
+Record = Mapping[str, Any]
+
+
+def _dump(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _unique_share(values: list[str]) -> float:
+    return len(set(values)) / len(values) if values else 0.0
+
+
+def check_naming(
+    records: Iterable[Record],
+    *,
+    min_runs: int = 20,
+    unique_ratio: float = 0.9,
+    min_arg_sets: int = 5,
+) -> list[Finding]:
+    """Flag claim names too fine to protect anything, and too coarse to run in parallel.
+
+    Each record has ``name``, ``template`` (or None), ``args`` (a dict of argument
+    values, or a digest) and ``outcome``. Too fine: a template with at least
+    ``min_runs`` runs whose names are more than ``unique_ratio`` unique. Too coarse:
+    at least ``min_arg_sets`` different argument sets skipped or waited on one name,
+    leaving out the template's fields and arguments that differ on nearly every one of
+    ``min_runs`` or more runs (dates, request ids: parameters of a run, not resources).
+    """
+    by_template: dict[str, list[Record]] = defaultdict(list)
+    by_name: dict[str, list[Record]] = defaultdict(list)
+    for rec in records:
+        if rec.get("template"):
+            by_template[str(rec["template"])].append(rec)
+        if rec.get("name"):
+            by_name[str(rec["name"])].append(rec)
+    found: list[Finding] = []
+    for template, runs in sorted(by_template.items()):
+        found += _too_fine(template, runs, min_runs, unique_ratio)
+    for name, runs in sorted(by_name.items()):
+        found += _too_coarse(name, runs, min_runs, unique_ratio, min_arg_sets)
+    return found
+
+
+def _too_fine(template: str, runs: list[Record], min_runs: int, ratio: float) -> list[Finding]:
+    names = [str(r.get("name")) for r in runs]
+    if len(runs) < min_runs or _unique_share(names) <= ratio:
+        return []
+    varying = []
+    for field in _fields_of(template):
+        values = [_dump(r["args"].get(field)) for r in runs if isinstance(r.get("args"), Mapping)]
+        if _unique_share(values) > ratio:
+            varying.append(field)
+    detail = ""
+    fix = (
+        "Name the claim for the resource two runs would collide on (usually the output "
+        "path), without timestamps or unique ids"
+    )
+    if varying:
+        detail = "; " + ", ".join("{" + v + "}" for v in varying) + " changes on every run"
+        better = _without(template, varying)
+        if better and better != template:
+            fix += f": e.g. {better!r}"
+    return [
+        Finding(
+            "warning",
+            "naming.too-fine",
+            f"Claim template {template!r} gave {len(set(names))} different names in "
+            f"{len(runs)} runs{detail}",
+            "A timestamp or unique id in the key protects nothing: every run gets a claim "
+            "of its own, never contends with anything, and two runs on the same resource "
+            "proceed together while it looks like locking works.",
+            fix + ".",
+            subject=template,
+        )
+    ]
+
+
+def _too_coarse(
+    name: str, runs: list[Record], min_runs: int, ratio: float, min_arg_sets: int
+) -> list[Finding]:
+    contended = [r for r in runs if r.get("outcome") in CONTENDED_OUTCOMES]
+    if len(contended) < min_arg_sets:
+        return []
+    in_key = {f for r in runs if r.get("template") for f in _fields_of(str(r["template"]))}
+    values: dict[str, list[str]] = defaultdict(list)
+    for r in runs:
+        args = r.get("args")
+        if isinstance(args, Mapping):
+            for key, value in args.items():
+                values[str(key)].append(_dump(value))
+    # An argument that differs on (nearly) every one of many runs, a date or a request
+    # id, is a parameter of the run, not a resource that runs collide on.
+    per_run = {k for k, v in values.items() if len(v) >= min_runs and _unique_share(v) > ratio}
+    keep = set(values) - in_key - per_run
+    sets: set[str | None] = set()
+    for r in contended:
+        args = r.get("args")
+        if isinstance(args, Mapping):
+            sets.add(_args_key({k: v for k, v in args.items() if k in keep}))
+        elif args is not None:
+            sets.add(_args_key(args))
+    if len(sets) < min_arg_sets:
+        return []
+    counts = {k: len(set(values[k])) for k in sorted(keep)}
+    differing = [f"{k} ({n} values)" for k, n in counts.items() if n > 1]
+    detail = f"; arguments that differ: {', '.join(differing)}" if differing else ""
+    return [
+        Finding(
+            "warning",
+            "naming.too-coarse",
+            f"{len(sets)} different argument sets were skipped or queued behind the one "
+            f"claim {name!r}{detail}",
+            "Tenant/layer missing from the key; parallel pipeline made serial: runs that "
+            "write different outputs wait on one shared lock, so the system is slower than "
+            "its worker count suggests.",
+            "Put the argument that names the output in the claim template, e.g. "
+            "'rebuild:{tenant}:{layer}', so different resources do not contend.",
+            subject=name,
+        )
+    ]
+
+
+def _escape_glob(text: str) -> str:
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+def load_records(
+    client: Any, namespace: str = "fenced", per_claim: int = 200, max_claims: int = 1000
+) -> list[dict[str, Any]]:
+    """Run records of every claim in Redis, as dicts for :func:`check_naming`."""
+    from ..records import history
+
+    found: list[dict[str, Any]] = []
+    pattern = _escape_glob(namespace) + ":{*}:runs"
+    names: set[str] = set()
+    for key in client.scan_iter(match=pattern, count=500):
+        name = ClaimKeys.name_from_key(key, namespace)
+        if name is not None:
+            names.add(name)
+        if len(names) >= max_claims:
+            break
+    for name in sorted(names):
+        for rec in history(client, name, limit=per_claim, namespace=namespace):
+            found.append(
+                {
+                    "name": name,
+                    "template": rec.extra.get("template"),
+                    "args": rec.extra.get("args"),
+                    "outcome": rec.outcome,
+                }
+            )
+    return found

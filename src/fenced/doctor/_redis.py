@@ -1,0 +1,261 @@
+"""Checks of the lock Redis: eviction, persistence, role, cluster, clock skew and version."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ._finding import Finding
+
+__all__ = ["MIN_REDIS", "check_redis", "version_findings"]
+
+#: Oldest Redis the claim scripts run on: XADD (streams) and TIME before a write.
+MIN_REDIS = (5, 0)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for part in text.split("."):
+        digits = re.match(r"\d+", part)
+        parts.append(int(digits.group()) if digits else 0)
+    return tuple(parts)
+
+
+def version_findings(version: str) -> list[Finding]:
+    """The finding for a Redis server version, if it is too old for the claim scripts."""
+    if _version(version) >= MIN_REDIS:
+        return []
+    return [
+        Finding(
+            "error",
+            "redis.version",
+            f"Redis {version} is older than 5.0",
+            "The claim scripts append run records with XADD (streams arrived in 5.0) and "
+            "read TIME before writing to mint the fence, which older servers refuse "
+            "without script effects replication: acquire and release fail on this server.",
+            "Upgrade the lock Redis to 6.2 or later (5.0 at the very least).",
+        )
+    ]
+
+
+def _config(client: Any, name: str) -> str | None:
+    """One CONFIG GET value, or None where CONFIG is disabled (managed Redis, ACLs)."""
+    try:
+        raw = client.config_get(name)
+    except Exception:
+        return None
+    values = {_text(k): _text(v) for k, v in (raw or {}).items()}
+    return values.get(name)
+
+
+def _policy_findings(info: Mapping[str, Any], client: Any) -> list[Finding]:
+    policy = info.get("maxmemory_policy")
+    policy = _text(policy) if policy is not None else _config(client, "maxmemory-policy")
+    found: list[Finding] = []
+    if policy is None:
+        found.append(
+            Finding(
+                "warning",
+                "redis.maxmemory-policy-unknown",
+                "Could not read maxmemory-policy (neither INFO memory nor CONFIG GET answered)",
+                "Any policy other than noeviction can delete claim keys under memory "
+                "pressure, and the doctor cannot tell which one this server uses.",
+                "Check it on the server: `redis-cli CONFIG GET maxmemory-policy` must say "
+                "noeviction (managed Redis: the parameter group's maxmemory-policy).",
+            )
+        )
+    elif policy != "noeviction":
+        if policy.startswith("volatile"):
+            scope = (
+                "volatile-* policies evict only keys that carry a TTL, and every claim "
+                "carries one: under memory pressure, locks are the first keys to go"
+            )
+        else:
+            scope = "allkeys-* policies evict any key, locks included, under memory pressure"
+        found.append(
+            Finding(
+                "error",
+                "redis.maxmemory-policy",
+                f"maxmemory-policy is {policy}, not noeviction",
+                f"An evicted lock is a claim that silently ends while its holder works: "
+                f"the next worker acquires it and two runs write the same output. {scope}.",
+                "`CONFIG SET maxmemory-policy noeviction` now, and `maxmemory-policy "
+                "noeviction` in redis.conf (or `CONFIG REWRITE`) so it survives a restart; "
+                "or give claims their own Redis, separate from any cache.",
+            )
+        )
+    maxmemory = int(info.get("maxmemory", 0) or 0)
+    if policy == "noeviction" and maxmemory > 0:
+        found.append(
+            Finding(
+                "info",
+                "redis.maxmemory",
+                f"maxmemory is {maxmemory} bytes with noeviction",
+                "When this server is full it refuses writes (OOM) rather than evicting: "
+                "acquiring a claim then raises and the work does not start (fail closed).",
+                "Nothing to change; keep memory headroom, or raise `maxmemory`.",
+            )
+        )
+    return found
+
+
+def _persistence_finding(info: Mapping[str, Any], client: Any) -> Finding:
+    save = _config(client, "save")
+    aof = _config(client, "appendonly")
+    if aof is None and "aof_enabled" in info:
+        aof = "yes" if int(info["aof_enabled"]) else "no"
+    parts = [
+        "save " + (repr(save) if save is not None else "unknown (CONFIG unavailable)"),
+        "appendonly " + (aof if aof is not None else "unknown"),
+    ]
+    persistent = (save not in (None, "")) or aof == "yes"
+    state = "persists to disk" if persistent else "keeps nothing across a restart"
+    return Finding(
+        "info",
+        "redis.persistence",
+        f"Persistence: {', '.join(parts)}; this server {state}",
+        "Claims are advisory and short-lived: after a restart that loses them, a second "
+        "run can start while the first still works, until the first one's next refresh "
+        "finds its lease gone and stops; fenced writes reject it meanwhile. Fence tokens "
+        "stay monotonic regardless: the acquire script never mints one below Redis TIME "
+        "in microseconds, so only a server clock stepped backwards could repeat one.",
+        "Nothing required. To keep claims across restarts: `CONFIG SET appendonly yes` "
+        "and `appendonly yes` in redis.conf.",
+    )
+
+
+def _replication_findings(info: Mapping[str, Any]) -> list[Finding]:
+    role = _text(info.get("role", "master"))
+    if role in ("slave", "replica"):
+        host = info.get("master_host", "?")
+        port = info.get("master_port", "?")
+        return [
+            Finding(
+                "error",
+                "redis.replica",
+                f"This server is a replica of {host}:{port}",
+                "Claims must be taken on the master: a read-only replica refuses the "
+                "acquire script, and a writable one keeps a lease that no other worker "
+                "sees and the next sync from the master erases.",
+                f"Point the lock store at the master: redis://{host}:{port}/<db> "
+                "(Celery setting `fenced_redis_url`, or FENCED_REDIS_URL).",
+            )
+        ]
+    replicas = int(info.get("connected_slaves", 0) or 0)
+    if replicas > 0:
+        return [
+            Finding(
+                "info",
+                "redis.replication",
+                f"This master has {replicas} connected replica(s)",
+                "Replication is asynchronous: a failover right after an acquire can promote "
+                "a replica that never saw the lease, and a second worker then acquires the "
+                "same claim. The fence still protects writes: the new master mints fences "
+                "no lower than its TIME, so the stale holder's publish is rejected.",
+                "Write through fenced pointers/upserts so a second holder is harmless; to "
+                "narrow the window, send `WAIT 1 100` after acquiring (redis-py: "
+                "client.wait(1, 100)).",
+            )
+        ]
+    return []
+
+
+def _cluster_finding(info: Mapping[str, Any]) -> list[Finding]:
+    if int(info.get("cluster_enabled", 0) or 0) or _text(info.get("redis_mode")) == "cluster":
+        return [
+            Finding(
+                "info",
+                "redis.cluster",
+                "This server runs in cluster mode",
+                "Every key of one claim shares the hash tag {name}, so each claim script "
+                "touches a single slot; claims on different names spread over the shards. "
+                "Each shard replicates asynchronously, as a single master does.",
+                "Nothing to change; connect with a cluster client "
+                "(redis.cluster.RedisCluster.from_url(...)).",
+            )
+        ]
+    return []
+
+
+def _skew_finding(client: Any, clock: Callable[[], float], max_skew: float) -> list[Finding]:
+    before = clock()
+    seconds, micros = client.time()
+    after = clock()
+    server = int(seconds) + int(micros) / 1e6
+    skew = server - (before + after) / 2
+    # The reply could have been read anywhere within the round trip.
+    uncertainty = (after - before) / 2
+    if abs(skew) - uncertainty <= max_skew:
+        return []
+    ahead = "ahead of" if skew > 0 else "behind"
+    return [
+        Finding(
+            "warning",
+            "redis.clock-skew",
+            f"Redis TIME is {abs(skew):.3f} s {ahead} this host's clock (more than {max_skew:g} s)",
+            "Leases themselves do not depend on it (Redis counts TTLs on its own clock, "
+            "fenced's deadlines run on this host's monotonic clock), but run records mix "
+            "both clocks, so ages and durations shown are off by the skew; a clock this "
+            "far off is not synchronised, and its rate can drift beyond the claim's drift "
+            "margin (1 % of the TTL); a Redis clock stepped backwards before a restart "
+            "without persistence weakens the fence floor (Redis TIME in microseconds).",
+            "Synchronise both clocks with NTP (chrony or systemd-timesyncd); check with "
+            "`chronyc tracking` or `timedatectl status`.",
+        )
+    ]
+
+
+def check_redis(
+    client: Any, *, max_skew: float = 0.5, clock: Callable[[], float] = time.time
+) -> list[Finding]:
+    """Check the lock Redis: eviction, persistence, role, cluster, clock skew, version."""
+    try:
+        info: Mapping[str, Any] = client.info()
+    except Exception as exc:
+        return [
+            Finding(
+                "error",
+                "redis.unreachable",
+                f"Cannot query the lock Redis: {exc}",
+                "Claims fail closed: while the lock store is unreachable no claimed work starts.",
+                "Check the URL (`--redis`, `fenced_redis_url` or FENCED_REDIS_URL) and that "
+                "the server is running: `redis-cli -u URL ping`.",
+            )
+        ]
+    found = version_findings(_text(info.get("redis_version", "0")))
+    found += _policy_findings(info, client)
+    evicted = int(info.get("evicted_keys", 0) or 0)
+    if evicted > 0:
+        found.append(
+            Finding(
+                "warning",
+                "redis.evicted-keys",
+                f"{evicted} keys were evicted since the server started (or stats were reset)",
+                "Evictions mean this server ran out of memory under an evicting policy; "
+                "any lock among the evicted keys ended while its holder still worked.",
+                "Set `maxmemory-policy noeviction` (or give claims their own Redis), then "
+                "`CONFIG RESETSTAT` so new evictions stand out.",
+            )
+        )
+    found.append(_persistence_finding(info, client))
+    found += _replication_findings(info)
+    found += _cluster_finding(info)
+    try:
+        found += _skew_finding(client, clock, max_skew)
+    except Exception as exc:  # TIME denied by an ACL: report, do not abort the other checks
+        found.append(
+            Finding(
+                "info",
+                "redis.clock-unknown",
+                f"Could not read Redis TIME ({exc})",
+                "Clock skew between this host and Redis could not be measured.",
+                "Allow the TIME command for this user, or compare clocks by hand.",
+            )
+        )
+    return found

@@ -1,0 +1,385 @@
+"""The ``fenced`` command line, run as a real subprocess against a Redis this module owns."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fenced import Claim
+from fenced._keys import ClaimKeys
+from fenced.server import RedisServer, free_port
+
+FENCED = [sys.executable, "-m", "fenced.cli"]
+
+
+@pytest.fixture(scope="module")
+def cli_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def url(cli_server: RedisServer) -> str:
+    cli_server.client().flushall()
+    return cli_server.url
+
+
+@pytest.fixture
+def r(cli_server: RedisServer) -> Iterator[Any]:
+    client = cli_server.client(decode_responses=True)
+    yield client
+    client.close()
+
+
+def env_for(url: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "FENCED_REDIS_URL"}
+    if url:
+        env["FENCED_REDIS_URL"] = url
+    return env
+
+
+def fenced(url: str | None, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*FENCED, *args], capture_output=True, text=True, env=env_for(url), timeout=timeout
+    )
+
+
+def spawn(url: str, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*FENCED, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_for(url),
+    )
+
+
+def wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"exited {proc.returncode} early: {out} {err}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{path} never appeared")
+        time.sleep(0.02)
+
+
+def held(r: Any, name: str, **kw: Any) -> Claim:
+    claim = Claim(r, name, ttl=kw.pop("ttl", 30), heartbeat=False, **kw)
+    assert claim.acquire()
+    return claim
+
+
+# -- fenced run ---------------------------------------------------------------------------
+
+
+def test_run_passes_the_exit_status_through_and_records_the_command(
+    url: str, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    ok = fenced(url, "run", "job:pass", "--", "sh", "-c", f"echo ran > {out}")
+    assert ok.returncode == 0, ok.stderr
+    assert out.read_text() == "ran\n"
+    assert ok.stdout == ok.stderr == ""  # cron mails any output: a normal run prints none
+    assert fenced(url, "run", "job:pass", "--", "sh", "-c", "exit 7").returncode == 7
+    assert fenced(url, "run", "job:pass", "--", "sh", "-c", "kill -TERM $$").returncode == 143
+    runs = json.loads(fenced(url, "show", "job:pass", "--json").stdout)["runs"]
+    assert [(run["outcome"], run["reason"]) for run in runs] == [
+        ("failed", "killed by SIGTERM"),
+        ("failed", "exit status 7"),
+        ("ok", None),
+    ]
+    assert runs[1]["extra"]["command"] == "sh -c 'exit 7'"
+    assert runs[0]["fence"] > runs[1]["fence"] > runs[2]["fence"]
+
+
+def test_busy_skip_exits_zero_with_one_line_naming_the_holder(
+    url: str, r: Any, tmp_path: Path
+) -> None:
+    claim = held(r, "job:busy", task_id="t-42")
+    marker = tmp_path / "ran"
+    res = fenced(url, "run", "job:busy", "--", "touch", str(marker))
+    assert res.returncode == 0
+    assert not marker.exists()
+    assert res.stdout == ""
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1, res.stderr
+    assert "skipped 'job:busy'" in lines[0]
+    assert f"pid {os.getpid()}" in lines[0] and "task t-42" in lines[0] and "s left" in lines[0]
+    quiet = fenced(url, "run", "--quiet", "job:busy", "--", "touch", str(marker))
+    assert (quiet.returncode, quiet.stdout, quiet.stderr) == (0, "", "")
+    assert not marker.exists()
+    assert r.get(ClaimKeys.of("job:busy").skips) == "2"  # skips are counted
+    claim.release()
+
+
+def test_busy_fail_and_wait_timeout_exit_75(url: str, r: Any, tmp_path: Path) -> None:
+    claim = held(r, "job:fail")
+    marker = tmp_path / "ran"
+    res = fenced(url, "run", "--on-busy", "fail", "job:fail", "--", "touch", str(marker))
+    assert res.returncode == 75
+    assert "busy" in res.stderr and f"pid {os.getpid()}" in res.stderr
+    res = fenced(url, "run", "--on-busy", "wait", "--wait-timeout", "0.3", "job:fail", "--", "true")
+    assert res.returncode == 75
+    assert "gave up waiting" in res.stderr
+    assert not marker.exists()
+    claim.release()
+
+
+def test_wait_runs_once_the_holder_lets_go(url: str, r: Any, tmp_path: Path) -> None:
+    held(r, "job:wait", ttl=1.0)  # never renewed: its lease ends within a second
+    marker = tmp_path / "ran"
+    res = fenced(
+        url, "run", "--on-busy", "wait", "--wait-timeout", "30", "job:wait", "--", "touch",
+        str(marker),
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert marker.exists()
+
+
+def test_wait_timeout_needs_on_busy_wait(url: str) -> None:
+    res = fenced(url, "run", "--wait-timeout", "3", "job:x", "--", "true")
+    assert res.returncode == 2
+    assert "--on-busy wait" in res.stderr
+
+
+def test_unreachable_redis_exits_69_and_never_starts_the_command(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    res = fenced(None, "run", "--redis", dead, "job:x", "--", "touch", str(marker))
+    assert res.returncode == 69
+    assert "cannot reach Redis" in res.stderr and "not started" in res.stderr
+    assert not marker.exists()
+
+
+def test_no_redis_url_is_a_usage_error_naming_both_sources() -> None:
+    res = fenced(None, "run", "job:x", "--", "true")
+    assert res.returncode == 2
+    assert "--redis" in res.stderr and "FENCED_REDIS_URL" in res.stderr
+    for cmd in (["ls"], ["show", "job:x"]):
+        assert fenced(None, *cmd).returncode == 2
+
+
+def test_command_not_found_exits_127_and_is_recorded(url: str) -> None:
+    res = fenced(url, "run", "job:nf", "--", "no-such-command-here")
+    assert res.returncode == 127
+    run = json.loads(fenced(url, "show", "job:nf", "--json").stdout)["runs"][0]
+    assert run["outcome"] == "failed" and "not found" in run["reason"]
+
+
+TRAP_TERM = """
+trap 'echo "$1" > {marker}; exit 0' TERM
+trap 'echo usr1 >> {usr1}' USR1
+touch {ready}
+while :; do sleep 0.05; done
+"""
+
+
+def test_signals_sent_to_fenced_run_reach_the_command(url: str, tmp_path: Path) -> None:
+    marker, usr1, ready = tmp_path / "term", tmp_path / "usr1", tmp_path / "ready"
+    script = TRAP_TERM.format(marker=marker, usr1=usr1, ready=ready)
+    proc = spawn(url, "run", "job:sig", "--", "sh", "-c", script, "sh", "got-term")
+    wait_for(ready, proc)
+    proc.send_signal(signal.SIGUSR1)
+    wait_for(usr1, proc)
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err  # the command trapped it and exited 0
+    assert marker.read_text() == "got-term\n"
+    assert usr1.read_text() == "usr1\n"
+
+
+def test_claim_lost_while_running_terminates_the_command_and_exits_76(
+    url: str, r: Any, tmp_path: Path
+) -> None:
+    marker, ready = tmp_path / "term", tmp_path / "ready"
+    script = TRAP_TERM.format(marker=marker, usr1=tmp_path / "u", ready=ready)
+    proc = spawn(url, "run", "--ttl", "1.5", "job:lost", "--", "sh", "-c", script, "sh", "t")
+    wait_for(ready, proc)
+    r.set(ClaimKeys.of("job:lost").lock, "someone-else", px=60_000)  # a stale-lock "fix"
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 76, err
+    assert marker.read_text() == "t\n"
+    assert "lost" in err
+    assert r.get(ClaimKeys.of("job:lost").lock) == "someone-else"  # left alone
+    run = json.loads(fenced(url, "show", "job:lost", "--json").stdout)["runs"][0]
+    assert run["outcome"] == "lost"
+
+
+def test_command_ignoring_sigterm_is_killed_after_the_grace(
+    url: str, r: Any, tmp_path: Path
+) -> None:
+    ready = tmp_path / "ready"
+    script = f"trap '' TERM; touch {ready}; while :; do sleep 0.05; done"
+    proc = spawn(
+        url, "run", "--ttl", "1.5", "--grace", "0.5", "job:stubborn", "--", "sh", "-c", script
+    )
+    wait_for(ready, proc)
+    r.delete(ClaimKeys.of("job:stubborn").lock)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 76, err
+    run = json.loads(fenced(url, "show", "job:stubborn", "--json").stdout)["runs"][0]
+    assert run["outcome"] == "lost" and "SIGKILL" in run["reason"]
+
+
+def test_redis_gone_mid_run_stops_the_command(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    with RedisServer() as own:
+        proc = spawn(
+            own.url, "run", "--ttl", "1.5", "--grace", "1", "job:gone", "--", "sh", "-c",
+            f"touch {ready}; sleep 60",
+        )  # fmt: skip
+        wait_for(ready, proc)
+        own.kill()
+        _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 76, err
+
+
+# -- fenced ls ----------------------------------------------------------------------------
+
+
+def test_ls_lists_held_claims_with_holder_age_fence_skips_and_last_outcome(
+    url: str, r: Any
+) -> None:
+    assert "no claims held" in fenced(url, "ls").stdout
+    assert fenced(url, "ls", "--json").stdout.strip() == "[]"
+    first = held(r, "report:acme", records=True, task_id="t-1")
+    first.release(outcome="failed", reason="boom")
+    claim = held(r, "report:acme", records=True, task_id="t-2")
+    for _ in range(3):
+        assert not Claim(r, "report:acme", records=True).acquire()
+    other = held(r, "report:beta", records=True)
+    held(r, "elsewhere", namespace="other")
+
+    res = fenced(url, "ls", "--json")
+    assert res.returncode == 0, res.stderr
+    infos = {i["name"]: i for i in json.loads(res.stdout)}
+    assert set(infos) == {"report:acme", "report:beta"}
+    acme = infos["report:acme"]
+    assert acme["holder"]["pid"] == os.getpid() and acme["holder"]["task_id"] == "t-2"
+    assert acme["fence"] == claim.fence
+    assert acme["skips"] == 3
+    assert acme["last_outcome"] == "failed"
+    assert 0 <= acme["age"] < 30
+    assert 0 < acme["expires_in"] <= 30
+    assert infos["report:beta"]["last_outcome"] is None
+    assert infos["report:beta"]["fence"] == other.fence
+
+    text = fenced(url, "ls").stdout
+    assert "report:acme" in text and "task t-2" in text and "failed" in text
+    assert "2 held in namespace 'fenced'" in text
+    ns = json.loads(fenced(url, "ls", "--namespace", "other", "--json").stdout)
+    assert [i["name"] for i in ns] == ["elsewhere"]
+
+
+def test_ls_finds_the_age_of_a_run_behind_many_skips(url: str, r: Any) -> None:
+    held(r, "busy:job", records=True)
+    for _ in range(40):  # more entries than the first read looks at
+        Claim(r, "busy:job", records=True).acquire()
+    (info,) = json.loads(fenced(url, "ls", "--json").stdout)
+    assert info["skips"] == 40
+    assert info["age"] is not None
+
+
+def test_ls_watch_redraws_until_interrupted(url: str, r: Any) -> None:
+    held(r, "watched")
+    proc = spawn(url, "ls", "--watch", "--json", "--interval", "0.2")
+    assert proc.stdout is not None
+    first = json.loads(proc.stdout.readline())
+    second = json.loads(proc.stdout.readline())
+    assert [i["name"] for i in first] == [i["name"] for i in second] == ["watched"]
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 0
+
+    proc = spawn(url, "ls", "--watch", "--interval", "0.2")
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "watched" in out
+
+
+# -- fenced show --------------------------------------------------------------------------
+
+
+def test_show_lists_runs_newest_first(url: str) -> None:
+    fenced(url, "run", "nightly", "--", "sh", "-c", "exit 3")
+    fenced(url, "run", "nightly", "--", "true")
+    res = fenced(url, "show", "nightly", "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["holder"] is None
+    assert [run["outcome"] for run in report["runs"]] == ["ok", "failed"]
+    assert [run["extra"]["command"] for run in report["runs"]] == ["true", "sh -c 'exit 3'"]
+    limited = json.loads(fenced(url, "show", "nightly", "--limit", "1", "--json").stdout)
+    assert len(limited["runs"]) == 1
+    text = fenced(url, "show", "nightly").stdout
+    assert "nightly: not held" in text
+    assert text.index(" ok ") < text.index("failed")
+    assert "$ true" in text and "exit status 3" in text
+    assert "no run records" in fenced(url, "show", "never-ran").stdout
+
+
+# -- fenced release -----------------------------------------------------------------------
+
+
+def test_release_refuses_without_force(url: str, r: Any) -> None:
+    held(r, "stale")
+    res = fenced(url, "release", "stale", "--reason", "x")
+    assert res.returncode == 1
+    assert "--force" in res.stderr and f"pid {os.getpid()}" in res.stderr
+    assert r.exists(ClaimKeys.of("stale").lock)
+    res = fenced(url, "release", "stale", "--force")
+    assert res.returncode == 2 and "--reason" in res.stderr
+    assert r.exists(ClaimKeys.of("stale").lock)
+
+
+def test_release_clears_a_stale_claim_and_records_who_and_why(url: str, r: Any) -> None:
+    claim = held(r, "stale", records=True)
+    prefix = claim.token.split(":", 1)[0][:8] if claim.token else ""
+    wrong = fenced(url, "release", "stale", "--force", "--reason", "x", "--token", "ffff0000")
+    assert wrong.returncode == 1 and "another token" in wrong.stdout
+    res = fenced(
+        url, "release", "stale", "--force", "--reason", "holder died at 02:00", "--token", prefix
+    )
+    assert res.returncode == 0, res.stderr
+    assert "released 'stale'" in res.stdout and f"pid {os.getpid()}" in res.stdout
+    assert not r.exists(ClaimKeys.of("stale").lock)
+    run = json.loads(fenced(url, "show", "stale", "--json").stdout)["runs"][0]
+    assert run["outcome"] == "released"
+    assert run["reason"] == "holder died at 02:00"
+    assert "@" in run["extra"]["by"]
+    again = fenced(url, "release", "stale", "--force", "--reason", "again", "--json")
+    assert again.returncode == 0
+    assert json.loads(again.stdout)["released"] is False
+    assert "nothing held" in fenced(url, "release", "stale", "--force", "--reason", "x").stdout
+    assert claim.release() is False  # the old holder's release leaves things alone
+
+
+def test_release_of_a_running_command_stops_it_and_both_are_recorded(
+    url: str, tmp_path: Path
+) -> None:
+    ready = tmp_path / "ready"
+    proc = spawn(
+        url, "run", "--ttl", "1.5", "job:rel", "--", "sh", "-c", f"touch {ready}; sleep 60"
+    )
+    wait_for(ready, proc)
+    res = fenced(url, "release", "job:rel", "--force", "--reason", "hung", "--json")
+    assert json.loads(res.stdout)["released"] is True
+    proc.communicate(timeout=30)
+    assert proc.returncode == 76
+    runs = json.loads(fenced(url, "show", "job:rel", "--json").stdout)["runs"]
+    assert [run["outcome"] for run in runs] == ["released", "lost"]
+    assert runs[0]["reason"] == "hung"

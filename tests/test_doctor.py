@@ -1,0 +1,527 @@
+"""The doctor against real misconfigured Redis servers and Celery apps built here."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import socket
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from fenced import records
+from fenced.doctor import (
+    Finding,
+    Report,
+    check_celery,
+    check_naming,
+    check_redis,
+    format_text,
+    load_records,
+    lock_store_url,
+    render,
+    run_doctor,
+    version_findings,
+)
+from fenced.server import RedisServer
+
+celery = pytest.importorskip("celery")
+
+QUIET = ("error", "warning")
+
+
+def codes(found: list[Finding], *severities: str) -> set[str]:
+    return {f.code for f in found if not severities or f.severity in severities}
+
+
+def severity_of(found: list[Finding], code: str) -> str:
+    matches = {f.severity for f in found if f.code == code}
+    assert len(matches) == 1, (code, found)
+    return matches.pop()
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.05)
+
+
+# -- Redis ------------------------------------------------------------------------------
+
+
+def test_default_server_has_no_errors_or_warnings(own_server: RedisServer) -> None:
+    found = check_redis(own_server.client())
+    assert codes(found, *QUIET) == set()
+    persistence = [f for f in found if f.code == "redis.persistence"]
+    assert persistence and "keeps nothing across a restart" in persistence[0].what
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-ttl"])
+def test_evicting_policy_is_an_error(own_server: RedisServer, policy: str) -> None:
+    client = own_server.client(decode_responses=True)
+    client.config_set("maxmemory-policy", policy)
+    found = check_redis(client)
+    assert severity_of(found, "redis.maxmemory-policy") == "error"
+    finding = next(f for f in found if f.code == "redis.maxmemory-policy")
+    assert policy in finding.what
+    assert "CONFIG SET maxmemory-policy noeviction" in finding.fix
+    assert "redis.conf" in finding.fix
+    if policy.startswith("volatile"):
+        assert "TTL" in finding.why
+    assert run_doctor(client, records=[]).exit_code == 1
+
+
+def test_real_evictions_are_reported(own_server: RedisServer) -> None:
+    client = own_server.client()
+    used = int(client.info("memory")["used_memory"])
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    client.config_set("maxmemory", str(used + 512 * 1024))
+    value = b"x" * 16384
+    for i in range(2000):
+        client.set(f"cache:{i}", value)
+        if i % 50 == 0 and int(client.info("stats")["evicted_keys"]) > 0:
+            break
+    assert int(client.info("stats")["evicted_keys"]) > 0
+    found = check_redis(client)
+    assert severity_of(found, "redis.evicted-keys") == "warning"
+    assert severity_of(found, "redis.maxmemory-policy") == "error"
+
+    # The policy fixed, past evictions still deserve a look until stats are reset.
+    client.config_set("maxmemory-policy", "noeviction")
+    found = check_redis(client)
+    assert "redis.maxmemory-policy" not in codes(found)
+    assert severity_of(found, "redis.evicted-keys") == "warning"
+    assert severity_of(found, "redis.maxmemory") == "info"
+    client.config_resetstat()
+    assert "redis.evicted-keys" not in codes(check_redis(client))
+
+
+@pytest.fixture
+def replica(own_server: RedisServer, redis_binary: str) -> Iterator[RedisServer]:
+    srv = RedisServer(
+        redis_binary, extra=["--replicaof", "127.0.0.1", str(own_server.port)]
+    ).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_replica_is_an_error_and_master_notes_replication(
+    own_server: RedisServer, replica: RedisServer
+) -> None:
+    master = own_server.client()
+    wait_for(lambda: int(master.info("replication")["connected_slaves"]) >= 1, "replica link")
+    found = check_redis(replica.client())
+    assert severity_of(found, "redis.replica") == "error"
+    finding = next(f for f in found if f.code == "redis.replica")
+    assert f"127.0.0.1:{own_server.port}" in finding.fix
+
+    found = check_redis(master)
+    assert severity_of(found, "redis.replication") == "info"
+    assert "WAIT" in next(f for f in found if f.code == "redis.replication").fix
+    assert codes(found, *QUIET) == set()
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    for _ in range(100):
+        port = random.randint(20000, 55000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+    raise AssertionError("no free port pair for a cluster node")
+
+
+def test_cluster_mode_is_noted(redis_binary: str) -> None:
+    with RedisServer(redis_binary, port=cluster_port(), extra=["--cluster-enabled", "yes"]) as srv:
+        found = check_redis(srv.client())
+    assert severity_of(found, "redis.cluster") == "info"
+    assert "hash tag" in next(f for f in found if f.code == "redis.cluster").why
+
+
+def test_clock_skew_beyond_the_margin_warns(own_server: RedisServer) -> None:
+    client = own_server.client()
+    found = check_redis(client, clock=lambda: time.time() - 5.0)
+    assert severity_of(found, "redis.clock-skew") == "warning"
+    assert "ahead of" in next(f for f in found if f.code == "redis.clock-skew").what
+    assert "redis.clock-skew" not in codes(check_redis(client, clock=lambda: time.time() + 0.1))
+
+
+@pytest.mark.parametrize(
+    ("version", "expected"),
+    [
+        ("2.8.24", {"redis.version"}),
+        ("4.0.14", {"redis.version"}),
+        ("5.0.0", set()),
+        ("7.2.4", set()),
+    ],
+)
+def test_version_floor(version: str, expected: set[str]) -> None:
+    assert codes(version_findings(version)) == expected
+
+
+def test_unreachable_redis_is_an_error(redis_binary: str) -> None:
+    srv = RedisServer(redis_binary).start()
+    client = srv.client(socket_timeout=1)
+    srv.stop()
+    report = run_doctor(client)
+    assert report.codes("error") == {"redis.unreachable"}
+    assert report.exit_code == 1
+
+
+# -- Celery -----------------------------------------------------------------------------
+
+
+def make_app(broker: str = "redis://127.0.0.1:6399/0", **conf: Any) -> Any:
+    app = celery.Celery("t", broker=broker, set_as_current=False)
+    app.conf.update(conf)
+    return app
+
+
+GOOD_CONF: dict[str, Any] = {
+    "fenced_redis_url": "redis://127.0.0.1:6399/1",
+    "result_backend": "redis://127.0.0.1:6399/2",
+    "task_acks_late": True,
+    "task_reject_on_worker_lost": True,
+    "worker_prefetch_multiplier": 1,
+    "worker_cancel_long_running_tasks_on_connection_loss": True,
+    "broker_transport_options": {"visibility_timeout": 7200},
+}
+
+
+def good_app() -> Any:
+    app = make_app(**GOOD_CONF)
+
+    @app.task(shared=False, name="t.rebuild", claim="rebuild:{a}", claim_ttl=60, time_limit=3600)
+    def rebuild(a: str) -> str:
+        return a
+
+    @app.task(shared=False, name="t.plain", time_limit=30)
+    def plain() -> None:
+        return None
+
+    return app
+
+
+def test_well_configured_app_has_no_errors_or_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    found = check_celery(good_app())
+    assert codes(found, *QUIET) == set(), found
+
+
+def test_misconfigured_app_gets_each_finding(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    app = make_app(
+        fenced_redis_url="redis://127.0.0.1:6399/1",
+        broker_transport_options={"visibility_timeout": 300},
+    )
+
+    # No acks_late, and a time limit below its claim TTL.
+    @app.task(shared=False, name="t.rebuild", claim="rebuild:{a}", claim_ttl=60, time_limit=30)
+    def rebuild(a: str) -> str:
+        return a
+
+    # A long acks_late task: its time limit outlasts the visibility timeout.
+    @app.task(
+        shared=False,
+        name="t.tiles",
+        claim="tiles:{a}",
+        claim_ttl=60,
+        acks_late=True,
+        time_limit=900,
+    )
+    def tiles(a: str) -> str:
+        return a
+
+    found = check_celery(app)
+    assert severity_of(found, "celery.acks-late") == "warning"
+    assert "t.rebuild" in next(f for f in found if f.code == "celery.acks-late").what
+    assert severity_of(found, "celery.time-limit") == "error"
+    limit = next(f for f in found if f.code == "celery.time-limit")
+    assert limit.subject == "t.rebuild" and "time_limit=" in limit.fix
+    assert severity_of(found, "celery.visibility-timeout") == "error"
+    vis = next(f for f in found if f.code == "celery.visibility-timeout")
+    assert "t.tiles" in vis.what and "visibility_timeout" in vis.fix
+    assert severity_of(found, "celery.prefetch-multiplier") == "warning"
+    assert (
+        "worker_prefetch_multiplier = 1"
+        in next(f for f in found if f.code == "celery.prefetch-multiplier").fix
+    )
+    assert severity_of(found, "celery.reject-on-worker-lost") == "warning"
+    assert severity_of(found, "celery.cancel-on-connection-loss") == "warning"
+    report = run_doctor(app=app)
+    assert report.exit_code == 1
+
+
+def test_claim_ttls_argument_overrides_the_task_attribute(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    app = good_app()
+    assert "celery.time-limit" not in codes(check_celery(app))
+    found = check_celery(app, {"t.rebuild": 3600})
+    assert severity_of(found, "celery.time-limit") == "error"
+
+
+def test_time_limit_from_app_config_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    app = make_app(**{**GOOD_CONF, "task_time_limit": 45})
+
+    @app.task(shared=False, name="t.x", claim="x:{a}", claim_ttl=60)
+    def x(a: str) -> str:
+        return a
+
+    assert severity_of(check_celery(app), "celery.time-limit") == "error"
+
+
+def test_eta_beyond_visibility_timeout_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    app = good_app()
+    assert "celery.visibility-timeout" not in codes(check_celery(app, longest_eta=3600))
+    found = check_celery(app, longest_eta=86400)
+    assert severity_of(found, "celery.visibility-timeout") == "error"
+    assert "ETA" in next(f for f in found if f.code == "celery.visibility-timeout").what
+
+
+def test_default_visibility_timeout_is_an_hour(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    conf = {k: v for k, v in GOOD_CONF.items() if k != "broker_transport_options"}
+    app = make_app(**conf)
+
+    @app.task(shared=False, name="t.x", claim="x:{a}", claim_ttl=60, time_limit=5400)
+    def x(a: str) -> str:
+        return a
+
+    found = check_celery(app)
+    assert "3600 s" in next(f for f in found if f.code == "celery.visibility-timeout").what
+
+
+def test_unbounded_acks_late_task_on_redis_broker_warns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    app = make_app(**GOOD_CONF)
+
+    @app.task(shared=False, name="t.x", claim="x:{a}", claim_ttl=60)
+    def x(a: str) -> str:
+        return a
+
+    assert severity_of(check_celery(app), "celery.unbounded-task") == "warning"
+    # An AMQP broker has no visibility timeout to outrun.
+    amqp = make_app("amqp://guest@127.0.0.1//", **GOOD_CONF)
+
+    @amqp.task(shared=False, name="t.x", claim="x:{a}", claim_ttl=60)
+    def y(a: str) -> str:
+        return a
+
+    assert codes(check_celery(amqp), *QUIET) == set()
+
+
+def test_lock_store_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    conf = {k: v for k, v in GOOD_CONF.items() if k != "fenced_redis_url"}
+
+    def app_with(broker: str = "redis://localhost:6399", **extra: Any) -> Any:
+        app = make_app(broker, **{**conf, **extra})
+
+        @app.task(shared=False, name="t.x", claim="x:{a}", claim_ttl=60, time_limit=600)
+        def x(a: str) -> str:
+            return a
+
+        return app
+
+    implicit = check_celery(app_with())
+    assert severity_of(implicit, "fenced.lock-store-implicit") == "warning"
+    assert (
+        "fenced_redis_url"
+        in next(f for f in implicit if f.code == "fenced.lock-store-implicit").fix
+    )
+    assert lock_store_url(app_with()) == "redis://localhost:6399"
+
+    # localhost:6399 with no db is 127.0.0.1:6399/0: the broker's own database.
+    shared = check_celery(app_with(fenced_redis_url="redis://127.0.0.1:6399/0"))
+    assert severity_of(shared, "fenced.lock-store-shared") == "warning"
+    assert {f.subject for f in shared if f.code == "fenced.lock-store-shared"} == {"broker"}
+    backend = check_celery(app_with(fenced_redis_url="redis://127.0.0.1:6399/2"))
+    assert {f.subject for f in backend if f.code == "fenced.lock-store-shared"} == {
+        "result backend"
+    }
+    separate = app_with(fenced_redis_url="redis://127.0.0.1:6399/1")
+    assert codes(check_celery(separate), *QUIET) == set()
+    assert lock_store_url(separate) == "redis://127.0.0.1:6399/1"
+
+    # The environment variable is an explicit configuration too.
+    monkeypatch.setenv("FENCED_REDIS_URL", "redis://127.0.0.1:6399/5")
+    assert codes(check_celery(app_with()), *QUIET) == set()
+    monkeypatch.delenv("FENCED_REDIS_URL")
+
+    # Passwords are not printed.
+    secret = check_celery(app_with("redis://:hunter2@127.0.0.1:6399/0"))
+    implicit_secret = next(f for f in secret if f.code == "fenced.lock-store-implicit")
+    assert "hunter2" not in implicit_secret.what and ":***@127.0.0.1:6399" in implicit_secret.what
+
+    missing = check_celery(app_with("amqp://guest@127.0.0.1//"))
+    assert severity_of(missing, "fenced.lock-store-missing") == "error"
+
+
+def test_app_without_claimed_tasks_is_noted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    app = make_app()
+
+    @app.task(shared=False, name="t.plain")
+    def plain() -> None:
+        return None
+
+    found = check_celery(app)
+    assert codes(found) == {"celery.no-claimed-tasks"}
+
+
+# -- naming -----------------------------------------------------------------------------
+
+
+def test_timestamp_in_the_key_is_too_fine() -> None:
+    recs = [
+        {
+            "name": f"export:acme:{1700000000 + i}",
+            "template": "export:{tenant}:{ts}",
+            "args": {"tenant": "acme", "ts": 1700000000 + i},
+            "outcome": "ok",
+        }
+        for i in range(25)
+    ]
+    found = check_naming(recs)
+    assert codes(found) == {"naming.too-fine"}
+    finding = found[0]
+    assert finding.severity == "warning"
+    assert "{ts}" in finding.what
+    assert "'export:{tenant}'" in finding.fix
+    assert "protects nothing" in finding.why
+    # Fewer runs than the threshold: not enough evidence.
+    assert check_naming(recs[:10]) == []
+
+
+def test_one_lock_for_every_layer_is_too_coarse() -> None:
+    recs: list[dict[str, Any]] = [
+        {"name": "rebuild", "template": "rebuild", "args": {"layer": "roads"}, "outcome": "ok"}
+    ]
+    for layer in ["rivers", "rail", "parks", "bus", "bike", "rivers"]:
+        recs.append(
+            {
+                "name": "rebuild",
+                "template": "rebuild",
+                "args": {"layer": layer},
+                "outcome": "skipped",
+            }
+        )
+    found = check_naming(recs)
+    assert codes(found) == {"naming.too-coarse"}
+    finding = found[0]
+    assert finding.subject == "rebuild"
+    assert "layer (6 values)" in finding.what
+    assert "parallel pipeline made serial" in finding.why
+
+
+def test_well_named_claims_have_no_findings() -> None:
+    recs = []
+    for day in range(30):
+        for layer in ["roads", "rivers", "rail"]:
+            recs.append(
+                {
+                    "name": f"rebuild:{layer}",
+                    "template": "rebuild:{layer}",
+                    "args": {"layer": layer, "day": day},
+                    "outcome": "skipped" if day % 7 == 0 else "ok",
+                }
+            )
+    assert check_naming(recs) == []
+
+
+def test_records_are_read_from_redis(server: RedisServer) -> None:
+    client = server.client(decode_responses=True)
+    for i in range(25):
+        records.record(
+            client, f"export:{i}", "ok", token=f"t{i}", template="export:{ts}", args={"ts": i}
+        )
+    for i in range(6):
+        records.record(
+            client,
+            "rebuild",
+            "skipped",
+            event="skipped",
+            template="rebuild",
+            args={"layer": f"l{i}"},
+        )
+    loaded = load_records(client)
+    assert len(loaded) == 31
+    assert {
+        "name": "rebuild",
+        "template": "rebuild",
+        "args": {"layer": "l0"},
+        "outcome": "skipped",
+    } in loaded
+    report = run_doctor(client)
+    assert {"naming.too-fine", "naming.too-coarse"} <= report.codes("warning")
+
+
+# -- the report -------------------------------------------------------------------------
+
+
+def test_well_configured_setup_has_no_errors_or_warnings(
+    own_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    report = run_doctor(own_server.client(), good_app())
+    assert report.errors == [] and report.warnings == [], format_text(report)
+    assert report.exit_code == 0
+
+
+def test_report_renders_as_json_and_text(own_server: RedisServer) -> None:
+    client = own_server.client()
+    client.config_set("maxmemory-policy", "allkeys-lru")
+    report = run_doctor(client)
+    data = json.loads(report.as_json())
+    assert data["exit_code"] == 1
+    assert data["counts"]["error"] == 1
+    first = data["findings"][0]
+    assert first["severity"] == "error"
+    assert set(first) == {"severity", "code", "what", "why", "fix", "subject"}
+
+    text = format_text(report)
+    assert text.startswith("ERROR    redis.maxmemory-policy")
+    assert "fix: `CONFIG SET maxmemory-policy noeviction`" in text
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    render(report, Console(file=out, width=100))
+    assert "redis.maxmemory-policy" in out.getvalue()
+    assert "CONFIG SET" in out.getvalue()
+
+
+def test_empty_report() -> None:
+    report = Report([])
+    assert report.exit_code == 0
+    assert "no findings" in format_text(report)
+
+
+def test_render_without_rich_prints_plain_text(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "rich.console", None)
+    finding = Finding("warning", "x.y", "what", "why", "fix")
+    render(Report([finding]))
+    out = capsys.readouterr().out
+    assert out.startswith("WARNING  x.y: what")
+    assert "0 error(s), 1 warning(s), 0 note(s)" in out
