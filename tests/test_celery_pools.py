@@ -62,7 +62,7 @@ def _send(services: Services, task: str, *args: Any, **kwargs: Any) -> Any:
 
 def test_threads_same_task_twice_one_runs_one_skips(threads: Services) -> None:
     k = key()
-    sent = [_send(threads, "t.rebuild", k, "roads", steps=3, step_time=0.3) for _ in range(2)]
+    sent = [_send(threads, "t.rebuild", k, "roads", steps=5, step_time=0.4) for _ in range(2)]
     statuses = sorted(r.get(timeout=WAIT)["status"] for r in sent)
     assert statuses == ["ok", "skipped"]
     outcomes = sorted(run.outcome for run in records.history(threads.locks(), f"rebuild:{k}:roads"))
