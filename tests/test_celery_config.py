@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from fenced import Claim, ClaimHeld, ClaimLost, ConfigError, NotOwner, records
+from fenced import Claim, ClaimHeld, ClaimLost, ConfigError, records
 from fenced._claim import new_token
 from fenced._keys import ClaimKeys
 from fenced.celery import ClaimedTask, lock_redis, metrics, signals
@@ -161,6 +161,21 @@ def test_each_app_gets_its_own_client(app: Celery, redis_server: RedisServer) ->
         assert kwargs["port"] == second.port
 
 
+def test_options_are_resolved_when_the_task_is_built(app: Celery) -> None:
+    @app.task(shared=False, base=ClaimedTask, bind=True, claim="x:{t}")
+    def task(self: Any, t: str) -> None: ...
+
+    # What tools such as the doctor read: the option, and the lease from the settings.
+    assert task.claim == "x:{t}"
+    assert task.claim_ttl == 3 and task.claim_on_conflict == "skip"
+    assert task.claim_alert_after_skips == 5 and task.claim_namespace == "fenced"
+    app.conf.fenced_claim_on_conflict = "later"
+    with pytest.raises(ConfigError, match="claim_on_conflict='later'"):
+
+        @app.task(shared=False, base=ClaimedTask, bind=True, claim="x:{t}")
+        def bad_setting(self: Any, t: str) -> None: ...
+
+
 def test_settings_give_defaults_and_options_win(app: Celery, r: Any) -> None:
     app.conf.fenced_namespace = "maps"
     app.conf.fenced_claim_refresh_every = 0.5
@@ -198,8 +213,7 @@ def test_direct_call_runs_under_the_claim_and_records_it(app: Celery, r: Any) ->
     assert run.extra["task"] == rebuild.name
     assert run.extra["template"] == "rebuild:{tenant}:{layer}"
     assert run.extra["args"] == {"tenant": "acme", "layer": "roads"}
-    with pytest.raises(NotOwner, match="only while a run"):
-        rebuild.claim  # noqa: B018
+    assert rebuild.claim == "rebuild:{tenant}:{layer}"  # outside a run: the option
 
 
 def test_long_argument_values_are_recorded_as_digests(app: Celery, r: Any) -> None:

@@ -41,7 +41,8 @@ waiting for the lease to expire.
 Settings (``app.conf``): ``fenced_redis_url`` (or the ``FENCED_REDIS_URL`` environment
 variable; there is no fallback to the broker), ``fenced_redis_options``,
 ``fenced_namespace``, and defaults for every task option as ``fenced_<option>``, e.g.
-``fenced_claim_ttl``.
+``fenced_claim_ttl``, read when the task is bound to its app. The Redis client is made
+on first use, one per app and process.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import redis
 
@@ -71,10 +72,13 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"fenced.celery needs Celery: pip install 'fenced[celery]' ({exc})") from exc
 
+if TYPE_CHECKING:
+    from celery import Celery
+
 from . import celery_signals as signals
 from . import records
 from ._claim import _HOST, Claim, Holder, force_release
-from ._errors import ClaimHeld, ClaimLost, ClaimUnavailable, ConfigError, NotOwner
+from ._errors import ClaimHeld, ClaimLost, ClaimUnavailable, ConfigError
 from ._keys import ClaimKeys, _render, template_fields, validate_name
 
 __all__ = [
@@ -474,6 +478,11 @@ def _stack() -> list[tuple[Task[Any, Any], Claim]]:
 # -- the task base --------------------------------------------------------------------
 
 _OPTIONS = tuple(DEFAULTS)
+#: The setting that gives each option its default.
+_SETTINGS = {
+    option: "fenced_namespace" if option == "claim_namespace" else f"fenced_{option}"
+    for option in _OPTIONS
+}
 
 
 class ClaimedTask(Task[Any, Any]):
@@ -527,19 +536,38 @@ class ClaimedTask(Task[Any, Any]):
                     )
                 cls._fenced_spec = _make_spec(source, run, where)
 
+    @classmethod
+    def bind(cls, app: Celery) -> Celery:
+        """Bind to an app: options the task does not give come from its settings."""
+        bound = super().bind(app)
+        if cls._fenced_spec is None:
+            return bound  # an abstract base: its tasks resolve their own options
+        conf = app.conf
+        for option in _OPTIONS:
+            if getattr(cls, option) is None:
+                value = conf.get(_SETTINGS[option])
+                if value is None:
+                    value = DEFAULTS[option]
+                if value is not None:
+                    setattr(
+                        cls, option, staticmethod(value) if inspect.isfunction(value) else value
+                    )
+        # As Celery does for its own options; settings checked here fail when the task
+        # is built (at the latest when a worker starts), not at its first run.
+        _validate({k: getattr(cls, k) for k in _OPTIONS}, f"task {cls.name}")
+        return bound
+
     # -- the claim of the current run --------------------------------------------------
 
     @property
     def claim(self) -> Claim:
-        """The claim this run holds (only inside a run of the task)."""
+        """The claim this run holds; outside a run, the claim option (for introspection)."""
         for entry in reversed(_stack()):
             if entry[0] is self:
                 held: Claim = entry[1]
                 return held
-        raise NotOwner(
-            f"{self.name}: self.claim exists only while a run of the task holds it; "
-            f"the claim option is in {type(self).__name__}.claim_template"
-        )
+        # Tools such as fenced's doctor read the option the task was given.
+        return cast(Claim, self.claim_template)
 
     def claim_name_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         """The claim name one call with these arguments takes."""
@@ -575,8 +603,7 @@ class ClaimedTask(Task[Any, Any]):
         for option in _OPTIONS:
             value = getattr(self, option)
             if value is None:
-                setting = "fenced_namespace" if option == "claim_namespace" else f"fenced_{option}"
-                value = conf.get(setting)
+                value = conf.get(_SETTINGS[option])
             raw[option] = DEFAULTS[option] if value is None else value
         checked = _validate(raw, f"task {self.name}")
         merged = {**raw, **checked}
