@@ -1,0 +1,39 @@
+"""The idempotency layers after the claim: content-addressed output, fenced pointers, upserts.
+
+- :class:`ContentStore`: a repeat writes identical bytes to an identical path;
+- :class:`FilePointer`, :class:`RedisPointer`: publishing is one atomic swap, and a
+  swap carrying a fence below the last accepted one raises :class:`~fenced.StaleFence`;
+- :func:`upsert`: repeated ingestion converges, rows stored with a higher fence stay.
+
+``upsert`` needs SQLAlchemy (``pip install 'fenced[sql]'``); it is imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._content import ContentStore, Ref
+from ._pointer import FilePointer, Published, RedisPointer
+
+if TYPE_CHECKING:
+    from ._upsert import UpsertResult, upsert
+
+__all__ = [
+    "ContentStore",
+    "FilePointer",
+    "Published",
+    "RedisPointer",
+    "Ref",
+    "UpsertResult",
+    "upsert",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported lazily so the store and pointers work without SQLAlchemy installed;
+    # without it, this raises an ImportError that names the extra to install.
+    if name in ("upsert", "UpsertResult"):
+        from . import _upsert
+
+        return getattr(_upsert, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,441 @@
+"""A content-addressed object store on the filesystem: a repeat writes nothing new.
+
+Each object is stored once under the SHA-256 of its bytes, ``<root>/ab/cdef…``. A
+put streams into a temporary file under ``<root>/.tmp``, fsyncs it, renames it into
+place and fsyncs the directory, so a reader that finds an object finds all of it,
+and a crash leaves at most a stray temporary file (removed by :meth:`ContentStore.gc`).
+Reads check the digest, so a corrupted object raises :class:`~fenced.CorruptObject`
+instead of publishing bad bytes.
+
+A build writes its files with :meth:`ContentStore.put`, lists them in a manifest
+(:meth:`ContentStore.put_manifest`, itself an object) and publishes the manifest with
+a pointer. The same inputs give the same manifest digest, so a repeated build
+converges on the same published target.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, Union
+
+from .._errors import ConfigError, CorruptObject, StoreError
+from . import _durable
+
+if TYPE_CHECKING:
+    from ._pointer import Published
+
+__all__ = ["MANIFEST_PREFIX", "ContentStore", "Ref"]
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+_CHUNK = 1 << 20
+#: First bytes of every manifest object; gc follows the digests a manifest lists.
+MANIFEST_PREFIX = b'{"fenced_manifest":1,'
+#: Temporary files live here, on the store's filesystem, so the rename is atomic.
+TMP_DIR = ".tmp"
+#: Objects younger than this many seconds survive gc (a build may not have published yet).
+DEFAULT_GRACE = 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A stored object: its SHA-256 digest (hex), its path in the store and its size."""
+
+    digest: str
+    path: Path
+    size: int
+
+    def __str__(self) -> str:
+        return self.digest
+
+
+Source = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]", IO[bytes]]
+Keep = Union[Ref, str, "os.PathLike[str]", "Published", Any]
+
+
+class _Verifying(io.RawIOBase):
+    """Reads an object file and checks size and digest when the end is reached."""
+
+    def __init__(self, f: io.FileIO, ref: Ref) -> None:
+        super().__init__()
+        self._f = f
+        self._ref = ref
+        self._hash = hashlib.sha256()
+        self._seen = 0
+        self._checked = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = self._f.readinto(buffer)
+        if n:
+            self._hash.update(memoryview(buffer)[:n])
+            self._seen += n
+        elif not self._checked:
+            digest = self._hash.hexdigest()
+            if digest != self._ref.digest or self._seen != self._ref.size:
+                raise CorruptObject(
+                    f"object {self._ref.digest} at {self._ref.path} is corrupt: its bytes "
+                    f"hash to {digest} ({self._seen} bytes, expected {self._ref.size}); "
+                    "remove the file, then put the original bytes again"
+                )
+            self._checked = True
+        return n or 0
+
+    def close(self) -> None:
+        if not self.closed:
+            self._f.close()
+        super().close()
+
+
+class ContentStore:
+    """Immutable objects named by the SHA-256 of their bytes, under one root directory."""
+
+    def __init__(self, root: str | os.PathLike[str], *, create: bool = False) -> None:
+        self.root = Path(root).absolute()
+        if create:
+            _durable.ensure_dir(self.root)
+        if not self.root.exists():
+            raise ConfigError(
+                f"store root {self.root} does not exist: create it (mkdir -p {self.root}) "
+                "or pass ContentStore(..., create=True)"
+            )
+        if not self.root.is_dir():
+            raise ConfigError(f"store root {self.root} is not a directory: choose a directory")
+        self._real_root = self.root.resolve()
+        self._tmp = self.root / TMP_DIR
+
+    def __repr__(self) -> str:
+        return f"<ContentStore {str(self.root)!r}>"
+
+    # -- naming -----------------------------------------------------------------------
+
+    def path_of(self, digest: str) -> Path:
+        """Where the object with this digest lives (whether or not it exists)."""
+        digest = self._digest(digest)
+        return self.root / digest[:2] / digest[2:]
+
+    def _digest(self, item: object) -> str:
+        """The digest an item names: a Ref, a Published target, a digest or an object path."""
+        if isinstance(item, Ref):
+            return item.digest
+        digest = getattr(item, "digest", None)
+        if isinstance(digest, str) and _DIGEST.fullmatch(digest):
+            return digest
+        if isinstance(item, str) and _DIGEST.fullmatch(item):
+            return item
+        if isinstance(item, (str, os.PathLike)):
+            found = self._digest_from_path(Path(item))
+            if found:
+                return found
+        raise ConfigError(
+            f"{item!r} names no object of {self.root}: pass a Ref, a 64-character "
+            "SHA-256 hex digest, or a path inside the store"
+        )
+
+    def _digest_from_path(self, path: Path) -> str | None:
+        # Both spellings: a pointer with a root stores paths with symlinks resolved.
+        for base, candidate in ((self.root, path.absolute()), (self._real_root, path.resolve())):
+            try:
+                parts = candidate.relative_to(base).parts
+            except ValueError:
+                continue
+            if len(parts) == 2 and _DIGEST.fullmatch(parts[0] + parts[1]):
+                return parts[0] + parts[1]
+        return None
+
+    def ref(self, digest: str) -> Ref:
+        """The Ref of a stored object; StoreError when it is not in the store."""
+        digest = self._digest(digest)
+        path = self.path_of(digest)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise StoreError(f"no object {digest} in {self.root}: put its bytes first") from None
+        return Ref(digest, path, size)
+
+    def exists(self, digest: str | Ref) -> bool:
+        """True when the object is in the store (its bytes are not read)."""
+        return self.path_of(self._digest(digest)).is_file()
+
+    # -- writing ----------------------------------------------------------------------
+
+    def put(self, source: Source) -> Ref:
+        """Store bytes, a binary file object or the file at a path; same bytes, same Ref."""
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            data = bytes(source)
+            digest = hashlib.sha256(data).hexdigest()
+            return self._existing(digest, len(data)) or self._write(digest, [data])
+        if isinstance(source, (str, os.PathLike)):
+            path = Path(source)
+            if not path.is_file():
+                raise ConfigError(
+                    f"nothing to put: {path} is not a file (to store a string's content, "
+                    "pass bytes: text.encode())"
+                )
+            with path.open("rb") as f:
+                return self._put_file(f)
+        if callable(getattr(source, "read", None)):
+            return self._put_file(source)
+        raise ConfigError(
+            f"cannot put a {type(source).__name__}: pass bytes, a binary file object or a path"
+        )
+
+    def _put_file(self, f: IO[bytes]) -> Ref:
+        seekable = False
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            seekable = f.seekable()
+        if not seekable:
+            # One pass: write while hashing, then keep the existing copy if there is one.
+            return self._write(None, _chunks(f))
+        start = f.tell()
+        hasher, size = hashlib.sha256(), 0
+        for chunk in _chunks(f):
+            hasher.update(chunk)
+            size += len(chunk)
+        digest = hasher.hexdigest()
+        existing = self._existing(digest, size)
+        if existing:
+            return existing
+        f.seek(start)
+        return self._write(digest, _chunks(f))
+
+    def _existing(self, digest: str, size: int) -> Ref | None:
+        path = self.path_of(digest)
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return None
+        if st.st_size != size:
+            return None  # a damaged copy: the caller writes the good bytes over it
+        # Refresh the age gc judges by, so an old object reused by a build in progress
+        # survives until that build publishes. Only metadata changes; no bytes are written.
+        with contextlib.suppress(OSError):
+            os.utime(path)
+        return Ref(digest, path, size)
+
+    def _write(self, digest: str | None, chunks: Iterable[bytes]) -> Ref:
+        if not self._tmp.is_dir():
+            _durable.ensure_dir(self._tmp)
+        tmp = _durable.temp_name(self._tmp, (digest or "stream")[:16])
+        hasher, size = hashlib.sha256(), 0
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                for chunk in chunks:
+                    hasher.update(chunk)
+                    size += len(chunk)
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                _durable.checkpoint("put:written")
+                os.fsync(fd)
+                # Objects are immutable: read-only makes an accidental in-place edit fail loudly.
+                os.fchmod(fd, 0o444)
+            finally:
+                os.close(fd)
+            actual = hasher.hexdigest()
+            if digest is not None and actual != digest:
+                raise StoreError(
+                    "the source changed while it was being stored (its bytes no longer hash "
+                    f"to {digest}): put it again once it is complete"
+                )
+            if digest is None:
+                existing = self._existing(actual, size)
+                if existing:
+                    tmp.unlink()
+                    return existing
+            _durable.checkpoint("put:synced")
+            final = self.path_of(actual)
+            _durable.ensure_dir(final.parent)
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _durable.checkpoint("put:renamed")
+        _durable.fsync_dir(final.parent)
+        return Ref(actual, final, size)
+
+    def put_manifest(self, entries: Mapping[str, Ref | str]) -> Ref:
+        """Store a manifest naming objects (name -> Ref or digest); gc keeps what it lists."""
+        body: dict[str, dict[str, Any]] = {}
+        for name, item in entries.items():
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"manifest name {name!r} must be a non-empty string")
+            ref = item if isinstance(item, Ref) else self.ref(item)
+            if not self.exists(ref):
+                raise StoreError(
+                    f"manifest entry {name!r} names {ref.digest}, which is not in "
+                    f"{self.root}: put its bytes before the manifest"
+                )
+            body[name] = {"digest": ref.digest, "size": ref.size}
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return self.put(MANIFEST_PREFIX + b'"entries":' + text.encode() + b"}\n")
+
+    # -- reading ----------------------------------------------------------------------
+
+    def open(self, ref: Ref | str) -> BinaryIO:
+        """Open an object for reading; reading to the end raises CorruptObject on damage."""
+        digest = self._digest(ref)
+        path = self.path_of(digest)
+        try:
+            f = path.open("rb", buffering=0)
+        except FileNotFoundError:
+            raise StoreError(f"no object {digest} in {self.root}: put its bytes first") from None
+        size = os.fstat(f.fileno()).st_size
+        expected = ref.size if isinstance(ref, Ref) else size
+        checked = Ref(digest, path, expected)
+        if size != expected:
+            f.close()
+            raise CorruptObject(
+                f"object {digest} at {path} is {size} bytes, expected {expected}: put the "
+                "original bytes again to repair it, or remove the file"
+            )
+        return io.BufferedReader(_Verifying(f, checked), buffer_size=_CHUNK)
+
+    def read_bytes(self, ref: Ref | str) -> bytes:
+        """An object's bytes, checked against its digest (CorruptObject when damaged)."""
+        with self.open(ref) as f:
+            return f.read()
+
+    def verify(self, ref: Ref | str) -> Ref:
+        """Read an object through and check its digest; returns its Ref."""
+        with self.open(ref) as f:
+            while f.read(_CHUNK):
+                pass
+        return self.ref(self._digest(ref))
+
+    def read_manifest(self, ref: Ref | str) -> dict[str, Ref]:
+        """The entries of a manifest written by :meth:`put_manifest`."""
+        data = self.read_bytes(ref)
+        if not data.startswith(MANIFEST_PREFIX):
+            raise StoreError(f"object {self._digest(ref)} is not a manifest")
+        try:
+            entries = json.loads(data)["entries"]
+            return {
+                name: Ref(e["digest"], self.path_of(e["digest"]), int(e["size"]))
+                for name, e in entries.items()
+            }
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StoreError(f"manifest {self._digest(ref)} is malformed: {exc}") from exc
+
+    def refs(self) -> Iterator[Ref]:
+        """Every object in the store (its bytes are not read)."""
+        for fan in sorted(self.root.iterdir()):
+            if len(fan.name) != 2 or not fan.is_dir():
+                continue
+            for entry in sorted(fan.iterdir()):
+                digest = fan.name + entry.name
+                if _DIGEST.fullmatch(digest):
+                    try:
+                        yield Ref(digest, entry, entry.stat().st_size)
+                    except FileNotFoundError:
+                        continue  # removed by a concurrent gc
+
+    # -- garbage collection -----------------------------------------------------------
+
+    def gc(
+        self, keep: Iterable[Keep], *, grace: float = DEFAULT_GRACE, dry_run: bool = False
+    ) -> list[Ref]:
+        """Remove objects that nothing in ``keep`` references; returns what was removed.
+
+        ``keep`` holds Refs, digests, object paths, pointers (anything with ``read()``)
+        or their published states; manifests are followed. Objects younger than
+        ``grace`` seconds stay, because a build that has put them may not have published
+        yet: choose it above your longest build. Stray temporary files older than
+        ``grace`` go too. With ``dry_run`` nothing is removed.
+        """
+        if isinstance(keep, (str, bytes)) or not isinstance(keep, Iterable):
+            raise ConfigError(
+                "gc(keep=...) takes a list of Refs, digests or pointers, e.g. keep=[ptr]"
+            )
+        if grace < 0:
+            raise ConfigError(f"grace={grace!r} must be >= 0 seconds")
+        live = self._live(keep)
+        cutoff = time.time() - grace
+        removed: list[Ref] = []
+        for ref in self.refs():
+            if ref.digest in live:
+                continue
+            try:
+                if ref.path.stat().st_mtime > cutoff:
+                    continue
+                if not dry_run:
+                    ref.path.unlink()
+            except FileNotFoundError:
+                continue
+            removed.append(ref)
+        if not dry_run and self._tmp.is_dir():
+            for tmp in self._tmp.iterdir():
+                try:
+                    if tmp.stat().st_mtime <= cutoff:
+                        tmp.unlink()
+                except FileNotFoundError:
+                    continue
+        if removed and not dry_run:
+            for parent in {ref.path.parent for ref in removed}:
+                _durable.fsync_dir(parent)
+        return removed
+
+    def _live(self, keep: Iterable[Keep]) -> set[str]:
+        """Digests reachable from ``keep``; reads (and checks) every manifest on the way."""
+        todo: list[str] = []
+        for item in keep:
+            reader = getattr(item, "read", None)
+            if callable(reader) and not isinstance(item, (Ref, str, os.PathLike)):
+                item = reader()  # a pointer: keep what it publishes now
+                if item is None:
+                    continue
+            digest = self._root_digest(item)
+            if digest:
+                todo.append(digest)
+        live: set[str] = set()
+        while todo:
+            digest = todo.pop()
+            if digest in live:
+                continue
+            live.add(digest)
+            path = self.path_of(digest)
+            try:
+                with path.open("rb") as f:
+                    head = f.read(len(MANIFEST_PREFIX))
+            except FileNotFoundError:
+                continue
+            if head == MANIFEST_PREFIX:
+                # A damaged manifest raises here, before anything is removed.
+                todo.extend(ref.digest for ref in self.read_manifest(digest).values())
+        return live
+
+    def _root_digest(self, item: object) -> str | None:
+        """The digest a kept item names in this store, or None for targets elsewhere."""
+        digest = getattr(item, "digest", None)
+        if isinstance(digest, str) and _DIGEST.fullmatch(digest):
+            return digest
+        if isinstance(item, str) and _DIGEST.fullmatch(item):
+            return item
+        target = getattr(item, "target", item)
+        if isinstance(target, (str, os.PathLike)):
+            return self._digest_from_path(Path(target))
+        raise ConfigError(f"gc cannot keep {item!r}: pass Refs, digests, object paths or pointers")
+
+
+def _chunks(f: IO[bytes]) -> Iterator[bytes]:
+    while True:
+        chunk = f.read(_CHUNK)
+        if not chunk:
+            return
+        if not isinstance(chunk, (bytes, bytearray, memoryview)):
+            raise ConfigError(
+                f"the file object gave {type(chunk).__name__}, not bytes: "
+                "open it in binary mode ('rb')"
+            )
+        yield chunk

@@ -1,0 +1,339 @@
+"""Fenced pointers: publish one target per name, atomically, and refuse stale holders.
+
+A build writes its output somewhere new (content-addressed objects, a fresh
+directory) and then *publishes* it by swapping a pointer. The swap carries the
+claim's fence. The pointer remembers the highest fence it has accepted and refuses a
+lower one with :class:`~fenced.StaleFence`, so a holder that was paused past its
+lease, and resumed after a newer holder published, changes nothing::
+
+    t0    A holds "rebuild:incidents" (fence 1001) and builds
+    t1    A is paused; its lease ends; B acquires (fence 1002), builds, publishes
+    t2    A resumes and swaps with fence 1001  ->  StaleFence; B's target stays
+
+An equal fence is accepted: the same holder may publish again.
+
+:class:`FilePointer` keeps a small JSON file replaced with ``os.replace`` (readers
+never see a partial file) and serialises compare-and-replace with ``flock`` on a
+sidecar lock file, so two processes cannot interleave. :class:`RedisPointer` does the
+same in one Lua script.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import redis as _redis
+
+from .._errors import ConfigError, StaleFence, StoreError
+from .._keys import ClaimKeys
+from .._scripts import Script
+from . import _durable
+from ._content import Ref
+
+__all__ = ["PUBLISH", "FilePointer", "Published", "RedisPointer"]
+
+#: Publishes kept in a RedisPointer's log (trimmed approximately).
+HISTORY = 100
+
+
+@dataclass(frozen=True)
+class Published:
+    """What a pointer publishes: a target, the fence that published it, and its digest."""
+
+    target: str
+    fence: int
+    digest: str | None = None
+    size: int | None = None
+
+    @property
+    def ref(self) -> Ref | None:
+        """The published object as a Ref, when a Ref was published."""
+        if self.digest is None or self.size is None:
+            return None
+        return Ref(self.digest, Path(self.target), self.size)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "target": self.target,
+            "fence": self.fence,
+            "digest": self.digest,
+            "size": self.size,
+        }
+
+
+Target = Union[Ref, Published, str, "os.PathLike[str]"]
+
+
+def _parts(target: object) -> tuple[str | os.PathLike[str], str | None, int | None]:
+    if isinstance(target, Ref):
+        return target.path, target.digest, target.size
+    if isinstance(target, Published):
+        return target.target, target.digest, target.size
+    if isinstance(target, (str, os.PathLike)):
+        if not str(target):
+            raise ConfigError("target is empty: pass a Ref from ContentStore.put or a path")
+        return target, None, None
+    raise ConfigError(
+        f"cannot publish a {type(target).__name__}: pass a Ref from ContentStore.put or a path"
+    )
+
+
+def _stale(where: str, fence: int, current: int) -> StaleFence:
+    return StaleFence(
+        f"pointer {where} refused fence {fence}: it already accepted fence {current}, so a "
+        "newer claim holder has published; this run is stale and must stop",
+        name=where,
+        fence=fence,
+        current=current,
+    )
+
+
+class FilePointer:
+    """A pointer kept in a small JSON file, swapped atomically under a fence."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        root: str | os.PathLike[str] | None = None,
+        *,
+        lock_timeout: float = 30.0,
+    ) -> None:
+        self.root: Path | None = None
+        if root is not None:
+            root_path = Path(root)
+            if not root_path.is_dir():
+                raise ConfigError(
+                    f"pointer root {root_path.absolute()} is not an existing directory: "
+                    "create it first, or leave root=None"
+                )
+            self.root = root_path.resolve()
+        self.path = Path(path).absolute()
+        if not self.path.name or self.path.name in (".", ".."):
+            raise ConfigError(f"pointer path {path!r} names no file: give it a file name")
+        if self.root is not None and not self._inside(self.path):
+            raise ConfigError(
+                f"pointer {self.path} is outside its root {self.root}: place it under the "
+                "root, or pass the directory that holds both as root"
+            )
+        if self.path.is_dir():
+            raise ConfigError(
+                f"pointer {self.path} is a directory: a pointer is a file; name a file in it, "
+                f"e.g. {self.path / 'current'}"
+            )
+        if lock_timeout <= 0:
+            raise ConfigError(f"lock_timeout={lock_timeout!r} must be a positive number")
+        self.lock_timeout = float(lock_timeout)
+        # The lock file is never removed: removing it would let two writers lock two
+        # different inodes under the same name.
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+
+    def __repr__(self) -> str:
+        return f"<FilePointer {str(self.path)!r}>"
+
+    def _inside(self, path: Path) -> bool:
+        assert self.root is not None
+        real = path.parent.resolve() / path.name
+        return real == self.root or real.is_relative_to(self.root)
+
+    def _entry(self, target: Target) -> dict[str, Any]:
+        where, digest, size = _parts(target)
+        path = Path(where).absolute()
+        if not path.exists():
+            raise ConfigError(
+                f"target {path} does not exist: write the output completely, then swap"
+            )
+        stored = str(path)
+        if self.root is not None:
+            if not self._inside(path):
+                raise ConfigError(
+                    f"target {path} is outside the pointer's root {self.root}: write the "
+                    "output under the root, or pass a root that holds both"
+                )
+            # Relative to the root, so the whole tree can be moved or mounted elsewhere.
+            stored = (path.parent.resolve() / path.name).relative_to(self.root).as_posix()
+        return {"target": stored, "fence": 0, "digest": digest, "size": size}
+
+    def _published(self, entry: dict[str, Any]) -> Published:
+        target = str(entry["target"])
+        if self.root is not None and not os.path.isabs(target):
+            target = str(self.root / target)
+        return Published(target, int(entry["fence"]), entry.get("digest"), entry.get("size"))
+
+    def _load(self) -> dict[str, Any] | None:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            entry = json.loads(data)
+            if not isinstance(entry, dict) or not isinstance(entry.get("fence"), int):
+                raise ValueError("no integer fence")
+            str(entry["target"])
+            return entry
+        except (ValueError, KeyError) as exc:
+            raise StoreError(
+                f"{self.path} is not a fenced pointer file ({exc}): remove it, or choose "
+                "another pointer path"
+            ) from None
+
+    def read(self) -> Published | None:
+        """The last published target and its fence; None before the first swap."""
+        entry = self._load()
+        return None if entry is None else self._published(entry)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            deadline = time.monotonic() + self.lock_timeout
+            wait = 0.0005
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise StoreError(
+                            f"pointer {self.path}: another process has held "
+                            f"{self.lock_path} for {self.lock_timeout}s; find it "
+                            "(fuser, lsof) or raise lock_timeout"
+                        ) from None
+                    time.sleep(wait)
+                    wait = min(wait * 2, 0.02)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the flock
+
+    def swap(self, target: Target, *, fence: int) -> Published:
+        """Publish ``target`` under ``fence``; StaleFence if a higher fence was accepted."""
+        fence = _durable.check_fence(fence)
+        entry = self._entry(target)
+        entry["fence"] = fence
+        _durable.ensure_dir(self.path.parent)
+        with self._locked():
+            _durable.checkpoint("swap:locked")
+            current = self._load()
+            if current is not None:
+                if fence < current["fence"]:
+                    raise _stale(str(self.path), fence, current["fence"])
+                if {k: current.get(k) for k in entry} == entry:
+                    return self._published(current)  # already published: write nothing
+            body = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+            _durable.write_atomic(self.path, body, point="swap")
+        return self._published(entry)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+# PUBLISH
+# KEYS[1] pointer hash (target, fence, digest, size)   KEYS[2] publish log (a stream)
+# ARGV[1] target   ARGV[2] fence, decimal without leading zeros
+# ARGV[3] digest or ""   ARGV[4] size or ""   ARGV[5] log length to keep, "0" for no log
+# returns {1, fence} when accepted, {0, current fence} when a higher fence was accepted
+# Fences are compared as decimal strings, length first, so no size of integer loses
+# precision in Lua's doubles.
+PUBLISH = Script(
+    "publish",
+    """
+local function below(a, b)
+  if #a ~= #b then return #a < #b end
+  return a < b
+end
+local current = redis.call('HGET', KEYS[1], 'fence')
+if current and below(ARGV[2], current) then
+  return {0, current}
+end
+if current == ARGV[2] and redis.call('HGET', KEYS[1], 'target') == ARGV[1]
+   and redis.call('HGET', KEYS[1], 'digest') == ARGV[3] then
+  return {1, current}
+end
+redis.call('HSET', KEYS[1], 'target', ARGV[1], 'fence', ARGV[2],
+           'digest', ARGV[3], 'size', ARGV[4])
+if ARGV[5] ~= '0' then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'target', ARGV[1],
+             'fence', ARGV[2], 'digest', ARGV[3], 'size', ARGV[4])
+end
+return {1, ARGV[2]}
+""",
+)
+
+
+class RedisPointer:
+    """A pointer kept in Redis, swapped under a fence by one Lua script."""
+
+    def __init__(
+        self, redis: Any, name: str, namespace: str = "fenced", *, history: int = HISTORY
+    ) -> None:
+        if redis is None:
+            raise ConfigError("no Redis client given: pass redis.Redis.from_url(...)")
+        if isinstance(history, bool) or not isinstance(history, int) or history < 0:
+            raise ConfigError(f"history={history!r} must be an int >= 0 (0 keeps no log)")
+        keys = ClaimKeys.of(name, namespace)
+        self.redis = redis
+        self.name = keys.name
+        self.namespace = namespace
+        self.history_length = history
+        # The same hash tag as a claim of the same name: one Cluster slot for both.
+        self.key = f"{namespace}:{{{keys.name}}}:ptr"
+        self.log_key = f"{namespace}:{{{keys.name}}}:ptr:log"
+
+    def __repr__(self) -> str:
+        return f"<RedisPointer {self.key!r}>"
+
+    def swap(self, target: Target, *, fence: int) -> Published:
+        """Publish ``target`` under ``fence``; StaleFence if a higher fence was accepted."""
+        fence = _durable.check_fence(fence)
+        where, digest, size = _parts(target)
+        text = os.fspath(where)
+        args = [text, str(fence), digest or "", "" if size is None else str(size)]
+        try:
+            accepted, current = PUBLISH(
+                self.redis, [self.key, self.log_key], [*args, str(self.history_length)]
+            )
+        except (_redis.ConnectionError, _redis.TimeoutError) as exc:
+            raise StoreError(
+                f"pointer {self.key}: Redis unreachable ({exc})", name=self.name
+            ) from exc
+        if not int(accepted):
+            raise _stale(self.key, fence, int(_text(current)))
+        return Published(text, fence, digest, size)
+
+    def read(self) -> Published | None:
+        """The last published target and its fence; None before the first swap."""
+        target, fence, digest, size = self.redis.hmget(
+            self.key, "target", "fence", "digest", "size"
+        )
+        if target is None or fence is None:
+            return None
+        return _from_fields(target, fence, digest, size)
+
+    def history(self, limit: int = 20) -> list[Published]:
+        """Accepted publishes, newest first (stale attempts are never recorded)."""
+        entries = self.redis.xrevrange(self.log_key, count=limit)
+        out = []
+        for _id, fields in entries:
+            f = {_text(k): v for k, v in fields.items()}
+            out.append(_from_fields(f["target"], f["fence"], f.get("digest"), f.get("size")))
+        return out
+
+
+def _from_fields(target: Any, fence: Any, digest: Any, size: Any) -> Published:
+    digest_text = _text(digest) if digest is not None else ""
+    size_text = _text(size) if size is not None else ""
+    return Published(
+        _text(target),
+        int(_text(fence)),
+        digest_text or None,
+        int(size_text) if size_text else None,
+    )
