@@ -351,6 +351,7 @@ def test_feed_import_twice_converges(feeds: dict[str, Any], doc: str) -> None:
     url = f"{feeds['base_url']}/{doc}"
     (first,) = _import(feeds, url)
     assert first["status"] == "ok", (first, feeds["worker"].tail())
+    assert first["entries"] == first["written"] - 1 == EXPECTED[doc]["count"]
     rows = _entries(feeds["db"], url)
     expected = EXPECTED[doc]
     assert len(rows) == expected["count"]
@@ -419,12 +420,11 @@ def test_feed_update_converges_and_stale_import_cannot_overwrite(
     engine = sa.create_engine(f"sqlite:///{feeds['db']}", connect_args={"timeout": 30})
     try:
         stale = importer.parse(url, original.encode(), "application/rss+xml")
-        try:
-            importer.store_feed(engine, stale, fence=first["fence"])
-        except StaleFence:
-            pass
+        counts = importer.store_feed(engine, stale, fence=first["fence"])
     finally:
         engine.dispose()
+    # Nothing written: the feed row and every entry were kept as the newer import left them.
+    assert counts == {**counts, "entries": len(after), "written": 0, "kept": len(after) + 1}
     assert _entries(feeds["db"], url) == after
     assert _fences(feeds["db"], url) == {third["fence"]}
 
