@@ -36,9 +36,9 @@ import redis
 from ._errors import ClaimLost, ClaimUnavailable, ConfigError, FencedError, NotOwner
 from ._heartbeat import heartbeat as _heartbeat
 from ._keys import ClaimKeys
-from ._scripts import ACQUIRE, REFRESH, RELEASE
+from ._scripts import ACQUIRE, FORCE_RELEASE, REFRESH, RELEASE
 
-__all__ = ["Claim", "Holder", "describe_client", "new_token", "read_holder"]
+__all__ = ["Claim", "Holder", "describe_client", "force_release", "new_token", "read_holder"]
 
 log = logging.getLogger("fenced")
 T = TypeVar("T")
@@ -50,6 +50,8 @@ RETRY_INTERVAL = 0.05
 #: Run records kept per claim (the stream is trimmed approximately).
 MAX_RECORDS = 1000
 _HOST = socket.gethostname().replace(":", "_") or "localhost"
+_SKIP = "already running"
+_SKIP_RERUN = "already running; rerun requested"
 
 
 def new_token(task_id: str | None = None) -> str:
@@ -122,6 +124,45 @@ def read_holder(client: Any, name: str, namespace: str = "fenced") -> Holder | N
     return Holder.parse(_text(token), int(pttl), int(fence) if fence is not None else None)
 
 
+def force_release(
+    client: Any,
+    name: str,
+    namespace: str = "fenced",
+    *,
+    task_id: str | None = None,
+    pid: int | None = None,
+    host: str | None = None,
+    outcome: str | None = None,
+    reason: str | None = None,
+    max_records: int = MAX_RECORDS,
+    **data: Any,
+) -> Holder | None:
+    """Clear a claim whatever its token; with ``task_id``/``pid``, only such a holder's.
+
+    For a supervisor that knows the holder is gone (a killed process) or an operator.
+    ``pid`` matches a holder process on ``host`` (default: this host).
+    ``outcome`` (e.g. ``"aborted"``) ends the holder's run record; without it the record
+    says ``released``. Returns the holder that was cleared, or None (one round trip).
+    """
+    keys = ClaimKeys.of(name, namespace)
+    payload = {"host": _HOST, "pid": os.getpid(), "at": time.time(), "reason": reason}
+    payload.update(data)
+    token = FORCE_RELEASE(
+        client,
+        [keys.lock, keys.runs],
+        [
+            "",
+            json.dumps(payload, separators=(",", ":"), default=str),
+            max_records,
+            task_id or "",
+            outcome or "",
+            f"{(host or _HOST).replace(':', '_')}:{pid}" if pid is not None else "",
+        ],
+    )
+    text = _text(token) if token else ""
+    return Holder.parse(text) if text else None
+
+
 class Claim:
     """An exclusive, self-renewing lease on one named resource, with a fencing token."""
 
@@ -137,6 +178,7 @@ class Claim:
         *,
         task_id: str | None = None,
         records: bool = False,
+        record_extra: dict[str, Any] | None = None,
         max_records: int = MAX_RECORDS,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
@@ -169,6 +211,7 @@ class Claim:
         self.on_lost = on_lost
         self.task_id = task_id
         self.records = records
+        self.record_extra = dict(record_extra) if record_extra else {}
         self.max_records = max_records
         self._clock = clock
         self._sleep = sleep
@@ -218,8 +261,14 @@ class Claim:
 
     # -- acquire ----------------------------------------------------------------------
 
-    def acquire(self, blocking: bool = False, timeout: float | None = None) -> bool:
-        """Take the claim; non-blocking by default. Raises ClaimUnavailable if Redis is down."""
+    def acquire(
+        self, blocking: bool = False, timeout: float | None = None, *, request_rerun: bool = False
+    ) -> bool:
+        """Take the claim; non-blocking by default. Raises ClaimUnavailable if Redis is down.
+
+        With ``request_rerun``, losing the race asks the holder for one more run after
+        its own (see ``Claim.rerun_requested``); many requests during one run coalesce.
+        """
         if self._state == _HELD and self._pid == os.getpid():
             raise FencedError(
                 f"claim {self.name!r} is already held by this object: release it first, "
@@ -233,7 +282,7 @@ class Claim:
         give_up = None if timeout is None else self._clock() + timeout
         record_skip = not blocking
         while True:
-            if self._try_acquire(record_skip):
+            if self._try_acquire(record_skip, mark_rerun=request_rerun):
                 return True
             if not blocking:
                 return False
@@ -251,6 +300,7 @@ class Claim:
         if not self.records:
             return ""
         data = {"task_id": self.task_id, "host": _HOST, "pid": os.getpid(), "at": time.time()}
+        data.update(self.record_extra)
         data.update(extra)
         return json.dumps(data, separators=(",", ":"), default=str)
 
@@ -265,9 +315,14 @@ class Claim:
                     token,
                     self._ttl_ms,
                     self._record(),
-                    self._record(reason="already running") if record_skip else "",
+                    self._record(reason=_SKIP_RERUN if mark_rerun else _SKIP)
+                    if record_skip
+                    else "",
                     self.max_records,
                     "1" if mark_rerun else "0",
+                    # A lease held under our own task id is an earlier attempt of this
+                    # task (a redelivery), not a competitor: no skip, no rerun request.
+                    self.task_id or "",
                 ],
             )
         except _UNREACHABLE as exc:

@@ -67,6 +67,9 @@ def run_pipeline(client: Any, calls: Sequence[Call]) -> list[Any]:
 # ARGV[4] JSON of a "skipped" run record, or "" to record nothing (and count no skip)
 # ARGV[5] maximum length of the runs stream (approximate trim)
 # ARGV[6] "1" to ask the holder for one more run when we lose the race, else "0"
+# ARGV[7] (optional) the caller's task id, or "": a holder whose token carries the same
+#         task id is an earlier attempt of the same task (a redelivery), not a
+#         competitor, so no skip is counted or recorded and no rerun is asked
 # returns {1, fence}                                    when the claim is ours
 #         {0, holder token, pttl ms, holder fence, consecutive skips, rerun asked}
 ACQUIRE = Script(
@@ -87,20 +90,25 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   end
   return {1, fence}
 end
-local holder = redis.call('GET', KEYS[1])
+local holder = redis.call('GET', KEYS[1]) or ''
 local pttl = redis.call('PTTL', KEYS[1])
 local fence = tonumber(redis.call('GET', KEYS[2]) or '0')
+-- a token is "random:host:pid:task id"; only the task id may contain ':'
+local own = ARGV[7] ~= nil and ARGV[7] ~= ''
+  and string.match(holder, '^[^:]*:[^:]*:[^:]*:(.*)$') == ARGV[7]
 local skips = 0
-if ARGV[4] ~= '' then
+if own then
+  skips = tonumber(redis.call('GET', KEYS[4]) or '0')
+elseif ARGV[4] ~= '' then
   skips = redis.call('INCR', KEYS[4])
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
-             'event', 'skipped', 'holder', holder or '', 'r', ARGV[4])
+             'event', 'skipped', 'holder', holder, 'r', ARGV[4])
 end
 local rerun = 0
-if ARGV[6] == '1' then
+if ARGV[6] == '1' and not own then
   rerun = redis.call('INCR', KEYS[5])
 end
-return {0, holder or '', pttl, fence, skips, rerun}
+return {0, holder, pttl, fence, skips, rerun}
 """,
 )
 
@@ -157,6 +165,10 @@ return {released, rerun}
 # FORCE_RELEASE: clear a claim whatever its token, for an operator or a supervisor
 # KEYS[1] lock   KEYS[2] runs
 # ARGV[1] expected token prefix ("" = any holder)   ARGV[2] JSON record   ARGV[3] maxlen
+# ARGV[4] (optional) expected task id in the token ("" = any)
+# ARGV[5] (optional) outcome of the holder's run, "" for "released" (an operator's act);
+#         any other outcome (e.g. "aborted": its process died) ends that run's record
+# ARGV[6] (optional) expected "host:pid" in the token ("" = any)
 # returns the token that was deleted, or "" when nothing matched
 FORCE_RELEASE = Script(
     "force_release",
@@ -166,10 +178,21 @@ if not holder then return '' end
 if ARGV[1] ~= '' and string.sub(holder, 1, string.len(ARGV[1])) ~= ARGV[1] then
   return ''
 end
+-- a token is "random:host:pid:task id"; only the task id may contain ':'
+local _, host, pid, task_id = string.match(holder, '^([^:]*):([^:]*):([^:]*):(.*)$')
+if (ARGV[4] or '') ~= '' and task_id ~= ARGV[4] then return '' end
+if (ARGV[6] or '') ~= '' and (host or '') .. ':' .. (pid or '') ~= ARGV[6] then return '' end
 redis.call('DEL', KEYS[1])
 if ARGV[2] ~= '' then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
-             'event', 'released', 'token', holder, 'outcome', 'released', 'r', ARGV[2])
+  local outcome = ARGV[5] or ''
+  if outcome == '' then
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
+               'event', 'released', 'token', holder, 'outcome', 'released', 'r', ARGV[2])
+  else
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
+               'event', 'finished', 'token', holder, 'fence', '0',
+               'outcome', outcome, 'r', ARGV[2])
+  end
 end
 return holder
 """,
