@@ -1,0 +1,226 @@
+"""The Celery app the worker tests run in real ``celery worker`` processes.
+
+Configured from the environment the tests give each worker:
+
+- ``FENCED_TEST_BROKER_URL``, ``FENCED_TEST_BACKEND_URL``: broker and result backend;
+- ``FENCED_REDIS_URL``: the claims' Redis (read by fenced itself);
+- ``FENCED_TEST_OBS_URL``: a Redis where tasks and signal receivers write what they saw
+  (markers, spans, signals), for the tests to read;
+- ``FENCED_TEST_TTL`` (claim ttl, seconds), ``FENCED_TEST_QUEUE``,
+  ``FENCED_TEST_VISIBILITY`` (Redis broker visibility timeout, seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+from celery import signals as celery_signals
+
+from fenced.celery import ClaimedTask, signals
+
+TTL = float(os.environ.get("FENCED_TEST_TTL", "3"))
+
+app = Celery(
+    "fenced_tests",
+    broker=os.environ.get("FENCED_TEST_BROKER_URL", "memory://"),
+    backend=os.environ.get("FENCED_TEST_BACKEND_URL") or None,
+)
+transport: dict[str, Any] = {}
+if os.environ.get("FENCED_TEST_VISIBILITY"):
+    transport = {
+        "visibility_timeout": float(os.environ["FENCED_TEST_VISIBILITY"]),
+        # Sweep for unacknowledged messages every second, so a dead worker's message
+        # comes back soon after the visibility timeout.
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    }
+app.conf.update(
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    task_default_queue=os.environ.get("FENCED_TEST_QUEUE", "celery"),
+    broker_transport_options=transport,
+    broker_connection_retry_on_startup=True,
+    fenced_claim_ttl=TTL,
+    fenced_claim_unavailable_backoff=0.5,
+)
+
+_obs: redis.Redis | None = None
+
+
+def obs() -> redis.Redis:
+    """The observation Redis (one client per process; redis-py reconnects after fork)."""
+    global _obs
+    if _obs is None:
+        _obs = redis.Redis.from_url(os.environ["FENCED_TEST_OBS_URL"], decode_responses=True)
+    return _obs
+
+
+def note(key: str, **data: Any) -> None:
+    """Append one JSON observation to a list."""
+    data.setdefault("at", time.time())
+    data.setdefault("pid", os.getpid())
+    obs().rpush(key, json.dumps(data, default=str))
+
+
+# -- what the worker's signals saw -------------------------------------------------------
+
+
+@celery_signals.task_failure.connect
+def _on_failure(sender: Any = None, task_id: str = "", exception: Any = None, **_: Any) -> None:
+    note("signal:failure", task_id=task_id, task=getattr(sender, "name", None), exc=repr(exception))
+
+
+@celery_signals.task_retry.connect
+def _on_retry(sender: Any = None, request: Any = None, reason: Any = None, **_: Any) -> None:
+    note("signal:retry", task_id=getattr(request, "id", None), reason=repr(reason))
+
+
+@celery_signals.task_postrun.connect
+def _on_postrun(sender: Any = None, task_id: str = "", state: str = "", **_: Any) -> None:
+    # Sent after the failure, retry and success handling: a test that sees it knows
+    # every other signal of that run was sent.
+    note("signal:postrun", task_id=task_id, state=state)
+
+
+@signals.claim_skips_exceeded.connect
+def _on_skips_exceeded(sender: Any = None, name: str = "", skips: int = 0, **kw: Any) -> None:
+    holder = kw.get("holder")
+    note("signal:skips_exceeded", name=name, skips=skips, holder=getattr(holder, "task_id", None))
+
+
+def skips_callback(sender: Any, name: str, skips: int, holder: Any) -> None:
+    """The claim_on_skips_exceeded callback of ``t.alert``."""
+    note("callback:skips_exceeded", name=name, skips=skips, task=sender.name)
+
+
+# -- tasks ---------------------------------------------------------------------------------
+
+
+def _rebuild(task: Any, tenant: str, layer: str, steps: int, step_time: float, run: str) -> Any:
+    start = time.time()
+    fence = task.claim.fence
+    for i in task.claim.steps(range(steps)):
+        # Written only after check(): a run that lost its claim writes no further marker.
+        note(f"marks:{run}", i=i, fence=fence, task_id=task.request.id)
+        obs().set(f"out:{tenant}:{layer}:{i}", fence)
+        time.sleep(step_time)
+    note(
+        "spans",
+        tenant=tenant,
+        layer=layer,
+        start=start,
+        end=time.time(),
+        run=run,
+        task_id=task.request.id,
+    )
+    return {"status": "ok", "tenant": tenant, "layer": layer, "steps": steps, "fence": fence}
+
+
+@app.task(base=ClaimedTask, bind=True, name="t.rebuild", claim="rebuild:{tenant}:{layer}")
+def rebuild(
+    self: Any, tenant: str, layer: str, steps: int = 3, step_time: float = 0.3, run: str = ""
+) -> Any:
+    """A tenant's layer rebuilt in steps, each after a claim check."""
+    return _rebuild(self, tenant, layer, steps, step_time, run)
+
+
+@app.task(
+    base=ClaimedTask,
+    bind=True,
+    name="t.rebuild_long_lease",
+    claim="rebuild:{tenant}:{layer}",
+    claim_ttl=30,
+)
+def rebuild_long_lease(
+    self: Any, tenant: str, layer: str, steps: int = 3, step_time: float = 0.3, run: str = ""
+) -> Any:
+    """The same rebuild with a lease far longer than the test waits."""
+    return _rebuild(self, tenant, layer, steps, step_time, run)
+
+
+@app.task(base=ClaimedTask, bind=True, name="t.sleeper", claim="sleep:{key}")
+def sleeper(self: Any, key: str, seconds: float) -> str:
+    """Never checks its claim: one long sleep."""
+    note(f"sleeper:{key}", event="start", fence=self.claim.fence)
+    time.sleep(seconds)
+    note(f"sleeper:{key}", event="end")
+    return "slept"
+
+
+@app.task(base=ClaimedTask, bind=True, name="t.spinner", claim="spin:{key}")
+def spinner(self: Any, key: str, seconds: float) -> str:
+    """Never checks its claim: busy in Python for a while."""
+    note(f"sleeper:{key}", event="start", fence=self.claim.fence)
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        time.sleep(0.01)
+    note(f"sleeper:{key}", event="end")
+    return "spun"
+
+
+def _gated(task: Any, key: str) -> Any:
+    """Note the start, then wait (checking the claim) until the test opens this run's gate."""
+    r = obs()
+    n = r.rpush(f"runs:{key}", json.dumps({"task_id": task.request.id, "start": time.time()})) - 1
+    while not r.exists(f"gate:{key}:{n}"):
+        task.claim.check()
+        time.sleep(0.05)
+    note(f"ends:{key}", n=n, task_id=task.request.id)
+    return {"status": "ok", "run": n}
+
+
+@app.task(base=ClaimedTask, bind=True, name="t.gated", claim="gated:{key}")
+def gated(self: Any, key: str) -> Any:
+    """Holds its claim until the test lets it finish (skip policy)."""
+    return _gated(self, key)
+
+
+@app.task(
+    base=ClaimedTask, bind=True, name="t.rerun", claim="gated:{key}", claim_on_conflict="rerun"
+)
+def gated_rerun(self: Any, key: str) -> Any:
+    """Rerun policy: conflicting triggers coalesce into one more run."""
+    return _gated(self, key)
+
+
+@app.task(
+    base=ClaimedTask, bind=True, name="t.retry", claim="gated:{key}", claim_on_conflict="retry"
+)
+def gated_retry(self: Any, key: str) -> Any:
+    """Retry policy: wait for the holder's lease, then run."""
+    return _gated(self, key)
+
+
+@app.task(
+    base=ClaimedTask, bind=True, name="t.raise", claim="gated:{key}", claim_on_conflict="raise"
+)
+def gated_raise(self: Any, key: str) -> Any:
+    """Raise policy: ClaimHeld."""
+    return _gated(self, key)
+
+
+@app.task(
+    base=ClaimedTask,
+    bind=True,
+    name="t.alert",
+    claim="gated:{key}",
+    claim_alert_after_skips=2,
+    claim_on_skips_exceeded=skips_callback,
+)
+def gated_alert(self: Any, key: str) -> Any:
+    """Alerts every second consecutive skip."""
+    return _gated(self, key)
+
+
+@app.task(base=ClaimedTask, bind=True, name="t.soft", claim="soft:{key}", soft_time_limit=1)
+def soft(self: Any, key: str) -> str:
+    """Overruns its soft time limit."""
+    note(f"sleeper:{key}", event="start")
+    time.sleep(20)
+    return "never"

@@ -1,0 +1,200 @@
+"""Real ``celery worker`` processes for the tests: start, wait until ready, kill.
+
+Each worker runs ``tests/celery_app.py`` in its own session (process group), so the
+whole worker — main process and pool children — can be paused or killed at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import redis
+from celery import Celery
+
+ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+#: Generous bounds: the machine is shared and busy; a test that waits this long failed.
+READY_TIMEOUT = 90.0
+WAIT = 60.0
+
+
+def wait_for(what: str, check: Callable[[], T], timeout: float = WAIT, every: float = 0.05) -> T:
+    """Poll ``check`` until it returns something truthy; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(every)
+
+
+@dataclass
+class Services:
+    """Where a worker and the test meet: broker, results, claims, observations."""
+
+    broker_url: str
+    backend_url: str
+    lock_url: str
+    obs_url: str
+    ttl: float = 3.0
+    queue: str = field(default_factory=lambda: f"q-{uuid.uuid4().hex[:8]}")
+
+    def client(self) -> Celery:
+        """A Celery app for sending tasks and reading results (no tasks registered)."""
+        app = Celery("fenced_test_client", broker=self.broker_url, backend=self.backend_url)
+        app.conf.update(broker_connection_retry_on_startup=True, result_expires=600)
+        return app
+
+    def obs(self) -> redis.Redis:
+        """The observation Redis, decoded."""
+        return redis.Redis.from_url(self.obs_url, decode_responses=True)
+
+    def locks(self) -> redis.Redis:
+        """The claims' Redis, decoded."""
+        return redis.Redis.from_url(self.lock_url, decode_responses=True)
+
+
+class Worker:
+    """One ``celery worker`` process group."""
+
+    def __init__(
+        self,
+        services: Services,
+        *,
+        pool: str = "prefork",
+        concurrency: int = 2,
+        queues: list[str] | None = None,
+        visibility: float | None = None,
+        lock_url: str | None = None,
+        name: str = "w",
+    ) -> None:
+        self.services = services
+        self.pool = pool
+        self.concurrency = concurrency
+        self.queues = queues or [services.queue]
+        self.visibility = visibility
+        self.lock_url = lock_url or services.lock_url
+        self.node = f"{name}-{uuid.uuid4().hex[:6]}@%h"
+        fd, self.log_path = tempfile.mkstemp(prefix="fenced-worker-", suffix=".log")
+        os.close(fd)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Worker:
+        """Start and wait until the worker says it is ready."""
+        env = dict(os.environ)
+        env.update(
+            PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src"), env.get("PYTHONPATH", "")]),
+            FENCED_TEST_BROKER_URL=self.services.broker_url,
+            FENCED_TEST_BACKEND_URL=self.services.backend_url,
+            FENCED_REDIS_URL=self.lock_url,
+            FENCED_TEST_OBS_URL=self.services.obs_url,
+            FENCED_TEST_TTL=str(self.services.ttl),
+            FENCED_TEST_QUEUE=self.services.queue,
+            PYTHONUNBUFFERED="1",
+        )
+        if self.visibility is not None:
+            env["FENCED_TEST_VISIBILITY"] = str(self.visibility)
+        args = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.celery_app",
+            "worker",
+            "--pool",
+            self.pool,
+            "-c",
+            str(self.concurrency),
+            "-n",
+            self.node,
+            "-Q",
+            ",".join(self.queues),
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+            "-l",
+            "info",
+        ]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                args,
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            wait_for(f"worker {self.node} to be ready", self._ready, READY_TIMEOUT, 0.1)
+        except AssertionError:
+            tail = self.log()[-3000:]
+            self.stop()
+            raise AssertionError(f"worker did not start:\n{tail}") from None
+        return self
+
+    def _ready(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(
+                f"worker exited with {self.proc.returncode}:\n{self.log()[-3000:]}"
+            )
+        return " ready." in self.log()
+
+    def log(self) -> str:
+        """Everything the worker logged so far."""
+        return Path(self.log_path).read_text(errors="replace")
+
+    @property
+    def pid(self) -> int:
+        """The main process."""
+        assert self.proc is not None
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker: main process and pool children together."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        """Kill the worker."""
+        self.kill()
+
+    def __enter__(self) -> Worker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        """Kill the worker; keep its log when it failed (or FENCED_TEST_KEEP_LOGS is set)."""
+        self.stop()
+        if exc[0] is None and not os.environ.get("FENCED_TEST_KEEP_LOGS"):
+            Path(self.log_path).unlink(missing_ok=True)
+        else:
+            sys.stderr.write(f"worker log: {self.log_path}\n{self.log()[-4000:]}\n")
+
+
+def notes(obs: redis.Redis, key: str) -> list[dict[str, Any]]:
+    """The JSON observations appended to a list."""
+    return [json.loads(x) for x in obs.lrange(key, 0, -1)]
+
+
+def key() -> str:
+    """A fresh name, so tests sharing a worker never share a claim."""
+    return uuid.uuid4().hex[:10]

@@ -1,0 +1,343 @@
+"""ClaimedTask without a worker: definition-time checks, settings, the lock Redis, and
+runs called directly or eagerly in this process (including interrupts)."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from fenced import Claim, ClaimHeld, ClaimLost, ConfigError, NotOwner, records
+from fenced._claim import new_token
+from fenced._keys import ClaimKeys
+from fenced.celery import ClaimedTask, lock_redis, metrics, signals
+from fenced.server import RedisServer
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer(unix=True) as server:
+        yield server
+
+
+@pytest.fixture
+def app(redis_server: RedisServer) -> Iterator[Celery]:
+    redis_server.client().flushall()
+    app = Celery("fenced_config_tests", set_as_current=False, broker="memory://")
+    app.conf.fenced_redis_url = redis_server.url
+    app.conf.fenced_claim_ttl = 3
+    app.finalize()  # tasks are built (and checked) as they are defined
+    yield app
+
+
+@pytest.fixture
+def r(redis_server: RedisServer) -> Any:
+    return redis_server.client(decode_responses=True)
+
+
+# -- definition time ------------------------------------------------------------------------
+
+
+def test_template_field_without_argument_fails_at_definition(app: Celery) -> None:
+    with pytest.raises(ConfigError, match=r"names layer, but the task has no argument") as info:
+
+        @app.task(shared=False, base=ClaimedTask, bind=True, claim="rebuild:{tenant}:{layer}")
+        def rebuild(self: Any, tenant: str) -> None: ...
+
+    assert "it has: tenant" in str(info.value)  # not self: bind=True skips it
+
+
+def test_unbound_task_fields_are_the_functions_arguments(app: Celery) -> None:
+    @app.task(shared=False, base=ClaimedTask, claim="rebuild:{tenant}")
+    def rebuild(tenant: str) -> str:
+        return tenant
+
+    assert rebuild.claim_name_for(("acme",), {}) == "rebuild:acme"
+    with pytest.raises(ConfigError, match="names self"):
+
+        @app.task(shared=False, base=ClaimedTask, claim="rebuild:{self}")
+        def bad(tenant: str) -> None: ...
+
+
+def test_lazy_app_fails_when_the_task_is_first_used(redis_server: RedisServer) -> None:
+    lazy = Celery("fenced_lazy", set_as_current=False, broker="memory://")
+
+    @lazy.task(shared=False, base=ClaimedTask, bind=True, claim="rebuild:{layer}")
+    def rebuild(self: Any, tenant: str) -> None: ...
+
+    with pytest.raises(ConfigError, match="names layer"):
+        rebuild.name  # noqa: B018 - evaluating the task builds its class
+
+
+@pytest.mark.parametrize(
+    ("options", "fix"),
+    [
+        ({}, "has no claim"),
+        ({"claim": ""}, "claim template is empty"),
+        ({"claim": 42}, "must be a template"),
+        ({"claim": "x:{t.attr}"}, "only plain argument names"),
+        ({"claim": "x:{t}", "claim_ttl": 0}, "claim_ttl=0 is not a positive number"),
+        ({"claim": "x:{t}", "claim_ttl": 6, "claim_refresh_every": 6}, "must be below claim_ttl"),
+        ({"claim": "x:{t}", "claim_on_conflict": "queue"}, "one of skip, rerun, retry, raise"),
+        ({"claim": "x:{t}", "claim_alert_after_skips": -1}, "whole number of skips"),
+        ({"claim": "x:{t}", "claim_on_skips_exceeded": "log"}, "is not callable"),
+        ({"claim": "x:{t}", "claim_interrupt": "yes"}, "must be True or False"),
+        ({"claim": "x:{t}", "claim_namespace": "a{b}"}, "namespace"),
+    ],
+)
+def test_bad_options_fail_at_definition_naming_the_fix(
+    app: Celery, options: dict[str, Any], fix: str
+) -> None:
+    with pytest.raises(ConfigError, match=fix) as info:
+
+        @app.task(shared=False, base=ClaimedTask, bind=True, **options)
+        def task(self: Any, t: str) -> None: ...
+
+    assert isinstance(info.value, ValueError)
+
+
+def test_class_based_tasks_and_abstract_bases(app: Celery, r: Any) -> None:
+    class Quick(ClaimedTask):  # an abstract base: options, no run, no claim yet
+        claim_ttl = 5
+
+    class Rebuild(Quick):
+        name = "rebuild.class"
+        claim = "rebuild:{tenant}"
+
+        def run(self, tenant: str, fail: bool = False) -> float:
+            return self.claim.ttl
+
+    task = app.register_task(Rebuild())
+    assert task("acme") == 5.0
+    with pytest.raises(ConfigError, match="has no claim"):
+
+        class Missing(Quick):
+            def run(self) -> None: ...
+
+
+def test_callable_claim_name(app: Celery, r: Any) -> None:
+    @app.task(
+        shared=False, base=ClaimedTask, bind=True, claim=lambda args, kwargs: f"feed:{args[0]}"
+    )
+    def fetch(self: Any, url: str) -> str:
+        return self.claim.name
+
+    assert fetch("https://example.org/feed").startswith("feed:https")
+    history = records.history(r, fetch.claim_name_for(("https://example.org/feed",), {}))
+    assert history[0].outcome == "ok" and history[0].extra["template"].endswith("<lambda>")
+
+
+# -- settings and the lock Redis ------------------------------------------------------------
+
+
+def test_no_lock_redis_is_a_clear_error_on_first_use(
+    monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer
+) -> None:
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    bare = Celery("fenced_bare", set_as_current=False, broker=redis_server.url)
+    bare.finalize()
+
+    @bare.task(shared=False, base=ClaimedTask, bind=True, claim="x:{t}")
+    def task(self: Any, t: str) -> None: ...
+
+    with pytest.raises(ConfigError, match=r"fenced_redis_url.*FENCED_REDIS_URL"):
+        task("a")
+    monkeypatch.setenv("FENCED_REDIS_URL", redis_server.url)
+    assert lock_redis(bare).ping()
+
+
+def test_each_app_gets_its_own_client(app: Celery, redis_server: RedisServer) -> None:
+    other = Celery("fenced_other", set_as_current=False)
+    with RedisServer() as second:
+        other.conf.fenced_redis_url = second.url
+        assert lock_redis(app) is lock_redis(app)
+        assert lock_redis(other) is not lock_redis(app)
+        kwargs = lock_redis(other).connection_pool.connection_kwargs
+        assert kwargs["port"] == second.port
+
+
+def test_settings_give_defaults_and_options_win(app: Celery, r: Any) -> None:
+    app.conf.fenced_namespace = "maps"
+    app.conf.fenced_claim_refresh_every = 0.5
+
+    @app.task(shared=False, base=ClaimedTask, bind=True, claim="x:{t}")
+    def from_settings(self: Any, t: str) -> tuple[float, float, str]:
+        return self.claim.ttl, self.claim.refresh_every, self.claim.namespace
+
+    @app.task(
+        shared=False, base=ClaimedTask, bind=True, claim="y:{t}", claim_ttl=9, claim_namespace="own"
+    )
+    def own(self: Any, t: str) -> tuple[float, float, str]:
+        return self.claim.ttl, self.claim.refresh_every, self.claim.namespace
+
+    assert from_settings("a") == (3.0, 0.5, "maps")
+    assert own("a") == (9.0, 0.5, "own")
+    assert r.exists(ClaimKeys.of("x:a", "maps").runs)
+
+
+# -- runs in this process -------------------------------------------------------------------
+
+
+def test_direct_call_runs_under_the_claim_and_records_it(app: Celery, r: Any) -> None:
+    seen: list[Any] = []
+
+    @app.task(shared=False, base=ClaimedTask, bind=True, claim="rebuild:{tenant}:{layer}")
+    def rebuild(self: Any, tenant: str, layer: str, note: str = "") -> int:
+        seen.append((self.claim.name, self.claim.held, self.claim.task_id))
+        return int(self.claim.fence)
+
+    fence = rebuild("acme", layer="roads")
+    assert seen == [("rebuild:acme:roads", True, None)]
+    run = records.last(r, "rebuild:acme:roads")
+    assert run is not None and run.outcome == "ok" and run.fence == fence
+    assert run.extra["task"] == rebuild.name
+    assert run.extra["template"] == "rebuild:{tenant}:{layer}"
+    assert run.extra["args"] == {"tenant": "acme", "layer": "roads"}
+    with pytest.raises(NotOwner, match="only while a run"):
+        rebuild.claim  # noqa: B018
+
+
+def test_long_argument_values_are_recorded_as_digests(app: Celery, r: Any) -> None:
+    @app.task(shared=False, base=ClaimedTask, bind=True, claim="ingest:{path}")
+    def ingest(self: Any, path: str) -> str:
+        return self.claim.name
+
+    long_path = "s3://bucket/" + "x" * 200
+    name = ingest(long_path)
+    run = records.last(r, name)
+    assert run is not None and run.extra["args"]["path"].startswith("h1-")
+
+
+def test_skip_result_shape_and_alert(app: Celery, r: Any) -> None:
+    calls: list[dict[str, Any]] = []
+    received: list[dict[str, Any]] = []
+
+    def on_signal(sender: Any, **kw: Any) -> None:
+        received.append(kw)
+
+    @app.task(
+        shared=False,
+        base=ClaimedTask,
+        bind=True,
+        claim="rebuild:{layer}",
+        claim_alert_after_skips=2,
+        claim_on_skips_exceeded=lambda **kw: calls.append(kw),
+    )
+    def rebuild(self: Any, layer: str) -> str:
+        return "ran"
+
+    signals.claim_skips_exceeded.connect(on_signal)
+    holder = Claim(r, "rebuild:roads", ttl=10, task_id="holder-1")
+    assert holder.acquire()
+    try:
+        before = metrics["skips_exceeded"]
+        results = [rebuild("roads") for _ in range(3)]
+    finally:
+        holder.release()
+        signals.claim_skips_exceeded.disconnect(on_signal)
+    first = results[0]
+    assert set(first) == {"status", "reason", "claim", "holder", "expires_in", "skips"}
+    assert first["status"] == "skipped" and first["reason"] == "already running"
+    assert first["claim"] == "rebuild:roads" and first["holder"]["task_id"] == "holder-1"
+    assert first["holder"]["token"].endswith("…")  # the secret part is not shown
+    assert 0 < first["expires_in"] <= 10
+    assert [res["skips"] for res in results] == [1, 2, 3]
+    assert [c["skips"] for c in calls] == [2] and calls[0]["sender"] is rebuild
+    assert [s["skips"] for s in received] == [2] and received[0]["name"] == "rebuild:roads"
+    assert metrics["skips_exceeded"] == before + 1
+    assert rebuild("roads") == "ran"
+
+
+def test_eager_apply_and_raise_policy(app: Celery, r: Any) -> None:
+    @app.task(shared=False, base=ClaimedTask, bind=True, claim="pub:{x}", claim_on_conflict="raise")
+    def publish(self: Any, x: str) -> str | None:
+        return self.request.id  # type: ignore[no-any-return]
+
+    result = publish.apply(args=("a",), task_id="eager-1")
+    assert result.get() == "eager-1"
+    holder = Claim(r, "pub:a", ttl=10)
+    assert holder.acquire()
+    try:
+        with pytest.raises(ClaimHeld) as info:
+            publish("a")
+    finally:
+        holder.release()
+    err = pickle.loads(pickle.dumps(info.value))
+    assert isinstance(err, ClaimHeld) and err.name == "pub:a" and err.expires_in
+
+
+def _intrude(r: Any, name: str, started: threading.Event) -> None:
+    started.wait(10)
+    r.set(ClaimKeys.of(name).lock, new_token("someone-else"), px=10_000)
+
+
+def test_lost_claim_interrupts_the_main_thread_while_it_sleeps(app: Celery, r: Any) -> None:
+    started = threading.Event()
+    finished: list[bool] = []
+
+    @app.task(shared=False, base=ClaimedTask, bind=True, claim="sleep:{k}", claim_ttl=1.5)
+    def sleeper(self: Any, k: str) -> None:
+        started.set()
+        time.sleep(20)
+        finished.append(True)
+
+    threading.Thread(target=_intrude, args=(r, "sleep:main", started), daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(ClaimLost, match="interrupted"):
+        sleeper("main")
+    assert time.monotonic() - t0 < 15  # woken, not slept out
+    assert not finished
+    assert records.last(r, "sleep:main").outcome == "lost"  # type: ignore[union-attr]
+
+
+def test_lost_claim_interrupts_a_worker_thread(app: Celery, r: Any) -> None:
+    started = threading.Event()
+    outcome: list[BaseException | str] = []
+
+    @app.task(shared=False, base=ClaimedTask, bind=True, claim="spin:{k}", claim_ttl=1.5)
+    def spinner(self: Any, k: str) -> str:
+        started.set()
+        until = time.monotonic() + 20
+        while time.monotonic() < until:
+            time.sleep(0.01)
+        return "finished"
+
+    def target() -> None:
+        try:
+            outcome.append(spinner("thread"))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=target)
+    worker.start()
+    _intrude(r, "spin:thread", started)
+    worker.join(15)
+    assert not worker.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], ClaimLost)
+    assert records.last(r, "spin:thread").outcome == "lost"  # type: ignore[union-attr]
+
+
+def test_interrupt_can_be_turned_off(app: Celery, r: Any) -> None:
+    started = threading.Event()
+
+    @app.task(
+        shared=False,
+        base=ClaimedTask,
+        bind=True,
+        claim="calm:{k}",
+        claim_ttl=1.5,
+        claim_interrupt=False,
+    )
+    def calm(self: Any, k: str) -> str:
+        started.set()
+        time.sleep(1.5)
+        return "finished"
+
+    threading.Thread(target=_intrude, args=(r, "calm:x", started), daemon=True).start()
+    with pytest.raises(ClaimLost, match="lost while the task ran"):
+        calm("x")  # not interrupted, but its end is not reported as a success
