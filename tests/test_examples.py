@@ -133,10 +133,11 @@ def maps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             EXAMPLES,
             {
                 "MAPS_BROKER_URL": f"{base}/0",
+                "MAPS_RESULT_BACKEND": f"{base}/0",
                 "FENCED_REDIS_URL": f"{base}/1",
                 "MAPS_OUTPUT_DIR": str(tmp / "out"),
                 # Long enough for a second trigger to arrive while the first one tiles.
-                "MAPS_STEP_DELAY": "0.5",
+                "MAPS_STEP_DELAY": "1.0",
             },
             tmp / "worker.log",
             "maps",
@@ -206,10 +207,15 @@ def test_maps_repeated_rebuild_writes_identical_bytes(
     assert store.read_bytes(tiles["0/0/0.png"]).startswith(b"\x89PNG\r\n\x1a\n")
 
 
-def test_maps_two_layers_both_run(maps: dict[str, Any]) -> None:
+def test_maps_two_layers_run_side_by_side(maps: dict[str, Any]) -> None:
     results = _run_all(maps["client"], "maps.rebuild_map", ("parks",), ("rail",))
     assert [r["status"] for r in results] == ["ok", "ok"], results
     assert results[0]["manifest"] != results[1]["manifest"]
+    # Claims named per layer do not contend: the two runs overlapped.
+    parks, rail = (records.last(maps["claims"], f"rebuild:{n}") for n in ("parks", "rail"))
+    assert parks is not None and rail is not None
+    assert parks.outcome == rail.outcome == "ok"
+    assert parks.started < rail.finished and rail.started < parks.finished
 
 
 def test_maps_stale_publish_is_refused(
@@ -269,6 +275,7 @@ def feeds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             "DJANGO_SETTINGS_MODULE": "djangofeeds.settings",
             "DJANGOFEEDS_DB": str(db),
             "DJANGOFEEDS_BROKER_URL": f"{base}/0",
+            "DJANGOFEEDS_RESULT_BACKEND": f"{base}/0",
             "FENCED_REDIS_URL": f"{base}/1",
         }
         subprocess.run(
