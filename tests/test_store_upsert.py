@@ -221,6 +221,28 @@ def test_composite_key_and_a_unique_index_the_table_object_does_not_declare(
         md.drop_all(engine)
 
 
+def test_a_column_declared_unique_inline_is_a_key(engine: sa.Engine) -> None:
+    # The DDL Django writes for unique=True: on SQLite an automatic index backs it.
+    name = f"feeds_{uuid.uuid4().hex[:10]}"
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                f"CREATE TABLE {name} "
+                "(url VARCHAR(100) NOT NULL UNIQUE, title VARCHAR(100), fence BIGINT)"
+            )
+        )
+    try:
+        rows = [{"url": "https://example.com/feed", "title": "t"}]
+        upsert(engine, name, rows, key=["url"], fence=5)
+        upsert(engine, name, [{**rows[0], "title": "old"}], key=["url"], fence=4)
+        with engine.connect() as conn:
+            got = conn.execute(sa.text(f"SELECT url, title, fence FROM {name}")).all()
+        assert [tuple(r) for r in got] == [("https://example.com/feed", "t", 5)]
+    finally:
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"DROP TABLE {name}"))
+
+
 def _table(engine: sa.Engine, *columns: sa.Column[Any]) -> sa.Table:
     md = sa.MetaData()
     table = sa.Table(f"bad_{uuid.uuid4().hex[:10]}", md, *columns)

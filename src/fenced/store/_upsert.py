@@ -194,7 +194,27 @@ def _has_unique(conn: Connection, tbl: sa.Table, keys: set[str]) -> bool:
     found += [
         i["column_names"] for i in insp.get_indexes(tbl.name, schema=tbl.schema) if i["unique"]
     ]
+    if conn.dialect.name in _SQLITE:
+        found += _sqlite_auto_unique(conn, tbl)
     return any(set(cols) == keys for cols in found)
+
+
+def _sqlite_auto_unique(conn: Connection, tbl: sa.Table) -> list[list[str]]:
+    """Columns of SQLite's automatic unique indexes, which SQLAlchemy does not reflect.
+
+    A column declared ``UNIQUE`` inline (``url TEXT NOT NULL UNIQUE``, which is what
+    Django creates for ``unique=True``) is backed by a ``sqlite_autoindex_*`` index
+    and appears neither as a unique constraint nor as an index to the inspector.
+    """
+    quote = conn.dialect.identifier_preparer.quote
+    schema = f"{quote(tbl.schema)}." if tbl.schema else ""
+    found: list[list[str]] = []
+    for row in conn.exec_driver_sql(f"PRAGMA {schema}index_list({quote(tbl.name)})").all():
+        # (seq, name, unique, origin, partial): a partial index is no conflict target.
+        if row[2] and str(row[1]).startswith("sqlite_autoindex") and not row[4]:
+            info = conn.exec_driver_sql(f"PRAGMA {schema}index_info({quote(row[1])})").all()
+            found.append([str(r[2]) for r in info])
+    return found
 
 
 def _prepare(

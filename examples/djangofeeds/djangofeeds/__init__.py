@@ -1,0 +1,7 @@
+"""The djangofeeds project: loads the Celery app whenever Django starts."""
+
+from __future__ import annotations
+
+from .celery import app as celery_app
+
+__all__ = ["celery_app"]

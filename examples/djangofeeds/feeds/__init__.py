@@ -1,0 +1,1 @@
+"""Feeds and their entries, imported once at a time per feed and converging on repeats."""
