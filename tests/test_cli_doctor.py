@@ -1,0 +1,87 @@
+"""`fenced doctor` as a command: real Redis servers, Celery apps imported by --app."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+from fenced.server import RedisServer
+
+
+def doctor(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "FENCED_REDIS_URL"}
+    return subprocess.run(
+        [sys.executable, "-m", "fenced.cli", "doctor", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd,
+        env=env,
+    )
+
+
+def codes(out: str) -> dict[str, str]:
+    return {f["code"]: f["severity"] for f in json.loads(out)["findings"]}
+
+
+def test_evicting_redis_is_an_error(own_server: RedisServer) -> None:
+    own_server.client().config_set("maxmemory-policy", "allkeys-lru")
+    res = doctor("--redis", own_server.url, "--json")
+    assert res.returncode == 1, res.stderr
+    found = codes(res.stdout)
+    assert found["redis.maxmemory-policy"] == "error"
+    text = doctor("--redis", own_server.url)
+    assert "noeviction" in text.stdout  # the fix is named
+
+
+def test_well_configured_redis_passes(own_server: RedisServer) -> None:
+    res = doctor("--redis", own_server.url, "--json")
+    assert res.returncode == 0, res.stdout
+    assert all(sev == "info" for sev in codes(res.stdout).values())
+
+
+APP = textwrap.dedent(
+    """
+    from celery import Celery
+    from fenced.celery import ClaimedTask
+
+    app = Celery("bad", broker="{broker}")
+    app.conf.fenced_redis_url = "{locks}"
+    app.conf.broker_transport_options = {{"visibility_timeout": 60}}
+
+    @app.task(base=ClaimedTask, bind=True, claim="rebuild:{{layer}}", claim_ttl=300,
+              time_limit=120)
+    def rebuild(self, layer):
+        return layer
+    """
+)
+
+
+def test_misconfigured_celery_app(own_server: RedisServer, tmp_path: Path) -> None:
+    base = own_server.url.rsplit("/", 1)[0]
+    (tmp_path / "badapp.py").write_text(APP.format(broker=f"{base}/0", locks=f"{base}/2"))
+    res = doctor("--app", "badapp:app", "--json", cwd=tmp_path)
+    assert res.returncode == 1, res.stdout + res.stderr
+    found: dict[str, Any] = codes(res.stdout)
+    assert found["celery.acks-late"] == "warning"
+    assert found["celery.time-limit"] == "error"
+    assert found["celery.visibility-timeout"] == "error"
+    # The lock store came from the app's setting: the Redis checks ran too.
+    assert "redis.persistence" in found
+
+
+def test_nothing_to_check_is_a_usage_error() -> None:
+    res = doctor()
+    assert res.returncode == 2
+    assert "--redis" in res.stderr and "--app" in res.stderr
+
+
+def test_unimportable_app_names_the_fix(tmp_path: Path) -> None:
+    res = doctor("--app", "no_such_module:app", cwd=tmp_path)
+    assert res.returncode == 2
+    assert "cannot import" in res.stderr
