@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,8 @@ from typing import Any, TypeVar
 
 import redis
 from celery import Celery
+
+from fenced.demo._worker import CeleryWorker
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -91,6 +92,7 @@ class Worker:
         fd, self.log_path = tempfile.mkstemp(prefix="fenced-worker-", suffix=".log")
         os.close(fd)
         self.proc: subprocess.Popen[bytes] | None = None
+        self.worker: CeleryWorker | None = None
 
     def start(self) -> Worker:
         """Start and wait until the worker says it is ready."""
@@ -107,36 +109,17 @@ class Worker:
         )
         if self.visibility is not None:
             env["FENCED_TEST_VISIBILITY"] = str(self.visibility)
-        args = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
+        self.worker = CeleryWorker(
             "tests.celery_app",
-            "worker",
-            "--pool",
-            self.pool,
-            "-c",
-            str(self.concurrency),
-            "-n",
-            self.node,
-            "-Q",
-            ",".join(self.queues),
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "-l",
-            "info",
-        ]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                args,
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            name=self.node.split("@", 1)[0],
+            log=self.log_path,
+            queues=",".join(self.queues),
+            concurrency=self.concurrency,
+            pool=self.pool,
+            cwd=ROOT,
+            env=env,
+        )
+        self.proc = self.worker.start().proc
         try:
             wait_for(f"worker {self.node} to be ready", self._ready, READY_TIMEOUT, 0.1)
         except AssertionError:
@@ -165,14 +148,8 @@ class Worker:
 
     def kill(self) -> None:
         """SIGKILL the whole worker: main process and pool children together."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(30)
+        if self.worker is not None:
+            self.worker.kill()
 
     def stop(self) -> None:
         """Kill the worker."""

@@ -8,12 +8,10 @@ import http.server
 import importlib.util
 import os
 import shutil
-import signal
 import sqlite3
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -24,6 +22,7 @@ import redis
 from celery import Celery
 
 from fenced import Claim, ConfigError, StaleFence, records
+from fenced.demo._worker import CeleryWorker
 from fenced.server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,70 +41,9 @@ def _load(path: Path, name: str) -> ModuleType:
     return module
 
 
-class Worker:
-    """A ``celery worker`` process (prefork, concurrency 2) started and stopped by a test."""
-
-    def __init__(self, app: str, cwd: Path, env: dict[str, str], log: Path, name: str) -> None:
-        self.app, self.cwd, self.log, self.name = app, cwd, log, name
-        self.env = {**os.environ, **env}
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, client: Celery, timeout: float = 90.0) -> Worker:
-        """Start the worker and wait until it answers a ping."""
-        args = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            self.app,
-            "worker",
-            "--pool",
-            "prefork",
-            "-c",
-            "2",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-            "--loglevel",
-            "INFO",
-            "-n",
-            f"{self.name}@%h",
-        ]
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                args,
-                cwd=self.cwd,
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.tail()}")
-            if client.control.ping(timeout=0.5):
-                return self
-        self.stop()
-        raise RuntimeError(f"worker did not answer a ping within {timeout}s:\n{self.tail()}")
-
-    def tail(self) -> str:
-        """The end of the worker's log, for failure messages."""
-        try:
-            return self.log.read_text(errors="replace")[-4000:]
-        except OSError:
-            return "(no log)"
-
-    def stop(self) -> None:
-        """Warm shutdown (SIGTERM); kill the worker's process group if it hangs."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the session this test started
-            self.proc.wait()
+def example_worker(app: str, cwd: Path, env: dict[str, str], log: Path, name: str) -> CeleryWorker:
+    """A ``celery worker`` process (prefork, concurrency 2) for one example."""
+    return CeleryWorker(app, name=name, log=log, cwd=cwd, env={**os.environ, **env}, concurrency=2)
 
 
 def _client(url: str) -> Celery:
@@ -128,7 +66,7 @@ def maps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     with RedisServer() as server:
         base = server.url.rsplit("/", 1)[0]
         client = _client(f"{base}/0")
-        worker = Worker(
+        worker = example_worker(
             "maps.tasks",
             EXAMPLES,
             {
@@ -142,7 +80,7 @@ def maps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             tmp / "worker.log",
             "maps",
         )
-        worker.start(client)
+        worker.start().ready()
         claims = redis.Redis.from_url(f"{base}/1", decode_responses=True)
         try:
             yield {"client": client, "out": tmp / "out", "claims": claims, "worker": worker}
@@ -285,8 +223,8 @@ def feeds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             check=True,
         )
         client = _client(f"{base}/0")
-        worker = Worker("djangofeeds", DJANGOFEEDS, env, tmp / "worker.log", "feeds")
-        worker.start(client)
+        worker = example_worker("djangofeeds", DJANGOFEEDS, env, tmp / "worker.log", "feeds")
+        worker.start().ready()
         host, port = httpd.server_address[:2]
         try:
             yield {

@@ -329,10 +329,9 @@ class Claim:
                 [
                     token,
                     self._ttl_ms,
+                    # One record serves as the "started" or the "skipped" entry.
                     self._record(),
-                    self._record(reason=_SKIP_RERUN if mark_rerun else _SKIP)
-                    if record_skip
-                    else "",
+                    (_SKIP_RERUN if mark_rerun else _SKIP) if record_skip else "",
                     self.max_records,
                     "1" if mark_rerun else "0",
                     # A lease held under our own task id is an earlier attempt of this
@@ -477,11 +476,18 @@ class Claim:
             outcome = "lost" if was_lost else "ok"
         record = ""
         if self.records:
-            record = self._record(
-                outcome=outcome,
-                reason=reason or self.lost_reason,
-                duration=round(self._clock() - self._started_at, 6),
-            )
+            # The "started" entry already says who, where and with what; the finished
+            # one pairs with it by token and adds only how it ended.
+            end: dict[str, Any] = {
+                "task_id": self.task_id,
+                "host": _HOST,
+                "pid": _pid,
+                "duration": round(self._clock() - self._started_at, 6),
+            }
+            why = reason or self.lost_reason
+            if why:
+                end["reason"] = why
+            record = json.dumps(end, separators=(",", ":"), default=str)
         try:
             res = RELEASE(
                 self.redis,

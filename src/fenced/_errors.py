@@ -36,12 +36,18 @@ class FencedError(Exception):
         name: str | None = None,
         token: str | None = None,
         fence: int | None = None,
+        **context: object,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.name = name
         self.token = token
         self.fence = fence
+        # Subclasses declare what else they carry (e.g. ClaimHeld.expires_in).
+        for key, value in context.items():
+            if not any(key in vars(k).get("__annotations__", {}) for k in type(self).__mro__):
+                raise TypeError(f"{type(self).__name__} takes no {key!r}")
+            setattr(self, key, value)
 
     def __reduce__(self) -> tuple[object, ...]:
         # Keyword-only arguments do not survive the default pickling, and Celery
@@ -67,17 +73,8 @@ class ClaimUnavailable(FencedError):
 class ClaimHeld(FencedError):
     """Another live holder has the claim."""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        name: str | None = None,
-        token: str | None = None,
-        fence: int | None = None,
-        expires_in: float | None = None,
-    ) -> None:
-        super().__init__(message, name=name, token=token, fence=fence)
-        self.expires_in = expires_in
+    #: Seconds until the holder's lease ends (it may be renewed).
+    expires_in: float | None = None
 
 
 class ClaimLost(FencedError):
@@ -91,17 +88,8 @@ class NotOwner(FencedError):
 class StaleFence(FencedError):
     """A write carried a fence lower than one already accepted: a stale holder."""
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        name: str | None = None,
-        token: str | None = None,
-        fence: int | None = None,
-        current: int | None = None,
-    ) -> None:
-        super().__init__(message, name=name, token=token, fence=fence)
-        self.current = current
+    #: The fence already accepted, which the stale write fell below.
+    current: int | None = None
 
 
 class StoreError(FencedError):

@@ -63,8 +63,10 @@ def run_pipeline(client: Any, calls: Sequence[Call]) -> list[Any]:
 # ACQUIRE
 # KEYS[1] lock   KEYS[2] fence   KEYS[3] runs   KEYS[4] skips   KEYS[5] rerun
 # ARGV[1] token  ARGV[2] ttl in ms
-# ARGV[3] JSON of a "started" run record, or "" to record nothing
-# ARGV[4] JSON of a "skipped" run record, or "" to record nothing (and count no skip)
+# ARGV[3] JSON of the run record (who, where, when), or "" to record nothing; written
+#         as the "started" entry, or with the skip reason as the "skipped" entry
+# ARGV[4] the skip reason to record when we lose, or "" to record nothing (and count
+#         no skip)
 # ARGV[5] maximum length of the runs stream (approximate trim)
 # ARGV[6] "1" to ask the holder for one more run when we lose the race, else "0"
 # ARGV[7] (optional) the caller's task id, or "": a holder whose token carries the same
@@ -102,7 +104,7 @@ if own then
 elseif ARGV[4] ~= '' then
   skips = redis.call('INCR', KEYS[4])
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
-             'event', 'skipped', 'holder', holder, 'r', ARGV[4])
+             'event', 'skipped', 'holder', holder, 'reason', ARGV[4], 'r', ARGV[3])
 end
 local rerun = 0
 if ARGV[6] == '1' and not own then

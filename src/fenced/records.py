@@ -120,7 +120,7 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
                         started=at,
                         finished=at,
                         duration=0.0,
-                        reason=data.get("reason", "already running"),
+                        reason=f.get("reason") or data.get("reason", "already running"),
                         holder=str(Holder.parse(f["holder"])) if f.get("holder") else None,
                         extra=_extra(data),
                     ),

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +23,8 @@ class CeleryWorker:
         app: str,
         *,
         name: str,
-        log_dir: str | os.PathLike[str],
+        log_dir: str | os.PathLike[str] | None = None,
+        log: str | os.PathLike[str] | None = None,
         queues: str | None = None,
         concurrency: int = 1,
         pool: str = "prefork",
@@ -36,7 +38,10 @@ class CeleryWorker:
         self.pool = pool
         self.cwd = cwd
         self.env = dict(env if env is not None else os.environ)
-        self.log = Path(log_dir) / f"worker-{name}.log"
+        if log is None:
+            folder = log_dir if log_dir is not None else tempfile.mkdtemp(prefix="fenced-")
+            log = Path(folder) / f"worker-{name}.log"
+        self.log = Path(log)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> CeleryWorker:
