@@ -36,7 +36,7 @@ import redis
 from ._errors import ClaimLost, ClaimUnavailable, ConfigError, FencedError, NotOwner
 from ._heartbeat import heartbeat as _heartbeat
 from ._keys import ClaimKeys
-from ._scripts import ACQUIRE, FORCE_RELEASE, REFRESH, RELEASE
+from ._scripts import ACQUIRE, FORCE_RELEASE, REFRESH, RELEASE, as_text
 
 __all__ = ["Claim", "Holder", "describe_client", "force_release", "new_token", "read_holder"]
 
@@ -68,10 +68,6 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def new_token(task_id: str | None = None) -> str:
     """A fresh owner token: 128 random bits, then host, pid and task id for humans."""
     return f"{secrets.token_hex(16)}:{_HOST}:{_pid}:{task_id or ''}"
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @dataclass(frozen=True)
@@ -132,7 +128,7 @@ def read_holder(client: Any, name: str, namespace: str = "fenced") -> Holder | N
     token, pttl, fence = pipe.execute()
     if token is None:
         return None
-    return Holder.parse(_text(token), int(pttl), int(fence) if fence is not None else None)
+    return Holder.parse(as_text(token), int(pttl), int(fence) if fence is not None else None)
 
 
 def force_release(
@@ -170,7 +166,7 @@ def force_release(
             f"{(host or _HOST).replace(':', '_')}:{pid}" if pid is not None else "",
         ],
     )
-    text = _text(token) if token else ""
+    text = as_text(token) if token else ""
     return Holder.parse(text) if text else None
 
 
@@ -360,7 +356,7 @@ class Claim:
             if self.heartbeat:
                 _heartbeat().add(self)
             return True
-        holder_token = _text(res[1])
+        holder_token = as_text(res[1])
         self.holder = Holder.parse(holder_token, int(res[2]), int(res[3]))
         self.skips = int(res[4])
         self.rerun_requested = int(res[5])

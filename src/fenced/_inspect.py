@@ -19,7 +19,7 @@ from typing import Any
 
 from ._claim import MAX_RECORDS, Holder, read_holder
 from ._keys import ClaimKeys
-from ._scripts import FORCE_RELEASE
+from ._scripts import FORCE_RELEASE, as_text
 from .records import RunRecord, entries_for, from_entries, history
 
 __all__ = ["ClaimInfo", "ClaimReport", "force_release", "list_claims", "operator", "show_claim"]
@@ -28,10 +28,6 @@ __all__ = ["ClaimInfo", "ClaimReport", "force_release", "list_claims", "operator
 LS_RUNS = 10
 #: Claims read per pipelined round trip.
 BATCH = 500
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 @dataclass
@@ -71,7 +67,7 @@ def _lock_keys(client: Any, namespace: str) -> Iterator[str]:
     pattern = _glob_escape(namespace) + ":{*}:lock"
     seen: set[str] = set()
     for key in client.scan_iter(match=pattern, count=1000):
-        text = _text(key)
+        text = as_text(key)
         if text not in seen:  # SCAN may return a key more than once
             seen.add(text)
             yield text
@@ -110,7 +106,7 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
         if token is None:
             continue  # released between the scan and the read
         fence_int = int(fence) if fence is not None else None
-        holder = Holder.parse(_text(token), int(pttl), fence_int)
+        holder = Holder.parse(as_text(token), int(pttl), fence_int)
         info = ClaimInfo(
             name=name,
             holder=holder,
@@ -214,7 +210,7 @@ def force_release(
         },
         separators=(",", ":"),
     )
-    deleted = _text(
+    deleted = as_text(
         FORCE_RELEASE(client, [keys.lock, keys.runs], [token_prefix, record, MAX_RECORDS])
     )
     if not deleted:

@@ -22,6 +22,11 @@ from redis.exceptions import NoScriptError
 __all__ = ["ACQUIRE", "FORCE_RELEASE", "RECORD", "REFRESH", "RELEASE", "Script"]
 
 
+def as_text(value: Any) -> str:
+    """A Redis reply as text, whether the client decodes responses or not."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 class Script:
     """A Lua script with its SHA1 computed once; EVALSHA first, EVAL on a cold cache."""
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from ._claim import MAX_RECORDS, Holder
 from ._keys import ClaimKeys
-from ._scripts import RECORD
+from ._scripts import RECORD, as_text
 
 __all__ = [
     "OUTCOMES",
@@ -32,10 +32,6 @@ __all__ = [
 ]
 
 OUTCOMES = ("ok", "skipped", "failed", "lost", "aborted", "released", "running")
-
-
-def _text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 @dataclass
@@ -68,7 +64,7 @@ def _entry_time(entry_id: str) -> float:
 
 
 def _fields(raw: Any) -> dict[str, str]:
-    return {_text(k): _text(v) for k, v in raw.items()}
+    return {as_text(k): as_text(v) for k, v in raw.items()}
 
 
 def _worker(data: dict[str, Any]) -> str | None:
@@ -96,7 +92,7 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
     finished: dict[str, tuple[str, dict[str, str]]] = {}
     runs: list[tuple[float, RunRecord]] = []
     for entry_id, raw in entries:
-        eid = _text(entry_id)
+        eid = as_text(entry_id)
         f = _fields(raw)
         data = json.loads(f.get("r") or "{}")
         event = f.get("event")
@@ -225,6 +221,6 @@ def record(
     keys = ClaimKeys.of(name, namespace)
     data.setdefault("at", time.time())
     payload = json.dumps(data, separators=(",", ":"), default=str)
-    return _text(
+    return as_text(
         RECORD(client, [keys.runs, keys.skips], [event, outcome, payload, max_records, token])
     )

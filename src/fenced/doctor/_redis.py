@@ -7,16 +7,13 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .._scripts import as_text
 from ._finding import Finding
 
 __all__ = ["MIN_REDIS", "check_redis", "version_findings"]
 
 #: Oldest Redis the claim scripts run on: XADD (streams) and TIME before a write.
 MIN_REDIS = (5, 0)
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -50,13 +47,13 @@ def _config(client: Any, name: str) -> str | None:
         raw = client.config_get(name)
     except Exception:
         return None
-    values = {_text(k): _text(v) for k, v in (raw or {}).items()}
+    values = {as_text(k): as_text(v) for k, v in (raw or {}).items()}
     return values.get(name)
 
 
 def _policy_findings(info: Mapping[str, Any], client: Any) -> list[Finding]:
     policy = info.get("maxmemory_policy")
-    policy = _text(policy) if policy is not None else _config(client, "maxmemory-policy")
+    policy = as_text(policy) if policy is not None else _config(client, "maxmemory-policy")
     found: list[Finding] = []
     if policy is None:
         found.append(
@@ -131,7 +128,7 @@ def _persistence_finding(info: Mapping[str, Any], client: Any) -> Finding:
 
 
 def _replication_findings(info: Mapping[str, Any]) -> list[Finding]:
-    role = _text(info.get("role", "master"))
+    role = as_text(info.get("role", "master"))
     if role in ("slave", "replica"):
         host = info.get("master_host", "?")
         port = info.get("master_port", "?")
@@ -167,7 +164,7 @@ def _replication_findings(info: Mapping[str, Any]) -> list[Finding]:
 
 
 def _cluster_finding(info: Mapping[str, Any]) -> list[Finding]:
-    if int(info.get("cluster_enabled", 0) or 0) or _text(info.get("redis_mode")) == "cluster":
+    if int(info.get("cluster_enabled", 0) or 0) or as_text(info.get("redis_mode")) == "cluster":
         return [
             Finding(
                 "info",
@@ -228,7 +225,7 @@ def check_redis(
                 "the server is running: `redis-cli -u URL ping`.",
             )
         ]
-    found = version_findings(_text(info.get("redis_version", "0")))
+    found = version_findings(as_text(info.get("redis_version", "0")))
     found += _policy_findings(info, client)
     evicted = int(info.get("evicted_keys", 0) or 0)
     if evicted > 0:

@@ -34,7 +34,7 @@ import redis as _redis
 
 from .._errors import ConfigError, StaleFence, StoreError
 from .._keys import ClaimKeys
-from .._scripts import Script
+from .._scripts import Script, as_text
 from . import _durable
 from ._content import Ref
 
@@ -232,10 +232,6 @@ class FilePointer:
         return self._published(entry)
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 # PUBLISH
 # KEYS[1] pointer hash (target, fence, digest, size)   KEYS[2] publish log (a stream)
 # ARGV[1] target   ARGV[2] fence, decimal without leading zeros
@@ -306,7 +302,7 @@ class RedisPointer:
                 f"pointer {self.key}: Redis unreachable ({exc})", name=self.name
             ) from exc
         if not int(accepted):
-            raise _stale(self.key, fence, int(_text(current)))
+            raise _stale(self.key, fence, int(as_text(current)))
         return Published(text, fence, digest, size)
 
     def read(self) -> Published | None:
@@ -323,17 +319,17 @@ class RedisPointer:
         entries = self.redis.xrevrange(self.log_key, count=limit)
         out = []
         for _id, fields in entries:
-            f = {_text(k): v for k, v in fields.items()}
+            f = {as_text(k): v for k, v in fields.items()}
             out.append(_from_fields(f["target"], f["fence"], f.get("digest"), f.get("size")))
         return out
 
 
 def _from_fields(target: Any, fence: Any, digest: Any, size: Any) -> Published:
-    digest_text = _text(digest) if digest is not None else ""
-    size_text = _text(size) if size is not None else ""
+    digest_text = as_text(digest) if digest is not None else ""
+    size_text = as_text(size) if size is not None else ""
     return Published(
-        _text(target),
-        int(_text(fence)),
+        as_text(target),
+        int(as_text(fence)),
         digest_text or None,
         int(size_text) if size_text else None,
     )
