@@ -284,3 +284,28 @@ def test_paused_holder_declares_loss_and_spares_new_holder(own_server: RedisServ
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_acquire_retried_by_the_client_after_a_timeout_is_ours(own_server: RedisServer) -> None:
+    # redis-py retries a command that timed out (its default retry policy). When the first
+    # ACQUIRE did land, the retry finds the lease under our own token: that is our
+    # acquisition, not a competitor's, and must neither be skipped nor counted as a skip.
+    client = redis.Redis(
+        port=own_server.port,
+        socket_timeout=0.3,
+        retry=redis.retry.Retry(redis.backoff.ConstantBackoff(1.0), 1),
+    )
+    warm = Claim(client, "warm", ttl=30, heartbeat=False)  # the server has the script
+    assert warm.acquire() and warm.release()
+    c = Claim(client, "retried", ttl=30, heartbeat=False, records=True)
+    own_server.pause()
+    resume = threading.Timer(0.6, own_server.resume)
+    resume.start()
+    try:
+        assert c.acquire()
+    finally:
+        resume.join()
+    assert client.get(c.key).decode() == c.token
+    assert c.fence is not None and c.fence == int(client.get(c.keys.fence))
+    assert c.skips == 0 and client.get(c.keys.skips) is None
+    assert c.release()

@@ -77,7 +77,9 @@ def run_pipeline(client: Any, calls: Sequence[Call]) -> list[Any]:
 # ARGV[7] (optional) the caller's task id, or "": a holder whose token carries the same
 #         task id is an earlier attempt of the same task (a redelivery), not a
 #         competitor, so no skip is counted or recorded and no rerun is asked
-# returns {1, fence}                                    when the claim is ours
+# returns {1, fence}                                    when the claim is ours (also
+#                                                       when ARGV[1] already holds it:
+#                                                       a retried request is idempotent)
 #         {0, holder token, pttl ms, holder fence, consecutive skips, rerun asked}
 ACQUIRE = Script(
     "acquire",
@@ -98,8 +100,13 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return {1, fence}
 end
 local holder = redis.call('GET', KEYS[1]) or ''
-local pttl = redis.call('PTTL', KEYS[1])
 local fence = tonumber(redis.call('GET', KEYS[2]) or '0')
+-- our own token: a client's retry of an ACQUIRE whose reply was lost; nobody can have
+-- acquired since, so the fence is the one minted for us
+if holder == ARGV[1] then
+  return {1, fence}
+end
+local pttl = redis.call('PTTL', KEYS[1])
 -- a token is "random:host:pid:task id"; only the task id may contain ':'
 local own = ARGV[7] ~= nil and ARGV[7] ~= ''
   and string.match(holder, '^[^:]*:[^:]*:[^:]*:(.*)$') == ARGV[7]
