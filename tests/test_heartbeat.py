@@ -141,3 +141,31 @@ def test_redis_restart_while_held_is_loss(own_server: RedisServer) -> None:
     own_server.restart()  # the lease is gone with the memory
     assert lost.wait(3.0)
     assert c.lost
+
+
+def test_expiry_found_by_the_heartbeat_spares_a_lease_taken_again_meanwhile(r: Any) -> None:
+    # The heartbeat finds expired claims under its lock and declares them lost after it
+    # lets go (on_lost callbacks run there). A claim released and acquired again in
+    # between holds a new lease, which the old expiry must not declare lost.
+    again: list[bool] = []
+
+    def take_b_again(_claim: Claim) -> None:
+        b.release()
+        again.append(b.acquire())
+
+    a = Claim(r, "expired-a", ttl=30, on_lost=take_b_again)
+    b = Claim(r, "expired-b", ttl=30)
+    assert a.acquire() and b.acquire()
+    hb = heartbeat()
+    with hb._cond:
+        # Both local deadlines pass at once, as after a long pause of this process.
+        a._deadline = b._deadline = 0.0
+        hb._cond.notify()
+    # (Only the heartbeat looks at the deadlines here: no .lost or .held until done.)
+    assert wait_for(lambda: bool(again), timeout=5.0)
+    time.sleep(0.2)
+    assert a.lost
+    assert again == [True]
+    assert b.held and not b.lost
+    b.check()
+    assert b.release()

@@ -112,7 +112,9 @@ class Heartbeat:
             with self._cond:
                 now = time.monotonic()
                 due: list[Claim] = []
-                expired: list[Claim] = []
+                # With the token it expired under: a claim released and acquired
+                # again before it is declared lost holds a new lease, not this one.
+                expired: list[tuple[Claim, str | None]] = []
                 wake = now + self._nap
                 # A round runs when some claim is due; it then takes every claim due
                 # within its slack too. (Claims in their slack alone start no round, so
@@ -120,7 +122,7 @@ class Heartbeat:
                 any_due = False
                 for c in self._claims.values():
                     if now >= c._deadline:
-                        expired.append(c)
+                        expired.append((c, c.token))
                         continue
                     if c._next_refresh <= now:
                         any_due = True
@@ -130,15 +132,15 @@ class Heartbeat:
                         due.append(c)
                 if not any_due:
                     due = []
-                for c in expired:
+                for c, _token in expired:
                     self._claims.pop(id(c), None)
                 if not due and not expired:
                     self._wake_at = wake
                     self._cond.wait(max(0.0, wake - now))
                     self._wake_at = math.inf
                     continue
-            for c in expired:
-                c._declare_lost("no refresh was confirmed before the local deadline")
+            for c, token in expired:
+                c._declare_lost("no refresh was confirmed before the local deadline", token)
             if due:
                 self._refresh(due)
             return
