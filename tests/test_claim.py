@@ -309,3 +309,22 @@ def test_acquire_retried_by_the_client_after_a_timeout_is_ours(own_server: Redis
     assert c.fence is not None and c.fence == int(client.get(c.keys.fence))
     assert c.skips == 0 and client.get(c.keys.skips) is None
     assert c.release()
+
+
+def test_refresh_confirmed_after_the_local_deadline_does_not_revive_the_claim(r: Any) -> None:
+    # A refresh sent before the local deadline whose reply arrives after it: no refresh
+    # was confirmed before the deadline, so the claim is lost; it must not be held again.
+    times = iter([100.0, 109.8, 110.5])  # acquire sent, refresh sent, reply read
+    now = [100.0]
+
+    def clock() -> float:
+        now[0] = next(times, now[0])
+        return now[0]
+
+    c = Claim(r, "late-reply", ttl=10, heartbeat=False, clock=clock)
+    assert c.acquire()
+    assert c.refresh() is False
+    assert c.lost and not c.held
+    with pytest.raises(ClaimLost):
+        c.check()
+    assert c.release()  # the lease itself was still ours: release deletes it

@@ -433,10 +433,16 @@ class Claim:
         with self._mutex:
             if self._state != _HELD or (token is not None and token != self.token):
                 return
-            # The server applied PEXPIRE no earlier than we sent it, so the lease runs
-            # at least until sent + ttl.
-            self._deadline = max(self._deadline, sent + self.ttl - self._drift)
-            self._next_refresh = sent + self.refresh_every
+            token = self.token
+            if self._clock() < self._deadline:
+                # The server applied PEXPIRE no earlier than we sent it, so the lease
+                # runs at least until sent + ttl.
+                self._deadline = max(self._deadline, sent + self.ttl - self._drift)
+                self._next_refresh = sent + self.refresh_every
+                return
+        # Confirmed only after the local deadline: the claim was lost at the deadline
+        # (it may have been seen as not held meanwhile) and does not come back.
+        self._declare_lost("no refresh was confirmed before the local deadline", token)
 
     def _refresh_failed(self, sent: float) -> None:
         with self._mutex:
