@@ -178,6 +178,21 @@ def test_command_not_found_exits_127_and_is_recorded(url: str) -> None:
     assert run["outcome"] == "failed" and "not found" in run["reason"]
 
 
+def test_command_the_system_cannot_execute_exits_126_not_redis_unreachable(
+    url: str, tmp_path: Path
+) -> None:
+    # No "#!" line: exec fails with ENOEXEC, an OSError that is neither "not found" nor
+    # "permission denied". It is the command's fault, not Redis's.
+    script = tmp_path / "no-shebang"
+    script.write_text("echo hi\n")
+    script.chmod(0o755)
+    res = fenced(url, "run", "job:noexec", "--", str(script))
+    assert res.returncode == 126, res.stderr
+    assert "cannot reach Redis" not in res.stderr
+    run = json.loads(fenced(url, "show", "job:noexec", "--json").stdout)["runs"][0]
+    assert run["outcome"] == "failed" and "not executable" in run["reason"]
+
+
 TRAP_TERM = """
 trap 'echo "$1" > {marker}; exit 0' TERM
 trap 'echo usr1 >> {usr1}' USR1

@@ -213,8 +213,10 @@ class _Runner:
         except FileNotFoundError as exc:
             self.say(f"fenced: cannot run {opts.argv[0]!r}: {exc.strerror}")
             return "failed", f"command not found: {opts.argv[0]}", EXIT_NOT_FOUND
-        except PermissionError as exc:
-            self.say(f"fenced: cannot run {opts.argv[0]!r}: {exc.strerror}")
+        except OSError as exc:
+            # Permission denied, no "#!" line (ENOEXEC), a directory...: the command's
+            # fault, and not an unreachable Redis, which an OSError escaping would mean.
+            self.say(f"fenced: cannot run {opts.argv[0]!r}: {exc.strerror or exc}")
             return "failed", f"command not executable: {opts.argv[0]}", EXIT_NOT_EXECUTABLE
         # Signals that came while the child was being started belong to it.
         for signum in self.pending:
