@@ -8,9 +8,11 @@ import time
 from typing import Any
 
 import pytest
+import redis
 
 from fenced import Claim, ClaimLost
 from fenced._heartbeat import heartbeat
+from fenced._scripts import RELEASE
 from fenced.server import RedisServer
 
 
@@ -169,3 +171,63 @@ def test_expiry_found_by_the_heartbeat_spares_a_lease_taken_again_meanwhile(r: A
     assert b.held and not b.lost
     b.check()
     assert b.release()
+
+
+class HookedRedis(redis.Redis):
+    """A real client whose pipelines and RELEASE calls can pause at chosen points."""
+
+    before_pipeline: Any = None
+    after_release: Any = None
+
+    def pipeline(self, *args: Any, **kwargs: Any) -> Any:
+        pipe = super().pipeline(*args, **kwargs)
+        hook, execute = self.before_pipeline, pipe.execute
+        if hook is not None:
+
+            def hooked(*a: Any, **kw: Any) -> Any:
+                hook()
+                return execute(*a, **kw)
+
+            pipe.execute = hooked
+        return pipe
+
+    def evalsha(self, sha: str, numkeys: int, *args: Any) -> Any:
+        res = super().evalsha(sha, numkeys, *args)
+        if sha == RELEASE.sha and self.after_release is not None:
+            self.after_release()
+        return res
+
+
+def test_refresh_that_lands_after_release_does_not_declare_the_claim_lost(
+    server: RedisServer,
+) -> None:
+    # A renewal in flight while the claim is released reaches Redis after the lease was
+    # deleted and finds no lease. That is our own release, not a loss: no on_lost.
+    client = HookedRedis.from_url(server.url)
+    warm = Claim(client, "warm", ttl=3, heartbeat=False)  # the server has the scripts
+    assert warm.acquire() and warm.release()
+    fired: list[str | None] = []
+    c = Claim(client, "release-vs-refresh", ttl=3, on_lost=lambda cl: fired.append(cl.lost_reason))
+    assert c.acquire()
+    in_round, released, round_done = threading.Event(), threading.Event(), threading.Event()
+
+    def hold_round() -> None:
+        client.before_pipeline = None
+        in_round.set()
+        released.wait(5)
+        threading.Timer(0.3, round_done.set).start()  # time to judge the reply
+
+    def after_release() -> None:
+        released.set()
+        round_done.wait(5)
+
+    client.before_pipeline = hold_round
+    client.after_release = after_release
+    hb = heartbeat()
+    with hb._cond:
+        c._next_refresh = 0.0  # due now
+        hb._cond.notify()
+    assert in_round.wait(5)
+    assert c.release()
+    assert fired == []
+    assert not c.lost

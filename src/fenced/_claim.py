@@ -490,6 +490,10 @@ class Claim:
             if why:
                 end["reason"] = why
             record = json.dumps(end, separators=(",", ":"), default=str)
+        with self._mutex:
+            # Given back from here on: a renewal already in flight that reaches Redis
+            # after the lease is deleted finds it gone, and that is not a loss.
+            before, self._state = self._state, _RELEASED
         try:
             res = RELEASE(
                 self.redis,
@@ -497,8 +501,6 @@ class Claim:
                 [self.token, record, self.max_records, outcome, self.fence or 0, "1"],
             )
         except _UNREACHABLE as exc:
-            with self._mutex:
-                self._state = _RELEASED
             log.warning(
                 "fenced: could not release %r at %s (%s); it expires within %.1fs",
                 self.name,
@@ -507,9 +509,10 @@ class Claim:
                 self.ttl,
             )
             return False
-        with self._mutex:
-            if self._state == _HELD or self._state == _LOST:
-                self._state = _RELEASED
+        except BaseException:
+            with self._mutex:
+                self._state = before  # not given back: release() may be called again
+            raise
         self.rerun_requested = int(res[1])
         return int(res[0]) == 1
 
