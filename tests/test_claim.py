@@ -344,3 +344,19 @@ def test_successful_run_resets_skips_without_run_records(r: Any) -> None:
     assert holder.acquire()
     assert not other.acquire() and other.skips == 1
     holder.release()
+
+
+def test_run_cleared_by_an_operator_is_one_released_run(r: Any) -> None:
+    # The holder died; an operator cleared its claim. That is one run, ended by the
+    # release (who and why kept), not the release and a second copy of it.
+    from fenced import records
+    from fenced._inspect import force_release
+
+    dead = Claim(r, "cleared", ttl=5, heartbeat=False, records=True, task_id="t-1")
+    assert dead.acquire()
+    assert force_release(r, "cleared", "holder died", by="ops@host") is not None
+    runs = records.history(r, "cleared")
+    assert [run.outcome for run in runs] == ["released"]
+    assert runs[0].token == dead.token and runs[0].fence == dead.fence
+    assert runs[0].task_id == "t-1" and runs[0].reason == "holder died"
+    assert runs[0].extra["by"] == "ops@host"

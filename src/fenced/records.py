@@ -91,6 +91,9 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
     """Assemble runs, newest first, from XREVRANGE entries (for callers that pipeline)."""
     finished: dict[str, tuple[str, dict[str, str]]] = {}
     runs: list[tuple[float, RunRecord]] = []
+    # An operator's release, listed on its own unless it turns out to be the only end
+    # of a run in the window: then it is that run's end, not a second entry.
+    releases: dict[str, tuple[float, RunRecord]] = {}
     for entry_id, raw in entries:
         eid = as_text(entry_id)
         f = _fields(raw)
@@ -102,7 +105,9 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
             # (as lost) ends with the holder's own record, not the release.
             finished.setdefault(f.get("token", ""), (eid, f))
             if event == "released":
-                runs.append((at, _released(name, f, data, at)))
+                act = (at, _released(name, f, data, at))
+                releases.setdefault(f.get("token", ""), act)
+                runs.append(act)
             continue
         if event == "skipped":
             runs.append(
@@ -144,6 +149,10 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
                 rec.duration = end_data.get("duration", rec.finished - at)
                 rec.reason = end_data.get("reason")
                 rec.extra.update(_extra(end_data))
+                if end_f.get("event") == "released":
+                    cleared = releases.get(token)
+                    if cleared is not None and cleared in runs:
+                        runs.remove(cleared)
             runs.append((at, rec))
     # Finished entries whose start fell outside the window still tell an outcome.
     for token, (eid, f) in finished.items():
