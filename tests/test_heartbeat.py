@@ -231,3 +231,40 @@ def test_refresh_that_lands_after_release_does_not_declare_the_claim_lost(
     assert c.release()
     assert fired == []
     assert not c.lost
+
+
+def test_forked_child_never_declares_the_parents_claim_lost(r: Any) -> None:
+    # The child holds none of its parent's claims, so it cannot lose one either: no
+    # on_lost in the child (it would act on the parent's work) and no ClaimLost.
+    now = [100.0]
+    fired: list[int] = []
+    c = Claim(
+        r,
+        "fork-lost",
+        ttl=5,
+        heartbeat=False,
+        clock=lambda: now[0],
+        on_lost=lambda claim: fired.append(os.getpid()),
+    )
+    assert c.acquire()
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        try:
+            now[0] += 60  # far past the parent's deadline
+            try:
+                c.check()
+                checked = "ok"
+            except Exception as exc:
+                checked = type(exc).__name__
+            report = [str(c.lost), str(len(fired)), checked]
+            os.write(write_fd, ",".join(report).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    os.waitpid(pid, 0)
+    report = os.read(read_fd, 1000).decode().split(",")
+    os.close(read_fd)
+    assert report == ["False", "0", "NotOwner"]
+    assert c.held and not fired
+    assert c.release()

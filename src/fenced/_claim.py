@@ -253,7 +253,8 @@ class Claim:
     @property
     def lost(self) -> bool:
         """True once the claim was lost; it never comes back."""
-        if self._state == _HELD and self._clock() >= self._deadline:
+        # A forked child holds none of its parent's claims, so it cannot lose one.
+        if self._state == _HELD and self._pid == _pid and self._clock() >= self._deadline:
             self._declare_lost("no refresh was confirmed before the local deadline")
         return self._state == _LOST
 
