@@ -268,3 +268,30 @@ def test_forked_child_never_declares_the_parents_claim_lost(r: Any) -> None:
     assert report == ["False", "0", "NotOwner"]
     assert c.held and not fired
     assert c.release()
+
+
+def test_renewals_never_go_through_a_pool_cloned_from_a_dead_client(
+    server: RedisServer, own_server: RedisServer
+) -> None:
+    # The private pools are cached by the id of the claim's pool. Once that pool is gone,
+    # a new pool may get its id: it must get its own clone, in every timeout bucket, not
+    # one still pointing at the first client's server.
+    import gc
+
+    from fenced._heartbeat import Heartbeat
+
+    hb = Heartbeat()  # only its pool cache is used here
+    for _ in range(500):
+        first = own_server.client()
+        hb._client_for(Claim(first, "a", ttl=1.0, heartbeat=False))
+        old = id(first.connection_pool)
+        del first
+        gc.collect()
+        second = server.client()
+        if id(second.connection_pool) == old:
+            break
+    else:
+        pytest.skip("no pool reused the id of a dead one")
+    hb._client_for(Claim(second, "b", ttl=30.0, heartbeat=False))  # another bucket first
+    routed = hb._client_for(Claim(second, "b", ttl=1.0, heartbeat=False))
+    assert routed.connection_pool.connection_kwargs.get("path") == server.socket_path

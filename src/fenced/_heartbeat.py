@@ -62,8 +62,9 @@ class Heartbeat:
         # a claim acquired while it sleeps is due no sooner than its next look and
         # add() need not wake it: a wake per acquire costs every acquire a thread switch.
         self._nap = IDLE_WAIT
-        self._pools: dict[tuple[int, float], Any] = {}
-        self._pool_owners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+        # (id of the claim's pool, timeout bucket) -> (that pool, weakly; its clone). The
+        # pool is checked on every hit: a new pool can be given a dead one's id.
+        self._pools: dict[tuple[int, float], tuple[weakref.ref[Any], Any]] = {}
         self.rounds = 0
         self.round_trips = 0
 
@@ -193,8 +194,8 @@ class Heartbeat:
         bucket = 2.0 ** math.floor(math.log2(timeout))
         key = (id(pool), bucket)
         cached = self._pools.get(key)
-        if cached is not None and self._pool_owners.get(id(pool)) is pool:
-            return cached
+        if cached is not None and cached[0]() is pool:
+            return cached[1]
         # redis-py 6+ keeps per-pool bookkeeping in connection_kwargs; a clone gets its own.
         kwargs = {
             k: v
@@ -211,8 +212,7 @@ class Heartbeat:
             )
         except Exception:  # an exotic pool we cannot clone: share the claim's own
             return client
-        self._pools[key] = private
-        self._pool_owners[id(pool)] = pool
+        self._pools[key] = (weakref.ref(pool), private)
         return private
 
 
