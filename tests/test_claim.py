@@ -330,22 +330,6 @@ def test_refresh_confirmed_after_the_local_deadline_does_not_revive_the_claim(r:
     assert c.release()  # the lease itself was still ours: release deletes it
 
 
-def test_successful_run_resets_skips_without_run_records(r: Any) -> None:
-    # Skips are counted whether or not runs are recorded; a successful run must reset
-    # the count either way, or "consecutive skips" only ever grows.
-    from fenced import records
-
-    holder = Claim(r, "skips-plain", ttl=5, heartbeat=False)
-    other = Claim(r, "skips-plain", ttl=5, heartbeat=False)
-    assert holder.acquire()
-    assert not other.acquire() and other.skips == 1
-    assert holder.release()
-    assert records.consecutive_skips(r, "skips-plain") == 0
-    assert holder.acquire()
-    assert not other.acquire() and other.skips == 1
-    holder.release()
-
-
 def test_run_cleared_by_an_operator_is_one_released_run(r: Any) -> None:
     # The holder died; an operator cleared its claim. That is one run, ended by the
     # release (who and why kept), not the release and a second copy of it.

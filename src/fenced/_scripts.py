@@ -161,10 +161,9 @@ if ARGV[2] ~= '' then
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
              'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
              'outcome', ARGV[4], 'r', ARGV[2])
-end
--- skips are counted whether or not runs are recorded, so reset them either way
-if ARGV[4] == 'ok' then
-  redis.call('DEL', KEYS[3])
+  if ARGV[4] == 'ok' then
+    redis.call('DEL', KEYS[3])
+  end
 end
 local rerun = 0
 if ARGV[6] == '1' and released == 1 then
