@@ -337,7 +337,11 @@ class Claim:
                 ],
             )
         except _UNREACHABLE as exc:
-            self._abandon(token)
+            if isinstance(exc, redis.TimeoutError):
+                # Only a request that was sent can have landed; a refused connection
+                # sent nothing, and cleaning up after it would only wait out the
+                # client's retries a second time.
+                self._abandon(token)
             raise ClaimUnavailable(
                 f"cannot reach Redis at {describe_client(self.redis)} to acquire claim "
                 f"{self.name!r} ({exc}); the work was not started (fail closed)",
