@@ -64,6 +64,13 @@ def _after_fork_in_child() -> None:
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
+# One encoder for every record: json.dumps with options builds a new encoder per call.
+_encode = json.JSONEncoder(separators=(",", ":"), default=str).encode
+_HOST_JSON = _encode(_HOST)
+# The fields every run record starts with; record_extra may not shadow them on the
+# pre-encoded path (a mapping that does goes through the general one).
+_BASE_FIELDS = frozenset(("task_id", "host", "pid", "at"))
+
 
 def new_token(task_id: str | None = None) -> str:
     """A fresh owner token: 128 random bits, then host, pid and task id for humans."""
@@ -210,10 +217,10 @@ class Claim:
         self.redis = redis
         self.keys = ClaimKeys.of(name, namespace)
         self.name: str = self.keys.name
-        self.key: str = self.keys.lock
         # Built once: every acquire and release sends them.
-        self._acquire_keys = tuple(self.keys.all())
-        self._release_keys = (self.key, self.keys.runs, self.keys.skips, self.keys.rerun)
+        self._acquire_keys = lock, _fence, runs, skips, rerun = tuple(self.keys.all())
+        self._release_keys = (lock, runs, skips, rerun)
+        self.key: str = lock
         self.namespace = namespace
         self.ttl = float(ttl)
         self.refresh_every = float(refresh_every)
@@ -308,13 +315,20 @@ class Claim:
                 wait = min(wait, give_up - now)
             self._sleep(max(wait, 0.001))
 
-    def _record(self, **extra: Any) -> str:
+    def _record(self) -> str:
         if not self.records:
             return ""
-        data = {"task_id": self.task_id, "host": _HOST, "pid": os.getpid(), "at": time.time()}
-        data.update(self.record_extra)
-        data.update(extra)
-        return json.dumps(data, separators=(",", ":"), default=str)
+        extra = self.record_extra
+        if extra and not _BASE_FIELDS.isdisjoint(extra):
+            data = {"task_id": self.task_id, "host": _HOST, "pid": _pid, "at": time.time()}
+            data.update(extra)
+            return _encode(data)
+        # The same JSON object, built without a dict per run: this is on every acquire.
+        head = (
+            f'{{"task_id":{_encode(self.task_id)},"host":{_HOST_JSON},'
+            f'"pid":{_pid},"at":{time.time()!r}'
+        )
+        return f"{head},{_encode(extra)[1:]}" if extra else head + "}"
 
     def _try_acquire(self, record_skip: bool, mark_rerun: bool = False) -> bool:
         token = new_token(self.task_id)
@@ -485,16 +499,13 @@ class Claim:
         if self.records:
             # The "started" entry already says who, where and with what; the finished
             # one pairs with it by token and adds only how it ended.
-            end: dict[str, Any] = {
-                "task_id": self.task_id,
-                "host": _HOST,
-                "pid": _pid,
-                "duration": round(self._clock() - self._started_at, 6),
-            }
+            # Built as text, not from a dict: this is on every release.
+            record = (
+                f'{{"task_id":{_encode(self.task_id)},"host":{_HOST_JSON},"pid":{_pid},'
+                f'"duration":{round(self._clock() - self._started_at, 6)!r}'
+            )
             why = reason or self.lost_reason
-            if why:
-                end["reason"] = why
-            record = json.dumps(end, separators=(",", ":"), default=str)
+            record += f',"reason":{_encode(why)}}}' if why else "}"
         with self._mutex:
             # Given back from here on: a renewal already in flight that reaches Redis
             # after the lease is deleted finds it gone, and that is not a loss.

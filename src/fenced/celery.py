@@ -75,8 +75,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 if TYPE_CHECKING:
     from celery import Celery
 
+from . import _claim, records
 from . import celery_signals as signals
-from . import records
 from ._claim import _HOST, Claim, Holder, force_release
 from ._errors import ClaimHeld, ClaimLost, ClaimUnavailable, ConfigError
 from ._keys import ClaimKeys, _render, template_fields, validate_name
@@ -447,7 +447,7 @@ def _install_signal_handler() -> bool:
     global _handler_pid, _previous_handler
     if INTERRUPT_SIGNAL is None:
         return False
-    if _handler_pid == os.getpid():
+    if _handler_pid == _claim._pid:  # kept current across fork, without a system call
         return True
     try:
         previous = signal.signal(INTERRUPT_SIGNAL, _on_interrupt_signal)
@@ -455,7 +455,7 @@ def _install_signal_handler() -> bool:
         return False
     if previous is not _on_interrupt_signal:
         _previous_handler = previous
-    _handler_pid = os.getpid()
+    _handler_pid = _claim._pid
     return True
 
 
