@@ -344,3 +344,18 @@ def test_run_cleared_by_an_operator_is_one_released_run(r: Any) -> None:
     assert runs[0].token == dead.token and runs[0].fence == dead.fence
     assert runs[0].task_id == "t-1" and runs[0].reason == "holder died"
     assert runs[0].extra["by"] == "ops@host"
+
+
+def test_a_replica_refuses_and_the_claim_fails_closed(own_server: RedisServer) -> None:
+    replica = RedisServer(
+        own_server.binary, extra=["--replicaof", "127.0.0.1", str(own_server.port)]
+    ).start()
+    try:
+        c = Claim(replica.client(), "on-replica", ttl=5)
+        with pytest.raises(ClaimUnavailable, match=r"(?i)read.?only") as info:
+            c.acquire()
+        assert "master" in str(info.value)
+        assert not c.held
+        assert own_server.client().get(c.key) is None
+    finally:
+        replica.stop()

@@ -361,6 +361,16 @@ class Claim:
                 f"{self.name!r} ({exc}); the work was not started (fail closed)",
                 name=self.name,
             ) from exc
+        except redis.ResponseError as exc:
+            # A replica after a failover (READONLY), a full server (OOM), a busy script:
+            # the store cannot grant the claim, which is unavailability, not a bug here.
+            raise ClaimUnavailable(
+                f"Redis at {describe_client(self.redis)} refused to grant claim "
+                f"{self.name!r} ({exc}); the work was not started (fail closed). "
+                "Check that the URL names the master and that it has memory to spare "
+                "(fenced doctor)",
+                name=self.name,
+            ) from exc
         if int(res[0]) == 1:
             with self._mutex:
                 self.token = token
