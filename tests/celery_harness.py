@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
 import redis
 from celery import Celery
 
@@ -28,6 +29,7 @@ T = TypeVar("T")
 #: Generous bounds: the machine is shared and busy; a test that waits this long failed.
 READY_TIMEOUT = 90.0
 WAIT = 60.0
+AMQP_URL = os.environ.get("FENCED_TEST_AMQP_URL")
 
 
 def wait_for(what: str, check: Callable[[], T], timeout: float = WAIT, every: float = 0.05) -> T:
@@ -52,6 +54,25 @@ class Services:
     obs_url: str
     ttl: float = 3.0
     queue: str = field(default_factory=lambda: f"q-{uuid.uuid4().hex[:8]}")
+
+    @classmethod
+    def on(
+        cls, server: Any, broker: str = "redis", lock_url: str | None = None, **kw: Any
+    ) -> Services:
+        """Databases 0-3 of a test-owned server; RabbitMQ as broker when asked (or skip)."""
+        base = server.url.rsplit("/", 1)[0]
+        broker_url = f"{base}/0"
+        if broker == "amqp":
+            if not AMQP_URL:
+                pytest.skip("FENCED_TEST_AMQP_URL is not set: the RabbitMQ broker is not tested")
+            broker_url = AMQP_URL
+        return cls(
+            broker_url=broker_url,
+            backend_url=f"{base}/1",
+            lock_url=lock_url or f"{base}/2",
+            obs_url=f"{base}/3",
+            **kw,
+        )
 
     def client(self) -> Celery:
         """A Celery app for sending tasks and reading results (no tasks registered)."""

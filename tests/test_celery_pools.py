@@ -23,13 +23,7 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 def _services(server: RedisServer, lock_url: str | None = None) -> Services:
-    base = server.url.rsplit("/", 1)[0]
-    return Services(
-        broker_url=f"{base}/0",
-        backend_url=f"{base}/1",
-        lock_url=lock_url or f"{base}/2",
-        obs_url=f"{base}/3",
-    )
+    return Services.on(server, lock_url=lock_url)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from fenced import ClaimHeld, ClaimLost, records
 from fenced._claim import new_token, read_holder
 from fenced._keys import ClaimKeys
 
-AMQP_URL = os.environ.get("FENCED_TEST_AMQP_URL")
 #: Tests that run with each broker; the others run with the Redis broker only.
 BOTH_BROKERS = {
     "test_same_task_enqueued_twice_one_runs_one_skips",
@@ -70,15 +69,7 @@ def redis_server() -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def cel(request: pytest.FixtureRequest, redis_server: Any) -> Iterator[Cel]:
     broker = request.param
-    if broker == "amqp" and not AMQP_URL:
-        pytest.skip("FENCED_TEST_AMQP_URL is not set: the RabbitMQ broker is not tested")
-    base = redis_server.url.rsplit("/", 1)[0]
-    services = Services(
-        broker_url=AMQP_URL if broker == "amqp" and AMQP_URL else f"{base}/0",
-        backend_url=f"{base}/1",
-        lock_url=f"{base}/2",
-        obs_url=f"{base}/3",
-    )
+    services = Services.on(redis_server, broker)
     client = services.client()
     try:
         with Worker(services, name=f"prefork-{broker}") as worker:

@@ -5,7 +5,6 @@ completes the work."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
@@ -14,8 +13,6 @@ from celery_harness import WAIT, Services, Worker, key, notes, wait_for
 from fenced import records
 from fenced._claim import read_holder
 from fenced.server import RedisServer
-
-AMQP_URL = os.environ.get("FENCED_TEST_AMQP_URL")
 
 
 @pytest.fixture(scope="module")
@@ -28,16 +25,8 @@ def redis_server() -> Iterator[RedisServer]:
 def test_whole_worker_killed_mid_run_redelivery_completes(
     broker: str, redis_server: RedisServer
 ) -> None:
-    if broker == "amqp" and not AMQP_URL:
-        pytest.skip("FENCED_TEST_AMQP_URL is not set: the RabbitMQ broker is not tested")
-    base = redis_server.url.rsplit("/", 1)[0]
-    services = Services(
-        broker_url=AMQP_URL if broker == "amqp" and AMQP_URL else f"{base}/0",
-        backend_url=f"{base}/1",
-        lock_url=f"{base}/2",
-        obs_url=f"{base}/3",
-        ttl=8.0,  # the lease outlives the time the message takes to come back
-    )
+    # ttl: the lease outlives the time the message takes to come back.
+    services = Services.on(redis_server, broker, ttl=8.0)
     client = services.client()
     obs, locks = services.obs(), services.locks()
     k = key()
