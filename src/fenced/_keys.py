@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import re
 import string
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,9 +128,6 @@ def check_fields(template: str, available: Iterable[str], where: str) -> list[st
     return fields
 
 
-NameSource = str | Callable[..., str]
-
-
 @dataclass(frozen=True)
 class ClaimKeys:
     """The Redis keys of one claim, all under one namespace and one hash tag."""
@@ -190,8 +187,3 @@ class ClaimKeys:
         if end < len(prefix):
             return None
         return text[len(prefix) : end]
-
-
-def fields_of(values: Mapping[str, Any], fields: Iterable[str]) -> dict[str, Any]:
-    """Pick the template fields out of a mapping of argument values."""
-    return {f: values[f] for f in fields}

@@ -225,5 +225,3 @@ if ARGV[2] == 'ok' then redis.call('DEL', KEYS[2]) end
 return id
 """,
 )
-
-ALL_SCRIPTS = (ACQUIRE, REFRESH, RELEASE, FORCE_RELEASE, RECORD)
