@@ -181,25 +181,19 @@ def gated(self: Any, key: str) -> Any:
     return _gated(self, key)
 
 
-@app.task(
-    base=ClaimedTask, bind=True, name="t.rerun", claim="gated:{key}", claim_on_conflict="rerun"
-)
+@app.task(base=ClaimedTask, bind=True, name="t.rerun", claim="gated:{key}", claim_on_busy="rerun")
 def gated_rerun(self: Any, key: str) -> Any:
     """Rerun policy: conflicting triggers coalesce into one more run."""
     return _gated(self, key)
 
 
-@app.task(
-    base=ClaimedTask, bind=True, name="t.retry", claim="gated:{key}", claim_on_conflict="retry"
-)
+@app.task(base=ClaimedTask, bind=True, name="t.retry", claim="gated:{key}", claim_on_busy="retry")
 def gated_retry(self: Any, key: str) -> Any:
     """Retry policy: wait for the holder's lease, then run."""
     return _gated(self, key)
 
 
-@app.task(
-    base=ClaimedTask, bind=True, name="t.raise", claim="gated:{key}", claim_on_conflict="raise"
-)
+@app.task(base=ClaimedTask, bind=True, name="t.raise", claim="gated:{key}", claim_on_busy="raise")
 def gated_raise(self: Any, key: str) -> Any:
     """Raise policy: ClaimHeld."""
     return _gated(self, key)

@@ -12,9 +12,8 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from fenced import Claim, ClaimHeld, ClaimLost, ConfigError, records
-from fenced._claim import new_token
-from fenced._keys import ClaimKeys
+from fenced import Claim, ClaimHeld, ClaimLost, ConfigError, NotOwner, records
+from fenced._lease import ClaimKeys, new_token
 from fenced.celery import ClaimedTask, lock_redis, metrics, signals
 from fenced.server import RedisServer
 
@@ -44,7 +43,7 @@ def r(redis_server: RedisServer) -> Any:
 
 
 def test_template_field_without_argument_fails_at_definition(app: Celery) -> None:
-    with pytest.raises(ConfigError, match=r"names layer, but the task has no argument") as info:
+    with pytest.raises(ConfigError, match=r"names layer, but task \S+ has no argument") as info:
 
         @app.task(shared=False, base=ClaimedTask, bind=True, claim="rebuild:{tenant}:{layer}")
         def rebuild(self: Any, tenant: str) -> None: ...
@@ -83,7 +82,8 @@ def test_lazy_app_fails_when_the_task_is_first_used(redis_server: RedisServer) -
         ({"claim": "x:{t.attr}"}, "only plain argument names"),
         ({"claim": "x:{t}", "claim_ttl": 0}, "claim_ttl=0 is not a positive number"),
         ({"claim": "x:{t}", "claim_ttl": 6, "claim_refresh_every": 6}, "must be below claim_ttl"),
-        ({"claim": "x:{t}", "claim_on_conflict": "queue"}, "one of skip, rerun, retry, raise"),
+        ({"claim": "x:{t}", "claim_on_busy": "queue"}, "claim_on_busy='queue' is not one of"),
+        ({"claim": "x:{t}", "claim_on_busy": "wait"}, "should not block its worker.*'retry'"),
         ({"claim": "x:{t}", "claim_alert_after_skips": -1}, "whole number of skips"),
         ({"claim": "x:{t}", "claim_on_skips_exceeded": "log"}, "is not callable"),
         ({"claim": "x:{t}", "claim_interrupt": "yes"}, "must be True or False"),
@@ -166,11 +166,14 @@ def test_options_are_resolved_when_the_task_is_built(app: Celery) -> None:
     def task(self: Any, t: str) -> None: ...
 
     # What tools such as the doctor read: the option, and the lease from the settings.
-    assert task.claim == "x:{t}"
-    assert task.claim_ttl == 3 and task.claim_on_conflict == "skip"
+    assert task.claim_template == "x:{t}"
+    assert task.claim_ttl == 3 and task.claim_on_busy == "skip"
     assert task.claim_alert_after_skips == 5 and task.claim_namespace == "fenced"
-    app.conf.fenced_claim_on_conflict = "later"
-    with pytest.raises(ConfigError, match="claim_on_conflict='later'"):
+    # Outside a run there is no claim, and self.claim does not pretend there is one.
+    with pytest.raises(NotOwner, match="claim_template"):
+        task.claim  # noqa: B018
+    app.conf.fenced_claim_on_busy = "later"
+    with pytest.raises(ConfigError, match="claim_on_busy='later'"):
 
         @app.task(shared=False, base=ClaimedTask, bind=True, claim="x:{t}")
         def bad_setting(self: Any, t: str) -> None: ...
@@ -213,7 +216,7 @@ def test_direct_call_runs_under_the_claim_and_records_it(app: Celery, r: Any) ->
     assert run.extra["task"] == rebuild.name
     assert run.extra["template"] == "rebuild:{tenant}:{layer}"
     assert run.extra["args"] == {"tenant": "acme", "layer": "roads"}
-    assert rebuild.claim == "rebuild:{tenant}:{layer}"  # outside a run: the option
+    assert rebuild.claim_template == "rebuild:{tenant}:{layer}"  # the option
 
 
 def test_long_argument_values_are_recorded_as_digests(app: Celery, r: Any) -> None:
@@ -268,7 +271,7 @@ def test_skip_result_shape_and_alert(app: Celery, r: Any) -> None:
 
 
 def test_eager_apply_and_raise_policy(app: Celery, r: Any) -> None:
-    @app.task(shared=False, base=ClaimedTask, bind=True, claim="pub:{x}", claim_on_conflict="raise")
+    @app.task(shared=False, base=ClaimedTask, bind=True, claim="pub:{x}", claim_on_busy="raise")
     def publish(self: Any, x: str) -> str | None:
         return self.request.id  # type: ignore[no-any-return]
 
@@ -355,3 +358,44 @@ def test_interrupt_can_be_turned_off(app: Celery, r: Any) -> None:
     threading.Thread(target=_intrude, args=(r, "calm:x", started), daemon=True).start()
     with pytest.raises(ClaimLost, match="lost while the task ran"):
         calm("x")  # not interrupted, but its end is not reported as a success
+
+
+def test_the_earlier_option_name_still_works_and_says_its_new_name(app: Celery, r: Any) -> None:
+    with pytest.warns(DeprecationWarning, match="claim_on_conflict is now claim_on_busy"):
+
+        @app.task(
+            shared=False, base=ClaimedTask, bind=True, claim="old:{x}", claim_on_conflict="raise"
+        )
+        def old(self: Any, x: str) -> str:
+            return x
+
+    assert old.claim_on_busy == "raise"
+    holder = Claim(r, old.claim_name_for(("a",), {}), ttl=5)
+    assert holder.acquire()
+    with pytest.raises(ClaimHeld):
+        old("a")
+    holder.release()
+
+
+def test_a_skip_is_the_same_skipped_result_as_everywhere_else(app: Celery, r: Any) -> None:
+    from fenced import Skipped
+
+    @app.task(shared=False, base=ClaimedTask, bind=True, claim="same:{x}")
+    def task(self: Any, x: str) -> str:
+        return x
+
+    holder = Claim(r, "same:a", ttl=5)
+    assert holder.acquire()
+    result = task("a")
+    expected = Skipped.of(holder_view(r, "same:a")).as_dict()
+    assert result.keys() == expected.keys()
+    assert result["status"] == "skipped" and result["claim"] == "same:a"
+    assert result["holder"]["pid"] == holder_view(r, "same:a").holder.pid
+    holder.release()
+
+
+def holder_view(r: Any, name: str) -> Claim:
+    """A claim that lost the race for ``name``: what a skip saw."""
+    seen = Claim(r, name, ttl=5)
+    assert not seen.acquire()
+    return seen

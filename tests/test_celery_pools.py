@@ -11,8 +11,7 @@ import pytest
 
 from celery_harness import WAIT, Services, Worker, key, notes, wait_for
 from fenced import Claim, ClaimLost, records
-from fenced._claim import new_token, read_holder
-from fenced._keys import ClaimKeys
+from fenced._lease import ClaimKeys, new_token, read_holder
 from fenced.server import RedisServer
 
 

@@ -21,8 +21,7 @@ from celery.result import AsyncResult
 
 from celery_harness import WAIT, Services, Worker, key, notes, wait_for
 from fenced import ClaimHeld, ClaimLost, records
-from fenced._claim import new_token, read_holder
-from fenced._keys import ClaimKeys
+from fenced._lease import ClaimKeys, new_token, read_holder
 
 #: Tests that run with each broker; the others run with the Redis broker only.
 BOTH_BROKERS = {

@@ -11,7 +11,7 @@ import pytest
 
 from celery_harness import WAIT, Services, Worker, key, notes, wait_for
 from fenced import records
-from fenced._claim import read_holder
+from fenced._lease import read_holder
 from fenced.server import RedisServer
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import redis
 
-from fenced import Claim, ClaimLost, ClaimUnavailable, ConfigError, FencedError, NotOwner
+from fenced import Claim, ClaimHeld, ClaimLost, ClaimUnavailable, ConfigError, FencedError, NotOwner
 from fenced.server import RedisServer, free_port
 
 
@@ -137,9 +137,10 @@ def test_fence_survives_restart_without_persistence(own_server: RedisServer) -> 
 def test_context_manager(r: Any) -> None:
     with Claim(r, "ctx", ttl=5) as c:
         assert c
-        with Claim(r, "ctx", ttl=5) as other:
-            assert not other
-            assert other.holder is not None and other.holder.token == c.token
+        other = Claim(r, "ctx", ttl=5)
+        with pytest.raises(ClaimHeld), other:
+            pytest.fail("the body of a busy claim ran")
+        assert other.holder is not None and other.holder.token == c.token
     assert r.get(c.key) is None
 
 

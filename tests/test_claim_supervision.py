@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from fenced import Claim, records
-from fenced._claim import force_release, read_holder
+from fenced._lease import force_release, read_holder
 
 
 def test_record_extra_rides_on_every_record(r: Any) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from fenced import Claim
-from fenced._keys import ClaimKeys
+from fenced._lease import ClaimKeys
 from fenced.server import RedisServer, free_port
 
 FENCED = [sys.executable, "-m", "fenced.cli"]

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from fenced import Claim, ClaimHeld, ClaimLost, ConfigError, Skipped, exclusive
-from fenced._keys import ClaimKeys
+from fenced._lease import ClaimKeys
 from fenced.records import history
 from fenced.server import RedisServer
 

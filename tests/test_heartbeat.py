@@ -283,7 +283,7 @@ def test_renewals_never_go_through_a_pool_cloned_from_a_dead_client(
     hb = Heartbeat()  # only its pool cache is used here
     for _ in range(500):
         first = own_server.client()
-        hb._client_for(Claim(first, "a", ttl=1.0, heartbeat=False))
+        hb._client_for(first, 1.0 / 3)
         old = id(first.connection_pool)
         del first
         gc.collect()
@@ -292,6 +292,6 @@ def test_renewals_never_go_through_a_pool_cloned_from_a_dead_client(
             break
     else:
         pytest.skip("no pool reused the id of a dead one")
-    hb._client_for(Claim(second, "b", ttl=30.0, heartbeat=False))  # another bucket first
-    routed = hb._client_for(Claim(second, "b", ttl=1.0, heartbeat=False))
+    hb._client_for(second, 30.0 / 3)  # another bucket first
+    routed = hb._client_for(second, 1.0 / 3)
     assert routed.connection_pool.connection_kwargs.get("path") == server.socket_path

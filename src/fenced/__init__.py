@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from ._claim import Claim, Holder, read_holder
+from ._claim import Claim
 from ._errors import (
     ClaimHeld,
+    ClaimInterrupted,
     ClaimLost,
     ClaimUnavailable,
     ConfigError,
@@ -14,14 +15,17 @@ from ._errors import (
     StaleFence,
     StoreError,
 )
-from ._exclusive import Skipped, exclusive
-from ._keys import claim_name, hash_value
+from ._exclusive import exclusive
+from ._guard import Skipped
+from ._lease import Holder, force_release, read_holder
+from ._naming import claim_name, hash_value
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Claim",
     "ClaimHeld",
+    "ClaimInterrupted",
     "ClaimLost",
     "ClaimUnavailable",
     "ConfigError",
@@ -35,6 +39,7 @@ __all__ = [
     "__version__",
     "claim_name",
     "exclusive",
+    "force_release",
     "hash_value",
     "read_holder",
 ]

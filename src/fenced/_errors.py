@@ -5,6 +5,7 @@ FencedError                      root; carries .name, .token, .fence
  ├── ClaimUnavailable            the claim store could not be reached: fail closed
  ├── ClaimHeld                   another live holder has the claim (the "raise" policy)
  ├── ClaimLost                   the claim expired or was taken while we worked
+ │    └── ClaimInterrupted        raised inside work that never checked, when it was lost
  ├── NotOwner                    an operation on a claim this process does not hold
  ├── StaleFence                  a write carried a fence lower than one already accepted
  └── StoreError                  content store / pointer / upsert problems
@@ -13,8 +14,11 @@ FencedError                      root; carries .name, .token, .fence
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "ClaimHeld",
+    "ClaimInterrupted",
     "ClaimLost",
     "ClaimUnavailable",
     "ConfigError",
@@ -79,6 +83,15 @@ class ClaimHeld(FencedError):
 
 class ClaimLost(FencedError):
     """The claim expired or was taken by another holder while the work ran."""
+
+
+class ClaimInterrupted(ClaimLost):
+    """Raised inside work that did not check its claim, when the claim was lost."""
+
+    def __init__(
+        self, message: str = "the claim was lost while the work ran", **context: Any
+    ) -> None:
+        super().__init__(message, **context)
 
 
 class NotOwner(FencedError):

@@ -10,6 +10,13 @@ with a socket timeout shorter than the refresh interval: a paused or unreachable
 Redis cannot hold the thread past a claim's deadline, so loss is declared on time
 without waiting for a reply.
 
+It holds claims weakly: a claim that nobody references any more (dropped without
+``release()``, say after an exception) stops being renewed and expires by its ttl, as
+if its process had died.
+
+It talks to a claim only through the small :class:`Renewable` interface: what to renew
+now, and what came of it.
+
 After ``fork`` the child starts with an empty registry and no thread: a child holds
 none of its parent's claims.
 """
@@ -22,16 +29,49 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple, Protocol
 
 import redis
 
+from ._lease import UNREACHABLE
 from ._scripts import REFRESH, run_pipeline
 
-if TYPE_CHECKING:
-    from ._claim import Claim
+__all__ = ["Heartbeat", "Renewable", "Renewal", "heartbeat"]
 
-__all__ = ["Heartbeat", "heartbeat"]
+
+class Renewal(NamedTuple):
+    """What the heartbeat needs to know of one held lease, read at one moment."""
+
+    client: Any
+    key: str
+    token: str
+    ttl_ms: int
+    refresh_every: float
+    next_refresh: float
+    deadline: float
+
+
+class Renewable(Protocol):
+    """What the heartbeat asks of a claim, and what it tells it."""
+
+    @property
+    def name(self) -> str: ...
+
+    def renewal(self) -> Renewal | None:
+        """The lease to renew, or None when this process does not hold it now."""
+
+    def renewed(self, sent: float, token: str) -> None:
+        """Redis extended the lease of ``token`` by a request sent at ``sent``."""
+
+    def renewal_failed(self) -> None:
+        """The renewal got no answer: keep the deadline, try again soon."""
+
+    def renewal_refused(self, token: str) -> None:
+        """The lease of ``token`` is gone or held under another token."""
+
+    def expired(self, token: str) -> None:
+        """The local deadline of ``token``'s lease passed with no renewal confirmed."""
+
 
 log = logging.getLogger("fenced.heartbeat")
 
@@ -55,7 +95,8 @@ class Heartbeat:
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
-        self._claims: dict[int, Claim] = {}
+        # Weak: a claim nobody references stops being renewed (see the module docstring).
+        self._claims: dict[int, weakref.ref[Renewable]] = {}
         self._thread: threading.Thread | None = None
         self._wake_at = math.inf
         # The thread never sleeps longer than the shortest interval it has served, so
@@ -70,28 +111,38 @@ class Heartbeat:
 
     # -- registry ---------------------------------------------------------------------
 
-    def add(self, claim: Claim) -> None:
+    def add(self, claim: Renewable) -> None:
         """Start renewing a claim (starts the thread on first use)."""
+        lease = claim.renewal()
+        if lease is None:
+            return
         with self._cond:
-            self._claims[id(claim)] = claim
-            if claim.refresh_every < self._nap:
-                self._nap = max(MIN_NAP, claim.refresh_every)
+            self._claims[id(claim)] = weakref.ref(claim)
+            if lease.refresh_every < self._nap:
+                self._nap = max(MIN_NAP, lease.refresh_every)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="fenced-heartbeat", daemon=True
                 )
                 self._thread.start()
-            elif claim._next_refresh < self._wake_at:
+            elif lease.next_refresh < self._wake_at:
                 # Only wake the thread when this claim is due before its next wake.
                 self._cond.notify()
 
-    def discard(self, claim: Claim) -> None:
+    def discard(self, claim: Renewable) -> None:
         """Stop renewing a claim."""
         with self._cond:
-            self._claims.pop(id(claim), None)
+            ref = self._claims.get(id(claim))
+            if ref is not None and ref() in (claim, None):
+                del self._claims[id(claim)]
+
+    def claims(self) -> list[Renewable]:
+        """The claims being renewed now."""
+        with self._cond:
+            return [c for ref in self._claims.values() if (c := ref()) is not None]
 
     def __len__(self) -> int:
-        return len(self._claims)
+        return len(self.claims())
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -112,85 +163,88 @@ class Heartbeat:
         while True:
             with self._cond:
                 now = time.monotonic()
-                due: list[Claim] = []
+                due: list[tuple[Renewable, Renewal]] = []
                 # With the token it expired under: a claim released and acquired
                 # again before it is declared lost holds a new lease, not this one.
-                expired: list[tuple[Claim, str | None]] = []
+                expired: list[tuple[Renewable, str]] = []
                 wake = now + self._nap
                 # A round runs when some claim is due; it then takes every claim due
                 # within its slack too. (Claims in their slack alone start no round, so
                 # a refresh that failed and is retried later does not spin the loop.)
                 any_due = False
-                for c in self._claims.values():
-                    if now >= c._deadline:
-                        expired.append((c, c.token))
+                for key, ref in list(self._claims.items()):
+                    c = ref()
+                    lease = c.renewal() if c is not None else None
+                    if c is None or lease is None:
+                        # Collected, or no longer held here: nothing to renew.
+                        del self._claims[key]
                         continue
-                    if c._next_refresh <= now:
+                    if now >= lease.deadline:
+                        expired.append((c, lease.token))
+                        del self._claims[key]
+                        continue
+                    if lease.next_refresh <= now:
                         any_due = True
                     else:
-                        wake = min(wake, c._next_refresh, c._deadline)
-                    if c._next_refresh - c.refresh_every * COALESCE <= now:
-                        due.append(c)
+                        wake = min(wake, lease.next_refresh, lease.deadline)
+                    if lease.next_refresh - lease.refresh_every * COALESCE <= now:
+                        due.append((c, lease))
                 if not any_due:
                     due = []
-                for c, _token in expired:
-                    self._claims.pop(id(c), None)
                 if not due and not expired:
                     self._wake_at = wake
                     self._cond.wait(max(0.0, wake - now))
                     self._wake_at = math.inf
                     continue
             for c, token in expired:
-                c._declare_lost("no refresh was confirmed before the local deadline", token)
+                c.expired(token)
             if due:
                 self._refresh(due)
             return
 
-    def _refresh(self, claims: list[Claim]) -> None:
-        by_client: dict[int, tuple[Any, list[Claim]]] = {}
-        for c in claims:
-            client = self._client_for(c)
-            by_client.setdefault(id(client), (client, []))[1].append(c)
+    def _refresh(self, due: list[tuple[Renewable, Renewal]]) -> None:
+        by_client: dict[int, tuple[Any, list[tuple[Renewable, Renewal]]]] = {}
+        for c, lease in due:
+            client = self._client_for(lease.client, lease.refresh_every)
+            by_client.setdefault(id(client), (client, []))[1].append((c, lease))
         self.rounds += 1
         for client, group in by_client.values():
             for start in range(0, len(group), BATCH):
+                # Each lease is judged under the token it was read with: a claim
+                # released and acquired again meanwhile has a new lease.
                 batch = group[start : start + BATCH]
-                # Snapshot the tokens: a claim released and acquired again meanwhile
-                # must not be judged by the answer about its previous lease.
-                tokens = [c.token for c in batch]
-                calls = [(REFRESH, [c.key], [t, c._ttl_ms]) for c, t in zip(batch, tokens)]
+                calls = [(REFRESH, [lease.key], [lease.token, lease.ttl_ms]) for _c, lease in batch]
                 sent = time.monotonic()
                 try:
                     self.round_trips += 1
                     results = run_pipeline(client, calls)
-                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                except UNREACHABLE as exc:
                     # Not confirmed: each claim keeps its deadline and is retried soon.
                     log.warning("fenced: heartbeat could not reach Redis: %s", exc)
-                    for c in batch:
-                        c._refresh_failed(sent)
+                    for c, _lease in batch:
+                        c.renewal_failed()
                     continue
                 except Exception:  # a renewer that dies silently is the bug to avoid
                     log.exception("fenced: heartbeat round failed")
-                    for c in batch:
-                        c._refresh_failed(sent)
+                    for c, _lease in batch:
+                        c.renewal_failed()
                     continue
-                for c, token, res in zip(batch, tokens, results):
+                for (c, lease), res in zip(batch, results):
                     if isinstance(res, Exception):
                         log.warning("fenced: refresh of %s failed: %s", c.name, res)
-                        c._refresh_failed(sent)
+                        c.renewal_failed()
                     elif res == 1:
-                        c._refresh_confirmed(sent, token)
+                        c.renewed(sent, lease.token)
                     else:
-                        c._declare_lost("the lease is gone or held under another token", token)
+                        c.renewal_refused(lease.token)
 
-    def _client_for(self, claim: Claim) -> Any:
+    def _client_for(self, client: Any, refresh_every: float) -> Any:
         """A client on a private pool with a socket timeout below the claim's interval."""
-        client = claim.redis
         pool = getattr(client, "connection_pool", None)
         if pool is None or type(client) is not redis.Redis:
             return client  # cluster or custom clients: use them as they are
         # Bucket timeouts by powers of two so claims with similar intervals share a pool.
-        timeout = min(5.0, max(0.05, claim.refresh_every / 2))
+        timeout = min(5.0, max(0.05, refresh_every / 2))
         bucket = 2.0 ** math.floor(math.log2(timeout))
         key = (id(pool), bucket)
         cached = self._pools.get(key)

@@ -8,18 +8,16 @@ measured on the Redis server's clock, the one its stream entry ids come from.
 from __future__ import annotations
 
 import getpass
-import json
 import os
 import re
 import socket
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._claim import MAX_RECORDS, Holder, read_holder
-from ._keys import ClaimKeys
-from ._scripts import FORCE_RELEASE, as_text
+from . import _lease
+from ._lease import MAX_RECORDS, ClaimKeys, Holder, read_holder
+from ._scripts import as_text
 from .records import RunRecord, entries_for, from_entries, history
 
 __all__ = ["ClaimInfo", "ClaimReport", "force_release", "list_claims", "operator", "show_claim"]
@@ -199,22 +197,18 @@ def force_release(
 ) -> Holder | None:
     """Delete a claim whatever its token; record who did it and why. The holder, or None."""
     keys = ClaimKeys.of(name, namespace)
+    # Read first, so the answer can say how long the lease had left and its fence.
     before = read_holder(client, keys.name, namespace)
-    record = json.dumps(
-        {
-            "by": by or operator(),
-            "reason": reason,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "at": time.time(),
-        },
-        separators=(",", ":"),
+    cleared = _lease.force_release(
+        client,
+        keys.name,
+        namespace,
+        token_prefix=token_prefix,
+        reason=reason,
+        by=by or operator(),
     )
-    deleted = as_text(
-        FORCE_RELEASE(client, [keys.lock, keys.runs], [token_prefix, record, MAX_RECORDS])
-    )
-    if not deleted:
+    if cleared is None:
         return None
-    if before is not None and before.token == deleted:
+    if before is not None and before.token == cleared.token:
         return before
-    return Holder.parse(deleted)
+    return cleared

@@ -5,7 +5,7 @@ and renewed by the heartbeat. What can happen, and the exit status of each::
 
     claim taken, command runs       the command's own status (killed by signal N: 128+N)
     busy, on_busy="skip"            0 and one line naming the holder (cron: not an error)
-    busy, on_busy="fail"            75  (EX_TEMPFAIL)
+    busy, on_busy="raise"           75  (EX_TEMPFAIL; "fail" is accepted as another name)
     busy, waited past wait_timeout  75
     claim lost while it ran         76  the group got SIGTERM, then SIGKILL after grace
     Redis unreachable               69  (EX_UNAVAILABLE), the command never started
@@ -34,7 +34,8 @@ from types import FrameType
 from typing import Any
 
 from ._claim import Claim
-from ._errors import ClaimUnavailable, ConfigError
+from ._errors import ClaimHeld, ClaimUnavailable, ConfigError
+from ._guard import Guard, Skipped, check_on_busy
 
 __all__ = [
     "EXIT_BUSY",
@@ -44,6 +45,7 @@ __all__ = [
     "EXIT_UNAVAILABLE",
     "EXIT_USAGE",
     "ON_BUSY",
+    "ON_BUSY_ALIASES",
     "RunOptions",
     "run_command",
 ]
@@ -55,7 +57,9 @@ EXIT_LOST = 76
 EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
 
-ON_BUSY = ("skip", "wait", "fail")
+#: The busy policies a command can carry out (see fenced._guard); "fail" is "raise".
+ON_BUSY = ("skip", "wait", "raise")
+ON_BUSY_ALIASES = {"fail": "raise"}
 TO_GROUP = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 TO_CHILD = (signal.SIGUSR1, signal.SIGUSR2)
 #: How often the runner looks at the child and the claim while the command runs.
@@ -80,8 +84,9 @@ class RunOptions:
         """Raise ConfigError for options that cannot work together."""
         if not self.argv:
             raise ConfigError("no command given: put it after '--', e.g. fenced run NAME -- CMD")
-        if self.on_busy not in ON_BUSY:
-            raise ConfigError(f"on_busy={self.on_busy!r}: choose one of {', '.join(ON_BUSY)}")
+        self.on_busy = check_on_busy(
+            self.on_busy, ON_BUSY, option="--on-busy", aliases=ON_BUSY_ALIASES
+        )
         if self.wait_timeout is not None:
             if self.on_busy != "wait":
                 raise ConfigError(
@@ -169,19 +174,22 @@ class _Runner:
 
     def run(self) -> int:
         opts = self.opts
+        guard = Guard(self.claim, opts.on_busy, opts.wait_timeout)
         try:
-            if opts.on_busy == "wait":
-                got = self.claim.acquire(blocking=True, timeout=opts.wait_timeout)
-            else:
-                got = self.claim.acquire()
+            skipped = guard.enter()
         except _Interrupted as stop:
             self.say(f"fenced: {_signame(stop.signum)} while waiting for {opts.name!r}; not run")
             return 128 + stop.signum
         except ClaimUnavailable as exc:
             self.say(f"fenced: {exc}")
             return EXIT_UNAVAILABLE
-        if not got:
-            return self._busy()
+        except ClaimHeld as busy:
+            self.say(
+                f"fenced: gave up waiting: {busy}" if opts.on_busy == "wait" else f"fenced: {busy}"
+            )
+            return EXIT_BUSY
+        if skipped is not None:
+            return self._skipped(skipped)
         outcome, reason, code = "failed", None, 1
         try:
             outcome, reason, code = self._run_child()
@@ -189,18 +197,10 @@ class _Runner:
             self.claim.release(outcome=outcome, reason=reason)
         return code
 
-    def _busy(self) -> int:
-        opts, holder = self.opts, self.claim.holder
-        held_by = f"held by {holder}" if holder else "held by another holder"
-        if opts.on_busy == "skip":
-            if not opts.quiet:
-                self.say(f"fenced: skipped {opts.name!r}: {held_by}")
-            return 0
-        if opts.on_busy == "wait":
-            self.say(f"fenced: gave up waiting {opts.wait_timeout}s for {opts.name!r}: {held_by}")
-        else:
-            self.say(f"fenced: {opts.name!r} is busy: {held_by}")
-        return EXIT_BUSY
+    def _skipped(self, skipped: Skipped) -> int:
+        if not self.opts.quiet:
+            self.say(f"fenced: {skipped}")
+        return 0
 
     def _run_child(self) -> tuple[str, str | None, int]:
         opts = self.opts

@@ -19,7 +19,13 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-__all__ = ["ACQUIRE", "FORCE_RELEASE", "RECORD", "REFRESH", "RELEASE", "Script"]
+__all__ = ["ACQUIRE", "FORCE_RELEASE", "RECORD", "REFRESH", "RELEASE", "TOKEN_PATTERN", "Script"]
+
+#: The one definition of an owner token, read by the scripts (Lua ``string.match``) and
+#: by Python (``re.fullmatch``, with DOTALL as Lua's ``.``): ``random:host:pid:task id``.
+#: The pattern is written in the subset both languages read alike; only the task id may
+#: contain ``:``, so the host has its colons replaced when the token is made.
+TOKEN_PATTERN = "^([^:]*):([^:]*):([^:]*):(.*)$"
 
 
 def as_text(value: Any) -> str:
@@ -32,8 +38,9 @@ class Script:
 
     def __init__(self, name: str, source: str) -> None:
         self.name = name
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
+        # The token's one definition, spelled into the script as a Lua string literal.
+        self.source = source.replace("TOKEN_PATTERN", repr(TOKEN_PATTERN))
+        self.sha = hashlib.sha1(self.source.encode()).hexdigest()
 
     def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run on a client (one round trip when the server already has the script)."""
@@ -107,9 +114,11 @@ if holder == ARGV[1] then
   return {1, fence}
 end
 local pttl = redis.call('PTTL', KEYS[1])
--- a token is "random:host:pid:task id"; only the task id may contain ':'
-local own = ARGV[7] ~= nil and ARGV[7] ~= ''
-  and string.match(holder, '^[^:]*:[^:]*:[^:]*:(.*)$') == ARGV[7]
+local own = false
+if ARGV[7] ~= nil and ARGV[7] ~= '' then
+  local _, _, _, task_id = string.match(holder, TOKEN_PATTERN)
+  own = task_id == ARGV[7]
+end
 local skips = 0
 if own then
   skips = tonumber(redis.call('GET', KEYS[4]) or '0')
@@ -192,8 +201,7 @@ if not holder then return '' end
 if ARGV[1] ~= '' and string.sub(holder, 1, string.len(ARGV[1])) ~= ARGV[1] then
   return ''
 end
--- a token is "random:host:pid:task id"; only the task id may contain ':'
-local _, host, pid, task_id = string.match(holder, '^([^:]*):([^:]*):([^:]*):(.*)$')
+local _, host, pid, task_id = string.match(holder, TOKEN_PATTERN)
 if (ARGV[4] or '') ~= '' and task_id ~= ARGV[4] then return '' end
 if (ARGV[6] or '') ~= '' and (host or '') .. ':' .. (pid or '') ~= ARGV[6] then return '' end
 redis.call('DEL', KEYS[1])

@@ -9,8 +9,8 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
-from ._claim import Holder
 from ._inspect import ClaimInfo, ClaimReport
+from ._lease import Holder
 
 __all__ = ["claims_table", "duration", "holder_text", "report_table", "when"]
 

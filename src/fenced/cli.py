@@ -16,7 +16,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only without the extra
     typer = None  # type: ignore[assignment]
 
-from ._run import EXIT_UNAVAILABLE, EXIT_USAGE
+from ._run import EXIT_UNAVAILABLE, EXIT_USAGE, ON_BUSY, ON_BUSY_ALIASES
 
 app = typer.Typer(no_args_is_help=True, add_completion=False) if typer else None
 
@@ -57,15 +57,16 @@ def _client(url: str | None) -> Any:
 @contextmanager
 def _talking_to(client: Any) -> Iterator[None]:
     """Turn an unreachable Redis and bad input into one-line messages and exit codes."""
-    import redis
-
-    from . import ConfigError
-    from ._claim import describe_client
+    from . import ClaimUnavailable, ConfigError
+    from ._lease import UNREACHABLE, describe_client
 
     try:
         yield
-    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+    except UNREACHABLE as exc:
         _err(f"fenced: cannot reach Redis at {describe_client(client)}: {exc}")
+        raise SystemExit(EXIT_UNAVAILABLE) from None
+    except ClaimUnavailable as exc:
+        _err(f"fenced: {exc}")
         raise SystemExit(EXIT_UNAVAILABLE) from None
     except ConfigError as exc:
         _err(f"fenced: {exc}")
@@ -79,12 +80,11 @@ def _print_json(data: Any) -> None:
 if app is not None:
     from rich.console import Console
 
-    class OnBusy(str, enum.Enum):
-        """What ``fenced run`` does when another holder has the claim."""
-
-        skip = "skip"
-        wait = "wait"
-        fail = "fail"
+    # What ``fenced run`` does when another holder has the claim ("raise" is a keyword,
+    # hence the functional form).
+    OnBusy = enum.Enum(  # type: ignore[misc]
+        "OnBusy", {p: p for p in (*ON_BUSY, *ON_BUSY_ALIASES)}, type=str
+    )
 
     RedisOpt = Annotated[
         str | None,
@@ -205,7 +205,7 @@ if app is not None:
         namespace: NamespaceOpt = "fenced",
         on_busy: Annotated[
             OnBusy, typer.Option("--on-busy", help="When another holder has the claim.")
-        ] = OnBusy.skip,
+        ] = OnBusy.skip,  # type: ignore[attr-defined]
         wait_timeout: Annotated[
             float | None,
             typer.Option(metavar="S", help="With --on-busy wait: give up after S seconds."),
@@ -228,7 +228,7 @@ if app is not None:
         Exit status:
           CMD's  the command's own status; killed by signal N: 128+N
           0      busy with --on-busy skip (the default)
-          75     busy with --on-busy fail, or waited past --wait-timeout
+          75     busy with --on-busy raise (or fail), or waited past --wait-timeout
           76     claim lost while the command ran: SIGTERM, then SIGKILL
           69     Redis unreachable: the command was not started
           2      usage: no --redis and no FENCED_REDIS_URL, bad option
@@ -289,14 +289,15 @@ if app is not None:
         return claims_table(infos, f"{len(infos)} held in namespace {namespace!r}")
 
     def _watch(read: Callable[[], list[Any]], namespace: str, as_json: bool, every: float) -> None:
-        import redis
         from rich.live import Live
         from rich.text import Text
+
+        from ._lease import UNREACHABLE
 
         def view() -> Any:
             try:
                 infos = read()
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            except UNREACHABLE as exc:
                 # Watching outlives a Redis restart: say so and look again.
                 return Text(f"cannot reach Redis: {exc}", style="red")
             return [i.as_dict() for i in infos] if as_json else _ls_view(infos, namespace)
@@ -367,8 +368,8 @@ if app is not None:
           2   usage: no --reason, no --redis
           69  Redis unreachable
         """
-        from ._claim import read_holder
         from ._inspect import force_release, operator
+        from ._lease import read_holder
 
         client = _client(redis_url)
         if not force:

@@ -7,23 +7,29 @@ A run is assembled from its ``started`` and ``finished`` entries by token.
 
 Outcomes: ``ok``, ``skipped``, ``failed``, ``lost``, ``aborted``, ``released`` (by an
 operator), and ``running`` for a run whose end was not (yet) recorded.
+
+This module owns the records' form both ways: the ``encode_*`` functions write the JSON
+the scripts append, and :func:`from_entries` reads it back.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ._claim import MAX_RECORDS, Holder
-from ._keys import ClaimKeys
+from ._lease import HOST, MAX_RECORDS, ClaimKeys, Holder, current_pid, short_token
 from ._scripts import RECORD, as_text
 
 __all__ = [
     "OUTCOMES",
     "RunRecord",
     "consecutive_skips",
+    "encode_finished",
+    "encode_release",
+    "encode_started",
     "entries_for",
     "from_entries",
     "history",
@@ -32,6 +38,50 @@ __all__ = [
 ]
 
 OUTCOMES = ("ok", "skipped", "failed", "lost", "aborted", "released", "running")
+
+# One encoder for every record: json.dumps with options builds a new encoder per call.
+_encode = json.JSONEncoder(separators=(",", ":"), default=str).encode
+_HOST_JSON = _encode(HOST)
+# The fields every run record starts with; ``extra`` may not shadow them on the
+# pre-encoded path (a mapping that does goes through the general one).
+_BASE_FIELDS = frozenset(("task_id", "host", "pid", "at"))
+
+
+def encode_started(task_id: str | None, extra: Mapping[str, Any]) -> str:
+    """The record ACQUIRE writes as the ``started`` (or ``skipped``) entry."""
+    if extra and not _BASE_FIELDS.isdisjoint(extra):
+        data = {"task_id": task_id, "host": HOST, "pid": current_pid(), "at": time.time()}
+        data.update(extra)
+        return _encode(data)
+    # The same JSON object, built without a dict per run: this is on every acquire.
+    head = (
+        f'{{"task_id":{_encode(task_id)},"host":{_HOST_JSON},'
+        f'"pid":{current_pid()},"at":{time.time()!r}'
+    )
+    return f"{head},{_encode(dict(extra))[1:]}" if extra else head + "}"
+
+
+def encode_finished(task_id: str | None, duration: float, reason: str | None) -> str:
+    """The record RELEASE writes as the ``finished`` entry (it pairs with ``started``)."""
+    # The "started" entry already says who, where and with what; this one adds only how
+    # it ended. Built as text, not from a dict: this is on every release.
+    record = (
+        f'{{"task_id":{_encode(task_id)},"host":{_HOST_JSON},"pid":{current_pid()},'
+        f'"duration":{round(duration, 6)!r}'
+    )
+    return record + (f',"reason":{_encode(reason)}}}' if reason else "}")
+
+
+def encode_release(reason: str | None, **data: Any) -> str:
+    """The record of a claim cleared from outside (an operator, a supervisor)."""
+    payload: dict[str, Any] = {
+        "host": HOST,
+        "pid": current_pid(),
+        "at": time.time(),
+        "reason": reason,
+    }
+    payload.update(data)
+    return _encode(payload)
 
 
 @dataclass
@@ -55,7 +105,7 @@ class RunRecord:
         """JSON-ready form (the secret part of the token shortened)."""
         data = asdict(self)
         if self.token:
-            data["token"] = self.token.split(":", 1)[0][:8] + "…"
+            data["token"] = short_token(self.token)
         return data
 
 
@@ -229,7 +279,7 @@ def record(
         raise ValueError(f"outcome {outcome!r} is not one of {', '.join(OUTCOMES)}")
     keys = ClaimKeys.of(name, namespace)
     data.setdefault("at", time.time())
-    payload = json.dumps(data, separators=(",", ":"), default=str)
+    payload = _encode(data)
     return as_text(
         RECORD(client, [keys.runs, keys.skips], [event, outcome, payload, max_records, token])
     )

@@ -111,7 +111,7 @@ def rebuild(
     name="demo.rebuild_coarse",
     claim="rebuild",
     claim_ttl=TTL,
-    claim_on_conflict="retry",
+    claim_on_busy="retry",
 )
 def rebuild_coarse(self: Any, tenant: str, layer: str, tiles: int = 8) -> dict[str, Any]:
     """The same rebuild behind one coarse claim shared by every tenant (the mistake)."""

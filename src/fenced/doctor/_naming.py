@@ -9,7 +9,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .._errors import ConfigError
-from .._keys import ClaimKeys, template_fields
+from .._lease import ClaimKeys
+from .._naming import template_fields
 from ._finding import Finding
 
 __all__ = ["CONTENDED_OUTCOMES", "check_naming", "load_records"]

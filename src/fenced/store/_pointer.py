@@ -33,7 +33,7 @@ from typing import Any, Union
 import redis as _redis
 
 from .._errors import ConfigError, StaleFence, StoreError
-from .._keys import ClaimKeys
+from .._lease import ClaimKeys
 from .._scripts import Script, as_text
 from . import _durable
 from ._content import Ref

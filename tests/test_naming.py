@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fenced import ConfigError, claim_name, hash_value
-from fenced._keys import ClaimKeys, check_fields, template_fields, validate_name
+from fenced._lease import ClaimKeys
+from fenced._naming import check_fields, template_fields, validate_name
 
 values = st.one_of(st.text(max_size=80), st.integers(), st.binary(max_size=40))
 
@@ -106,3 +107,19 @@ def test_any_name_becomes_a_safe_key(name: str) -> None:
 def test_distinct_raw_names_stay_distinct(a: str, b: str) -> None:
     if a != b:
         assert validate_name(a) != validate_name(b)
+
+
+@given(st.text(min_size=1, max_size=300))
+def test_a_name_is_a_fixed_point(name: str) -> None:
+    once = validate_name(name)
+    assert validate_name(once) == once
+    assert ClaimKeys.of(once).name == once
+    assert ClaimKeys.of(ClaimKeys.of(name).name).all() == ClaimKeys.of(name).all()
+
+
+def test_a_hashed_name_fed_back_addresses_the_same_keys() -> None:
+    name = claim_name("feed:{url}", url="https://example.com/a b")
+    unsafe = "rebuild {acme} roads"
+    for given_name in (name, validate_name(unsafe)):
+        assert validate_name(given_name) == given_name
+    assert ClaimKeys.of(validate_name(unsafe)).lock == ClaimKeys.of(unsafe).lock

@@ -1,4 +1,4 @@
-"""Signals sent by fenced's Celery integration (also reachable as ``fenced.celery.signals``).
+"""Signals sent by fenced's Celery integration.
 
 ::
 

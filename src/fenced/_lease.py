@@ -1,0 +1,395 @@
+"""The lease layer: who we are, what a token is, where a name's keys live, and the store.
+
+Everything that talks to Redis about a lease goes through here:
+
+- **process identity** — the host and the pid, the pid kept current across ``fork``;
+- **the token** — ``random:host:pid:task id``, defined once (``TOKEN_PATTERN``, read by
+  the scripts and by :meth:`Holder.parse`);
+- **the keys** — every key of one name (lease, fence, runs, skips, rerun, pointer),
+  under one namespace and one Cluster hash tag;
+- **the store** — the scripts run through :class:`LeaseStore`, and the one mapping
+  from "Redis could not be reached" to :class:`ClaimUnavailable`;
+- **timing** — the one check of a ttl and a refresh interval, for every front end.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis
+
+from ._errors import ClaimUnavailable, ConfigError
+from ._naming import validate_name
+from ._scripts import ACQUIRE, FORCE_RELEASE, REFRESH, RELEASE, TOKEN_PATTERN, as_text
+
+__all__ = [
+    "HOST",
+    "MAX_RECORDS",
+    "UNREACHABLE",
+    "ClaimKeys",
+    "Holder",
+    "LeaseStore",
+    "check_timing",
+    "current_pid",
+    "describe_client",
+    "force_release",
+    "new_token",
+    "reachable",
+    "read_holder",
+]
+
+#: Errors that mean "the store could not be reached" (the request may not have landed).
+UNREACHABLE: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
+#: Run records kept per claim (the stream is trimmed approximately).
+MAX_RECORDS = 1000
+
+# -- process identity -----------------------------------------------------------------
+
+#: This host, as tokens carry it (a ':' would break the token's format).
+HOST = socket.gethostname().replace(":", "_") or "localhost"
+# Kept current across fork: os.getpid() is a system call, and the acquire and release
+# path asks for it several times per cycle.
+_pid = os.getpid()
+
+
+def current_pid() -> int:
+    """This process's pid, current in a forked child too."""
+    return _pid
+
+
+def _after_fork_in_child() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+# -- the token --------------------------------------------------------------------------
+
+_TOKEN = re.compile(TOKEN_PATTERN, re.DOTALL)
+
+
+def new_token(task_id: str | None = None) -> str:
+    """A fresh owner token: 128 random bits, then host, pid and task id for humans."""
+    return f"{secrets.token_hex(16)}:{HOST}:{_pid}:{task_id or ''}"
+
+
+def holder_filter(host: str | None, pid: int | None) -> str:
+    """The ``host:pid`` part of a token, as FORCE_RELEASE matches it ("" for any)."""
+    return f"{(host or HOST).replace(':', '_')}:{pid}" if pid is not None else ""
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a claim: parsed from its token, with its fence and time left."""
+
+    token: str
+    host: str
+    pid: int | None
+    task_id: str | None
+    fence: int | None
+    expires_in: float | None
+
+    @classmethod
+    def parse(cls, token: str, pttl_ms: int | None = None, fence: int | None = None) -> Holder:
+        """Parse a token written by :func:`new_token` (foreign values parse as opaque)."""
+        match = _TOKEN.fullmatch(token)
+        if match:
+            _rand, host, pid, task_id = match.groups()
+            pid_int = int(pid) if pid.isdigit() else None
+        else:
+            host, pid_int, task_id = "?", None, ""
+        expires = None if pttl_ms is None or pttl_ms < 0 else pttl_ms / 1000.0
+        return cls(token, host, pid_int, task_id or None, fence, expires)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form, without the secret part of the token."""
+        data = asdict(self)
+        data["token"] = short_token(self.token)
+        return data
+
+    def __str__(self) -> str:
+        who = f"{self.host} pid {self.pid}"
+        if self.task_id:
+            who += f" task {self.task_id}"
+        if self.expires_in is not None:
+            who += f", {self.expires_in:.1f}s left"
+        return who
+
+
+def short_token(token: str) -> str:
+    """A token as shown to people: the start of its random part only."""
+    return token.split(":", 1)[0][:8] + "…"
+
+
+# -- the keys ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClaimKeys:
+    """The Redis keys of one name, all under one namespace and one hash tag."""
+
+    namespace: str
+    name: str
+
+    @classmethod
+    def of(cls, name: str, namespace: str = "fenced") -> ClaimKeys:
+        """Keys for a name (checked, a fixed point) under a namespace."""
+        check_namespace(namespace)
+        return cls(namespace, validate_name(name))
+
+    def _key(self, part: str) -> str:
+        return f"{self.namespace}:{{{self.name}}}:{part}"
+
+    @property
+    def lock(self) -> str:
+        """The lease itself: value = owner token, PX = ttl."""
+        return self._key("lock")
+
+    @property
+    def fence(self) -> str:
+        """The fence counter; never decreases."""
+        return self._key("fence")
+
+    @property
+    def runs(self) -> str:
+        """The run-record stream, newest last, capped."""
+        return self._key("runs")
+
+    @property
+    def skips(self) -> str:
+        """Consecutive skips since the last successful run."""
+        return self._key("skips")
+
+    @property
+    def rerun(self) -> str:
+        """Set when a conflicting trigger asked for one more run."""
+        return self._key("rerun")
+
+    @property
+    def pointer(self) -> str:
+        """A Redis pointer of the same name (same hash tag: one Cluster slot)."""
+        return self._key("ptr")
+
+    @property
+    def pointer_log(self) -> str:
+        """The log of a Redis pointer's accepted publishes."""
+        return self._key("ptr:log")
+
+    def all(self) -> list[str]:
+        """The keys the ACQUIRE script receives, in KEYS order."""
+        return [self.lock, self.fence, self.runs, self.skips, self.rerun]
+
+    @staticmethod
+    def name_from_key(key: str | bytes, namespace: str = "fenced") -> str | None:
+        """Recover the claim name from any of its keys (used by ``fenced ls``)."""
+        text = as_text(key)
+        prefix = namespace + ":{"
+        if not text.startswith(prefix):
+            return None
+        end = text.rfind("}:")
+        if end < len(prefix):
+            return None
+        return text[len(prefix) : end]
+
+
+def check_namespace(namespace: Any) -> str:
+    """A namespace is a non-empty prefix without braces (they would break the hash tag)."""
+    if not isinstance(namespace, str) or not namespace or "{" in namespace or "}" in namespace:
+        raise ConfigError(
+            f"namespace {namespace!r} is invalid: use a non-empty prefix without braces, "
+            "e.g. 'fenced'"
+        )
+    return namespace
+
+
+# -- timing -----------------------------------------------------------------------------
+
+
+def check_timing(
+    ttl: Any,
+    refresh_every: Any = None,
+    *,
+    names: tuple[str, str] = ("ttl", "refresh_every"),
+) -> tuple[float, float]:
+    """Check a lease's ttl and refresh interval; return them (refresh default: ttl/3).
+
+    ``names`` are the options as the caller's user spells them (``claim_ttl`` in Celery).
+    """
+    ttl_name, refresh_name = names
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
+        raise ConfigError(
+            f"{ttl_name}={ttl!r} is not a positive number of seconds: choose one well above "
+            f"a refresh interval and round-trip time, e.g. {ttl_name}=30"
+        )
+    if refresh_every is None:
+        return float(ttl), ttl / 3
+    if (
+        isinstance(refresh_every, bool)
+        or not isinstance(refresh_every, (int, float))
+        or not refresh_every > 0
+    ):
+        raise ConfigError(
+            f"{refresh_name}={refresh_every!r} must be a positive number of seconds below "
+            f"{ttl_name}; leave it None for {ttl_name}/3"
+        )
+    if not refresh_every < ttl:
+        raise ConfigError(
+            f"{refresh_name}={refresh_every!r} must be below {ttl_name}={ttl}: a lease "
+            f"renewed no sooner than it expires is lost between renewals; leave it None for "
+            f"{ttl_name}/3"
+        )
+    return float(ttl), float(refresh_every)
+
+
+# -- reaching the store -----------------------------------------------------------------
+
+
+def describe_client(client: Any) -> str:
+    """Human address of a Redis client (for error messages)."""
+    kw = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {}) or {}
+    if "path" in kw:
+        where = f"unix://{kw['path']}"
+    else:
+        where = f"redis://{kw.get('host', '?')}:{kw.get('port', 6379)}"
+    return f"{where}/{kw.get('db', 0)}"
+
+
+@contextmanager
+def reachable(client: Any, doing: str, name: str | None = None, **context: Any) -> Iterator[None]:
+    """Turn "Redis could not be reached" into ClaimUnavailable, the one place that does."""
+    try:
+        yield
+    except UNREACHABLE as exc:
+        raise ClaimUnavailable(
+            f"cannot reach Redis at {describe_client(client)} to {doing} ({exc})",
+            name=name,
+            **context,
+        ) from exc
+
+
+class LeaseStore:
+    """The lease scripts of one name on one client: acquire, refresh, release, abandon."""
+
+    __slots__ = ("_acquire_keys", "_release_keys", "client", "keys")
+
+    def __init__(self, client: Any, keys: ClaimKeys) -> None:
+        self.client = client
+        self.keys = keys
+        # Built once: every acquire and release sends them.
+        self._acquire_keys = tuple(keys.all())
+        self._release_keys = (keys.lock, keys.runs, keys.skips, keys.rerun)
+
+    def acquire(
+        self,
+        token: str,
+        ttl_ms: int,
+        record: str,
+        skip_reason: str,
+        max_records: int,
+        rerun: bool,
+        task_id: str | None,
+    ) -> list[Any]:
+        """Run ACQUIRE (see its contract); unreachable errors propagate to the caller."""
+        return list(
+            ACQUIRE(
+                self.client,
+                self._acquire_keys,
+                [
+                    token,
+                    ttl_ms,
+                    record,
+                    skip_reason,
+                    max_records,
+                    "1" if rerun else "0",
+                    task_id or "",
+                ],
+            )
+        )
+
+    def refresh(self, token: str, ttl_ms: int) -> bool:
+        """Extend the lease if ``token`` still holds it."""
+        return int(REFRESH(self.client, [self.keys.lock], [token, ttl_ms])) == 1
+
+    def release(
+        self, token: str, record: str, max_records: int, outcome: str, fence: int | None
+    ) -> tuple[bool, int]:
+        """Delete the lease if ``token`` holds it; (released, rerun requests taken)."""
+        res = RELEASE(
+            self.client,
+            self._release_keys,
+            [token, record, max_records, outcome, fence or 0, "1"],
+        )
+        return int(res[0]) == 1, int(res[1])
+
+    def abandon(self, token: str) -> None:
+        """A request that timed out may still have landed: drop that lease if we can."""
+        try:
+            RELEASE(self.client, self._release_keys, [token, "", MAX_RECORDS, "", 0, "0"])
+        except Exception:  # best effort; the lease expires within its ttl anyway
+            pass
+
+
+def read_holder(client: Any, name: str, namespace: str = "fenced") -> Holder | None:
+    """The current holder of a claim, or None when nobody holds it (one round trip)."""
+    keys = ClaimKeys.of(name, namespace)
+    pipe = client.pipeline(transaction=False)
+    pipe.get(keys.lock)
+    pipe.pttl(keys.lock)
+    pipe.get(keys.fence)
+    with reachable(client, f"read claim {keys.name!r}", keys.name):
+        token, pttl, fence = pipe.execute()
+    if token is None:
+        return None
+    return Holder.parse(as_text(token), int(pttl), int(fence) if fence is not None else None)
+
+
+def force_release(
+    client: Any,
+    name: str,
+    namespace: str = "fenced",
+    *,
+    task_id: str | None = None,
+    pid: int | None = None,
+    host: str | None = None,
+    token_prefix: str = "",
+    outcome: str | None = None,
+    reason: str | None = None,
+    max_records: int = MAX_RECORDS,
+    **data: Any,
+) -> Holder | None:
+    """Clear a claim whatever its token; with ``task_id``/``pid``, only such a holder's.
+
+    For a supervisor that knows the holder is gone (a killed process) or an operator
+    (``by=`` names them in the record). ``pid`` matches a holder process on ``host``
+    (default: this host). ``outcome`` (e.g. ``"aborted"``) ends the holder's run record;
+    without it the record says ``released``. Returns the holder that was cleared, or
+    None (one round trip).
+    """
+    # Run records own their encoding, and they build on this module.
+    from .records import encode_release
+
+    keys = ClaimKeys.of(name, namespace)
+    record = encode_release(reason, **data)
+    with reachable(client, f"release claim {keys.name!r}", keys.name):
+        token = FORCE_RELEASE(
+            client,
+            [keys.lock, keys.runs],
+            [
+                token_prefix,
+                record,
+                max_records,
+                task_id or "",
+                outcome or "",
+                holder_filter(host, pid),
+            ],
+        )
+    text = as_text(token) if token else ""
+    return Holder.parse(text) if text else None

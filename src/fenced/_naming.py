@@ -1,0 +1,237 @@
+"""Claim names: a template or a callable, and one call's arguments, give one name.
+
+A claim is named for the *resource* two runs would collide on. Names come from
+templates over chosen arguments, ``"rebuild:{tenant}:{layer}"``, or from a callable.
+Each template value is rendered canonically: short safe values appear as they are;
+long or unsafe ones are replaced by a versioned digest (``h1-`` + 20 bytes of BLAKE2b,
+hex), so distinct values always give distinct names and no value can smuggle a
+separator or a brace.
+
+A name is a fixed point: checking a name that was already checked returns it
+unchanged, so the name a ``Claim`` reports addresses the same keys wherever it is
+passed back (``read_holder``, ``fenced release``, run records, pointers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import re
+import string
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+from ._errors import ConfigError
+
+__all__ = [
+    "Namer",
+    "check_fields",
+    "claim_name",
+    "hash_value",
+    "render",
+    "template_fields",
+    "validate_name",
+]
+
+#: Version tag of the digest scheme; a new scheme gets a new prefix, never reuses one.
+HASH_PREFIX = "h1-"
+_SAFE_VALUE = re.compile(r"[A-Za-z0-9_.\-/@]{1,64}")
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-/@:=+]{1,200}")
+# What validate_name makes of an unsafe name: a readable head, "~", and the digest.
+_HASHED_NAME = re.compile(r"[A-Za-z0-9_.\-/@:=+]{0,40}~" + HASH_PREFIX + r"[0-9a-f]{40}")
+_FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_formatter = string.Formatter()
+
+
+def hash_value(value: str | bytes) -> str:
+    """Stable, versioned digest of a value: ``h1-`` + 40 hex characters."""
+    data = value.encode() if isinstance(value, str) else value
+    return HASH_PREFIX + hashlib.blake2b(data, digest_size=20).hexdigest()
+
+
+def render_value(value: Any) -> str:
+    """Canonical text of one template value; hashed when long or unsafe."""
+    if isinstance(value, bool) or value is None:
+        text = repr(value)
+    elif isinstance(value, (int, float, str)):
+        text = str(value)
+    elif isinstance(value, bytes):
+        return hash_value(b"bytes:" + value)
+    else:
+        text = f"{type(value).__qualname__}:{value!r}"
+        return hash_value(text)
+    # A value that already looks like a digest is hashed too, so "h1-..." typed by a
+    # user can never collide with the digest of some other value.
+    if _SAFE_VALUE.fullmatch(text) and not text.startswith(HASH_PREFIX):
+        return text
+    return hash_value(text)
+
+
+def template_fields(template: str) -> list[str]:
+    """The plain field names of a claim template; rejects attribute/index access."""
+    if not isinstance(template, str) or not template.strip():
+        raise ConfigError(
+            "claim template is empty: name the resource two runs collide on, "
+            "e.g. 'rebuild:{tenant}:{layer}'"
+        )
+    fields: list[str] = []
+    try:
+        parsed = list(_formatter.parse(template))
+    except ValueError as exc:
+        raise ConfigError(
+            f"claim template {template!r} is not a valid format string ({exc}); "
+            "write '{{' and '}}' for literal braces"
+        ) from exc
+    for _literal, field, spec, conversion in parsed:
+        if field is None:
+            continue
+        if not _FIELD.fullmatch(field):
+            raise ConfigError(
+                f"claim template {template!r} uses field {{{field}}}: only plain argument "
+                "names are allowed (no attribute or index access, no positional {}); "
+                "compute the value in a callable claim name instead"
+            )
+        if spec or conversion:
+            raise ConfigError(
+                f"claim template {template!r} gives field {{{field}}} a format spec or "
+                "conversion; remove it (values are rendered canonically)"
+            )
+        if field not in fields:
+            fields.append(field)
+    return fields
+
+
+def claim_name(template: str, /, **values: Any) -> str:
+    """Render a claim name from a template, hashing long or unsafe values."""
+    fields = template_fields(template)
+    missing = [f for f in fields if f not in values]
+    if missing:
+        raise ConfigError(
+            f"claim template {template!r} needs {', '.join(missing)}: pass "
+            + ", ".join(f"{m}=..." for m in missing)
+        )
+    return render(template, {f: values[f] for f in fields})[0]
+
+
+def render(template: str, values: Mapping[str, Any]) -> tuple[str, dict[str, str]]:
+    """The claim name for a template's values, and each value as the name shows it."""
+    rendered = {f: render_value(v) for f, v in values.items()}
+    return validate_name(template.format(**rendered)), rendered
+
+
+def validate_name(name: str) -> str:
+    """Check a claim name; return it unchanged, or hashed if it carries unsafe characters."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError("claim name is empty: name the resource, e.g. 'rebuild:incidents'")
+    if _SAFE_NAME.fullmatch(name) or _HASHED_NAME.fullmatch(name):
+        return name
+    # Braces would break the hash tag, spaces and control characters break tooling;
+    # keep a readable head and make the whole name unambiguous with a digest.
+    head = re.sub(r"[^A-Za-z0-9_.\-/@:=+]", "_", name)[:40]
+    return f"{head}~{hash_value(name)}"
+
+
+def check_fields(template: str, available: Iterable[str], where: str) -> list[str]:
+    """Fail at definition time when a template names a field ``where`` does not have."""
+    fields = template_fields(template)
+    have = set(available)
+    missing = [f for f in fields if f not in have]
+    if missing:
+        raise ConfigError(
+            f"claim template {template!r} names {', '.join(missing)}, but {where} has no "
+            f"argument of that name (it has: {', '.join(sorted(have)) or 'none'}); "
+            "rename the field or add the argument"
+        )
+    return fields
+
+
+NameSource = str | Callable[..., str]
+#: How a callable name is called: with the call's own arguments (``fn(*args, **kwargs)``,
+#: as ``@exclusive`` does) or with the pair (``fn(args, kwargs)``, as Celery tasks do).
+CallStyle = Literal["spread", "pair"]
+
+
+class Namer:
+    """From a template or callable and one call's arguments to the claim name.
+
+    Built once, when a function or task is defined: a template's fields are checked
+    against the signature then, not at the first call.
+    """
+
+    def __init__(
+        self,
+        source: NameSource,
+        signature: inspect.Signature | None,
+        where: str,
+        *,
+        style: CallStyle = "spread",
+    ) -> None:
+        self.where = where
+        self.style = style
+        self.signature = signature
+        if callable(source) and not isinstance(source, str):
+            self.template: str | None = None
+            self.func: Callable[..., str] | None = source
+            self.fields: tuple[str, ...] = ()
+            self.label = getattr(source, "__qualname__", None) or repr(source)
+            return
+        if not isinstance(source, str):
+            raise ConfigError(
+                f"{where}: claim name {source!r} must be a template over the arguments, "
+                "e.g. 'rebuild:{tenant}:{layer}', or a callable returning the name"
+            )
+        try:
+            fields = template_fields(source)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        if signature is not None and not any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
+        ):
+            # With **kwargs any field may arrive by keyword; a missing one fails at the call.
+            named = [
+                p.name
+                for p in signature.parameters.values()
+                if p.kind is not inspect.Parameter.VAR_POSITIONAL
+            ]
+            check_fields(source, named, where)
+        self.template, self.func, self.fields, self.label = source, None, tuple(fields), source
+
+    def __call__(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any]
+    ) -> tuple[str, dict[str, str] | None]:
+        """The claim name for one call, and the template values as the name shows them."""
+        if self.func is not None:
+            name = (
+                self.func(*args, **kwargs)
+                if self.style == "spread"
+                else self.func(tuple(args), dict(kwargs))
+            )
+            return validate_name(name), None
+        assert self.template is not None
+        return render(self.template, self.values(args, kwargs))
+
+    def values(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """The template fields' values in one call's arguments (defaults applied)."""
+        values: dict[str, Any] = dict(kwargs)
+        sig = self.signature
+        if sig is not None:
+            try:
+                bound = sig.bind_partial(*args, **kwargs)
+            except TypeError as exc:
+                raise ConfigError(
+                    f"{self.where} was called with arguments that do not fit its "
+                    f"signature {sig} ({exc}): the claim name cannot be made"
+                ) from None
+            bound.apply_defaults()
+            values = dict(bound.arguments)
+            for p in sig.parameters.values():
+                if p.kind is inspect.Parameter.VAR_KEYWORD:
+                    values.update(values.pop(p.name, {}))
+        missing = [f for f in self.fields if f not in values]
+        if missing:
+            raise ConfigError(
+                f"{self.where} was called without {', '.join(missing)}: its claim template "
+                f"{self.template!r} needs {', '.join(missing)}; pass "
+                + ", ".join(f"{m}=..." for m in missing)
+            )
+        return {f: values[f] for f in self.fields}

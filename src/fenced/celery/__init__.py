@@ -1,0 +1,36 @@
+"""Celery integration: a task base class whose every run holds a fenced claim.
+
+::
+
+    from fenced.celery import ClaimedTask
+
+    @app.task(base=ClaimedTask, bind=True, acks_late=True,
+              claim="rebuild:{tenant}:{layer}", claim_ttl=60)
+    def rebuild_map(self, tenant, layer):
+        for step in self.claim.steps(build_steps(tenant, layer)):
+            step.run(fence=self.claim.fence)
+
+- ``_options``: the task options, their settings and defaults, the lock Redis;
+- ``_task``: :class:`ClaimedTask`, what one run does;
+- ``_request``: :class:`ClaimedRequest`, the worker side (a pool child that died);
+- ``signals``: the signals fenced sends.
+"""
+
+from __future__ import annotations
+
+from .._errors import ClaimInterrupted
+from . import signals
+from ._options import DEFAULTS, ON_BUSY, lock_redis
+from ._request import ClaimedRequest
+from ._task import ClaimedTask, metrics
+
+__all__ = [
+    "DEFAULTS",
+    "ON_BUSY",
+    "ClaimInterrupted",
+    "ClaimedRequest",
+    "ClaimedTask",
+    "lock_redis",
+    "metrics",
+    "signals",
+]

@@ -1,0 +1,221 @@
+"""A claimed task's options: defaults, settings, checks, and the lock Redis.
+
+Each option is given in the task decorator (``claim_ttl=60``), else by the app setting
+``fenced_<option>`` (``app.conf.fenced_claim_ttl``; the namespace's setting is
+``fenced_namespace``), else by :data:`DEFAULTS`. They are checked when the task class
+is made and resolved when it is bound to its app, so a bad value fails when the worker
+starts, not at 02:00 on the first run.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from .._errors import ConfigError
+from .._guard import check_on_busy
+from .._lease import check_namespace, check_timing
+
+__all__ = ["DEFAULTS", "ON_BUSY", "SETTINGS", "TaskOptions", "lock_redis", "resolve", "validate"]
+
+#: The busy policies a task can carry out (see fenced._guard): a worker does not block
+#: waiting for a holder, it retries.
+ON_BUSY = ("skip", "rerun", "retry", "raise")
+#: Built-in defaults; ``app.conf.fenced_<option>`` overrides them, a task option wins.
+DEFAULTS: dict[str, Any] = {
+    "claim_ttl": 60.0,
+    "claim_refresh_every": None,
+    "claim_on_busy": "skip",
+    "claim_alert_after_skips": 5,
+    "claim_on_skips_exceeded": None,
+    "claim_interrupt": True,
+    "claim_namespace": "fenced",
+    "claim_unavailable_backoff": 1.0,
+    "claim_unavailable_retries": 10,
+}
+OPTIONS = tuple(DEFAULTS)
+#: The setting that gives each option its default.
+SETTINGS = {
+    option: "fenced_namespace" if option == "claim_namespace" else f"fenced_{option}"
+    for option in OPTIONS
+}
+#: Earlier names of options, still read (with a DeprecationWarning).
+RENAMED = {"claim_on_conflict": "claim_on_busy"}
+
+
+def renamed(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``values`` with earlier option names moved to their current ones."""
+    out = dict(values)
+    for old, new in RENAMED.items():
+        if old in out:
+            value = out.pop(old)
+            if value is None:
+                continue
+            warnings.warn(
+                f"{where}: {old} is now {new}; rename it (the values are the same)",
+                DeprecationWarning,
+                stacklevel=4,
+            )
+            out.setdefault(new, value)
+    return out
+
+
+def _check_alert(value: Any, where: str) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            f"{where}: claim_alert_after_skips={value!r} must be a whole number of skips "
+            "(0 never alerts), e.g. 5"
+        )
+    return value
+
+
+def _check_callback(value: Any, where: str) -> Callable[..., Any] | None:
+    if value is not None and not callable(value):
+        raise ConfigError(
+            f"{where}: claim_on_skips_exceeded={value!r} is not callable; pass a function "
+            "taking (sender, name, skips, holder) as keywords, or None"
+        )
+    callback: Callable[..., Any] | None = value
+    return callback
+
+
+def _check_bool(value: Any, option: str, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: {option}={value!r} must be True or False")
+    return value
+
+
+def _check_positive(value: Any, option: str, where: str, integer: bool = False) -> Any:
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or value < 0:
+        raise ConfigError(f"{where}: {option}={value!r} must be a number >= 0")
+    return value
+
+
+def validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Check every option given (None means: from settings) and return them cleaned."""
+    out: dict[str, Any] = {}
+    ttl, refresh = values.get("claim_ttl"), values.get("claim_refresh_every")
+    try:
+        if ttl is not None:
+            out["claim_ttl"], _ = check_timing(ttl, None, names=("claim_ttl", ""))
+        if refresh is not None:
+            # Without a ttl here (it comes from settings) only the interval is checked.
+            _, out["claim_refresh_every"] = check_timing(
+                ttl if ttl is not None else float("inf"),
+                refresh,
+                names=("claim_ttl", "claim_refresh_every"),
+            )
+        if values.get("claim_namespace") is not None:
+            out["claim_namespace"] = check_namespace(values["claim_namespace"])
+        if values.get("claim_on_busy") is not None:
+            out["claim_on_busy"] = check_on_busy(
+                values["claim_on_busy"], ON_BUSY, option="claim_on_busy"
+            )
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc.message}") from None
+    if "claim_alert_after_skips" in values and values["claim_alert_after_skips"] is not None:
+        out["claim_alert_after_skips"] = _check_alert(values["claim_alert_after_skips"], where)
+    if values.get("claim_on_skips_exceeded") is not None:
+        out["claim_on_skips_exceeded"] = _check_callback(values["claim_on_skips_exceeded"], where)
+    if values.get("claim_interrupt") is not None:
+        out["claim_interrupt"] = _check_bool(values["claim_interrupt"], "claim_interrupt", where)
+    if values.get("claim_unavailable_backoff") is not None:
+        out["claim_unavailable_backoff"] = _check_positive(
+            values["claim_unavailable_backoff"], "claim_unavailable_backoff", where
+        )
+    if values.get("claim_unavailable_retries") is not None:
+        out["claim_unavailable_retries"] = _check_positive(
+            values["claim_unavailable_retries"], "claim_unavailable_retries", where, True
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    """A task's options after settings and defaults are applied."""
+
+    ttl: float
+    refresh_every: float | None
+    on_busy: str
+    alert_after: int
+    on_skips_exceeded: Callable[..., Any] | None
+    interrupt: bool
+    namespace: str
+    backoff: float
+    unavailable_retries: int
+
+
+def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
+    """The options of a task: what it gives, else the app's settings, else the defaults."""
+    raw: dict[str, Any] = {}
+    for option in OPTIONS:
+        value = given.get(option)
+        if value is None:
+            value = conf.get(SETTINGS[option])
+        if value is None and option == "claim_on_busy":
+            value = conf.get("fenced_claim_on_conflict")  # the setting's earlier name
+        raw[option] = DEFAULTS[option] if value is None else value
+    merged = {**raw, **validate(raw, where)}
+    return TaskOptions(
+        ttl=merged["claim_ttl"],
+        refresh_every=merged["claim_refresh_every"],
+        on_busy=merged["claim_on_busy"],
+        alert_after=merged["claim_alert_after_skips"],
+        on_skips_exceeded=merged["claim_on_skips_exceeded"],
+        interrupt=merged["claim_interrupt"],
+        namespace=merged["claim_namespace"],
+        backoff=float(merged["claim_unavailable_backoff"]),
+        unavailable_retries=int(merged["claim_unavailable_retries"]),
+    )
+
+
+def as_attribute(value: Any) -> Any:
+    """A function given as an option must not become a method of the task class."""
+    return staticmethod(value) if inspect.isfunction(value) else value
+
+
+# -- the lock Redis -------------------------------------------------------------------
+
+_clients: weakref.WeakKeyDictionary[Any, tuple[str, Any]] = weakref.WeakKeyDictionary()
+_clients_lock = threading.Lock()
+
+
+def lock_url(app: Any) -> str | None:
+    """The URL of the Redis that holds an app's claims, or None when none is set."""
+    url = app.conf.get("fenced_redis_url") or os.environ.get("FENCED_REDIS_URL")
+    return str(url) if url else None
+
+
+def lock_redis(app: Any) -> Any:
+    """The Redis client that holds claims for a Celery app (one per app and process)."""
+    url = lock_url(app)
+    if not url:
+        raise ConfigError(
+            "fenced has no Redis for claims: set app.conf.fenced_redis_url = "
+            "'redis://host:6379/1' or the environment variable FENCED_REDIS_URL "
+            "(the broker's Redis is not used by default: claims need a database with "
+            "maxmemory-policy noeviction)"
+        )
+    with _clients_lock:
+        cached = _clients.get(app)
+        if cached is not None and cached[0] == url:
+            return cached[1]
+        # A paused Redis must not hold a task forever: acquire fails closed instead.
+        options: dict[str, Any] = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0}
+        options.update(app.conf.get("fenced_redis_options") or {})
+        # redis-py pools notice a fork and reconnect, so one client serves the main
+        # process and every pool child.
+        client = redis.Redis.from_url(url, **options)
+        _clients[app] = (url, client)
+        return client

@@ -1,0 +1,47 @@
+"""The worker-side request: when a pool child dies mid-run, release the claim it held."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+try:
+    from billiard.einfo import ExceptionWithTraceback  # type: ignore[attr-defined]
+    from billiard.exceptions import WorkerLostError
+    from celery.worker.request import Request
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(f"fenced.celery needs Celery: pip install 'fenced[celery]' ({exc})") from exc
+
+from ._task import ClaimedTask
+
+__all__ = ["ClaimedRequest"]
+
+log = logging.getLogger("fenced.celery")
+
+
+class ClaimedRequest(Request):
+    """Worker-side request: when a pool child dies mid-run, release the claim it held."""
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> Any:
+        exc = exc_info.exception
+        if isinstance(exc, ExceptionWithTraceback):
+            exc = exc.exc
+        task = self.task
+        # Release before the message is requeued below, so the redelivery finds the
+        # claim free. Only this child's lease for this task id is touched.
+        if isinstance(exc, WorkerLostError) and self.worker_pid and isinstance(task, ClaimedTask):
+            try:
+                task.release_dead_holder(
+                    self.id,
+                    int(self.worker_pid),
+                    self.args,
+                    self.kwargs,
+                    f"worker process {self.worker_pid} died mid-run: {exc}",
+                )
+            except Exception:
+                log.exception("fenced: could not release the claim of %s[%s]", self.name, self.id)
+        return super().on_failure(
+            exc_info, send_failed_event=send_failed_event, return_ok=return_ok
+        )

@@ -1,0 +1,541 @@
+"""Celery integration: a task base class whose every run holds a fenced claim.
+
+::
+
+    from fenced.celery import ClaimedTask
+
+    @app.task(base=ClaimedTask, bind=True, acks_late=True,
+              claim="rebuild:{tenant}:{layer}", claim_ttl=60)
+    def rebuild_map(self, tenant, layer):
+        for step in self.claim.steps(build_steps(tenant, layer)):
+            step.run(fence=self.claim.fence)
+
+What one run does:
+
+1. It names its claim from the task's arguments and acquires it: one round trip, which
+   also writes the ``started`` run record (or the ``skipped`` one, counting the skip).
+2. If another holder has the claim: a holder carrying *this* task id is an earlier
+   attempt that died holding it (the message was redelivered), so the task retries when
+   that lease ends; anyone else makes the claim busy, handled by ``claim_on_busy``:
+   ``skip`` returns a ``Skipped`` result as a dict (no retry, no failure), ``rerun``
+   also asks the holder for one more run, ``retry`` retries after the holder's lease,
+   ``raise`` fails with ``ClaimHeld``.
+   A retried or redelivered message whose task id already ran to the end (its run
+   record says ``ok``) does not run again: it is ignored, keeping the stored result.
+3. The body runs with ``self.claim``. The process's heartbeat renews the lease; once it is
+   lost, ``self.claim.check()`` and ``steps()`` raise ``ClaimLost``, and a task that never
+   checks is interrupted (``claim_interrupt``): ``ClaimInterrupted`` is raised in the
+   thread running it at its next bytecode, and a task in a main thread (prefork, solo)
+   is also woken from a sleep or a blocking call by ``SIGUSR2`` (``fenced._interrupt``).
+   The run fails with ``ClaimLost`` and its record says ``lost``; the loser never deletes the new
+   holder's lease. (Under gevent or eventlet there is no interrupt; checks still raise.)
+4. In ``finally`` the claim is released with the run's outcome (one round trip, which
+   also ends the run record), and if a rerun was asked meanwhile the task is sent once
+   more with the same arguments.
+
+Redis unreachable at acquire: the task retries with exponential backoff; it never runs
+unclaimed. A prefork child killed mid-run: the worker's main process releases that
+child's claim (``ClaimedRequest``), so the redelivered message runs at once instead of
+waiting for the lease to expire.
+
+Options and settings: see ``fenced.celery._options``. The Redis client is made on
+first use, one per app and process.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import random
+import threading
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import redis
+
+try:
+    from celery import Task
+    from celery.exceptions import Ignore, SoftTimeLimitExceeded
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(f"fenced.celery needs Celery: pip install 'fenced[celery]' ({exc})") from exc
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+from .. import _interrupt, records
+from .._claim import Claim
+from .._errors import ClaimHeld, ClaimInterrupted, ClaimUnavailable, ConfigError, NotOwner
+from .._guard import SKIP_RERUN_REASON, Skipped, lost_error, outcome_of
+from .._lease import HOST, Holder, force_release
+from .._naming import Namer
+from . import signals
+from ._options import (
+    OPTIONS,
+    RENAMED,
+    TaskOptions,
+    as_attribute,
+    lock_redis,
+    renamed,
+    resolve,
+    validate,
+)
+
+__all__ = ["ClaimedTask", "metrics"]
+
+log = logging.getLogger("fenced.celery")
+
+#: Longest wait between retries while Redis is unreachable.
+UNAVAILABLE_MAX_DELAY = 60.0
+#: Retries a redelivered task makes while an earlier attempt's lease runs out. Each
+#: waits for the lease, so this bounds only an attempt that keeps renewing (alive).
+REDELIVERY_MAX_RETRIES = 100
+#: Added to a holder's remaining lease before retrying, so the retry finds it gone.
+RETRY_MARGIN = 0.25
+
+
+#: In-process counters: runs, ok, failed, lost, skipped, skips_exceeded, reruns,
+#: conflict_retries, redelivery_retries, unavailable, duplicates, aborted (per process:
+#: a prefork child counts its own runs, the main process counts ``aborted``).
+metrics: Counter[str] = Counter()
+_metrics_lock = threading.Lock()
+
+
+def count(key: str) -> None:
+    """Add one to an in-process counter."""
+    with _metrics_lock:
+        metrics[key] += 1
+
+
+_local = threading.local()
+
+
+def _stack() -> list[tuple[Task[Any, Any], Claim]]:
+    stack: list[tuple[Task[Any, Any], Claim]] | None = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    return stack
+
+
+def _signature_of(run: Any) -> inspect.Signature | None:
+    """The task's own parameters (without ``self`` for a bound ``run``)."""
+    func = run.__func__ if isinstance(run, staticmethod) else run
+    try:
+        sig = inspect.signature(func)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(run, staticmethod):
+        params = list(sig.parameters.values())[1:]
+        sig = sig.replace(parameters=params)
+    return sig
+
+
+class ClaimedTask(Task[Any, Any]):
+    """A Celery task base whose runs hold a fenced claim; ``self.claim`` inside the task."""
+
+    #: The custom request releases a killed pool child's claim in the main process.
+    Request = "fenced.celery:ClaimedRequest"
+
+    #: A template over the task's arguments, or a callable(args, kwargs) -> claim name
+    #: (given as ``claim=`` in the decorator). Inside a run, ``self.claim`` is the held
+    #: :class:`fenced.Claim`.
+    claim_template: Any = None
+    claim_ttl: float | None = None
+    claim_refresh_every: float | None = None
+    claim_on_busy: str | None = None
+    claim_alert_after_skips: int | None = None
+    claim_on_skips_exceeded: Any = None
+    claim_interrupt: bool | None = None
+    claim_namespace: str | None = None
+    claim_unavailable_backoff: float | None = None
+    claim_unavailable_retries: int | None = None
+
+    _fenced_namer: Namer | None = None
+    _fenced_options: TaskOptions | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        ns = cls.__dict__
+        where = f"task {ns.get('name') or cls.__module__ + '.' + cls.__qualname__}"
+        for old, new in RENAMED.items():
+            if old in ns:
+                value = renamed({old: ns[old]}, where).get(new)
+                delattr(cls, old)
+                if new not in ns:
+                    setattr(cls, new, value)
+        given = {k: ns[k] for k in OPTIONS if k in ns}
+        if "claim_ttl" not in given:
+            given["claim_ttl"] = getattr(cls, "claim_ttl", None)  # to check refresh_every
+        validate(given, where)
+        if "claim" in ns and not isinstance(ns["claim"], property):
+            # The decorator's claim= option arrives as a class attribute; inside a run
+            # self.claim is the held Claim, so the option moves to claim_template.
+            source = ns["claim"]
+            delattr(cls, "claim")
+            cls.claim_template = as_attribute(source)
+        callback = ns.get("claim_on_skips_exceeded")
+        if inspect.isfunction(callback):
+            cls.claim_on_skips_exceeded = as_attribute(callback)
+        if "run" in ns or "claim_template" in ns:
+            run = _raw_run(cls)
+            if run is not None:  # a concrete task, not an abstract base
+                source = cls.claim_template
+                if source is None:
+                    raise ConfigError(
+                        f"{where} uses ClaimedTask but has no claim: name the resource two "
+                        "runs would collide on, e.g. claim='rebuild:{tenant}:{layer}'"
+                    )
+                cls._fenced_namer = Namer(source, _signature_of(run), where, style="pair")
+
+    @classmethod
+    def bind(cls, app: Celery) -> Celery:
+        """Bind to an app: options the task does not give come from its settings."""
+        bound = super().bind(app)
+        if cls._fenced_namer is None:
+            return bound  # an abstract base: its tasks resolve their own options
+        # As Celery does for its own options; settings checked here fail when the task
+        # is built (at the latest when a worker starts), not at its first run.
+        options = resolve({k: getattr(cls, k) for k in OPTIONS}, app.conf, f"task {cls.name}")
+        cls._fenced_options = options
+        for option, value in zip(OPTIONS, _values(options)):
+            setattr(cls, option, as_attribute(value))
+        return bound
+
+    # -- the claim of the current run --------------------------------------------------
+
+    @property
+    def claim(self) -> Claim:
+        """The claim this run holds; NotOwner outside a run (the option: claim_template)."""
+        for entry in reversed(_stack()):
+            if entry[0] is self:
+                held: Claim = entry[1]
+                return held
+        raise NotOwner(
+            f"task {self.name} holds no claim outside a run: self.claim is the claim of "
+            "the running task; the claim option is task.claim_template, and "
+            "task.claim_name_for(args, kwargs) names the claim a call would take"
+        )
+
+    def claim_name_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+        """The claim name one call with these arguments takes."""
+        return self._namer()(args, kwargs)[0]
+
+    def _namer(self) -> Namer:
+        namer = type(self)._fenced_namer
+        if namer is None:
+            raise ConfigError(
+                f"task {self.name} uses ClaimedTask but has no claim: name the resource two "
+                "runs would collide on, e.g. claim='rebuild:{tenant}:{layer}'"
+            )
+        return namer
+
+    def _options(self) -> TaskOptions:
+        options = type(self)._fenced_options
+        if options is None:  # a task used before it was bound to its app
+            options = resolve(
+                {k: getattr(self, k) for k in OPTIONS}, self.app.conf, f"task {self.name}"
+            )
+            type(self)._fenced_options = options
+        return options
+
+    # -- a run -------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        opts = self._options()
+        client = lock_redis(self.app)
+        request = self.request
+        namer = self._namer()
+        name, shown = namer(args, kwargs)
+        extra: dict[str, Any] = {"task": self.name, "template": namer.label}
+        if shown is not None:
+            extra["args"] = shown
+        if request.hostname:
+            extra["worker"] = request.hostname
+        interrupter = (
+            _interrupt.Interrupter() if opts.interrupt and _interrupt.available() else None
+        )
+        claim = Claim(
+            client,
+            name,
+            ttl=opts.ttl,
+            refresh_every=opts.refresh_every,
+            namespace=opts.namespace,
+            on_lost=interrupter.on_lost if interrupter is not None else None,
+            task_id=request.id,
+            records=True,
+            record_extra=extra,
+        )
+        try:
+            acquired = claim.acquire(request_rerun=opts.on_busy == "rerun")
+        except ClaimUnavailable as exc:
+            raise self._unavailable(exc, opts) from None
+        except BaseException as exc:  # e.g. a soft time limit: never leave a lease renewed
+            claim.release(outcome="failed", reason=f"interrupted while acquiring: {exc!r}")
+            raise
+        if not acquired:
+            return self._busy(claim, opts)
+        if request.id and (request.retries or (request.delivery_info or {}).get("redelivered")):
+            try:
+                self._settle_earlier_attempts(claim, request.id, args, kwargs)
+            except Ignore:
+                raise
+            except BaseException as exc:
+                self._finish(claim, "failed", repr(exc)[:500], args, kwargs)
+                raise
+        return self._run(claim, interrupter, args, kwargs)
+
+    def _settle_earlier_attempts(
+        self, claim: Claim, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Before a retried or redelivered message runs, look at its task id's earlier runs.
+
+        An earlier run that ended ``ok`` means this delivery is a duplicate: it does not
+        run again (e.g. a Redis broker's visibility timeout shorter than the run handed
+        the message to a second worker, which waited for the first attempt's lease). An
+        earlier run with no end recorded died with its worker: it is recorded as
+        ``aborted``. We hold the claim, so no attempt of this task id is running. This
+        costs a round trip, on this path only.
+        """
+        client, namespace = claim.redis, claim.namespace
+        try:
+            runs = records.history(client, claim.name, limit=100, namespace=namespace)
+            for run in runs:
+                if run.task_id == task_id and run.outcome == "running" and run.token:
+                    if run.token == claim.token:
+                        continue
+                    records.record(
+                        client,
+                        claim.name,
+                        "aborted",
+                        namespace=namespace,
+                        token=run.token,
+                        reason="its worker died mid-run (found by a later delivery)",
+                        task_id=task_id,
+                    )
+        except (redis.RedisError, OSError):  # cannot tell: running again is safe under the claim
+            log.warning("fenced: could not read the run records of %r", claim.name, exc_info=True)
+            return
+        if not any(run.task_id == task_id and run.outcome == "ok" for run in runs):
+            return
+        count("duplicates")
+        log.info(
+            "fenced: %s[%s] already completed under claim %r: this delivery does not run again",
+            self.name,
+            task_id,
+            claim.name,
+        )
+        self._finish(claim, "skipped", "duplicate delivery of a completed task", args, kwargs)
+        # Ignore keeps the first run's stored result and fires neither failure nor retry.
+        raise Ignore()
+
+    def _run(
+        self,
+        claim: Claim,
+        interrupter: _interrupt.Interrupter | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        count("runs")
+        stack = _stack()
+        stack.append((self, claim))
+        outcome, reason = "failed", None
+        try:
+            try:
+                with interrupter or nullcontext():
+                    if claim.lost:  # lost before it could be interrupted: do not start
+                        raise ClaimInterrupted()
+                    result = super().__call__(*args, **kwargs)
+            except ClaimInterrupted as exc:
+                outcome, reason = outcome_of(claim, exc)
+                raise lost_error(claim, "the task", interrupted=True) from None
+            except SoftTimeLimitExceeded as exc:
+                outcome, reason = outcome_of(claim, exc)
+                if outcome == "failed":
+                    reason = "soft time limit exceeded"
+                raise
+            except BaseException as exc:
+                outcome, reason = outcome_of(claim, exc)
+                raise
+            outcome, reason = outcome_of(claim, None)
+            if outcome == "lost":
+                # The body finished, but not under the claim: its writes were not protected.
+                raise lost_error(claim, "the task")
+            return result
+        finally:
+            stack.pop()
+            count(outcome)
+            self._finish(claim, outcome, reason, args, kwargs)
+
+    def _finish(
+        self,
+        claim: Claim,
+        outcome: str,
+        reason: str | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        try:
+            released = claim.release(outcome=outcome, reason=reason)
+        except Exception:  # never hide the run's own outcome behind a release error
+            log.exception("fenced: releasing claim %r failed", claim.name)
+            return
+        if released and claim.rerun_requested > 0:
+            self._send_rerun(claim, args, kwargs)
+
+    def _send_rerun(self, claim: Claim, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        options: dict[str, Any] = {}
+        info = self.request.delivery_info or {}
+        exchange, routing_key = info.get("exchange"), info.get("routing_key")
+        if exchange == "" and routing_key:
+            options["queue"] = routing_key
+        elif routing_key:
+            options.update(exchange=exchange, routing_key=routing_key)
+        if info.get("priority") is not None:
+            options["priority"] = info["priority"]
+        try:
+            sent = self.apply_async(args, kwargs, **options)
+        except Exception:
+            log.exception(
+                "fenced: could not send the rerun of %s that %d trigger(s) asked for; "
+                "the request stays for the next run of %r",
+                self.name,
+                claim.rerun_requested,
+                claim.name,
+            )
+            try:  # hand the request back, so the next holder runs once more
+                claim.redis.incrby(claim.keys.rerun, claim.rerun_requested)
+            except Exception:
+                pass
+            return
+        count("reruns")
+        log.info(
+            "fenced: %s ran while %d trigger(s) asked for another run of %r: sent %s",
+            self.name,
+            claim.rerun_requested,
+            claim.name,
+            sent.id,
+        )
+
+    # -- when the claim is not ours -----------------------------------------------------
+
+    def _busy(self, claim: Claim, opts: TaskOptions) -> Any:
+        holder = claim.holder
+        left = (holder.expires_in if holder else None) or 0.0
+        task_id = self.request.id
+        held = ClaimHeld(
+            f"claim {claim.name!r} is held by {holder}",
+            name=claim.name,
+            token=None,
+            fence=holder.fence if holder else None,
+            expires_in=left,
+        )
+        if holder is not None and task_id and holder.task_id == task_id:
+            # An earlier attempt of this very task died holding the claim and its
+            # message came back: not a duplicate. Run once that lease has ended.
+            count("redelivery_retries")
+            log.info(
+                "fenced: %s[%s] was redelivered while an earlier attempt's lease on %r "
+                "runs (%.1fs left): retrying after it",
+                self.name,
+                task_id,
+                claim.name,
+                left,
+            )
+            raise self.retry(
+                countdown=left + RETRY_MARGIN, max_retries=REDELIVERY_MAX_RETRIES, exc=held
+            )
+        self._after_skip(claim, opts)
+        if opts.on_busy == "retry":
+            count("conflict_retries")
+            raise self.retry(countdown=left + RETRY_MARGIN, exc=held)
+        if opts.on_busy == "raise":
+            raise held
+        count("skipped")
+        skipped = Skipped.of(claim)
+        if opts.on_busy == "rerun":
+            skipped = Skipped.of(claim, SKIP_RERUN_REASON)
+        log.info(
+            "fenced: %s skipped: %r %s (held by %s)", self.name, claim.name, skipped.reason, holder
+        )
+        # A plain dict: what every result backend can store.
+        return skipped.as_dict()
+
+    def _after_skip(self, claim: Claim, opts: TaskOptions) -> None:
+        """Alert when the consecutive skips reach the threshold, and at each multiple."""
+        skips, every = claim.skips, opts.alert_after
+        if not every or skips < every or skips % every:
+            return
+        count("skips_exceeded")
+        log.warning(
+            "fenced: claim %r was skipped %d times in a row; held by %s. A run this long, "
+            "or a stale claim? `fenced` can show its run records",
+            claim.name,
+            skips,
+            claim.holder,
+        )
+        signals.claim_skips_exceeded.send(
+            sender=self, name=claim.name, skips=skips, holder=claim.holder
+        )
+        callback = opts.on_skips_exceeded
+        if callback is not None:
+            try:
+                callback(sender=self, name=claim.name, skips=skips, holder=claim.holder)
+            except Exception:
+                log.exception("fenced: claim_on_skips_exceeded callback failed")
+
+    def _unavailable(self, exc: ClaimUnavailable, opts: TaskOptions) -> NoReturn:
+        count("unavailable")
+        retries = self.request.retries or 0
+        delay = min(UNAVAILABLE_MAX_DELAY, opts.backoff * (2**retries))
+        delay *= random.uniform(0.8, 1.2)  # spread the herd of tasks waiting for Redis
+        log.warning("fenced: %s; retrying %s in %.1fs", exc, self.name, delay)
+        raise self.retry(exc=exc, countdown=delay, max_retries=opts.unavailable_retries)
+
+    # -- a killed pool child ------------------------------------------------------------
+
+    def release_dead_holder(
+        self, task_id: str, pid: int, args: Sequence[Any], kwargs: Mapping[str, Any], why: str
+    ) -> Holder | None:
+        """Release the claim that process ``pid`` held for ``task_id`` (it is dead)."""
+        opts = self._options()
+        name = self.claim_name_for(args, kwargs)
+        holder = force_release(
+            lock_redis(self.app),
+            name,
+            opts.namespace,
+            task_id=task_id,
+            pid=pid,
+            host=HOST,
+            outcome="aborted",
+            reason=why,
+            task=self.name,
+        )
+        if holder is not None:
+            count("aborted")
+            log.warning("fenced: released claim %r of %s[%s]: %s", name, self.name, task_id, why)
+        return holder
+
+
+def _values(options: TaskOptions) -> tuple[Any, ...]:
+    """The resolved options in the order of OPTIONS, as task attributes carry them."""
+    return (
+        options.ttl,
+        options.refresh_every,
+        options.on_busy,
+        options.alert_after,
+        options.on_skips_exceeded,
+        options.interrupt,
+        options.namespace,
+        options.backoff,
+        options.unavailable_retries,
+    )
+
+
+def _raw_run(cls: type) -> Any:
+    """The task's ``run`` as defined (function or staticmethod), None if abstract."""
+    for klass in cls.__mro__:
+        if "run" in klass.__dict__:
+            run = klass.__dict__["run"]
+            return None if klass is Task or run is Task.__dict__.get("run") else run
+    return None
