@@ -22,7 +22,7 @@ import pytest
 import redis
 from celery import Celery
 
-from fenced.demo._worker import CeleryWorker
+from fenced.testing import CeleryWorker
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from fenced.server import RedisServer, available_binaries
+from fenced.testing import RedisServer, available_binaries
 
 BINARIES = available_binaries()
 if not BINARIES:

@@ -16,7 +16,7 @@ from fenced import Claim, ClaimHeld, ClaimLost, ConfigError, records
 from fenced._claim import new_token
 from fenced._keys import ClaimKeys
 from fenced.celery import ClaimedTask, lock_redis, metrics, signals
-from fenced.server import RedisServer
+from fenced.testing import RedisServer
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from celery_harness import WAIT, Services, Worker, key, notes, wait_for
 from fenced import Claim, ClaimLost, records
 from fenced._claim import new_token, read_holder
 from fenced._keys import ClaimKeys
-from fenced.server import RedisServer
+from fenced.testing import RedisServer
 
 
 @pytest.fixture(scope="module")

@@ -60,7 +60,7 @@ class Cel:
 
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[Any]:
-    from fenced.server import RedisServer
+    from fenced.testing import RedisServer
 
     with RedisServer() as server:
         yield server

@@ -12,7 +12,7 @@ import pytest
 from celery_harness import WAIT, Services, Worker, key, notes, wait_for
 from fenced import records
 from fenced._claim import read_holder
-from fenced.server import RedisServer
+from fenced.testing import RedisServer
 
 
 @pytest.fixture(scope="module")

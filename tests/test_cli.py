@@ -16,7 +16,7 @@ import pytest
 
 from fenced import Claim
 from fenced._keys import ClaimKeys
-from fenced.server import RedisServer, free_port
+from fenced.testing import RedisServer, free_port
 
 FENCED = [sys.executable, "-m", "fenced.cli"]
 

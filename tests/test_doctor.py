@@ -26,7 +26,7 @@ from fenced.doctor import (
     run_doctor,
     version_findings,
 )
-from fenced.server import RedisServer
+from fenced.testing import RedisServer
 
 celery = pytest.importorskip("celery")
 

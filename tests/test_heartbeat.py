@@ -13,7 +13,7 @@ import redis
 from fenced import Claim, ClaimLost
 from fenced._heartbeat import heartbeat
 from fenced._scripts import RELEASE
-from fenced.server import RedisServer
+from fenced.testing import RedisServer
 
 
 def wait_for(predicate: Any, timeout: float, step: float = 0.01) -> bool:

@@ -18,8 +18,8 @@ import redis
 from redis.crc import key_slot
 
 from fenced import Claim, ConfigError, FencedError, StaleFence, StoreError
-from fenced.server import RedisServer, free_port
 from fenced.store import ContentStore, FilePointer, Published, RedisPointer, Ref
+from fenced.testing import RedisServer, free_port
 
 HERE = Path(__file__).parent
 CHILD = str(HERE / "store_child.py")

@@ -23,8 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..server import RedisServer, available_binaries
-from ._worker import CeleryWorker
+from ..testing import CeleryWorker, RedisServer, available_binaries
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "djangofeeds"
 
