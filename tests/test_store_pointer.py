@@ -18,7 +18,7 @@ import redis
 from redis.crc import key_slot
 
 from fenced import Claim, ConfigError, FencedError, StaleFence, StoreError
-from fenced.store import ContentStore, FilePointer, Published, RedisPointer, Ref
+from fenced.store import ContentStore, FilePointer, Pointer, Published, RedisPointer, Ref
 from fenced.testing import RedisServer, free_port
 
 HERE = Path(__file__).parent
@@ -337,6 +337,32 @@ def test_a_paused_holder_cannot_publish_after_a_newer_holder(
         published = ptr.read()
         assert published is not None and published.digest == new.digest
     b.release()
+
+
+# -- the Pointer protocol -------------------------------------------------------------
+
+
+def test_both_pointers_are_pointers_and_gc_keeps_what_each_publishes(
+    r: Any, store: ContentStore, tmp_path: Path
+) -> None:
+    pointers: list[Pointer] = [FilePointer(tmp_path / "current"), RedisPointer(r, "maps:gc")]
+    kept: list[set[str]] = []
+    for n, ptr in enumerate(pointers):
+        assert isinstance(ptr, Pointer)
+        tile = store.put(f"tile {n}".encode())
+        manifest = store.put_manifest({"tile": tile})
+        ptr.swap(manifest, fence=BIG + n)
+        kept.append({manifest.digest, tile.digest})
+    orphan = store.put(b"never published")
+    everything = {ref.digest for ref in store.refs()}
+    assert everything == kept[0] | kept[1] | {orphan.digest}
+    for ptr, published in zip(pointers, kept, strict=True):
+        removed = store.gc(keep=[ptr], grace=0, dry_run=True)
+        assert {ref.digest for ref in removed} == everything - published
+    removed = store.gc(keep=pointers, grace=0)
+    assert [ref.digest for ref in removed] == [orphan.digest]
+    assert {ref.digest for ref in store.refs()} == kept[0] | kept[1]
+    assert not isinstance(store, Pointer) and not isinstance(orphan, Pointer)
 
 
 # -- RedisPointer ---------------------------------------------------------------------

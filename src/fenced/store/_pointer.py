@@ -26,9 +26,8 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import redis as _redis
 
@@ -36,41 +35,12 @@ from .._errors import ConfigError, StaleFence, StoreError
 from .._keys import ClaimKeys
 from .._scripts import Script, as_text
 from . import _durable
-from ._content import Ref
+from ._published import Published, Ref, Target
 
-__all__ = ["PUBLISH", "FilePointer", "Published", "RedisPointer"]
+__all__ = ["PUBLISH", "FilePointer", "RedisPointer"]
 
 #: Publishes kept in a RedisPointer's log (trimmed approximately).
 HISTORY = 100
-
-
-@dataclass(frozen=True)
-class Published:
-    """What a pointer publishes: a target, the fence that published it, and its digest."""
-
-    target: str
-    fence: int
-    digest: str | None = None
-    size: int | None = None
-
-    @property
-    def ref(self) -> Ref | None:
-        """The published object as a Ref, when a Ref was published."""
-        if self.digest is None or self.size is None:
-            return None
-        return Ref(self.digest, Path(self.target), self.size)
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return {
-            "target": self.target,
-            "fence": self.fence,
-            "digest": self.digest,
-            "size": self.size,
-        }
-
-
-Target = Union[Ref, Published, str, "os.PathLike[str]"]
 
 
 def _parts(target: object) -> tuple[str | os.PathLike[str], str | None, int | None]:
