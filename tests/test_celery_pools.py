@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from celery_harness import WAIT, Services, Worker, key, notes, wait_for
+from _wait import wait_for
+from celery_harness import WAIT, Services, Worker, key, notes
 from fenced import Claim, ClaimLost, records
 from fenced._claim import new_token, read_holder
 from fenced._keys import ClaimKeys

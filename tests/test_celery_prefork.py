@@ -19,7 +19,8 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
-from celery_harness import WAIT, Services, Worker, key, notes, wait_for
+from _wait import wait_for
+from celery_harness import WAIT, Services, Worker, key, notes
 from fenced import ClaimHeld, ClaimLost, records
 from fenced._claim import new_token, read_holder
 from fenced._keys import ClaimKeys

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_harness import WAIT, Services, Worker, key, notes, wait_for
+from _wait import wait_for
+from celery_harness import WAIT, Services, Worker, key, notes
 from fenced import records
 from fenced._claim import read_holder
 from fenced.testing import RedisServer
