@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fenced.server import RedisServer, available_binaries
+from fenced.testing import RedisServer, available_binaries
 
 __all__ = [
     "Rates",

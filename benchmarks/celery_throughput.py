@@ -21,18 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from fenced.server import RedisServer  # noqa: E402
+from fenced.testing import CeleryWorker, RedisServer  # noqa: E402
 
 CONTENDERS = {
     "plain": "bench.plain",
@@ -50,22 +47,10 @@ COUNTER = {
 }
 
 
-def start_worker(url: str, log: str) -> subprocess.Popen[bytes]:
+def start_worker(url: str) -> CeleryWorker:
     env = dict(os.environ, BENCH_REDIS=url, PYTHONPATH=f"{HERE}:{HERE.parent / 'src'}")
-    cmd = [
-        sys.executable, "-m", "celery", "-A", "celery_bench_app", "worker", "-P", "prefork",
-        "-c", "2", "-l", "info", "--without-gossip", "--without-mingle", "--without-heartbeat",
-    ]  # fmt: skip
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(
-            cmd, cwd=HERE, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    deadline = time.monotonic() + 60
-    while " ready." not in Path(log).read_text(errors="replace"):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError("worker did not start:\n" + Path(log).read_text()[-3000:])
-        time.sleep(0.1)
-    return proc
+    worker = CeleryWorker("celery_bench_app", name="bench", concurrency=2, cwd=HERE, env=env)
+    return worker.start().ready(timeout=60)
 
 
 def one_round(app_mod: object, name: str, n: int, offset: int) -> float:
@@ -102,8 +87,7 @@ def main() -> int:
         import celery_bench_app as bench
 
         available = [n for n in CONTENDERS if CONTENDERS[n] in bench.app.tasks]
-        log = tempfile.mktemp(suffix=".log", prefix="fenced-bench-worker-")
-        worker = start_worker(url, log)
+        worker = start_worker(url)
         rates: dict[str, list[float]] = {n: [] for n in available}
         try:
             for name in available:  # warm-up: imports, script loading, connections
@@ -115,11 +99,7 @@ def main() -> int:
                     offset += args.tasks
                     rates[name].append(one_round(bench, name, args.tasks, offset))
         finally:
-            os.killpg(worker.pid, signal.SIGTERM)
-            try:
-                worker.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(worker.pid, signal.SIGKILL)
+            worker.stop(timeout=15)
 
     median = {n: statistics.median(v) for n, v in rates.items()}
     base = median["plain"]

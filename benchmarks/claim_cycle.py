@@ -41,7 +41,7 @@ from _common import Rates, interleave, machine_info, paired_ratio, start_server,
 
 from fenced import Claim
 from fenced._heartbeat import heartbeat
-from fenced.server import RedisServer
+from fenced.testing import RedisServer
 
 TTL = 30.0
 BASELINE = "redis_py_lock"

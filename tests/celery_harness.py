@@ -11,37 +11,23 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import redis
 from celery import Celery
 
-from fenced.demo._worker import CeleryWorker
+from _wait import wait_for
+from fenced.testing import CeleryWorker
 
 ROOT = Path(__file__).resolve().parent.parent
-T = TypeVar("T")
 #: Generous bounds: the machine is shared and busy; a test that waits this long failed.
 READY_TIMEOUT = 90.0
 WAIT = 60.0
 AMQP_URL = os.environ.get("FENCED_TEST_AMQP_URL")
-
-
-def wait_for(what: str, check: Callable[[], T], timeout: float = WAIT, every: float = 0.05) -> T:
-    """Poll ``check`` until it returns something truthy; fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(every)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from celery import Celery
 from fenced import Claim, ClaimHeld, ClaimLost, ConfigError, NotOwner, records
 from fenced._lease import ClaimKeys, new_token
 from fenced.celery import ClaimedTask, lock_redis, metrics, signals
-from fenced.server import RedisServer
+from fenced.testing import RedisServer
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from celery_harness import WAIT, Services, Worker, key, notes, wait_for
+from _wait import wait_for
+from celery_harness import WAIT, Services, Worker, key, notes
 from fenced import Claim, ClaimLost, records
 from fenced._lease import ClaimKeys, new_token, read_holder
-from fenced.server import RedisServer
+from fenced.testing import RedisServer
 
 
 @pytest.fixture(scope="module")

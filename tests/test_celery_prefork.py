@@ -19,7 +19,8 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
-from celery_harness import WAIT, Services, Worker, key, notes, wait_for
+from _wait import wait_for
+from celery_harness import WAIT, Services, Worker, key, notes
 from fenced import ClaimHeld, ClaimLost, records
 from fenced._lease import ClaimKeys, new_token, read_holder
 
@@ -59,7 +60,7 @@ class Cel:
 
 @pytest.fixture(scope="module")
 def redis_server() -> Iterator[Any]:
-    from fenced.server import RedisServer
+    from fenced.testing import RedisServer
 
     with RedisServer() as server:
         yield server

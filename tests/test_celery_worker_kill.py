@@ -9,10 +9,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from celery_harness import WAIT, Services, Worker, key, notes, wait_for
+from _wait import wait_for
+from celery_harness import WAIT, Services, Worker, key, notes
 from fenced import records
 from fenced._lease import read_holder
-from fenced.server import RedisServer
+from fenced.testing import RedisServer
 
 
 @pytest.fixture(scope="module")

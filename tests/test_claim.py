@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from fenced import Claim, ClaimHeld, ClaimLost, ClaimUnavailable, ConfigError, FencedError, NotOwner
-from fenced.server import RedisServer, free_port
+from fenced.testing import RedisServer, free_port
 
 
 class CountingConnection(redis.UnixDomainSocketConnection):

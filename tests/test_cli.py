@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
+from _wait import wait_for
 from fenced import Claim
 from fenced._lease import ClaimKeys
-from fenced.server import RedisServer, free_port
+from fenced.testing import RedisServer, free_port
 
 FENCED = [sys.executable, "-m", "fenced.cli"]
 
@@ -61,18 +62,6 @@ def spawn(url: str, *args: str) -> subprocess.Popen[str]:
         text=True,
         env=env_for(url),
     )
-
-
-def wait_for(path: Path, proc: subprocess.Popen[str], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            raise AssertionError(f"exited {proc.returncode} early: {out} {err}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError(f"{path} never appeared")
-        time.sleep(0.02)
 
 
 def held(r: Any, name: str, **kw: Any) -> Claim:
@@ -205,9 +194,9 @@ def test_signals_sent_to_fenced_run_reach_the_command(url: str, tmp_path: Path) 
     marker, usr1, ready = tmp_path / "term", tmp_path / "usr1", tmp_path / "ready"
     script = TRAP_TERM.format(marker=marker, usr1=usr1, ready=ready)
     proc = spawn(url, "run", "job:sig", "--", "sh", "-c", script, "sh", "got-term")
-    wait_for(ready, proc)
+    wait_for("the ready file", ready.exists, 30, proc=proc)
     proc.send_signal(signal.SIGUSR1)
-    wait_for(usr1, proc)
+    wait_for("the usr1 file", usr1.exists, 30, proc=proc)
     proc.send_signal(signal.SIGTERM)
     _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err  # the command trapped it and exited 0
@@ -221,7 +210,7 @@ def test_claim_lost_while_running_terminates_the_command_and_exits_76(
     marker, ready = tmp_path / "term", tmp_path / "ready"
     script = TRAP_TERM.format(marker=marker, usr1=tmp_path / "u", ready=ready)
     proc = spawn(url, "run", "--ttl", "1.5", "job:lost", "--", "sh", "-c", script, "sh", "t")
-    wait_for(ready, proc)
+    wait_for("the ready file", ready.exists, 30, proc=proc)
     r.set(ClaimKeys.of("job:lost").lock, "someone-else", px=60_000)  # a stale-lock "fix"
     _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 76, err
@@ -240,7 +229,7 @@ def test_command_ignoring_sigterm_is_killed_after_the_grace(
     proc = spawn(
         url, "run", "--ttl", "1.5", "--grace", "0.5", "job:stubborn", "--", "sh", "-c", script
     )
-    wait_for(ready, proc)
+    wait_for("the ready file", ready.exists, 30, proc=proc)
     r.delete(ClaimKeys.of("job:stubborn").lock)
     _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 76, err
@@ -255,7 +244,7 @@ def test_redis_gone_mid_run_stops_the_command(tmp_path: Path) -> None:
             own.url, "run", "--ttl", "1.5", "--grace", "1", "job:gone", "--", "sh", "-c",
             f"touch {ready}; sleep 60",
         )  # fmt: skip
-        wait_for(ready, proc)
+        wait_for("the ready file", ready.exists, 30, proc=proc)
         own.kill()
         _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 76, err
@@ -390,7 +379,7 @@ def test_release_of_a_running_command_stops_it_and_both_are_recorded(
     proc = spawn(
         url, "run", "--ttl", "1.5", "job:rel", "--", "sh", "-c", f"touch {ready}; sleep 60"
     )
-    wait_for(ready, proc)
+    wait_for("the ready file", ready.exists, 30, proc=proc)
     res = fenced(url, "release", "job:rel", "--force", "--reason", "hung", "--json")
     assert json.loads(res.stdout)["released"] is True
     proc.communicate(timeout=30)

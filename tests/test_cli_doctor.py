@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from fenced.server import RedisServer
+from fenced.testing import RedisServer
 
 
 def doctor(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:

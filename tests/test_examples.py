@@ -22,8 +22,7 @@ import redis
 from celery import Celery
 
 from fenced import Claim, ConfigError, StaleFence, records
-from fenced.demo._worker import CeleryWorker
-from fenced.server import RedisServer
+from fenced.testing import CeleryWorker, RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -14,7 +14,7 @@ import pytest
 from fenced import Claim, ClaimHeld, ClaimLost, ConfigError, Skipped, exclusive
 from fenced._lease import ClaimKeys
 from fenced.records import history
-from fenced.server import RedisServer
+from fenced.testing import RedisServer
 
 
 @pytest.fixture(scope="module")

@@ -10,19 +10,11 @@ from typing import Any
 import pytest
 import redis
 
+from _wait import wait_for
 from fenced import Claim, ClaimLost
 from fenced._heartbeat import heartbeat
 from fenced._scripts import RELEASE
-from fenced.server import RedisServer
-
-
-def wait_for(predicate: Any, timeout: float, step: float = 0.01) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step)
-    return bool(predicate())
+from fenced.testing import RedisServer
 
 
 def test_claim_survives_five_ttls_in_one_long_step(r: Any) -> None:
@@ -125,7 +117,7 @@ def test_paused_redis_loss_declared_by_local_deadline(own_server: RedisServer) -
     acquired = time.monotonic()
     own_server.pause()
     try:
-        assert wait_for(lambda: bool(fired), timeout=3.0)
+        assert wait_for("on_lost to fire", lambda: bool(fired), timeout=3.0)
         # Declared by the local deadline (ttl less drift), not after some reply.
         assert fired[0] - acquired <= 1.0 + 0.3
         with pytest.raises(ClaimLost):
@@ -164,7 +156,7 @@ def test_expiry_found_by_the_heartbeat_spares_a_lease_taken_again_meanwhile(r: A
         a._deadline = b._deadline = 0.0
         hb._cond.notify()
     # (Only the heartbeat looks at the deadlines here: no .lost or .held until done.)
-    assert wait_for(lambda: bool(again), timeout=5.0)
+    assert wait_for("b to be taken again", lambda: bool(again), timeout=5.0)
     time.sleep(0.2)
     assert a.lost
     assert again == [True]

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from fenced import Claim
-from fenced.server import RedisServer
+from fenced.testing import RedisServer
 
 N = 3
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -17,9 +16,10 @@ import pytest
 import redis
 from redis.crc import key_slot
 
+from _wait import wait_for
 from fenced import Claim, ConfigError, FencedError, StaleFence, StoreError
-from fenced.server import RedisServer, free_port
-from fenced.store import ContentStore, FilePointer, Published, RedisPointer, Ref
+from fenced.store import ContentStore, FilePointer, Pointer, Published, RedisPointer, Ref
+from fenced.testing import RedisServer
 
 HERE = Path(__file__).parent
 CHILD = str(HERE / "store_child.py")
@@ -49,14 +49,6 @@ def _report(proc: subprocess.Popen[str]) -> dict[str, Any]:
     assert proc.returncode == 0, err
     data: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return data
-
-
-def _wait_for(path: Path, proc: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 60
-    while not path.exists():
-        assert proc.poll() is None, proc.communicate()[1]
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.01)
 
 
 # -- FilePointer ----------------------------------------------------------------------
@@ -120,7 +112,7 @@ def test_readers_polling_during_1000_swaps_always_see_a_complete_target(
     readers = [_child("read", store.root, pointer, r, stop) for r in ready]
     try:
         for r, proc in zip(ready, readers, strict=True):
-            _wait_for(r, proc)
+            wait_for("a reader to be ready", r.exists, proc=proc)
         ptr = FilePointer(pointer)
         for i in range(1000):
             ptr.swap(refs[i % len(refs)], fence=BIG + i // 3)  # equal fences, too
@@ -141,7 +133,7 @@ def test_stale_and_fresh_writers_racing_never_move_the_fence_back(
         store.put(f"object {i}\n".encode() * 100)
     pointer, go, stop, ready = (tmp_path / n for n in ("current", "go", "stop", "ready"))
     reader = _child("read", store.root, pointer, ready, stop)
-    _wait_for(ready, reader)
+    wait_for("the reader to be ready", ready.exists, proc=reader)
     # The stale writer holds the lower fence; without the lock around compare-and-replace
     # it could read the old fence, lose the CPU, and replace the fresh writer's publish.
     writers = [_child("swap", store.root, pointer, BIG + f, 500, go) for f in (1, 2)]
@@ -339,6 +331,32 @@ def test_a_paused_holder_cannot_publish_after_a_newer_holder(
     b.release()
 
 
+# -- the Pointer protocol -------------------------------------------------------------
+
+
+def test_both_pointers_are_pointers_and_gc_keeps_what_each_publishes(
+    r: Any, store: ContentStore, tmp_path: Path
+) -> None:
+    pointers: list[Pointer] = [FilePointer(tmp_path / "current"), RedisPointer(r, "maps:gc")]
+    kept: list[set[str]] = []
+    for n, ptr in enumerate(pointers):
+        assert isinstance(ptr, Pointer)
+        tile = store.put(f"tile {n}".encode())
+        manifest = store.put_manifest({"tile": tile})
+        ptr.swap(manifest, fence=BIG + n)
+        kept.append({manifest.digest, tile.digest})
+    orphan = store.put(b"never published")
+    everything = {ref.digest for ref in store.refs()}
+    assert everything == kept[0] | kept[1] | {orphan.digest}
+    for ptr, published in zip(pointers, kept, strict=True):
+        removed = store.gc(keep=[ptr], grace=0, dry_run=True)
+        assert {ref.digest for ref in removed} == everything - published
+    removed = store.gc(keep=pointers, grace=0)
+    assert [ref.digest for ref in removed] == [orphan.digest]
+    assert {ref.digest for ref in store.refs()} == kept[0] | kept[1]
+    assert not isinstance(store, Pointer) and not isinstance(orphan, Pointer)
+
+
 # -- RedisPointer ---------------------------------------------------------------------
 
 
@@ -423,48 +441,20 @@ def test_redis_pointer_keys_share_one_cluster_slot_with_the_claim() -> None:
         assert len(slots) == 1, (name, ptr.key, claim.keys.lock)
 
 
-def _cluster_port() -> int:
-    """A free port whose cluster bus port (+10000) is free and valid as well."""
-    for _ in range(200):
-        port = free_port()
-        if port + 10000 > 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair for a cluster node")
-
-
-def test_redis_pointer_on_a_real_cluster(redis_binary: str, tmp_path: Path) -> None:
-    conf = tmp_path / "nodes.conf"
-    srv = RedisServer(
-        redis_binary,
-        port=_cluster_port(),
-        extra=["--cluster-enabled", "yes", "--cluster-config-file", str(conf)],
-    ).start()
+def test_redis_pointer_on_a_real_cluster(cluster_server: RedisServer) -> None:
+    node = cluster_server.client()
+    cluster = redis.cluster.RedisCluster(host="127.0.0.1", port=cluster_server.port)
     try:
-        node = srv.client()
-        node.execute_command("CLUSTER", "ADDSLOTS", *range(16384))
-        deadline = time.monotonic() + 30
-        while b"cluster_state:ok" not in node.execute_command("CLUSTER", "INFO"):
-            assert time.monotonic() < deadline, "the one-node cluster never became ready"
-            time.sleep(0.05)
-        cluster = redis.cluster.RedisCluster(host="127.0.0.1", port=srv.port)
-        try:
-            ptr = RedisPointer(cluster, "maps:incidents")
-            ptr.swap("v1", fence=BIG)
-            ptr.swap("v2", fence=BIG + 1)
-            with pytest.raises(StaleFence):
-                ptr.swap("v0", fence=BIG - 1)
-            assert ptr.read() == Published("v2", BIG + 1)
-            assert [p.target for p in ptr.history()] == ["v2", "v1"]
-            # The server itself refuses a script over keys in two slots: the check is real.
-            with pytest.raises(redis.ResponseError, match="same slot"):
-                node.eval("return 1", 2, "a:{one}", "a:{two}")
-        finally:
-            cluster.close()
+        ptr = RedisPointer(cluster, "maps:incidents")
+        ptr.swap("v1", fence=BIG)
+        ptr.swap("v2", fence=BIG + 1)
+        with pytest.raises(StaleFence):
+            ptr.swap("v0", fence=BIG - 1)
+        assert ptr.read() == Published("v2", BIG + 1)
+        assert [p.target for p in ptr.history()] == ["v2", "v1"]
+        # The server itself refuses a script over keys in two slots: the check is real.
+        with pytest.raises(redis.ResponseError, match="same slot"):
+            node.eval("return 1", 2, "a:{one}", "a:{two}")
     finally:
-        srv.stop()
+        cluster.close()
+        node.close()

@@ -15,8 +15,8 @@ import pytest
 import sqlalchemy as sa
 
 from fenced import Claim, ConfigError, FencedError
-from fenced.server import RedisServer
 from fenced.store import UpsertResult, upsert
+from fenced.testing import RedisServer
 
 BIG = 1_790_000_000_000_000  # fences are microseconds: about this size
 

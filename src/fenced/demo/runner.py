@@ -17,8 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..server import RedisServer, available_binaries
-from ._worker import CeleryWorker
+from ..testing import CeleryWorker, RedisServer, available_binaries
 
 try:
     from rich.console import Console

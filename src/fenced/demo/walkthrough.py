@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable
 
 from .. import Claim, ClaimLost
-from ..server import RedisServer, available_binaries
+from ..testing import RedisServer, available_binaries
 
 
 def run(say: Callable[[str], None] = print) -> int:

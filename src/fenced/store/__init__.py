@@ -3,6 +3,7 @@
 - :class:`ContentStore`: a repeat writes identical bytes to an identical path;
 - :class:`FilePointer`, :class:`RedisPointer`: publishing is one atomic swap, and a
   swap carrying a fence below the last accepted one raises :class:`~fenced.StaleFence`;
+  both are a :class:`Pointer`, the protocol ``ContentStore.gc(keep=[...])`` reads;
 - :func:`upsert`: repeated ingestion converges, rows stored with a higher fence stay.
 
 ``upsert`` needs SQLAlchemy (``pip install 'fenced[sql]'``); it is imported on first use.
@@ -12,8 +13,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._content import ContentStore, Ref
-from ._pointer import FilePointer, Published, RedisPointer
+from ._content import ContentStore
+from ._pointer import FilePointer, RedisPointer
+from ._published import Pointer, Published, Ref
 
 if TYPE_CHECKING:
     from ._upsert import UpsertResult, upsert
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ContentStore",
     "FilePointer",
+    "Pointer",
     "Published",
     "RedisPointer",
     "Ref",

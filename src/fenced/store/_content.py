@@ -23,17 +23,14 @@ import os
 import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, BinaryIO, Union
+from typing import IO, Any, BinaryIO, Union
 
 from .._errors import ConfigError, CorruptObject, StoreError
 from . import _durable
+from ._published import Pointer, Published, Ref
 
-if TYPE_CHECKING:
-    from ._pointer import Published
-
-__all__ = ["MANIFEST_PREFIX", "ContentStore", "Ref"]
+__all__ = ["MANIFEST_PREFIX", "ContentStore"]
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 20
@@ -45,20 +42,9 @@ TMP_DIR = ".tmp"
 DEFAULT_GRACE = 24 * 3600.0
 
 
-@dataclass(frozen=True)
-class Ref:
-    """A stored object: its SHA-256 digest (hex), its path in the store and its size."""
-
-    digest: str
-    path: Path
-    size: int
-
-    def __str__(self) -> str:
-        return self.digest
-
-
 Source = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]", IO[bytes]]
-Keep = Union[Ref, str, "os.PathLike[str]", "Published", Any]
+#: What gc keeps: objects by Ref, digest or path, and what pointers publish.
+Keep = Union[Ref, Published, Pointer, str, "os.PathLike[str]"]
 
 
 class _Verifying(io.RawIOBase):
@@ -348,11 +334,11 @@ class ContentStore:
     ) -> list[Ref]:
         """Remove objects that nothing in ``keep`` references; returns what was removed.
 
-        ``keep`` holds Refs, digests, object paths, pointers (anything with ``read()``)
-        or their published states; manifests are followed. Objects younger than
-        ``grace`` seconds stay, because a build that has put them may not have published
-        yet: choose it above your longest build. Stray temporary files older than
-        ``grace`` go too. With ``dry_run`` nothing is removed.
+        ``keep`` holds Refs, digests, object paths, pointers (a :class:`Pointer`: what
+        it publishes now is kept) or their published states; manifests are followed.
+        Objects younger than ``grace`` seconds stay, because a build that has put them
+        may not have published yet: choose it above your longest build. Stray temporary
+        files older than ``grace`` go too. With ``dry_run`` nothing is removed.
         """
         if isinstance(keep, (str, bytes)) or not isinstance(keep, Iterable):
             raise ConfigError(

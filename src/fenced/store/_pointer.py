@@ -26,51 +26,19 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
-
-import redis as _redis
+from typing import Any
 
 from .._errors import ConfigError, StaleFence, StoreError
-from .._lease import ClaimKeys
+from .._lease import UNREACHABLE, ClaimKeys
 from .._scripts import Script, as_text
 from . import _durable
-from ._content import Ref
+from ._published import Published, Ref, Target
 
-__all__ = ["PUBLISH", "FilePointer", "Published", "RedisPointer"]
+__all__ = ["PUBLISH", "FilePointer", "RedisPointer"]
 
 #: Publishes kept in a RedisPointer's log (trimmed approximately).
 HISTORY = 100
-
-
-@dataclass(frozen=True)
-class Published:
-    """What a pointer publishes: a target, the fence that published it, and its digest."""
-
-    target: str
-    fence: int
-    digest: str | None = None
-    size: int | None = None
-
-    @property
-    def ref(self) -> Ref | None:
-        """The published object as a Ref, when a Ref was published."""
-        if self.digest is None or self.size is None:
-            return None
-        return Ref(self.digest, Path(self.target), self.size)
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return {
-            "target": self.target,
-            "fence": self.fence,
-            "digest": self.digest,
-            "size": self.size,
-        }
-
-
-Target = Union[Ref, Published, str, "os.PathLike[str]"]
 
 
 def _parts(target: object) -> tuple[str | os.PathLike[str], str | None, int | None]:
@@ -281,8 +249,8 @@ class RedisPointer:
         self.namespace = namespace
         self.history_length = history
         # The same hash tag as a claim of the same name: one Cluster slot for both.
-        self.key = f"{namespace}:{{{keys.name}}}:ptr"
-        self.log_key = f"{namespace}:{{{keys.name}}}:ptr:log"
+        self.key = keys.pointer
+        self.log_key = keys.pointer_log
 
     def __repr__(self) -> str:
         return f"<RedisPointer {self.key!r}>"
@@ -297,7 +265,7 @@ class RedisPointer:
             accepted, current = PUBLISH(
                 self.redis, [self.key, self.log_key], [*args, str(self.history_length)]
             )
-        except (_redis.ConnectionError, _redis.TimeoutError) as exc:
+        except UNREACHABLE as exc:
             raise StoreError(
                 f"pointer {self.key}: Redis unreachable ({exc})", name=self.name
             ) from exc

