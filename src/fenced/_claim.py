@@ -185,12 +185,10 @@ class Claim:
         its own (see ``Claim.rerun_requested``); many requests during one run coalesce.
         """
         if self._mine():
-            raise FencedError(
+            raise FencedError.about(
+                self,
                 f"claim {self.name!r} is already held by this object: release it first, "
                 "or use a second Claim",
-                name=self.name,
-                token=self.token,
-                fence=self.fence,
             )
         if timeout is not None and timeout < 0:
             raise ConfigError(f"timeout={timeout!r} must be >= 0 or None", name=self.name)
@@ -279,12 +277,10 @@ class Claim:
             ok = self._store.refresh(token, self._ttl_ms)
         except UNREACHABLE as exc:
             self.renewal_failed()
-            raise ClaimUnavailable(
+            raise ClaimUnavailable.about(
+                self,
                 f"cannot reach Redis at {describe_client(self.redis)} to refresh claim "
                 f"{self.name!r} ({exc})",
-                name=self.name,
-                token=self.token,
-                fence=self.fence,
             ) from exc
         if ok:
             self.renewed(sent, token)
@@ -299,20 +295,16 @@ class Claim:
                 return
             self._declare_lost(_DEADLINE_PASSED)
         if self._state == _LOST:
-            raise ClaimLost(
+            raise ClaimLost.about(
+                self,
                 f"claim {self.name!r} was lost ({self.lost_reason}); stop writing: another "
                 "holder may be working on the same resource",
-                name=self.name,
-                token=self.token,
-                fence=self.fence,
             )
-        raise NotOwner(
+        raise NotOwner.about(
+            self,
             f"claim {self.name!r} is not held here ({self._state}"
             + (", inherited across fork" if self._pid != current_pid() else "")
             + "): acquire it first",
-            name=self.name,
-            token=self.token,
-            fence=self.fence,
         )
 
     def steps(self, iterable: Iterable[T]) -> Iterator[T]:

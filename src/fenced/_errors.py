@@ -14,7 +14,18 @@ FencedError                      root; carries .name, .token, .fence
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, TypeVar
+
+
+class _About(Protocol):
+    """What an error can be about: a claim (its name, token and fence)."""
+
+    name: str
+    token: str | None
+    fence: int | None
+
+
+E = TypeVar("E", bound="FencedError")
 
 __all__ = [
     "ClaimHeld",
@@ -52,6 +63,11 @@ class FencedError(Exception):
             if not any(key in vars(k).get("__annotations__", {}) for k in type(self).__mro__):
                 raise TypeError(f"{type(self).__name__} takes no {key!r}")
             setattr(self, key, value)
+
+    @classmethod
+    def about(cls: type[E], claim: _About, message: str) -> E:
+        """This error about ``claim``: its name, token and fence attached."""
+        return cls(message, name=claim.name, token=claim.token, fence=claim.fence)
 
     def __reduce__(self) -> tuple[object, ...]:
         # Keyword-only arguments do not survive the default pickling, and Celery

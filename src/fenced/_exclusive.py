@@ -101,13 +101,8 @@ def exclusive(
                     skipped = guard.enter()
                 if skipped is not None:
                     return skipped
-                try:
-                    result = await fn(*args, **kwargs)
-                except BaseException as exc:
-                    guard.exit(exc, "the function")
-                    raise
-                guard.exit(None, "the function")
-                return result
+                with guard.running("the function"):
+                    return await fn(*args, **kwargs)
 
             return cast(F, async_wrapper)
 
@@ -117,13 +112,8 @@ def exclusive(
             skipped = guard.enter()
             if skipped is not None:
                 return skipped
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as exc:
-                guard.exit(exc, "the function")
-                raise
-            guard.exit(None, "the function")
-            return result
+            with guard.running("the function"):
+                return fn(*args, **kwargs)
 
         return cast(F, wrapper)
 

@@ -21,7 +21,8 @@ things, and do them here:
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -136,12 +137,10 @@ def busy_error(claim: Claim, waited: float | None = None) -> ClaimHeld:
 def lost_error(claim: Claim, what: str = "the work", interrupted: bool = False) -> ClaimLost:
     """ClaimLost for work that ran on after its claim was lost (or was interrupted)."""
     stopped = f"{what} was interrupted" if interrupted else "its writes were not protected"
-    return ClaimLost(
+    return ClaimLost.about(
+        claim,
         f"claim {claim.name!r} was lost while {what} ran ({claim.lost_reason}); {stopped}: "
         "another holder may be working on the same resource",
-        name=claim.name,
-        token=claim.token,
-        fence=claim.fence,
     )
 
 
@@ -197,6 +196,12 @@ class Guard:
             return Skipped.of(self.claim)
         raise busy_error(self.claim, self.wait_timeout if self.on_busy == "wait" else None)
 
-    def exit(self, exc: BaseException | None, what: str = "the work") -> None:
-        """Release with the work's outcome (see :func:`finish`)."""
-        finish(self.claim, exc, what)
+    @contextmanager
+    def running(self, what: str = "the work") -> Iterator[Claim]:
+        """The work's block: on the way out, release with its outcome (see :func:`finish`)."""
+        try:
+            yield self.claim
+        except BaseException as exc:
+            finish(self.claim, exc, what)
+            raise
+        finish(self.claim, None, what)

@@ -237,7 +237,7 @@ def check_timing(
         or not refresh_every > 0
     ):
         raise ConfigError(
-            f"{refresh_name}={refresh_every!r} must be a positive number of seconds below "
+            f"{refresh_name}={refresh_every!r} must be above 0, a number of seconds below "
             f"{ttl_name}; leave it None for {ttl_name}/3"
         )
     if not refresh_every < ttl:
