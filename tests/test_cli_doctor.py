@@ -13,8 +13,12 @@ from typing import Any
 from fenced.testing import RedisServer
 
 
-def doctor(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def doctor(
+    *args: str, cwd: Path | None = None, lock_env: str | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "FENCED_REDIS_URL"}
+    if lock_env is not None:
+        env["FENCED_REDIS_URL"] = lock_env
     return subprocess.run(
         [sys.executable, "-m", "fenced.cli", "doctor", *args],
         capture_output=True,
@@ -51,7 +55,7 @@ APP = textwrap.dedent(
     from fenced.celery import ClaimedTask
 
     app = Celery("bad", broker="{broker}")
-    app.conf.fenced_redis_url = "{locks}"
+    app.conf.fenced_redis_url = {locks!r}
     app.conf.broker_transport_options = {{"visibility_timeout": 60}}
 
     @app.task(base=ClaimedTask, bind=True, claim="rebuild:{{layer}}", claim_ttl=300,
@@ -73,6 +77,48 @@ def test_misconfigured_celery_app(own_server: RedisServer, tmp_path: Path) -> No
     assert found["celery.visibility-timeout"] == "error"
     # The lock store came from the app's setting: the Redis checks ran too.
     assert "redis.persistence" in found
+
+
+def test_app_without_lock_store_is_an_error_and_its_broker_is_not_checked(
+    own_server: RedisServer, tmp_path: Path
+) -> None:
+    # A healthy Redis broker: were it taken for the lock store, its checks would pass.
+    (tmp_path / "nostore.py").write_text(APP.format(broker=own_server.url, locks=None))
+    res = doctor("--app", "nostore:app", "--json", cwd=tmp_path)
+    assert res.returncode == 1, res.stdout + res.stderr
+    found = codes(res.stdout)
+    assert found["fenced.lock-store-missing"] == "error"
+    assert not [code for code in found if code.startswith("redis.")], found
+    missing = next(
+        f for f in json.loads(res.stdout)["findings"] if f["code"] == "fenced.lock-store-missing"
+    )
+    assert "FENCED_REDIS_URL" in missing["fix"] and "fenced_redis_url" in missing["fix"]
+
+
+def test_app_setting_wins_over_the_environment_as_in_the_workers(
+    own_server: RedisServer, server: RedisServer, tmp_path: Path
+) -> None:
+    # The app's setting names an evicting Redis; the environment names a healthy one.
+    own_server.client().config_set("maxmemory-policy", "allkeys-lru")
+    (tmp_path / "evicting.py").write_text(APP.format(broker="memory://", locks=own_server.url))
+    res = doctor("--app", "evicting:app", "--json", cwd=tmp_path, lock_env=server.url)
+    assert codes(res.stdout).get("redis.maxmemory-policy") == "error", res.stdout
+    # Only the environment: it is the lock store, and it is checked.
+    (tmp_path / "fromenv.py").write_text(APP.format(broker="memory://", locks=None))
+    res = doctor("--app", "fromenv:app", "--json", cwd=tmp_path, lock_env=own_server.url)
+    found = codes(res.stdout)
+    assert found.get("redis.maxmemory-policy") == "error", res.stdout
+    assert "fenced.lock-store-missing" not in found
+    # An explicit --redis is what the operator asked to check.
+    res = doctor("--app", "evicting:app", "--redis", server.url, "--json", cwd=tmp_path)
+    assert "redis.maxmemory-policy" not in codes(res.stdout)
+
+
+def test_bad_lock_store_url_names_the_setting(tmp_path: Path) -> None:
+    (tmp_path / "badurl.py").write_text(APP.format(broker="memory://", locks="http://locks:80/1"))
+    res = doctor("--app", "badurl:app", cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "fenced_redis_url" in res.stderr and "http://locks:80/1" in res.stderr
 
 
 def test_nothing_to_check_is_a_usage_error() -> None:

@@ -11,10 +11,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
+from celery import Celery
 
 from _wait import wait_for
-from fenced import records
+from fenced import Claim, ConfigError, doctor, records
+from fenced.celery import DEFAULTS, ClaimedTask, lock_redis
 from fenced.doctor import (
+    CONTENDED_OUTCOMES,
     Finding,
     Report,
     check_celery,
@@ -28,8 +32,6 @@ from fenced.doctor import (
     version_findings,
 )
 from fenced.testing import RedisServer
-
-celery = pytest.importorskip("celery")
 
 QUIET = ("error", "warning")
 
@@ -176,7 +178,7 @@ def test_unreachable_redis_is_an_error(redis_binary: str) -> None:
 
 
 def make_app(broker: str = "redis://127.0.0.1:6399/0", **conf: Any) -> Any:
-    app = celery.Celery("t", broker=broker, set_as_current=False)
+    app = Celery("t", broker=broker, set_as_current=False)
     app.conf.update(conf)
     return app
 
@@ -195,7 +197,14 @@ GOOD_CONF: dict[str, Any] = {
 def good_app() -> Any:
     app = make_app(**GOOD_CONF)
 
-    @app.task(shared=False, name="t.rebuild", claim="rebuild:{a}", claim_ttl=60, time_limit=3600)
+    @app.task(
+        base=ClaimedTask,
+        shared=False,
+        name="t.rebuild",
+        claim="rebuild:{a}",
+        claim_ttl=60,
+        time_limit=3600,
+    )
     def rebuild(a: str) -> str:
         return a
 
@@ -220,12 +229,20 @@ def test_misconfigured_app_gets_each_finding(monkeypatch: pytest.MonkeyPatch) ->
     )
 
     # No acks_late, and a time limit below its claim TTL.
-    @app.task(shared=False, name="t.rebuild", claim="rebuild:{a}", claim_ttl=60, time_limit=30)
+    @app.task(
+        base=ClaimedTask,
+        shared=False,
+        name="t.rebuild",
+        claim="rebuild:{a}",
+        claim_ttl=60,
+        time_limit=30,
+    )
     def rebuild(a: str) -> str:
         return a
 
     # A long acks_late task: its time limit outlasts the visibility timeout.
     @app.task(
+        base=ClaimedTask,
         shared=False,
         name="t.tiles",
         claim="tiles:{a}",
@@ -270,7 +287,7 @@ def test_time_limit_from_app_config_counts(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
     app = make_app(**{**GOOD_CONF, "task_time_limit": 45})
 
-    @app.task(shared=False, name="t.x", claim="x:{a}", claim_ttl=60)
+    @app.task(base=ClaimedTask, shared=False, name="t.x", claim="x:{a}", claim_ttl=60)
     def x(a: str) -> str:
         return a
 
@@ -291,7 +308,9 @@ def test_default_visibility_timeout_is_an_hour(monkeypatch: pytest.MonkeyPatch) 
     conf = {k: v for k, v in GOOD_CONF.items() if k != "broker_transport_options"}
     app = make_app(**conf)
 
-    @app.task(shared=False, name="t.x", claim="x:{a}", claim_ttl=60, time_limit=5400)
+    @app.task(
+        base=ClaimedTask, shared=False, name="t.x", claim="x:{a}", claim_ttl=60, time_limit=5400
+    )
     def x(a: str) -> str:
         return a
 
@@ -305,7 +324,7 @@ def test_unbounded_acks_late_task_on_redis_broker_warns(
     monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
     app = make_app(**GOOD_CONF)
 
-    @app.task(shared=False, name="t.x", claim="x:{a}", claim_ttl=60)
+    @app.task(base=ClaimedTask, shared=False, name="t.x", claim="x:{a}", claim_ttl=60)
     def x(a: str) -> str:
         return a
 
@@ -313,58 +332,169 @@ def test_unbounded_acks_late_task_on_redis_broker_warns(
     # An AMQP broker has no visibility timeout to outrun.
     amqp = make_app("amqp://guest@127.0.0.1//", **GOOD_CONF)
 
-    @amqp.task(shared=False, name="t.x", claim="x:{a}", claim_ttl=60)
+    @amqp.task(base=ClaimedTask, shared=False, name="t.x", claim="x:{a}", claim_ttl=60)
     def y(a: str) -> str:
         return a
 
     assert codes(check_celery(amqp), *QUIET) == set()
 
 
-def test_lock_store_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+def lock_store_app(broker: str = "redis://localhost:6399", **extra: Any) -> Any:
+    """A well configured app with one claimed task, minus its lock store unless given."""
     conf = {k: v for k, v in GOOD_CONF.items() if k != "fenced_redis_url"}
+    app = make_app(broker, **{**conf, **extra})
 
-    def app_with(broker: str = "redis://localhost:6399", **extra: Any) -> Any:
-        app = make_app(broker, **{**conf, **extra})
+    @app.task(base=ClaimedTask, shared=False, name="t.x", claim="x:{a}", time_limit=600)
+    def x(a: str) -> str:
+        return a
 
-        @app.task(shared=False, name="t.x", claim="x:{a}", claim_ttl=60, time_limit=600)
-        def x(a: str) -> str:
-            return a
+    return app
 
-        return app
 
-    implicit = check_celery(app_with())
-    assert severity_of(implicit, "fenced.lock-store-implicit") == "warning"
-    assert (
-        "fenced_redis_url"
-        in next(f for f in implicit if f.code == "fenced.lock-store-implicit").fix
-    )
-    assert lock_store_url(app_with()) == "redis://localhost:6399"
+def connection_of(client: Any) -> tuple[Any, ...]:
+    kwargs = client.connection_pool.connection_kwargs
+    return (kwargs.get("host"), kwargs.get("port"), kwargs.get("db"), kwargs.get("password"))
 
+
+@pytest.mark.parametrize(
+    ("setting", "env", "expected"),
+    [
+        ("redis://127.0.0.1:6399/1", None, "redis://127.0.0.1:6399/1"),
+        (None, "redis://127.0.0.1:6399/5", "redis://127.0.0.1:6399/5"),
+        ("redis://127.0.0.1:6399/1", "redis://127.0.0.1:6399/5", "redis://127.0.0.1:6399/1"),
+        (None, None, None),
+    ],
+    ids=["setting", "environment", "setting-wins", "neither"],
+)
+def test_lock_store_url_resolves_as_lock_redis(
+    monkeypatch: pytest.MonkeyPatch, setting: str | None, env: str | None, expected: str | None
+) -> None:
+    if env is None:
+        monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    else:
+        monkeypatch.setenv("FENCED_REDIS_URL", env)
+    # The broker is a Redis in every case: it is never the lock store.
+    app = lock_store_app(**({"fenced_redis_url": setting} if setting else {}))
+    assert lock_store_url(app) == expected
+    if expected is None:
+        with pytest.raises(ConfigError):
+            lock_redis(app)
+    else:
+        assert connection_of(lock_redis(app)) == connection_of(redis.Redis.from_url(expected))
+
+
+@pytest.mark.parametrize("broker", ["redis://localhost:6399", "amqp://guest@127.0.0.1//"])
+def test_no_lock_store_is_an_error_whatever_the_broker(
+    monkeypatch: pytest.MonkeyPatch, broker: str
+) -> None:
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    found = check_celery(lock_store_app(broker))
+    assert severity_of(found, "fenced.lock-store-missing") == "error"
+    missing = next(f for f in found if f.code == "fenced.lock-store-missing")
+    for text in (missing.what, missing.fix):
+        assert "fenced_redis_url" in text and "FENCED_REDIS_URL" in text
+    assert "ConfigError" in missing.why
+    # No finding may claim that the broker stands in for the lock store.
+    assert not any("fall back" in f.what + f.why + f.fix for f in found)
+    assert "fenced.lock-store-implicit" not in codes(found)
+    assert run_doctor(app=lock_store_app(broker)).exit_code == 1
+
+
+def test_lock_store_sharing_a_database(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
     # localhost:6399 with no db is 127.0.0.1:6399/0: the broker's own database.
-    shared = check_celery(app_with(fenced_redis_url="redis://127.0.0.1:6399/0"))
+    shared = check_celery(lock_store_app(fenced_redis_url="redis://127.0.0.1:6399/0"))
     assert severity_of(shared, "fenced.lock-store-shared") == "warning"
     assert {f.subject for f in shared if f.code == "fenced.lock-store-shared"} == {"broker"}
-    backend = check_celery(app_with(fenced_redis_url="redis://127.0.0.1:6399/2"))
+    backend = check_celery(lock_store_app(fenced_redis_url="redis://127.0.0.1:6399/2"))
     assert {f.subject for f in backend if f.code == "fenced.lock-store-shared"} == {
         "result backend"
     }
-    separate = app_with(fenced_redis_url="redis://127.0.0.1:6399/1")
+    separate = lock_store_app(fenced_redis_url="redis://127.0.0.1:6399/1")
     assert codes(check_celery(separate), *QUIET) == set()
-    assert lock_store_url(separate) == "redis://127.0.0.1:6399/1"
 
-    # The environment variable is an explicit configuration too.
+    # The environment variable is compared the same way.
+    monkeypatch.setenv("FENCED_REDIS_URL", "redis://127.0.0.1:6399/0")
+    assert severity_of(check_celery(lock_store_app()), "fenced.lock-store-shared") == "warning"
     monkeypatch.setenv("FENCED_REDIS_URL", "redis://127.0.0.1:6399/5")
-    assert codes(check_celery(app_with()), *QUIET) == set()
+    assert codes(check_celery(lock_store_app()), *QUIET) == set()
     monkeypatch.delenv("FENCED_REDIS_URL")
 
     # Passwords are not printed.
-    secret = check_celery(app_with("redis://:hunter2@127.0.0.1:6399/0"))
-    implicit_secret = next(f for f in secret if f.code == "fenced.lock-store-implicit")
-    assert "hunter2" not in implicit_secret.what and ":***@127.0.0.1:6399" in implicit_secret.what
+    secret = check_celery(
+        lock_store_app(
+            "redis://:hunter2@127.0.0.1:6399/0", fenced_redis_url="redis://127.0.0.1:6399/0"
+        )
+    )
+    finding = next(f for f in secret if f.code == "fenced.lock-store-shared")
+    assert "hunter2" not in finding.what and ":***@127.0.0.1:6399" in finding.what
 
-    missing = check_celery(app_with("amqp://guest@127.0.0.1//"))
-    assert severity_of(missing, "fenced.lock-store-missing") == "error"
+
+class RunOnlyClaim(ClaimedTask):
+    """A ClaimedTask whose ``claim`` is the held claim in a run and nothing outside one."""
+
+    @property
+    def claim(self) -> Any:
+        return None
+
+
+def test_claimed_tasks_are_found_by_their_claim_template(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    app = make_app(**GOOD_CONF)
+
+    @app.task(base=RunOnlyClaim, shared=False, name="t.x", claim="x:{a}", time_limit=30)
+    def x(a: str) -> str:
+        return a
+
+    assert app.tasks["t.x"].claim is None and app.tasks["t.x"].claim_template == "x:{a}"
+    found = check_celery(app)
+    assert "celery.no-claimed-tasks" not in codes(found)
+    assert severity_of(found, "celery.time-limit") == "error"
+
+
+def test_claim_option_on_a_plain_task_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    app = make_app(**GOOD_CONF)
+
+    # Celery keeps an unknown option as an attribute: without ClaimedTask nothing reads it.
+    @app.task(shared=False, name="t.unclaimed", claim="x:{a}", time_limit=30)
+    def unclaimed(a: str) -> str:
+        return a
+
+    found = check_celery(app)
+    assert severity_of(found, "celery.claim-not-applied") == "error"
+    finding = next(f for f in found if f.code == "celery.claim-not-applied")
+    assert finding.subject == "t.unclaimed"
+    assert "base=ClaimedTask" in finding.fix
+    # It takes no claim, so the claim checks (time limit versus TTL) do not apply to it.
+    assert "celery.time-limit" not in codes(found)
+
+
+def test_claim_ttl_defaults_are_the_tasks_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    default = DEFAULTS["claim_ttl"]
+    # The doctor keeps no default of its own that could drift from the tasks'.
+    assert getattr(doctor, "DEFAULT_CLAIM_TTL", default) == default
+
+    def limit_finding(**conf: Any) -> Finding | None:
+        app = make_app(**{**GOOD_CONF, **conf})
+
+        @app.task(base=ClaimedTask, shared=False, name="t.x", claim="x:{a}", time_limit=45)
+        def x(a: str) -> str:
+            return a
+
+        return next((f for f in check_celery(app) if f.code == "celery.time-limit"), None)
+
+    # No claim_ttl anywhere: the task's default lease outlasts a 45 s limit.
+    finding = limit_finding()
+    assert default >= 45
+    assert finding is not None and f"claim TTL {default:g} s" in finding.what
+    # The app's default for its tasks counts as the task would count it.
+    assert limit_finding(fenced_claim_ttl=20) is None
+    finding = limit_finding(fenced_claim_ttl=90)
+    assert finding is not None and "claim TTL 90 s" in finding.what
 
 
 def test_app_without_claimed_tasks_is_noted(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -421,7 +551,8 @@ def test_one_lock_for_every_layer_is_too_coarse() -> None:
     finding = found[0]
     assert finding.subject == "rebuild"
     assert "layer (6 values)" in finding.what
-    assert "parallel pipeline made serial" in finding.why
+    assert "runs one at a time" in finding.why
+    assert "'rebuild:{layer}'" in finding.fix
 
 
 def test_well_named_claims_have_no_findings() -> None:
@@ -464,6 +595,35 @@ def test_records_are_read_from_redis(server: RedisServer) -> None:
     } in loaded
     report = run_doctor(client)
     assert {"naming.too-fine", "naming.too-coarse"} <= report.codes("warning")
+
+
+def test_contended_outcomes_are_outcomes_run_records_carry() -> None:
+    assert CONTENDED_OUTCOMES
+    assert set(CONTENDED_OUTCOMES) <= set(records.OUTCOMES)
+
+
+def test_runs_that_lose_the_race_for_one_claim_show_it_too_coarse(server: RedisServer) -> None:
+    client = server.client(decode_responses=True)
+    holder = Claim(client, "rebuild", ttl=30, heartbeat=False, records=True)
+    assert holder.acquire()
+    try:
+        for layer in ["roads", "rivers", "rail", "parks", "bus", "bike"]:
+            loser = Claim(
+                client,
+                "rebuild",
+                ttl=30,
+                heartbeat=False,
+                records=True,
+                record_extra={"template": "rebuild", "args": {"layer": layer}},
+            )
+            assert not loser.acquire()
+    finally:
+        holder.release(outcome="ok")
+    loaded = load_records(client)
+    assert {r["outcome"] for r in loaded} == {"ok", "skipped"}
+    found = check_naming(loaded)
+    assert codes(found) == {"naming.too-coarse"}
+    assert "layer (6 values)" in found[0].what
 
 
 # -- the report -------------------------------------------------------------------------

@@ -125,7 +125,16 @@ if app is not None:
 
     @app.command()
     def doctor(
-        redis_url: RedisOpt = None,
+        redis_url: Annotated[
+            str | None,
+            typer.Option(
+                "--redis",
+                metavar="URL",
+                help="Redis to check. Default: the lock store of --app (fenced_redis_url, "
+                "then $FENCED_REDIS_URL, as its workers resolve it); without --app, "
+                "$FENCED_REDIS_URL.",
+            ),
+        ] = None,
         celery_app: Annotated[
             str | None,
             typer.Option(
@@ -137,22 +146,42 @@ if app is not None:
     ) -> None:
         """Check the lock Redis, a Celery app and claim naming for what breaks claims.
 
+        With --app and no --redis, the Redis checked is the one the app's claims use:
+        the fenced_redis_url setting, then FENCED_REDIS_URL; never the broker. An app
+        with neither gets an error finding that says so.
+
         \b
         Exit status:
           0   no errors (warnings and notes may be shown)
           1   at least one error
-          2   usage: nothing to check, or the app cannot be imported
+          2   usage: nothing to check, the app cannot be imported, or a bad Redis URL
         """
         from .doctor import lock_store_url, render, run_doctor
 
         app_obj = _load_app(celery_app) if celery_app else None
-        url = redis_url or os.environ.get("FENCED_REDIS_URL")
-        if url is None and app_obj is not None:
-            url = lock_store_url(app_obj)
-        if url is None and app_obj is None:
+        client = None
+        if redis_url:
+            client = _client(redis_url)
+        elif app_obj is not None:
+            store = lock_store_url(app_obj)
+            if store is not None:
+                from .celery import lock_redis
+
+                # The client its workers make (fenced_redis_options included), so the
+                # doctor connects as they do.
+                try:
+                    client = lock_redis(app_obj)
+                except ValueError as exc:
+                    _err(
+                        f"fenced doctor: bad lock store URL {store!r} (from fenced_redis_url "
+                        f"or FENCED_REDIS_URL): {exc}"
+                    )
+                    raise typer.Exit(EXIT_USAGE) from None
+        elif os.environ.get("FENCED_REDIS_URL"):
+            client = _client(None)
+        else:
             _err("fenced doctor: nothing to check: pass --redis URL and/or --app MODULE:ATTR")
             raise typer.Exit(EXIT_USAGE)
-        client = _client(url) if url else None
         report = run_doctor(client, app_obj, namespace=namespace)
         if as_json:
             print(report.as_json(), flush=True)

@@ -4,11 +4,15 @@ Each check returns :class:`Finding` objects that say what is wrong, why it matte
 claims, and the exact setting or command that fixes it. :func:`run_doctor` gathers them
 into a :class:`Report` whose exit code is non-zero when any finding is an error.
 
-The rules come from running claims in production (the seed's "Gotchas"): an evicting
-Redis silently removes locks, a time limit below the lease kills a worker mid-claim,
-a Redis broker redelivers a message still running after ``visibility_timeout``, and a
-claim name that is too fine protects nothing while one that is too coarse serialises
-a parallel pipeline.
+The rules come from running claims in production: an evicting Redis silently removes
+locks, a time limit below the lease kills a worker mid-claim, a Redis broker
+redelivers a message still running after ``visibility_timeout``, a Celery app with no
+lock store fails every claimed run, and a claim name that is too fine protects nothing
+while one that is too coarse serialises a parallel pipeline.
+
+The Redis checked for a Celery app is the one its claims use
+(:func:`lock_store_url`, resolved as :func:`fenced.celery.lock_redis` does), never the
+broker; the Celery checks import nothing from Celery until an app is given.
 """
 
 from __future__ import annotations
@@ -17,14 +21,13 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ._celery import DEFAULT_CLAIM_TTL, DEFAULT_VISIBILITY_TIMEOUT, check_celery, lock_store_url
+from ._celery import DEFAULT_VISIBILITY_TIMEOUT, check_celery, lock_store_url
 from ._finding import Finding, Report, Severity, format_text, render
 from ._naming import CONTENDED_OUTCOMES, check_naming, load_records
 from ._redis import MIN_REDIS, check_redis, version_findings
 
 __all__ = [
     "CONTENDED_OUTCOMES",
-    "DEFAULT_CLAIM_TTL",
     "DEFAULT_VISIBILITY_TIMEOUT",
     "MIN_REDIS",
     "Finding",
@@ -71,8 +74,11 @@ def run_doctor(
                     "info",
                     "naming.records-unavailable",
                     f"Could not read run records ({exc})",
-                    "Naming checks need run records; they were skipped.",
-                    "Run the doctor against the lock Redis the workers use.",
+                    "The naming checks (claim names too fine or too coarse) read the run "
+                    "records in the lock Redis; they were skipped.",
+                    "Let this Redis user run SCAN and XREVRANGE on the claim keys "
+                    f"(`ACL SETUSER <user> ~{namespace}:* +scan +xrevrange`), and pass the "
+                    "Redis the workers use: `--redis URL` or `fenced_redis_url`.",
                 )
             )
     if records is not None:

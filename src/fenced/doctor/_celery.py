@@ -10,10 +10,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from ._finding import Finding
 
-__all__ = ["DEFAULT_CLAIM_TTL", "DEFAULT_VISIBILITY_TIMEOUT", "check_celery", "lock_store_url"]
+__all__ = ["DEFAULT_VISIBILITY_TIMEOUT", "check_celery", "lock_store_url"]
 
-#: The ttl a claim gets when its task names none (the default of :class:`fenced.Claim`).
-DEFAULT_CLAIM_TTL = 30.0
 #: The Redis transport's visibility timeout when ``broker_transport_options`` sets none.
 DEFAULT_VISIBILITY_TIMEOUT = 3600.0
 
@@ -69,20 +67,25 @@ def _database(url: str) -> tuple[str, str, int]:
 
 
 def lock_store_url(app: Any) -> str | None:
-    """The lock store's URL for a Celery app: its setting, the environment, or the broker."""
-    setting = app.conf.get("fenced_redis_url")
-    if setting:
-        return str(setting)
-    env = os.environ.get("FENCED_REDIS_URL")
-    if env:
-        return env
-    broker = _first_url(app.conf.broker_url)
-    return broker if _is_redis(broker) else None
+    """The URL of the Redis that a Celery app's claims use, or None when none is set.
+
+    Resolved as :func:`fenced.celery.lock_redis` resolves it: the ``fenced_redis_url``
+    setting, then the ``FENCED_REDIS_URL`` environment variable; never the broker.
+    """
+    url = app.conf.get("fenced_redis_url") or os.environ.get("FENCED_REDIS_URL")
+    return str(url) if url else None
 
 
 def _is_claimed(task: Any) -> bool:
-    """A task takes a claim when fenced's ``claim`` option (a template) is set on it."""
-    return getattr(task, "claim", None) is not None
+    """A task takes a claim when it is a ClaimedTask with a claim template (or callable)."""
+    return getattr(task, "claim_template", None) is not None
+
+
+def _claim_ignored(task: Any) -> bool:
+    """A task given a ``claim`` option that nothing reads: it is not a ClaimedTask."""
+    from ..celery import ClaimedTask
+
+    return not isinstance(task, ClaimedTask) and getattr(task, "claim", None) is not None
 
 
 def _user_tasks(app: Any) -> list[Any]:
@@ -90,10 +93,15 @@ def _user_tasks(app: Any) -> list[Any]:
 
 
 def _claim_ttl(task: Any, claim_ttls: Mapping[str, float]) -> float:
+    """The lease a task's claims get, found as the task finds it at run time."""
+    from ..celery import DEFAULTS
+
     if task.name in claim_ttls:
         return float(claim_ttls[task.name])
-    ttl = getattr(task, "claim_ttl", None)
-    return float(ttl) if ttl is not None else DEFAULT_CLAIM_TTL
+    for ttl in (getattr(task, "claim_ttl", None), task.app.conf.get("fenced_claim_ttl")):
+        if ttl is not None:
+            return float(ttl)
+    return float(DEFAULTS["claim_ttl"])
 
 
 def _hard_limit(task: Any, conf: Any) -> float | None:
@@ -113,8 +121,9 @@ def check_celery(
 ) -> list[Finding]:
     """Check a Celery app's settings and registered tasks against claim-safe settings.
 
-    A task is *claimed* when it has a ``claim`` attribute (fenced's task option); its
-    lease is ``claim_ttls[name]``, else its ``claim_ttl``, else the Claim default.
+    A task is *claimed* when it is a :class:`fenced.celery.ClaimedTask` with a
+    ``claim_template`` (the ``claim=`` option); its lease is ``claim_ttls[name]``, else
+    its ``claim_ttl``, else the app's ``fenced_claim_ttl``, else the ClaimedTask default.
     ``longest_eta`` is the longest ETA/countdown the application uses, when known;
     time limits and ETAs passed per call to ``apply_async`` cannot be seen here.
     """
@@ -136,6 +145,23 @@ def check_celery(
                 "Task-level checks (acks_late, time limits versus claim TTL) had nothing to check.",
                 "Give a task a claim, e.g. "
                 '`@app.task(base=ClaimedTask, claim="rebuild:{layer}", acks_late=True)`.',
+            )
+        )
+
+    ignored = [t for t in tasks if _claim_ignored(t)]
+    for task in ignored:
+        option = repr(task.claim) if isinstance(task.claim, str) else "..."
+        found.append(
+            Finding(
+                "error",
+                "celery.claim-not-applied",
+                f"Task {task.name} is given claim={option} but is not a ClaimedTask",
+                "Celery keeps an option it does not know as a plain attribute: nothing "
+                "takes the claim, so every run of this task proceeds unprotected, "
+                "alongside any other run on the same resource.",
+                f"`@app.task(base=ClaimedTask, claim={option})`, with "
+                "`from fenced.celery import ClaimedTask`.",
+                subject=task.name,
             )
         )
 
@@ -301,37 +327,26 @@ def _visibility_findings(
 
 def _lock_store_findings(app: Any, claimed: list[Any], broker: str | None) -> list[Finding]:
     conf = app.conf
-    setting = conf.get("fenced_redis_url")
-    env = os.environ.get("FENCED_REDIS_URL")
-    if not claimed and not setting:
-        return []
-    if not setting and not env:
-        if not _is_redis(broker):
-            return [
-                Finding(
-                    "error",
-                    "fenced.lock-store-missing",
-                    "No lock store is configured and the broker is not Redis",
-                    "Claimed tasks have nowhere to take their claims: they fail closed and "
-                    "never run.",
-                    '`fenced_redis_url = "redis://host:6379/1"` in the Celery config, or '
-                    "FENCED_REDIS_URL in the workers' environment.",
-                )
-            ]
+    store = lock_store_url(app)
+    if store is None:
+        if not claimed:
+            return []
         return [
             Finding(
-                "warning",
-                "fenced.lock-store-implicit",
-                "fenced_redis_url is not set (nor FENCED_REDIS_URL): claims fall back to "
-                f"the broker's database ({_redact(broker)})",
-                "Claims then share a database with the broker's queues: a flush of the "
-                "broker or an eviction policy chosen for it removes locks, and the "
-                "configuration nobody wrote down is the one that changes unnoticed.",
-                '`fenced_redis_url = "redis://host:6379/1"` (a database of its own, on a '
-                "Redis with `maxmemory-policy noeviction`).",
+                "error",
+                "fenced.lock-store-missing",
+                "Neither the Celery setting fenced_redis_url nor the environment variable "
+                "FENCED_REDIS_URL is set: claimed tasks have no Redis for their claims",
+                "fenced.celery.lock_redis(app) raises ConfigError without one of them, so "
+                "every run of a claimed task fails before its work starts. The broker's "
+                "Redis is never used for claims: they need a database of their own, on a "
+                "Redis with maxmemory-policy noeviction. (The doctor sees its own "
+                "environment, not the workers'.)",
+                '`app.conf.fenced_redis_url = "redis://host:6379/1"` in the Celery config, '
+                "or `FENCED_REDIS_URL=redis://host:6379/1` in every worker's environment "
+                "(and in the doctor's, to check it).",
             )
         ]
-    store = str(setting or env)
     found: list[Finding] = []
     for role, url in (("broker", broker), ("result backend", conf.get("result_backend"))):
         if isinstance(url, str) and _same_database(store, url):

@@ -11,12 +11,15 @@ from typing import Any
 from .._errors import ConfigError
 from .._lease import ClaimKeys
 from .._naming import template_fields
+from ..records import OUTCOMES, history
 from ._finding import Finding
 
 __all__ = ["CONTENDED_OUTCOMES", "check_naming", "load_records"]
 
-#: Run outcomes that mean a run queued behind, or gave way to, another holder.
-CONTENDED_OUTCOMES = frozenset({"skipped", "waited", "retried"})
+#: Run-record outcomes that mean a run found the claim held by another: ``skipped`` is
+#: written whatever the caller does next (skip, retry later, ask for a rerun, raise).
+#: A run that waits for the claim leaves no record of its wait, so this cannot see it.
+CONTENDED_OUTCOMES = frozenset(OUTCOMES) & {"skipped"}
 
 
 def _args_key(args: Any) -> str | None:
@@ -63,7 +66,8 @@ def check_naming(
     Each record has ``name``, ``template`` (or None), ``args`` (a dict of argument
     values, or a digest) and ``outcome``. Too fine: a template with at least
     ``min_runs`` runs whose names are more than ``unique_ratio`` unique. Too coarse:
-    at least ``min_arg_sets`` different argument sets skipped or waited on one name,
+    at least ``min_arg_sets`` different argument sets skipped on one name (a contended
+    outcome, :data:`CONTENDED_OUTCOMES`),
     leaving out the template's fields and arguments that differ on nearly every one of
     ``min_runs`` or more runs (dates, request ids: parameters of a run, not resources).
     """
@@ -143,19 +147,34 @@ def _too_coarse(
     if len(sets) < min_arg_sets:
         return []
     counts = {k: len(set(values[k])) for k in sorted(keep)}
-    differing = [f"{k} ({n} values)" for k, n in counts.items() if n > 1]
-    detail = f"; arguments that differ: {', '.join(differing)}" if differing else ""
+    differing = [k for k, n in counts.items() if n > 1]
+    detail = (
+        "; arguments that differ: " + ", ".join(f"{k} ({counts[k]} values)" for k in differing)
+        if differing
+        else ""
+    )
+    templates = [str(r["template"]) for r in runs if r.get("template")]
+    base = max(sorted(set(templates)), key=templates.count) if templates else name
+    better = base + "".join(":{" + k + "}" for k in differing)
+    fix = (
+        f"Put the argument that names what a run writes in the claim template: e.g. "
+        f"claim={better!r}"
+        if differing
+        else "Put the argument that names what a run writes in the claim template "
+        "(e.g. 'rebuild:{tenant}:{layer}')"
+    )
     return [
         Finding(
             "warning",
             "naming.too-coarse",
-            f"{len(sets)} different argument sets were skipped or queued behind the one "
-            f"claim {name!r}{detail}",
-            "Tenant/layer missing from the key; parallel pipeline made serial: runs that "
-            "write different outputs wait on one shared lock, so the system is slower than "
-            "its worker count suggests.",
-            "Put the argument that names the output in the claim template, e.g. "
-            "'rebuild:{tenant}:{layer}', so different resources do not contend.",
+            f"{len(sets)} different argument sets were skipped behind the one claim "
+            f"{name!r}{detail}",
+            "The claim name leaves out what tells the resources apart (a tenant, a "
+            "layer): runs that write different outputs contend for one lock, so a "
+            "pipeline meant to run in parallel runs one at a time, and skipped runs do "
+            "not happen at all.",
+            fix + ", so runs on different resources do not contend; leave out "
+            "arguments that only parametrise a run (dates, request ids).",
             subject=name,
         )
     ]
@@ -169,8 +188,6 @@ def load_records(
     client: Any, namespace: str = "fenced", per_claim: int = 200, max_claims: int = 1000
 ) -> list[dict[str, Any]]:
     """Run records of every claim in Redis, as dicts for :func:`check_naming`."""
-    from ..records import history
-
     found: list[dict[str, Any]] = []
     pattern = _escape_glob(namespace) + ":{*}:runs"
     names: set[str] = set()
