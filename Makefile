@@ -8,10 +8,12 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
+# The package with what users get (`all`), plus the `dev` dependency group (test, lint and
+# bench tools); --group needs pip 25.1 or later, hence the upgrade first.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[all]'
+	$(BIN)/pip install --quiet -e '.[all]' --group dev
 	touch $(STAMP)
 
 demo: install
