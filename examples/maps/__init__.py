@@ -1,1 +1,1 @@
-"""Seed 000's map rebuild: a claimed Celery task that tiles into a content store."""
+"""The map rebuild example: a claimed Celery task that tiles into a content store."""

@@ -1,4 +1,4 @@
-"""The map rebuild of seed 000 as a claimed Celery task.
+"""The map rebuild as a claimed Celery task.
 
 Run a worker from the ``examples`` directory::
 

@@ -107,7 +107,7 @@ if app is not None:
             bool, typer.Option("--walkthrough", help="Only the short single-process tour.")
         ] = False,
     ) -> None:
-        """Run the seed's scenarios on an embedded Redis with real Celery workers.
+        """Run the map rebuild scenarios on an embedded Redis with real Celery workers.
 
         Exit status 0 only if every act's expectation held.
         """

@@ -1,6 +1,6 @@
-"""The ``feed.import`` task: seed 001's feed importer, claimed instead of check-then-set.
+"""The ``feed.import`` task: the feed importer, claimed instead of check-then-set.
 
-The seed's recipe reads a cache key, then sets it: two workers can both read "not
+The old cookbook recipe reads a cache key, then sets it: two workers can both read "not
 locked" and both import. Here the claim is taken in one atomic step, is named by a
 digest of the feed URL (fenced hashes long or unsafe template values itself), renews
 itself while the import runs, and carries a fence that the upsert compares.

@@ -1,1 +1,1 @@
-"""Runnable scenarios of the seed documents, on an embedded Redis."""
+"""Runnable scenarios of the map rebuild and feed import examples, on an embedded Redis."""

@@ -1,4 +1,4 @@
-"""The demo's Celery app: seed 000's map rebuild, claimed, content-addressed and fenced.
+"""The demo's Celery app: the map rebuild example, claimed, content-addressed and fenced.
 
 Configured from the environment by the demo runner: ``FENCED_DEMO_REDIS`` (the
 embedded Redis; db 0 is the broker, db 1 the result backend, db 2 the claim store)

