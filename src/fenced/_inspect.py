@@ -166,13 +166,15 @@ class ClaimReport:
         }
 
 
-def show_claim(client: Any, name: str, namespace: str = "fenced", limit: int = 20) -> ClaimReport:
+def show_claim(
+    client: Any, name: str, *, namespace: str = "fenced", limit: int = 20
+) -> ClaimReport:
     """The holder and the run records of one claim."""
     keys = ClaimKeys.of(name, namespace)
     return ClaimReport(
         keys.name,
         namespace,
-        read_holder(client, keys.name, namespace),
+        read_holder(client, keys.name, namespace=namespace),
         history(client, keys.name, limit=limit, namespace=namespace),
     )
 
@@ -189,8 +191,8 @@ def operator() -> str:
 def force_release(
     client: Any,
     name: str,
-    reason: str,
     *,
+    reason: str,
     namespace: str = "fenced",
     by: str | None = None,
     token_prefix: str = "",
@@ -198,11 +200,11 @@ def force_release(
     """Delete a claim whatever its token; record who did it and why. The holder, or None."""
     keys = ClaimKeys.of(name, namespace)
     # Read first, so the answer can say how long the lease had left and its fence.
-    before = read_holder(client, keys.name, namespace)
+    before = read_holder(client, keys.name, namespace=namespace)
     cleared = _lease.force_release(
         client,
         keys.name,
-        namespace,
+        namespace=namespace,
         token_prefix=token_prefix,
         reason=reason,
         by=by or operator(),

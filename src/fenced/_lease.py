@@ -337,7 +337,7 @@ class LeaseStore:
             pass
 
 
-def read_holder(client: Any, name: str, namespace: str = "fenced") -> Holder | None:
+def read_holder(client: Any, name: str, *, namespace: str = "fenced") -> Holder | None:
     """The current holder of a claim, or None when nobody holds it (one round trip)."""
     keys = ClaimKeys.of(name, namespace)
     pipe = client.pipeline(transaction=False)
@@ -354,8 +354,8 @@ def read_holder(client: Any, name: str, namespace: str = "fenced") -> Holder | N
 def force_release(
     client: Any,
     name: str,
-    namespace: str = "fenced",
     *,
+    namespace: str = "fenced",
     task_id: str | None = None,
     pid: int | None = None,
     host: str | None = None,

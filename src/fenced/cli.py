@@ -357,7 +357,7 @@ if app is not None:
 
         client = _client(redis_url)
         with _talking_to(client):
-            report = show_claim(client, name, namespace, limit)
+            report = show_claim(client, name, namespace=namespace, limit=limit)
         if as_json:
             _print_json(report.as_dict())
             return
@@ -404,7 +404,7 @@ if app is not None:
         if not force:
             held = ""
             try:
-                holder = read_holder(client, name, namespace)
+                holder = read_holder(client, name, namespace=namespace)
                 held = f" (held by {holder})" if holder else " (nothing is held under it)"
             except Exception:
                 pass  # the refusal stands on its own; Redis is only asked to say more
@@ -419,9 +419,11 @@ if app is not None:
         by = operator()
         with _talking_to(client):
             holder = force_release(
-                client, name, reason, namespace=namespace, by=by, token_prefix=token
+                client, name, reason=reason, namespace=namespace, by=by, token_prefix=token
             )
-            current = read_holder(client, name, namespace) if holder is None and token else None
+            current = (
+                read_holder(client, name, namespace=namespace) if holder is None and token else None
+            )
         result = {
             "name": name,
             "released": holder is not None,

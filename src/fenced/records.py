@@ -125,7 +125,9 @@ def _worker(data: dict[str, Any]) -> str | None:
     return None
 
 
-def history(client: Any, name: str, limit: int = 20, namespace: str = "fenced") -> list[RunRecord]:
+def history(
+    client: Any, name: str, *, limit: int = 20, namespace: str = "fenced"
+) -> list[RunRecord]:
     """The most recent runs of a claim, newest first (one round trip)."""
     keys = ClaimKeys.of(name, namespace)
     entries = client.xrevrange(keys.runs, count=entries_for(limit))
@@ -251,13 +253,13 @@ def _released(name: str, f: dict[str, str], data: dict[str, Any], at: float) -> 
     )
 
 
-def last(client: Any, name: str, namespace: str = "fenced") -> RunRecord | None:
+def last(client: Any, name: str, *, namespace: str = "fenced") -> RunRecord | None:
     """The most recent run of a claim, or None."""
     runs = history(client, name, limit=1, namespace=namespace)
     return runs[0] if runs else None
 
 
-def consecutive_skips(client: Any, name: str, namespace: str = "fenced") -> int:
+def consecutive_skips(client: Any, name: str, *, namespace: str = "fenced") -> int:
     """Skips since the last successful run of a claim."""
     value = client.get(ClaimKeys.of(name, namespace).skips)
     return int(value) if value is not None else 0

@@ -503,7 +503,7 @@ class ClaimedTask(Task[Any, Any]):
         holder = force_release(
             lock_redis(self.app),
             name,
-            opts.namespace,
+            namespace=opts.namespace,
             task_id=task_id,
             pid=pid,
             host=HOST,

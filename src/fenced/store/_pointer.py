@@ -237,7 +237,7 @@ class RedisPointer:
     """A pointer kept in Redis, swapped under a fence by one Lua script."""
 
     def __init__(
-        self, redis: Any, name: str, namespace: str = "fenced", *, history: int = HISTORY
+        self, redis: Any, name: str, *, namespace: str = "fenced", history: int = HISTORY
     ) -> None:
         if redis is None:
             raise ConfigError("no Redis client given: pass redis.Redis.from_url(...)")
