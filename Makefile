@@ -25,7 +25,7 @@ test: install
 lint: install
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/ruff format --check src tests benchmarks examples
-	$(BIN)/mypy src
+	$(BIN)/mypy src tests
 
 bench: install
 	$(BIN)/python benchmarks/claim_cycle.py

@@ -15,7 +15,7 @@ WAIT = 60.0
 
 def wait_for(
     what: str,
-    check: Callable[[], T],
+    check: Callable[[], T | None],
     timeout: float = WAIT,
     every: float = 0.02,
     *,

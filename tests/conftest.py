@@ -4,8 +4,9 @@ The family, from cheapest to most private:
 
 - ``server``: one per module and binary, on a unix socket, emptied before each test
   (``r`` is a client on it, with and without ``decode_responses``);
-- ``redis_server``: one per module, on a TCP port, for worker processes and other
-  programs that connect by URL;
+- ``redis_server``: one per module, on a TCP port, on the default binary only: for
+  worker processes and other programs that connect by URL, and for tests that need no
+  run per binary;
 - ``own_server``: one per test, on a TCP port, to pause, kill or restart;
 - ``cluster_server``: one per test, a one-node Redis Cluster holding every slot.
 

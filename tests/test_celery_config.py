@@ -7,7 +7,7 @@ import pickle
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from celery import Celery
@@ -19,24 +19,28 @@ from fenced.testing import RedisServer
 
 
 @pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
+def unix_server() -> Iterator[RedisServer]:
+    """The apps' claims Redis, on a unix socket so that lock_redis() is tested with a
+    unix:// URL (and its socket timeouts) too; conftest's ``redis_server`` is TCP, and
+    its ``server`` would run each of these tests once per redis-server binary."""
     with RedisServer(unix=True) as server:
         yield server
 
 
 @pytest.fixture
-def app(redis_server: RedisServer) -> Iterator[Celery]:
-    redis_server.client().flushall()
+def app(unix_server: RedisServer) -> Iterator[Celery]:
+    unix_server.client().flushall()
     app = Celery("fenced_config_tests", set_as_current=False, broker="memory://")
-    app.conf.fenced_redis_url = redis_server.url
+    app.conf.fenced_redis_url = unix_server.url
     app.conf.fenced_claim_ttl = 3
     app.finalize()  # tasks are built (and checked) as they are defined
     yield app
 
 
 @pytest.fixture
-def r(redis_server: RedisServer) -> Any:
-    return redis_server.client(decode_responses=True)
+def r(unix_server: RedisServer) -> Any:
+    """Decoded, on the apps' claims Redis (the conftest ``r`` is on ``server``)."""
+    return unix_server.client(decode_responses=True)
 
 
 # -- definition time ------------------------------------------------------------------------
@@ -63,7 +67,7 @@ def test_unbound_task_fields_are_the_functions_arguments(app: Celery) -> None:
         def bad(tenant: str) -> None: ...
 
 
-def test_lazy_app_fails_when_the_task_is_first_used(redis_server: RedisServer) -> None:
+def test_lazy_app_fails_when_the_task_is_first_used(unix_server: RedisServer) -> None:
     lazy = Celery("fenced_lazy", set_as_current=False, broker="memory://")
 
     @lazy.task(shared=False, base=ClaimedTask, bind=True, claim="rebuild:{layer}")
@@ -107,10 +111,12 @@ def test_class_based_tasks_and_abstract_bases(app: Celery, r: Any) -> None:
 
     class Rebuild(Quick):
         name = "rebuild.class"
-        claim = "rebuild:{tenant}"
+        # The option as a class attribute, as the decorator's claim= arrives: the class
+        # moves it to claim_template, and in a run self.claim is the held Claim.
+        claim = "rebuild:{tenant}"  # type: ignore[assignment]
 
         def run(self, tenant: str, fail: bool = False) -> float:
-            return self.claim.ttl
+            return cast(Claim, self.claim).ttl
 
     task = app.register_task(Rebuild())
     assert task("acme") == 5.0
@@ -124,7 +130,7 @@ def test_callable_claim_name(app: Celery, r: Any) -> None:
     @app.task(
         shared=False, base=ClaimedTask, bind=True, claim=lambda args, kwargs: f"feed:{args[0]}"
     )
-    def fetch(self: Any, url: str) -> str:
+    def fetch(self: ClaimedTask, url: str) -> str:
         return self.claim.name
 
     assert fetch("https://example.org/feed").startswith("feed:https")
@@ -136,10 +142,10 @@ def test_callable_claim_name(app: Celery, r: Any) -> None:
 
 
 def test_no_lock_redis_is_a_clear_error_on_first_use(
-    monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer
+    monkeypatch: pytest.MonkeyPatch, unix_server: RedisServer
 ) -> None:
     monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
-    bare = Celery("fenced_bare", set_as_current=False, broker=redis_server.url)
+    bare = Celery("fenced_bare", set_as_current=False, broker=unix_server.url)
     bare.finalize()
 
     @bare.task(shared=False, base=ClaimedTask, bind=True, claim="x:{t}")
@@ -147,11 +153,11 @@ def test_no_lock_redis_is_a_clear_error_on_first_use(
 
     with pytest.raises(ConfigError, match=r"fenced_redis_url.*FENCED_REDIS_URL"):
         task("a")
-    monkeypatch.setenv("FENCED_REDIS_URL", redis_server.url)
+    monkeypatch.setenv("FENCED_REDIS_URL", unix_server.url)
     assert lock_redis(bare).ping()
 
 
-def test_each_app_gets_its_own_client(app: Celery, redis_server: RedisServer) -> None:
+def test_each_app_gets_its_own_client(app: Celery, unix_server: RedisServer) -> None:
     other = Celery("fenced_other", set_as_current=False)
     with RedisServer() as second:
         other.conf.fenced_redis_url = second.url
@@ -221,7 +227,7 @@ def test_direct_call_runs_under_the_claim_and_records_it(app: Celery, r: Any) ->
 
 def test_long_argument_values_are_recorded_as_digests(app: Celery, r: Any) -> None:
     @app.task(shared=False, base=ClaimedTask, bind=True, claim="ingest:{path}")
-    def ingest(self: Any, path: str) -> str:
+    def ingest(self: ClaimedTask, path: str) -> str:
         return self.claim.name
 
     long_path = "s3://bucket/" + "x" * 200
@@ -390,7 +396,9 @@ def test_a_skip_is_the_same_skipped_result_as_everywhere_else(app: Celery, r: An
     expected = Skipped.of(holder_view(r, "same:a")).as_dict()
     assert result.keys() == expected.keys()
     assert result["status"] == "skipped" and result["claim"] == "same:a"
-    assert result["holder"]["pid"] == holder_view(r, "same:a").holder.pid
+    held = holder_view(r, "same:a").holder
+    assert held is not None
+    assert result["holder"]["pid"] == held.pid
     holder.release()
 
 

@@ -16,12 +16,6 @@ from fenced._lease import ClaimKeys, new_token, read_holder
 from fenced.testing import RedisServer
 
 
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
-
-
 def _services(server: RedisServer, lock_url: str | None = None) -> Services:
     return Services.on(server, lock_url=lock_url)
 

@@ -12,7 +12,7 @@ import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 import redis
@@ -23,6 +23,11 @@ from _wait import wait_for
 from celery_harness import WAIT, Services, Worker, key, notes
 from fenced import ClaimHeld, ClaimLost, records
 from fenced._lease import ClaimKeys, new_token, read_holder
+from fenced.testing import RedisServer
+
+if TYPE_CHECKING:
+    # The channel an amqp:// connection hands out; kombu types it as the base StdChannel.
+    from kombu.transport.pyamqp import Channel as AmqpChannel
 
 #: Tests that run with each broker; the others run with the Redis broker only.
 BOTH_BROKERS = {
@@ -47,7 +52,7 @@ class Cel:
     obs: redis.Redis
     locks: redis.Redis
 
-    def send(self, task: str, *args: Any, **kwargs: Any) -> AsyncResult:
+    def send(self, task: str, *args: Any, **kwargs: Any) -> AsyncResult[Any]:
         """Send a task to the worker's queue."""
         return self.client.send_task(
             task, args=args, kwargs=kwargs, queue=self.services.queue, **kwargs.pop("_opts", {})
@@ -59,15 +64,7 @@ class Cel:
 
 
 @pytest.fixture(scope="module")
-def redis_server() -> Iterator[Any]:
-    from fenced.testing import RedisServer
-
-    with RedisServer() as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def cel(request: pytest.FixtureRequest, redis_server: Any) -> Iterator[Cel]:
+def cel(request: pytest.FixtureRequest, redis_server: RedisServer) -> Iterator[Cel]:
     broker = request.param
     services = Services.on(redis_server, broker)
     client = services.client()
@@ -77,7 +74,7 @@ def cel(request: pytest.FixtureRequest, redis_server: Any) -> Iterator[Cel]:
     finally:
         if broker == "amqp":
             with client.connection_for_write() as conn:
-                conn.default_channel.queue_delete(services.queue)
+                cast("AmqpChannel", conn.default_channel).queue_delete(services.queue)
         client.close()
 
 
@@ -248,7 +245,7 @@ def test_a_second_delivery_of_a_completed_task_does_not_run_again(cel: Cel) -> N
     task_id = f"done-{k}"
     name = f"rebuild:{k}:roads"
 
-    def send(**options: Any) -> AsyncResult:
+    def send(**options: Any) -> AsyncResult[Any]:
         return cel.client.send_task(
             "t.rebuild",
             args=(k, "roads"),
@@ -293,7 +290,7 @@ def test_two_tenants_overlap_while_one_tenant_and_layer_never_does(cel: Cel) -> 
     assert len(spans) == sum(r["status"] == "ok" for r in results)
 
     def overlap(a: dict[str, Any], b: dict[str, Any]) -> bool:
-        return a["start"] < b["end"] and b["start"] < a["end"]
+        return bool(a["start"] < b["end"] and b["start"] < a["end"])
 
     pairs = [(a, b) for i, a in enumerate(spans) for b in spans[i + 1 :]]
     assert not [p for p in pairs if p[0]["tenant"] == p[1]["tenant"] and overlap(*p)]

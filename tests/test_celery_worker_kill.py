@@ -5,7 +5,7 @@ completes the work."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from typing import TYPE_CHECKING, cast
 
 import pytest
 
@@ -15,11 +15,9 @@ from fenced import records
 from fenced._lease import read_holder
 from fenced.testing import RedisServer
 
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
+if TYPE_CHECKING:
+    # The channel an amqp:// connection hands out; kombu types it as the base StdChannel.
+    from kombu.transport.pyamqp import Channel as AmqpChannel
 
 
 @pytest.mark.parametrize("broker", ["redis", "amqp"])
@@ -67,5 +65,5 @@ def test_whole_worker_killed_mid_run_redelivery_completes(
     finally:
         if broker == "amqp":
             with client.connection_for_write() as conn:
-                conn.default_channel.queue_delete(services.queue)
+                cast("AmqpChannel", conn.default_channel).queue_delete(services.queue)
         client.close()

@@ -10,7 +10,8 @@ import sys
 import textwrap
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 import redis
@@ -26,7 +27,9 @@ class CountingConnection(redis.UnixDomainSocketConnection):
 
     def send_packed_command(self, command: Any, check_health: bool = True) -> None:
         CountingConnection.sent.append(command)
-        super().send_packed_command(command, check_health)
+        # redis-py leaves this method unannotated; this is the signature it has.
+        send: Callable[[Any, bool], None] = super().send_packed_command
+        send(command, check_health)
 
 
 def test_acquire_is_one_round_trip_and_exclusive(server: RedisServer, r: Any) -> None:
@@ -109,9 +112,10 @@ def test_release_reports_when_we_no_longer_own_it(r: Any) -> None:
 
 def test_fence_strictly_increases_over_1000_acquisitions(r: Any) -> None:
     c = Claim(r, "fence:many", ttl=5, heartbeat=False)
-    fences = []
+    fences: list[int] = []
     for _ in range(1000):
         assert c.acquire()
+        assert c.fence is not None
         fences.append(c.fence)
         c.release()
     assert all(b > a for a, b in itertools.pairwise(fences))
@@ -306,8 +310,9 @@ def test_acquire_retried_by_the_client_after_a_timeout_is_ours(own_server: Redis
         assert c.acquire()
     finally:
         resume.join()
-    assert client.get(c.key).decode() == c.token
-    assert c.fence is not None and c.fence == int(client.get(c.keys.fence))
+    # A client without decode_responses: what it reads back is bytes.
+    assert cast(bytes, client.get(c.key)).decode() == c.token
+    assert c.fence is not None and c.fence == int(cast(bytes, client.get(c.keys.fence)))
     assert c.skips == 0 and client.get(c.keys.skips) is None
     assert c.release()
 
@@ -339,7 +344,7 @@ def test_run_cleared_by_an_operator_is_one_released_run(r: Any) -> None:
 
     dead = Claim(r, "cleared", ttl=5, heartbeat=False, records=True, task_id="t-1")
     assert dead.acquire()
-    assert force_release(r, "cleared", "holder died", by="ops@host") is not None
+    assert force_release(r, "cleared", reason="holder died", by="ops@host") is not None
     runs = records.history(r, "cleared")
     assert [run.outcome for run in runs] == ["released"]
     assert runs[0].token == dead.token and runs[0].fence == dead.fence

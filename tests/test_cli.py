@@ -22,21 +22,16 @@ from fenced.testing import RedisServer, free_port
 FENCED = [sys.executable, "-m", "fenced.cli"]
 
 
-@pytest.fixture(scope="module")
-def cli_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server
+@pytest.fixture
+def url(redis_server: RedisServer) -> str:
+    redis_server.client().flushall()
+    return redis_server.url
 
 
 @pytest.fixture
-def url(cli_server: RedisServer) -> str:
-    cli_server.client().flushall()
-    return cli_server.url
-
-
-@pytest.fixture
-def r(cli_server: RedisServer) -> Iterator[Any]:
-    client = cli_server.client(decode_responses=True)
+def r(redis_server: RedisServer) -> Iterator[Any]:
+    """Decoded, on the server the commands talk to (the conftest ``r`` is on ``server``)."""
+    client = redis_server.client(decode_responses=True)
     yield client
     client.close()
 

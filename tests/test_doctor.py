@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import random
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -123,23 +121,8 @@ def test_replica_is_an_error_and_master_notes_replication(
     assert codes(found, *QUIET) == set()
 
 
-def cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free too."""
-    for _ in range(100):
-        port = random.randint(20000, 55000)
-        try:
-            for p in (port, port + 10000):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return port
-    raise AssertionError("no free port pair for a cluster node")
-
-
-def test_cluster_mode_is_noted(redis_binary: str) -> None:
-    with RedisServer(redis_binary, port=cluster_port(), extra=["--cluster-enabled", "yes"]) as srv:
-        found = check_redis(srv.client())
+def test_cluster_mode_is_noted(cluster_server: RedisServer) -> None:
+    found = check_redis(cluster_server.client())
     assert severity_of(found, "redis.cluster") == "info"
     assert "hash tag" in next(f for f in found if f.code == "redis.cluster").why
 
@@ -177,7 +160,7 @@ def test_unreachable_redis_is_an_error(redis_binary: str) -> None:
 # -- Celery -----------------------------------------------------------------------------
 
 
-def make_app(broker: str = "redis://127.0.0.1:6399/0", **conf: Any) -> Any:
+def make_app(broker: str = "redis://127.0.0.1:6399/0", **conf: Any) -> Celery:
     app = Celery("t", broker=broker, set_as_current=False)
     app.conf.update(conf)
     return app
@@ -194,7 +177,7 @@ GOOD_CONF: dict[str, Any] = {
 }
 
 
-def good_app() -> Any:
+def good_app() -> Celery:
     app = make_app(**GOOD_CONF)
 
     @app.task(
@@ -339,7 +322,7 @@ def test_unbounded_acks_late_task_on_redis_broker_warns(
     assert codes(check_celery(amqp), *QUIET) == set()
 
 
-def lock_store_app(broker: str = "redis://localhost:6399", **extra: Any) -> Any:
+def lock_store_app(broker: str = "redis://localhost:6399", **extra: Any) -> Celery:
     """A well configured app with one claimed task, minus its lock store unless given."""
     conf = {k: v for k, v in GOOD_CONF.items() if k != "fenced_redis_url"}
     app = make_app(broker, **{**conf, **extra})
@@ -448,7 +431,9 @@ def test_claimed_tasks_are_found_by_their_claim_template(
     def x(a: str) -> str:
         return a
 
-    assert app.tasks["t.x"].claim is None and app.tasks["t.x"].claim_template == "x:{a}"
+    task = app.tasks["t.x"]
+    assert isinstance(task, RunOnlyClaim)  # the registry is typed as holding any Task
+    assert task.claim is None and task.claim_template == "x:{a}"
     found = check_celery(app)
     assert "celery.no-claimed-tasks" not in codes(found)
     assert severity_of(found, "celery.time-limit") == "error"

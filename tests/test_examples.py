@@ -15,7 +15,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypedDict
 
 import pytest
 import redis
@@ -111,7 +111,7 @@ def test_maps_same_rebuild_twice_one_runs_one_skips(maps: dict[str, Any]) -> Non
     assert skipped["claim"] == "rebuild:roads"
     assert skipped["reason"] == "already running"
     # The skip is recorded as a skip, next to the run that did the work.
-    outcomes = [rec.outcome for rec in records.history(maps["claims"], "rebuild:roads", 10)]
+    outcomes = [rec.outcome for rec in records.history(maps["claims"], "rebuild:roads", limit=10)]
     assert "skipped" in outcomes and "ok" in outcomes, outcomes
     assert "failed" not in outcomes
 
@@ -152,6 +152,8 @@ def test_maps_two_layers_run_side_by_side(maps: dict[str, Any]) -> None:
     parks, rail = (records.last(maps["claims"], f"rebuild:{n}") for n in ("parks", "rail"))
     assert parks is not None and rail is not None
     assert parks.outcome == rail.outcome == "ok"
+    assert parks.started is not None and parks.finished is not None
+    assert rail.started is not None and rail.finished is not None
     assert parks.started < rail.finished and rail.started < parks.finished
 
 
@@ -225,6 +227,7 @@ def feeds(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         worker = example_worker("djangofeeds", DJANGOFEEDS, env, tmp / "worker.log", "feeds")
         worker.start().ready()
         host, port = httpd.server_address[:2]
+        assert isinstance(host, str)  # an AF_INET server's address, never bytes
         try:
             yield {
                 "client": client,
@@ -265,7 +268,13 @@ def _import(feeds: dict[str, Any], *urls: str) -> list[dict[str, Any]]:
     return _run_all(feeds["client"], "feed.import", *[(u,) for u in urls])
 
 
-EXPECTED = {
+class _Feed(TypedDict):
+    count: int
+    title: str
+    entry: tuple[str, str, str, str]
+
+
+EXPECTED: dict[str, _Feed] = {
     "news.rss": {
         "count": 4,
         "title": "City Maps Newsroom",

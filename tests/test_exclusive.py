@@ -17,15 +17,10 @@ from fenced.records import history
 from fenced.testing import RedisServer
 
 
-@pytest.fixture(scope="module")
-def ex_server() -> Iterator[RedisServer]:
-    with RedisServer(unix=True) as server:
-        yield server
-
-
 @pytest.fixture
-def r(ex_server: RedisServer) -> Iterator[Any]:
-    client = ex_server.client(decode_responses=True)
+def r(redis_server: RedisServer) -> Iterator[Any]:
+    """Emptied and decoded (these tests compare with str), on the server whose URL they use."""
+    client = redis_server.client(decode_responses=True)
     client.flushall()
     yield client
     client.close()
@@ -134,8 +129,8 @@ def test_bad_options_fail_at_decoration(r: Any) -> None:
         exclusive("x", redis=None)
 
 
-def test_kwargs_functions_and_callable_names(r: Any, ex_server: RedisServer) -> None:
-    @exclusive("job:{tenant}", redis=ex_server.url)  # a URL works as well as a client
+def test_kwargs_functions_and_callable_names(r: Any, redis_server: RedisServer) -> None:
+    @exclusive("job:{tenant}", redis=redis_server.url)  # a URL works as well as a client
     def job(**kwargs: Any) -> bool:
         return r.get(ClaimKeys.of(f"job:{kwargs['tenant']}").lock) is not None
 

@@ -30,6 +30,7 @@ URLS = {
 @pytest.fixture(scope="module", params=list(URLS))
 def engine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
     kind = request.param
+    url: str | None
     if kind == "sqlite":
         url = f"sqlite:///{tmp_path_factory.mktemp('db') / 'feeds.db'}"
     else:
