@@ -31,11 +31,19 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CeleryWorker", "RedisServer", "available_binaries", "find_binary", "free_port"]
+__all__ = [
+    "CeleryWorker",
+    "RedisServer",
+    "TcpProxy",
+    "available_binaries",
+    "find_binary",
+    "free_port",
+]
 
 
 def _bundled() -> str | None:
@@ -218,6 +226,101 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class TcpProxy:
+    """A TCP proxy on 127.0.0.1 that can black-hole its traffic: a network partition.
+
+    ``blackhole()`` keeps every connection open but forwards nothing either way (as a
+    partition does: no reset, no answer, the client waits out its timeouts), and
+    accepts new connections that go nowhere; ``heal()`` forwards again; ``cut()``
+    closes every connection (a reset). Point a client at ``proxy.url``.
+    """
+
+    def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
+        self.target = (target_host, target_port)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._open = threading.Event()  # set: forwarding; clear: black-holed
+        self._open.set()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, name="fenced-proxy", daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        """A redis:// URL through the proxy."""
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def blackhole(self) -> None:
+        """Stop forwarding, both ways, on every connection, old and new."""
+        self._open.clear()
+
+    def heal(self) -> None:
+        """Forward again."""
+        self._open.set()
+
+    def cut(self) -> None:
+        """Close every connection now (the client sees a reset)."""
+        with self._lock:
+            socks, self._sockets = self._sockets, []
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        """Stop the proxy and close every connection."""
+        self._closed = True
+        self._open.set()
+        self._listener.close()
+        self.cut()
+
+    def __enter__(self) -> TcpProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                # A black hole holds the bytes until healed: they are never delivered
+                # while it lasts, and the connection stays open.
+                self._open.wait()
+                if self._closed:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
 
 _BANNER = "-- fenced: worker started --"
