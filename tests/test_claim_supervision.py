@@ -30,15 +30,31 @@ def test_rerun_requests_coalesce_and_go_to_the_holder(r: Any) -> None:
     for _ in range(10):
         trigger = Claim(r, "sync:feed", ttl=5, heartbeat=False, records=True)
         assert trigger.acquire(request_rerun=True) is False
-    assert trigger.rerun_requested == 10
+    assert trigger.rerun_requested == 1  # ten equal triggers: one rerun
     skips = [run for run in records.history(r, "sync:feed") if run.outcome == "skipped"]
     assert skips and all("rerun requested" in (run.reason or "") for run in skips)
     assert holder.release() is True
-    assert holder.rerun_requested == 10  # the holder runs once more, whatever the count
+    assert holder.rerun_requested == 1  # the holder runs once more, whatever the count
     again = Claim(r, "sync:feed", ttl=5, heartbeat=False)
     assert again.acquire()
     assert again.release() is True
     assert again.rerun_requested == 0  # taken once only
+
+
+def test_distinct_triggers_each_reach_the_holder_once(r: Any) -> None:
+    holder = Claim(r, "rebuild:acme", ttl=5, heartbeat=False)
+    assert holder.acquire()
+    for layer in ("rivers", "rivers", "rails", "rivers", "roads"):
+        assert not Claim(r, "rebuild:acme", ttl=5, heartbeat=False).acquire(
+            request_rerun=f'[["acme","{layer}"],{{}}]'
+        )
+    assert holder.release() is True
+    assert sorted(holder.rerun_triggers) == [
+        '[["acme","rails"],{}]',
+        '[["acme","rivers"],{}]',
+        '[["acme","roads"],{}]',
+    ]
+    assert holder.rerun_requested == 3
 
 
 def test_a_rerun_request_survives_a_holder_that_died(r: Any) -> None:

@@ -29,7 +29,7 @@ def test_claim_survives_five_ttls_in_one_long_step(r: Any) -> None:
     assert c.release()
 
 
-def test_two_hundred_claims_add_at_most_one_thread(server: RedisServer) -> None:
+def test_two_hundred_claims_add_one_scheduler_and_one_lane(server: RedisServer) -> None:
     client = server.client()
     before = {t.ident for t in threading.enumerate()}
     claims = [Claim(client, f"many:{i}", ttl=1.0) for i in range(200)]
@@ -37,7 +37,7 @@ def test_two_hundred_claims_add_at_most_one_thread(server: RedisServer) -> None:
         assert c.acquire()
     time.sleep(2.5)
     added = {t.ident for t in threading.enumerate()} - before
-    assert len(added) <= 1
+    assert len(added) <= 2  # the scheduler, and the lane of this one server
     assert all(c.held for c in claims)
     assert all(client.pttl(c.key) > 0 for c in claims)
     for c in claims:

@@ -34,11 +34,13 @@ from ._guard import SKIP_REASON, SKIP_RERUN_REASON, busy_error, finish
 from ._heartbeat import Renewal
 from ._heartbeat import heartbeat as _heartbeat
 from ._lease import (
+    IDLE_TTL,
     MAX_RECORDS,
     UNREACHABLE,
     ClaimKeys,
     Holder,
     LeaseStore,
+    check_idle_ttl,
     check_timing,
     current_pid,
     describe_client,
@@ -56,6 +58,8 @@ _IDLE, _HELD, _LOST, _RELEASED = "idle", "held", "lost", "released"
 RETRY_INTERVAL = 0.05
 _DEADLINE_PASSED = "no refresh was confirmed before the local deadline"
 _TAKEN = "the lease is gone or held under another token"
+_LATE = "granted after its own deadline; given back"
+_VANISHED = "the lease was gone before release (evicted, failed over, or cleared)"
 
 
 class Claim:
@@ -87,6 +91,11 @@ class Claim:
         records: write run records (``fenced.records``) with each acquire and release.
         record_extra: fields written into every run record of this claim.
         max_records: run records kept for the name (approximately).
+        idle_ttl: seconds the name's lasting keys (fence, run records, skip count,
+            rerun triggers) are kept after its last use (default a week; None: forever).
+            The fence still increases after its key expired.
+        redelivery_window: seconds to remember that the run of ``task_id`` ended ``ok``
+            (see ``finished_ok``), so a redelivered message of it does not run again.
         clock, sleep: time seams for tests (``time.monotonic``, ``time.sleep``).
     """
 
@@ -104,11 +113,19 @@ class Claim:
         records: bool = False,
         record_extra: Mapping[str, Any] | None = None,
         max_records: int = MAX_RECORDS,
+        idle_ttl: float | None = IDLE_TTL,
+        redelivery_window: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         try:
             self.ttl, self.refresh_every = check_timing(ttl, refresh_every)
+            self._idle_ms = check_idle_ttl(idle_ttl, self.ttl)
+            if not isinstance(redelivery_window, (int, float)) or redelivery_window < 0:
+                raise ConfigError(
+                    f"redelivery_window={redelivery_window!r} must be seconds >= 0 (0 "
+                    "remembers nothing), e.g. 86400"
+                )
         except ConfigError as exc:
             raise ConfigError(exc.message, name=name) from None
         if redis is None:
@@ -126,6 +143,7 @@ class Claim:
         # Written into every run record of this claim (e.g. the command a run executes).
         self.record_extra = dict(record_extra or {})
         self.max_records = max_records
+        self._done_ms = int(redelivery_window * 1000)
         self._clock = clock
         self._sleep = sleep
         self._ttl_ms = max(1, int(self.ttl * 1000))
@@ -143,7 +161,13 @@ class Claim:
         self.holder: Holder | None = None
         self.lost_reason: str | None = None
         self.skips = 0
+        #: Distinct triggers that asked for one more run: seen by a loser after its
+        #: acquire (how many are waiting), taken by the holder at release.
         self.rerun_requested = 0
+        self.rerun_triggers: list[str] = []
+        #: True when release() found the lease already gone (evicted, failed over,
+        #: cleared by an operator): the run did not end under the claim.
+        self.vanished = False
 
     # -- state (reading it never acts) -----------------------------------------------------
 
@@ -177,12 +201,18 @@ class Claim:
     # -- acquire ----------------------------------------------------------------------
 
     def acquire(
-        self, blocking: bool = False, timeout: float | None = None, *, request_rerun: bool = False
+        self,
+        blocking: bool = False,
+        timeout: float | None = None,
+        *,
+        request_rerun: bool | str = False,
     ) -> bool:
         """Take the claim; non-blocking by default. Raises ClaimUnavailable if Redis is down.
 
         With ``request_rerun``, losing the race asks the holder for one more run after
-        its own (see ``Claim.rerun_requested``); many requests during one run coalesce.
+        its own: a string names the trigger (e.g. the arguments to run with), and the
+        holder takes every distinct trigger at release (``Claim.rerun_triggers``);
+        equal triggers, and every ``True``, coalesce into one.
         """
         if self._mine():
             raise FencedError.about(
@@ -209,8 +239,9 @@ class Claim:
                 wait = min(wait, give_up - now)
             self._sleep(max(wait, 0.001))
 
-    def _try_acquire(self, record_skip: bool, mark_rerun: bool = False) -> bool:
+    def _try_acquire(self, record_skip: bool, mark_rerun: bool | str = False) -> bool:
         token = new_token(self.task_id)
+        trigger = mark_rerun if isinstance(mark_rerun, str) else ("*" if mark_rerun else "")
         sent = self._clock()
         try:
             res = self._store.acquire(
@@ -220,10 +251,11 @@ class Claim:
                 _records.encode_started(self.task_id, self.record_extra) if self.records else "",
                 (SKIP_RERUN_REASON if mark_rerun else SKIP_REASON) if record_skip else "",
                 self.max_records,
-                mark_rerun,
+                trigger,
                 # A lease held under our own task id is an earlier attempt of this
                 # task (a redelivery), not a competitor: no skip, no rerun request.
                 self.task_id,
+                self._idle_ms,
             )
         except UNREACHABLE as exc:
             if isinstance(exc, redis.TimeoutError):
@@ -246,12 +278,33 @@ class Claim:
                 "(fenced doctor)",
                 name=self.name,
             ) from exc
+        if int(res[0]) == 1 and self._clock() >= sent + self.ttl - self._drift:
+            # Granted, but the answer came after the lease's own local deadline (a
+            # stalled or paused Redis, a client retrying through an outage): another
+            # holder may take the name any moment, so give it back and start nothing.
+            late = self._clock() - sent
+            self._store.release(
+                token,
+                self._finished_record(late, _LATE),
+                self.max_records,
+                "lost",
+                int(res[1]),
+                self._idle_ms,
+            )
+            raise ClaimUnavailable(
+                f"Redis at {describe_client(self.redis)} granted claim {self.name!r} after "
+                f"its own deadline ({late:.2f}s for a {self.ttl:g}s lease); it was given back "
+                "and the work was not started (fail closed)",
+                name=self.name,
+            )
         if int(res[0]) == 1:
             with self._mutex:
                 self.token = token
                 self.fence = int(res[1])
                 self.holder = None
                 self.lost_reason = None
+                self.vanished = False
+                self.rerun_triggers = []
                 self._pid = current_pid()
                 self._state = _HELD
                 self._started_at = sent
@@ -276,7 +329,7 @@ class Claim:
         try:
             ok = self._store.refresh(token, self._ttl_ms)
         except UNREACHABLE as exc:
-            self.renewal_failed()
+            self.retry_soon()
             raise ClaimUnavailable.about(
                 self,
                 f"cannot reach Redis at {describe_client(self.redis)} to refresh claim "
@@ -346,8 +399,8 @@ class Claim:
         # (it may have been seen as not held meanwhile) and does not come back.
         self._declare_lost(_DEADLINE_PASSED, token)
 
-    def renewal_failed(self) -> None:
-        """A renewal got no answer: the deadline stands, and it is tried again soon."""
+    def retry_soon(self) -> None:
+        """No confirmed answer yet (a renewal on its way, or none came): look again soon."""
         with self._mutex:
             if self._state == _HELD:
                 self._next_refresh = self._clock() + self.refresh_every * 0.35
@@ -388,18 +441,21 @@ class Claim:
             self._declare_lost(_DEADLINE_PASSED)
         if outcome is None:
             outcome = "lost" if self._state == _LOST else "ok"
-        record = ""
-        if self.records:
-            record = _records.encode_finished(
-                self.task_id, self._clock() - self._started_at, reason or self.lost_reason
-            )
+        record = self._finished_record(self._clock() - self._started_at, reason or self.lost_reason)
         with self._mutex:
             # Given back from here on: a renewal already in flight that reaches Redis
             # after the lease is deleted finds it gone, and that is not a loss.
             before, self._state = self._state, _RELEASED
         try:
-            released, self.rerun_requested = self._store.release(
-                self.token, record, self.max_records, outcome, self.fence
+            released, _recorded, self.rerun_triggers = self._store.release(
+                self.token,
+                record,
+                self.max_records,
+                outcome,
+                self.fence,
+                self._idle_ms,
+                self.task_id,
+                self._done_ms,
             )
         except UNREACHABLE as exc:
             log.warning(
@@ -414,7 +470,21 @@ class Claim:
             with self._mutex:
                 self._state = before  # not given back: release() may be called again
             raise
+        self.rerun_requested = len(self.rerun_triggers)
+        if not released and before == _HELD:
+            # Ours until the end as far as we knew, but Redis had no lease for us.
+            self.vanished = True
+            self.lost_reason = _VANISHED
         return released
+
+    def finished_ok(self) -> bool:
+        """Whether a run of this claim's task id ended ``ok`` within its redelivery window."""
+        return self.task_id is not None and self._store.finished_ok(self.task_id)
+
+    def _finished_record(self, duration: float, reason: str | None) -> str:
+        if not self.records:
+            return ""
+        return _records.encode_finished(self.task_id, duration, reason)
 
     # -- context manager --------------------------------------------------------------
 

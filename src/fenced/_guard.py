@@ -159,17 +159,28 @@ def outcome_of(
     return "ok", reason
 
 
-def finish(claim: Claim, exc: BaseException | None, what: str = "the work") -> bool:
+def finish(
+    claim: Claim,
+    exc: BaseException | None,
+    what: str = "the work",
+    *,
+    reason: str | None = None,
+    raise_lost: bool = True,
+) -> str:
     """Release ``claim`` with the outcome of work that ended with ``exc`` (None: returned).
 
-    Raises ClaimLost when the work returned but the claim had been lost meanwhile.
-    Returns whether our token still held the lease.
+    Returns the outcome recorded. Work that returned although its claim was lost, or
+    whose lease was found gone at release (evicted, failed over, cleared), ended
+    ``lost``: with ``raise_lost`` that raises ClaimLost, since its writes were not
+    protected and another holder may have the name.
     """
-    outcome, reason = outcome_of(claim, exc)
-    released = claim.release(outcome=outcome, reason=reason)
-    if outcome == "lost" and exc is None:
+    outcome, why = outcome_of(claim, exc, reason)
+    claim.release(outcome=outcome, reason=why)
+    if claim.vanished and outcome == "ok":
+        outcome = "lost"
+    if raise_lost and outcome == "lost" and exc is None:
         raise lost_error(claim, what)
-    return released
+    return outcome
 
 
 class Guard:

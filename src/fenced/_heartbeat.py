@@ -1,23 +1,27 @@
-"""The one background renewer per process.
+"""The one renewer per process: a scheduler thread, and one lane per Redis server.
 
-Every claim a process holds is renewed by a single daemon thread, started lazily the
-first time a claim is held. On each wake it refreshes every claim that is due, or
-nearly due (so renewals coalesce into a few pipelined round trips per interval even
-for thousands of claims), and declares lost every claim whose local deadline passed.
-
-Its requests go through a private connection pool cloned from the claim's client,
-with a socket timeout shorter than the refresh interval: a paused or unreachable
-Redis cannot hold the thread past a claim's deadline, so loss is declared on time
-without waiting for a reply.
+Every claim a process holds is renewed from here. The scheduler thread, started
+lazily the first time a claim is held, never talks to Redis itself: on each wake it
+declares lost every claim whose local deadline passed, and hands the claims that are
+due, or nearly due (so renewals coalesce into a few pipelined round trips per
+interval even for thousands of claims), to the **lane** of their server. A lane is a
+thread with a private connection pool cloned from the claim's client, with a socket
+timeout below the refresh interval and no retries: one renewal round against a
+partitioned or paused server costs one socket timeout, and a stuck server holds up
+only its own lane. So a claim is declared lost no later than its local deadline plus
+one refresh interval, whatever the client's retry and timeout settings, and one
+unreachable Redis never delays renewals on another.
 
 It holds claims weakly: a claim that nobody references any more (dropped without
 ``release()``, say after an exception) stops being renewed and expires by its ttl, as
-if its process had died.
+if its process had died. A lane whose client is gone, or that no claim has used for a
+while, closes its connections.
 
 It talks to a claim only through the small :class:`Renewable` interface: what to renew
-now, and what came of it.
+now, and what came of it. What a claim's callbacks raise (even ``SystemExit``) is
+logged, never allowed to stop the renewals of other claims.
 
-After ``fork`` the child starts with an empty registry and no thread: a child holds
+After ``fork`` the child starts with an empty registry and no threads: a child holds
 none of its parent's claims.
 """
 
@@ -26,12 +30,16 @@ from __future__ import annotations
 import logging
 import math
 import os
+import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from ._lease import UNREACHABLE
 from ._scripts import REFRESH, run_pipeline
@@ -63,8 +71,8 @@ class Renewable(Protocol):
     def renewed(self, sent: float, token: str) -> None:
         """Redis extended the lease of ``token`` by a request sent at ``sent``."""
 
-    def renewal_failed(self) -> None:
-        """The renewal got no answer: keep the deadline, try again soon."""
+    def retry_soon(self) -> None:
+        """No confirmed answer yet (a renewal on its way, or none came): look again soon."""
 
     def renewal_refused(self, token: str) -> None:
         """The lease of ``token`` is gone or held under another token."""
@@ -84,14 +92,103 @@ BATCH = 2500
 #: side, so they merge, and renewals settle into one round per interval (a claim is
 #: never renewed more than twice per interval).
 COALESCE = 0.5
-#: The longest the thread sleeps when nothing is due sooner.
+#: The longest the scheduler sleeps when nothing is due sooner.
 IDLE_WAIT = 30.0
 #: The shortest such sleep (claims with shorter intervals wake the thread themselves).
 MIN_NAP = 0.1
+#: A lane no claim has used for this long closes its connections (they reopen on use).
+LANE_IDLE = 10.0
+
+Batch = list[tuple[Renewable, Renewal]]
+
+
+def _tell(what: Callable[..., None], *args: Any) -> None:
+    """Tell a claim something; nothing it raises may stop other claims' renewals."""
+    try:
+        what(*args)
+    except BaseException:  # even SystemExit: this thread serves every claim
+        log.exception("fenced: a claim's heartbeat callback failed")
+
+
+class _Lane:
+    """One server's renewals: a thread and a private client, so a stuck server waits alone."""
+
+    def __init__(self, client: Any, owner: weakref.ref[Any], private: bool) -> None:
+        self.client = client
+        self.owner = owner  # the claims' pool (or client) this lane serves
+        self.private = private  # a clone of that pool, which the lane owns and closes
+        self.last_used = time.monotonic()
+        self.busy = False
+        self.closed = False
+        self.round_trips = 0
+        self._queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="fenced-heartbeat-lane", daemon=True)
+        self._thread.start()
+
+    def submit(self, batch: Batch) -> bool:
+        """Renew ``batch`` on this lane's thread; False when it is still busy with the last."""
+        if self.busy or self.closed:
+            return False
+        self.busy = True
+        self.last_used = time.monotonic()
+        self._queue.put(batch)
+        return True
+
+    def close(self) -> None:
+        """Stop the thread once idle, and close the private connections."""
+        self.closed = True
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while True:
+            batch = self._queue.get()
+            if batch is None:
+                break
+            try:
+                self._renew(batch)
+            except BaseException:  # a renewer that dies silently is the bug to avoid
+                log.exception("fenced: heartbeat round failed")
+            finally:
+                self.busy = False
+        if self.private:
+            try:
+                self.client.connection_pool.disconnect()
+            except Exception:
+                pass
+
+    def _renew(self, batch: Batch) -> None:
+        for start in range(0, len(batch), BATCH):
+            # Each lease is judged under the token it was read with: a claim released
+            # and acquired again meanwhile has a new lease.
+            part = batch[start : start + BATCH]
+            calls = [(REFRESH, [lease.key], [lease.token, lease.ttl_ms]) for _c, lease in part]
+            sent = time.monotonic()
+            try:
+                self.round_trips += 1
+                results = run_pipeline(self.client, calls)
+            except UNREACHABLE as exc:
+                # Not confirmed: each claim keeps its deadline and is retried soon.
+                log.warning("fenced: heartbeat could not reach Redis: %s", exc)
+                for c, _lease in part:
+                    _tell(c.retry_soon)
+                continue
+            except Exception:
+                log.exception("fenced: heartbeat round failed")
+                for c, _lease in part:
+                    _tell(c.retry_soon)
+                continue
+            for (c, lease), res in zip(part, results):
+                if isinstance(res, Exception):
+                    log.warning("fenced: refresh of %s failed: %s", c.name, res)
+                    _tell(c.retry_soon)
+                elif res == 1:
+                    _tell(c.renewed, sent, lease.token)
+                else:
+                    _tell(c.renewal_refused, lease.token)
 
 
 class Heartbeat:
-    """Renews every claim of this process from one daemon thread."""
+    """Renews every claim of this process: one scheduler thread, one lane per server."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -103,11 +200,15 @@ class Heartbeat:
         # a claim acquired while it sleeps is due no sooner than its next look and
         # add() need not wake it: a wake per acquire costs every acquire a thread switch.
         self._nap = IDLE_WAIT
-        # (id of the claim's pool, timeout bucket) -> (that pool, weakly; its clone). The
-        # pool is checked on every hit: a new pool can be given a dead one's id.
-        self._pools: dict[tuple[int, float], tuple[weakref.ref[Any], Any]] = {}
+        # (id of the claim's pool, timeout bucket) -> its lane. The lane's source pool is
+        # checked on every hit: a new pool can be given a dead one's id.
+        self._lanes: dict[tuple[int, float], _Lane] = {}
         self.rounds = 0
-        self.round_trips = 0
+
+    @property
+    def round_trips(self) -> int:
+        """Pipelined renewal round trips sent so far (all lanes)."""
+        return sum(lane.round_trips for lane in list(self._lanes.values()))
 
     # -- registry ---------------------------------------------------------------------
 
@@ -141,12 +242,16 @@ class Heartbeat:
         with self._cond:
             return [c for ref in self._claims.values() if (c := ref()) is not None]
 
+    def lanes(self) -> int:
+        """How many server lanes are open."""
+        return sum(1 for lane in list(self._lanes.values()) if not lane.closed)
+
     def __len__(self) -> int:
         return len(self.claims())
 
     @property
     def thread(self) -> threading.Thread | None:
-        """The renewing thread, if started."""
+        """The scheduler thread, if started."""
         return self._thread
 
     # -- the loop ---------------------------------------------------------------------
@@ -155,7 +260,7 @@ class Heartbeat:
         while True:
             try:
                 self._tick()
-            except Exception:  # a renewer that dies silently is the bug to avoid
+            except BaseException:  # a renewer that dies silently is the bug to avoid
                 log.exception("fenced: heartbeat tick failed; retrying")
                 time.sleep(0.05)
 
@@ -163,11 +268,13 @@ class Heartbeat:
         while True:
             with self._cond:
                 now = time.monotonic()
-                due: list[tuple[Renewable, Renewal]] = []
+                due: Batch = []
                 # With the token it expired under: a claim released and acquired
                 # again before it is declared lost holds a new lease, not this one.
                 expired: list[tuple[Renewable, str]] = []
                 wake = now + self._nap
+                if self._lanes:
+                    wake = min(wake, now + LANE_IDLE)
                 # A round runs when some claim is due; it then takes every claim due
                 # within its slack too. (Claims in their slack alone start no round, so
                 # a refresh that failed and is retried later does not spin the loop.)
@@ -192,82 +299,88 @@ class Heartbeat:
                 if not any_due:
                     due = []
                 if not due and not expired:
+                    self._prune(now)
                     self._wake_at = wake
                     self._cond.wait(max(0.0, wake - now))
                     self._wake_at = math.inf
                     continue
             for c, token in expired:
-                c.expired(token)
+                _tell(c.expired, token)
             if due:
-                self._refresh(due)
+                self._dispatch(due)
             return
 
-    def _refresh(self, due: list[tuple[Renewable, Renewal]]) -> None:
-        by_client: dict[int, tuple[Any, list[tuple[Renewable, Renewal]]]] = {}
+    def _dispatch(self, due: Batch) -> None:
+        by_lane: dict[int, tuple[_Lane, Batch]] = {}
         for c, lease in due:
-            client = self._client_for(lease.client, lease.refresh_every)
-            by_client.setdefault(id(client), (client, []))[1].append((c, lease))
+            lane = self._lane_for(lease.client, lease.refresh_every)
+            by_lane.setdefault(id(lane), (lane, []))[1].append((c, lease))
         self.rounds += 1
-        for client, group in by_client.values():
-            for start in range(0, len(group), BATCH):
-                # Each lease is judged under the token it was read with: a claim
-                # released and acquired again meanwhile has a new lease.
-                batch = group[start : start + BATCH]
-                calls = [(REFRESH, [lease.key], [lease.token, lease.ttl_ms]) for _c, lease in batch]
-                sent = time.monotonic()
-                try:
-                    self.round_trips += 1
-                    results = run_pipeline(client, calls)
-                except UNREACHABLE as exc:
-                    # Not confirmed: each claim keeps its deadline and is retried soon.
-                    log.warning("fenced: heartbeat could not reach Redis: %s", exc)
-                    for c, _lease in batch:
-                        c.renewal_failed()
-                    continue
-                except Exception:  # a renewer that dies silently is the bug to avoid
-                    log.exception("fenced: heartbeat round failed")
-                    for c, _lease in batch:
-                        c.renewal_failed()
-                    continue
-                for (c, lease), res in zip(batch, results):
-                    if isinstance(res, Exception):
-                        log.warning("fenced: refresh of %s failed: %s", c.name, res)
-                        c.renewal_failed()
-                    elif res == 1:
-                        c.renewed(sent, lease.token)
-                    else:
-                        c.renewal_refused(lease.token)
+        for lane, batch in by_lane.values():
+            # Sent, or its lane still waits on its server: either way no answer yet,
+            # so the claims look again a little later (and the loop does not spin).
+            for c, _lease in batch:
+                _tell(c.retry_soon)
+            lane.submit(batch)
 
-    def _client_for(self, client: Any, refresh_every: float) -> Any:
-        """A client on a private pool with a socket timeout below the claim's interval."""
+    def _prune(self, now: float) -> None:
+        """Close lanes whose client is gone, or that no claim used for a while."""
+        for key, lane in list(self._lanes.items()):
+            gone = lane.owner() is None
+            if gone or (not lane.busy and now - lane.last_used > LANE_IDLE):
+                lane.close()
+                del self._lanes[key]
+
+    def _lane_for(self, client: Any, refresh_every: float) -> _Lane:
+        """The lane of a client's server, with a socket timeout below the interval."""
         pool = getattr(client, "connection_pool", None)
-        if pool is None or type(client) is not redis.Redis:
-            return client  # cluster or custom clients: use them as they are
         # Bucket timeouts by powers of two so claims with similar intervals share a pool.
         timeout = min(5.0, max(0.05, refresh_every / 2))
         bucket = 2.0 ** math.floor(math.log2(timeout))
-        key = (id(pool), bucket)
-        cached = self._pools.get(key)
-        if cached is not None and cached[0]() is pool:
-            return cached[1]
+        owner = pool if pool is not None else client
+        key = (id(owner), bucket)
+        lane = self._lanes.get(key)
+        # A new pool can be given a dead one's id: the lane must still serve this one.
+        if lane is not None and not lane.closed and lane.owner() is owner:
+            return lane
+        if lane is not None:
+            lane.close()
+        private = self._private_client(client, pool, bucket)
+        lane = _Lane(private, weakref.ref(owner), private is not client)
+        self._lanes[key] = lane
+        return lane
+
+    def _client_for(self, client: Any, refresh_every: float) -> Any:
+        """The client a lane renews through (for tests and tools)."""
+        return self._lane_for(client, refresh_every).client
+
+    @staticmethod
+    def _private_client(client: Any, pool: Any, timeout: float) -> Any:
+        """A clone of the client's pool: short timeouts, no retries, few connections."""
+        if pool is None or type(client) is not redis.Redis:
+            return client  # cluster or custom clients: use them as they are
         # redis-py 6+ keeps per-pool bookkeeping in connection_kwargs; a clone gets its own.
         kwargs = {
             k: v
             for k, v in pool.connection_kwargs.items()
             if not k.startswith("orig_") and k != "maint_notifications_pool_handler"
         }
-        kwargs["socket_timeout"] = bucket
-        kwargs["socket_connect_timeout"] = bucket
+        kwargs["socket_timeout"] = timeout
+        kwargs["socket_connect_timeout"] = timeout
+        # The user's retry policy (redis-py 6 retries ten times by default) would hold a
+        # round against a black-holed server for many timeouts: one try, then the
+        # scheduler looks again within the interval.
+        kwargs["retry"] = Retry(NoBackoff(), 0)
+        kwargs["retry_on_error"] = []
+        kwargs.pop("retry_on_timeout", None)
         try:
-            private = redis.Redis(
+            return redis.Redis(
                 connection_pool=redis.ConnectionPool(
                     connection_class=pool.connection_class, max_connections=4, **kwargs
                 )
             )
         except Exception:  # an exotic pool we cannot clone: share the claim's own
             return client
-        self._pools[key] = (weakref.ref(pool), private)
-        return private
 
 
 _lock = threading.Lock()

@@ -31,6 +31,7 @@ from ._scripts import ACQUIRE, FORCE_RELEASE, REFRESH, RELEASE, TOKEN_PATTERN, a
 
 __all__ = [
     "HOST",
+    "IDLE_TTL",
     "MAX_RECORDS",
     "UNREACHABLE",
     "ClaimKeys",
@@ -49,6 +50,12 @@ __all__ = [
 UNREACHABLE: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
 #: Run records kept per claim (the stream is trimmed approximately).
 MAX_RECORDS = 1000
+#: How long the lasting keys of a name nobody uses (fence, run records, skip count,
+#: rerun triggers) are kept: a week. Names built from arguments (per user, per feed)
+#: would otherwise fill a Redis that must not evict.
+IDLE_TTL = 7 * 24 * 3600.0
+#: The shortest idle expiry: well above any lease, so no key of a held name expires.
+MIN_IDLE_TTL = 60.0
 
 # -- process identity -----------------------------------------------------------------
 
@@ -173,6 +180,10 @@ class ClaimKeys:
         """Set when a conflicting trigger asked for one more run."""
         return self._key("rerun")
 
+    def done(self, task_id: str) -> str:
+        """Set while a task id's run that ended ``ok`` may still be redelivered."""
+        return self._key(f"done:{task_id}")
+
     @property
     def pointer(self) -> str:
         """A Redis pointer of the same name (same hash tag: one Cluster slot)."""
@@ -240,13 +251,34 @@ def check_timing(
             f"{refresh_name}={refresh_every!r} must be above 0, a number of seconds below "
             f"{ttl_name}; leave it None for {ttl_name}/3"
         )
-    if not refresh_every < ttl:
+    if not refresh_every <= ttl / 2:
+        # The lease is trusted until a drift margin before it ends, and a renewal that
+        # gets no answer is tried again within the interval: half the ttl is the most
+        # that leaves a second chance before the deadline.
+        below = "" if refresh_every < ttl else f"must be below {ttl_name}={ttl} and "
         raise ConfigError(
-            f"{refresh_name}={refresh_every!r} must be below {ttl_name}={ttl}: a lease "
-            f"renewed no sooner than it expires is lost between renewals; leave it None for "
-            f"{ttl_name}/3"
+            f"{refresh_name}={refresh_every!r} {below}leaves no time to renew before the "
+            f"lease ends: choose at most {ttl_name}/2 = {ttl / 2:g} seconds, or leave it "
+            f"None for {ttl_name}/3 = {ttl / 3:g}"
         )
     return float(ttl), float(refresh_every)
+
+
+def check_idle_ttl(idle_ttl: Any, ttl: float, name: str = "idle_ttl") -> int:
+    """Check an idle expiry (seconds, or None: keep forever); return it in ms (0: never)."""
+    if idle_ttl is None:
+        return 0
+    if (
+        isinstance(idle_ttl, bool)
+        or not isinstance(idle_ttl, (int, float))
+        or idle_ttl < max(MIN_IDLE_TTL, 2 * ttl)
+    ):
+        raise ConfigError(
+            f"{name}={idle_ttl!r}: the keys of an idle name must be kept at least "
+            f"{max(MIN_IDLE_TTL, 2 * ttl):g} seconds (a minute, and twice the ttl); "
+            f"the default keeps them a week ({IDLE_TTL:g}); None keeps them forever"
+        )
+    return int(idle_ttl * 1000)
 
 
 # -- reaching the store -----------------------------------------------------------------
@@ -294,23 +326,16 @@ class LeaseStore:
         record: str,
         skip_reason: str,
         max_records: int,
-        rerun: bool,
+        rerun: str,
         task_id: str | None,
+        idle_ms: int,
     ) -> list[Any]:
         """Run ACQUIRE (see its contract); unreachable errors propagate to the caller."""
         return list(
             ACQUIRE(
                 self.client,
                 self._acquire_keys,
-                [
-                    token,
-                    ttl_ms,
-                    record,
-                    skip_reason,
-                    max_records,
-                    "1" if rerun else "0",
-                    task_id or "",
-                ],
+                [token, ttl_ms, record, skip_reason, max_records, rerun, task_id or "", idle_ms],
             )
         )
 
@@ -319,20 +344,47 @@ class LeaseStore:
         return int(REFRESH(self.client, [self.keys.lock], [token, ttl_ms])) == 1
 
     def release(
-        self, token: str, record: str, max_records: int, outcome: str, fence: int | None
-    ) -> tuple[bool, int]:
-        """Delete the lease if ``token`` holds it; (released, rerun requests taken)."""
+        self,
+        token: str,
+        record: str,
+        max_records: int,
+        outcome: str,
+        fence: int | None,
+        idle_ms: int,
+        task_id: str | None = None,
+        done_ms: int = 0,
+    ) -> tuple[bool, str, list[str]]:
+        """Delete the lease if ``token`` holds it: (released, outcome recorded, reruns)."""
+        # Without a task id there is no marker to set; the key still names this slot.
+        done = self.keys.done(task_id or "")
         res = RELEASE(
             self.client,
-            self._release_keys,
-            [token, record, max_records, outcome, fence or 0, "1"],
+            (*self._release_keys, done),
+            [
+                token,
+                record,
+                max_records,
+                outcome,
+                fence or 0,
+                "1",
+                idle_ms,
+                done_ms if task_id else 0,
+            ],
         )
-        return int(res[0]) == 1, int(res[1])
+        return int(res[0]) == 1, as_text(res[1]), [as_text(t) for t in res[2]]
+
+    def finished_ok(self, task_id: str) -> bool:
+        """Whether a run of ``task_id`` ended ``ok`` within its redelivery window."""
+        return bool(self.client.exists(self.keys.done(task_id)))
 
     def abandon(self, token: str) -> None:
         """A request that timed out may still have landed: drop that lease if we can."""
         try:
-            RELEASE(self.client, self._release_keys, [token, "", MAX_RECORDS, "", 0, "0"])
+            RELEASE(
+                self.client,
+                (*self._release_keys, self.keys.done("")),
+                [token, "", MAX_RECORDS, "", 0, "0", 0, 0],
+            )
         except Exception:  # best effort; the lease expires within its ttl anyway
             pass
 
@@ -363,6 +415,7 @@ def force_release(
     outcome: str | None = None,
     reason: str | None = None,
     max_records: int = MAX_RECORDS,
+    idle_ttl: float | None = IDLE_TTL,
     **data: Any,
 ) -> Holder | None:
     """Clear a claim whatever its token; with ``task_id``/``pid``, only such a holder's.
@@ -389,6 +442,7 @@ def force_release(
                 task_id or "",
                 outcome or "",
                 holder_filter(host, pid),
+                int(idle_ttl * 1000) if idle_ttl else 0,
             ],
         )
     text = as_text(token) if token else ""

@@ -72,25 +72,40 @@ def run_pipeline(client: Any, calls: Sequence[Call]) -> list[Any]:
     raise AssertionError("unreachable")
 
 
+# Every script that writes a name's lasting keys (fence, runs, skips, rerun) gives them
+# the name's idle expiry (ms, 0 = never), so the keys of a name nobody uses any more go
+# away; the TIME floor keeps the fence increasing after its key expired.
+_TOUCH = """
+local function touch(idle, ...)
+  if idle > 0 then
+    for _, key in ipairs({...}) do redis.call('PEXPIRE', key, idle) end
+  end
+end
+"""
+
 # ACQUIRE
-# KEYS[1] lock   KEYS[2] fence   KEYS[3] runs   KEYS[4] skips   KEYS[5] rerun
+# KEYS[1] lock   KEYS[2] fence   KEYS[3] runs   KEYS[4] skips   KEYS[5] rerun (a set)
 # ARGV[1] token  ARGV[2] ttl in ms
 # ARGV[3] JSON of the run record (who, where, when), or "" to record nothing; written
 #         as the "started" entry, or with the skip reason as the "skipped" entry
 # ARGV[4] the skip reason to record when we lose, or "" to record nothing (and count
 #         no skip)
 # ARGV[5] maximum length of the runs stream (approximate trim)
-# ARGV[6] "1" to ask the holder for one more run when we lose the race, else "0"
-# ARGV[7] (optional) the caller's task id, or "": a holder whose token carries the same
-#         task id is an earlier attempt of the same task (a redelivery), not a
-#         competitor, so no skip is counted or recorded and no rerun is asked
+# ARGV[6] the trigger to hand the holder when we lose the race (it runs once more for
+#         each distinct trigger after its own run; equal triggers coalesce), or ""
+# ARGV[7] the caller's task id, or "": a holder whose token carries the same task id is
+#         an earlier attempt of the same task (a redelivery), not a competitor, so no
+#         skip is counted or recorded and no rerun is asked
+# ARGV[8] idle expiry of the name's lasting keys in ms (0 = never)
 # returns {1, fence}                                    when the claim is ours (also
 #                                                       when ARGV[1] already holds it:
 #                                                       a retried request is idempotent)
-#         {0, holder token, pttl ms, holder fence, consecutive skips, rerun asked}
+#         {0, holder token, pttl ms, holder fence, consecutive skips, distinct triggers}
 ACQUIRE = Script(
     "acquire",
-    """
+    _TOUCH
+    + """
+local idle = tonumber(ARGV[8])
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -104,6 +119,7 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
                'event', 'started', 'token', ARGV[1], 'fence', string.format('%d', fence),
                'r', ARGV[3])
   end
+  touch(idle, KEYS[2], KEYS[3], KEYS[4], KEYS[5])
   return {1, fence}
 end
 local holder = redis.call('GET', KEYS[1]) or ''
@@ -115,7 +131,7 @@ if holder == ARGV[1] then
 end
 local pttl = redis.call('PTTL', KEYS[1])
 local own = false
-if ARGV[7] ~= nil and ARGV[7] ~= '' then
+if ARGV[7] ~= '' then
   local _, _, _, task_id = string.match(holder, TOKEN_PATTERN)
   own = task_id == ARGV[7]
 end
@@ -126,10 +142,16 @@ elseif ARGV[4] ~= '' then
   skips = redis.call('INCR', KEYS[4])
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
              'event', 'skipped', 'holder', holder, 'reason', ARGV[4], 'r', ARGV[3])
+  touch(idle, KEYS[3], KEYS[4])
 end
 local rerun = 0
-if ARGV[6] == '1' and not own then
-  rerun = redis.call('INCR', KEYS[5])
+if ARGV[6] ~= '' and not own then
+  if redis.call('TYPE', KEYS[5]).ok == 'string' then
+    redis.call('DEL', KEYS[5])  -- a counter left by fenced 0.1
+  end
+  redis.call('SADD', KEYS[5], ARGV[6])
+  rerun = redis.call('SCARD', KEYS[5])
+  touch(idle, KEYS[5])
 end
 return {0, holder, pttl, fence, skips, rerun}
 """,
@@ -150,63 +172,89 @@ return 0
 )
 
 # RELEASE
-# KEYS[1] lock   KEYS[2] runs   KEYS[3] skips   KEYS[4] rerun
+# KEYS[1] lock   KEYS[2] runs   KEYS[3] skips   KEYS[4] rerun   KEYS[5] done marker
 # ARGV[1] token
 # ARGV[2] JSON of the finished run record, or "" to record nothing
 # ARGV[3] maximum length of the runs stream
-# ARGV[4] outcome ("ok" resets the consecutive-skip count)
+# ARGV[4] outcome ("ok" resets the consecutive-skip count); a run that says "ok" but
+#         whose lease was already gone ended "lost": it did not end under the claim
 # ARGV[5] fence of the run being finished (recorded beside the outcome)
-# ARGV[6] "1" to take (read and clear) the rerun request, else "0"
-# returns {1 if our token held the lease and it is now deleted else 0, rerun requests taken}
+# ARGV[6] "1" to take (read and clear) the rerun triggers, else "0"
+# ARGV[7] idle expiry of the name's lasting keys in ms (0 = never)
+# ARGV[8] how long to remember that this task id finished "ok", in ms (0 = not at all)
+# returns {1 if our token held the lease and it is now deleted else 0, the outcome
+#          recorded, {the rerun triggers taken}}
 RELEASE = Script(
     "release",
-    """
+    _TOUCH
+    + """
+local idle = tonumber(ARGV[7])
 local released = 0
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('DEL', KEYS[1])
   released = 1
 end
+local outcome = ARGV[4]
+local vanished = released == 0 and outcome == 'ok'
+if vanished then
+  outcome = 'lost'
+end
 if ARGV[2] ~= '' then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
-             'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
-             'outcome', ARGV[4], 'r', ARGV[2])
-  if ARGV[4] == 'ok' then
-    redis.call('DEL', KEYS[3])
+  if vanished then
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
+               'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
+               'outcome', outcome, 'r', ARGV[2], 'note', 'the lease was gone before release')
+  else
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
+               'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
+               'outcome', outcome, 'r', ARGV[2])
+  end
+  touch(idle, KEYS[2])
+end
+if outcome == 'ok' then
+  redis.call('DEL', KEYS[3])
+  if tonumber(ARGV[8]) > 0 then
+    redis.call('SET', KEYS[5], '1', 'PX', ARGV[8])
   end
 end
-local rerun = 0
+local reruns = {}
 if ARGV[6] == '1' and released == 1 then
-  rerun = tonumber(redis.call('GET', KEYS[4]) or '0')
-  if rerun > 0 then
-    redis.call('DEL', KEYS[4])
+  local kind = redis.call('TYPE', KEYS[4]).ok
+  if kind == 'set' then
+    reruns = redis.call('SMEMBERS', KEYS[4])
+  elseif kind == 'string' then
+    reruns = {''}  -- a counter left by fenced 0.1: one rerun, with the holder's arguments
   end
+  redis.call('DEL', KEYS[4])
 end
-return {released, rerun}
+return {released, outcome, reruns}
 """,
 )
 
 # FORCE_RELEASE: clear a claim whatever its token, for an operator or a supervisor
 # KEYS[1] lock   KEYS[2] runs
 # ARGV[1] expected token prefix ("" = any holder)   ARGV[2] JSON record   ARGV[3] maxlen
-# ARGV[4] (optional) expected task id in the token ("" = any)
-# ARGV[5] (optional) outcome of the holder's run, "" for "released" (an operator's act);
-#         any other outcome (e.g. "aborted": its process died) ends that run's record
-# ARGV[6] (optional) expected "host:pid" in the token ("" = any)
+# ARGV[4] expected task id in the token ("" = any)
+# ARGV[5] outcome of the holder's run, "" for "released" (an operator's act); any other
+#         outcome (e.g. "aborted": its process died) ends that run's record
+# ARGV[6] expected "host:pid" in the token ("" = any)
+# ARGV[7] idle expiry of the name's lasting keys in ms (0 = never)
 # returns the token that was deleted, or "" when nothing matched
 FORCE_RELEASE = Script(
     "force_release",
-    """
+    _TOUCH
+    + """
 local holder = redis.call('GET', KEYS[1])
 if not holder then return '' end
 if ARGV[1] ~= '' and string.sub(holder, 1, string.len(ARGV[1])) ~= ARGV[1] then
   return ''
 end
 local _, host, pid, task_id = string.match(holder, TOKEN_PATTERN)
-if (ARGV[4] or '') ~= '' and task_id ~= ARGV[4] then return '' end
-if (ARGV[6] or '') ~= '' and (host or '') .. ':' .. (pid or '') ~= ARGV[6] then return '' end
+if ARGV[4] ~= '' and task_id ~= ARGV[4] then return '' end
+if ARGV[6] ~= '' and (host or '') .. ':' .. (pid or '') ~= ARGV[6] then return '' end
 redis.call('DEL', KEYS[1])
 if ARGV[2] ~= '' then
-  local outcome = ARGV[5] or ''
+  local outcome = ARGV[5]
   if outcome == '' then
     redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
                'event', 'released', 'token', holder, 'outcome', 'released', 'r', ARGV[2])
@@ -215,6 +263,7 @@ if ARGV[2] ~= '' then
                'event', 'finished', 'token', holder, 'fence', '0',
                'outcome', outcome, 'r', ARGV[2])
   end
+  touch(tonumber(ARGV[7]), KEYS[2])
 end
 return holder
 """,
@@ -223,13 +272,16 @@ return holder
 # RECORD: append one run record without touching the lease
 # KEYS[1] runs   KEYS[2] skips
 # ARGV[1] event  ARGV[2] outcome  ARGV[3] JSON record  ARGV[4] maxlen  ARGV[5] token
+# ARGV[6] idle expiry of the name's lasting keys in ms (0 = never)
 # returns the stream entry id
 RECORD = Script(
     "record",
-    """
+    _TOUCH
+    + """
 local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*',
                       'event', ARGV[1], 'token', ARGV[5], 'outcome', ARGV[2], 'r', ARGV[3])
 if ARGV[2] == 'ok' then redis.call('DEL', KEYS[2]) end
+touch(tonumber(ARGV[6]), KEYS[1])
 return id
 """,
 )

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ._lease import HOST, MAX_RECORDS, ClaimKeys, Holder, current_pid, short_token
+from ._lease import HOST, IDLE_TTL, MAX_RECORDS, ClaimKeys, Holder, current_pid, short_token
 from ._scripts import RECORD, as_text
 
 __all__ = [
@@ -199,7 +199,7 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
                 rec.outcome = end_f.get("outcome", "ok")
                 rec.finished = _entry_time(end_id)
                 rec.duration = end_data.get("duration", rec.finished - at)
-                rec.reason = end_data.get("reason")
+                rec.reason = end_data.get("reason") or end_f.get("note")
                 rec.extra.update(_extra(end_data))
                 if end_f.get("event") == "released":
                     cleared = releases.get(token)
@@ -224,7 +224,7 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
                     fence=int(f["fence"]) if f.get("fence", "0") not in ("", "0") else None,
                     finished=at,
                     duration=data.get("duration"),
-                    reason=data.get("reason"),
+                    reason=data.get("reason") or f.get("note"),
                     extra=_extra(data),
                 ),
             )
@@ -274,6 +274,7 @@ def record(
     token: str = "",
     event: str = "finished",
     max_records: int = MAX_RECORDS,
+    idle_ttl: float | None = IDLE_TTL,
     **data: Any,
 ) -> str:
     """Append one record outside a lease operation (e.g. an aborted run before acquire)."""
@@ -283,5 +284,9 @@ def record(
     data.setdefault("at", time.time())
     payload = _encode(data)
     return as_text(
-        RECORD(client, [keys.runs, keys.skips], [event, outcome, payload, max_records, token])
+        RECORD(
+            client,
+            [keys.runs, keys.skips],
+            [event, outcome, payload, max_records, token, int(idle_ttl * 1000) if idle_ttl else 0],
+        )
     )

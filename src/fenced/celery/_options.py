@@ -22,7 +22,7 @@ import redis
 
 from .._errors import ConfigError
 from .._guard import check_on_busy
-from .._lease import check_namespace, check_timing
+from .._lease import IDLE_TTL, check_idle_ttl, check_namespace, check_timing
 
 __all__ = ["DEFAULTS", "ON_BUSY", "SETTINGS", "TaskOptions", "lock_redis", "resolve", "validate"]
 
@@ -40,6 +40,10 @@ DEFAULTS: dict[str, Any] = {
     "claim_namespace": "fenced",
     "claim_unavailable_backoff": 1.0,
     "claim_unavailable_retries": 10,
+    # A day: longer than a Redis broker's visibility timeout (an hour by default) and
+    # RabbitMQ's consumer timeout (30 minutes), after which a message comes back.
+    "claim_redelivery_window": 86400.0,
+    "claim_idle_ttl": IDLE_TTL,
 }
 OPTIONS = tuple(DEFAULTS)
 #: The setting that gives each option its default.
@@ -134,6 +138,16 @@ def validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:
         out["claim_unavailable_backoff"] = _check_positive(
             values["claim_unavailable_backoff"], "claim_unavailable_backoff", where
         )
+    if values.get("claim_redelivery_window") is not None:
+        out["claim_redelivery_window"] = float(
+            _check_positive(values["claim_redelivery_window"], "claim_redelivery_window", where)
+        )
+    if values.get("claim_idle_ttl") is not None:
+        try:
+            check_idle_ttl(values["claim_idle_ttl"], ttl or 0.0, "claim_idle_ttl")
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc.message}") from None
+        out["claim_idle_ttl"] = float(values["claim_idle_ttl"])
     if values.get("claim_unavailable_retries") is not None:
         out["claim_unavailable_retries"] = _check_positive(
             values["claim_unavailable_retries"], "claim_unavailable_retries", where, True
@@ -154,6 +168,8 @@ class TaskOptions:
     namespace: str
     backoff: float
     unavailable_retries: int
+    redelivery_window: float
+    idle_ttl: float
 
 
 def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
@@ -177,6 +193,8 @@ def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
         namespace=merged["claim_namespace"],
         backoff=float(merged["claim_unavailable_backoff"]),
         unavailable_retries=int(merged["claim_unavailable_retries"]),
+        redelivery_window=float(merged["claim_redelivery_window"]),
+        idle_ttl=float(merged["claim_idle_ttl"]),
     )
 
 

@@ -45,6 +45,7 @@ first use, one per app and process.
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import random
 import threading
@@ -67,7 +68,7 @@ if TYPE_CHECKING:
 from .. import _interrupt, records
 from .._claim import Claim
 from .._errors import ClaimHeld, ClaimInterrupted, ClaimUnavailable, ConfigError, NotOwner
-from .._guard import SKIP_RERUN_REASON, Skipped, lost_error, outcome_of
+from .._guard import SKIP_RERUN_REASON, Skipped, finish, lost_error, outcome_of
 from .._lease import HOST, Holder, force_release
 from .._naming import Namer
 from . import signals
@@ -118,6 +119,26 @@ def _stack() -> list[tuple[Task[Any, Any], Claim]]:
     return stack
 
 
+def _trigger(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    """A skipped call, as the holder's rerun gets it: equal calls give equal text."""
+    try:
+        return json.dumps([list(args), dict(kwargs)], sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError):
+        # Arguments JSON cannot carry: the holder reruns with its own arguments.
+        return "*"
+
+
+def _call_of(trigger: str) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The call a trigger names; None for one that names none ("*", or unreadable)."""
+    try:
+        rerun_args, rerun_kwargs = json.loads(trigger)
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(rerun_args, list) or not isinstance(rerun_kwargs, dict):
+        return None
+    return tuple(rerun_args), rerun_kwargs
+
+
 def _signature_of(run: Any) -> inspect.Signature | None:
     """The task's own parameters (without ``self`` for a bound ``run``)."""
     func = run.__func__ if isinstance(run, staticmethod) else run
@@ -150,6 +171,8 @@ class ClaimedTask(Task[Any, Any]):
     claim_namespace: str | None = None
     claim_unavailable_backoff: float | None = None
     claim_unavailable_retries: int | None = None
+    claim_redelivery_window: float | None = None
+    claim_idle_ttl: float | None = None
 
     _fenced_namer: Namer | None = None
     _fenced_options: TaskOptions | None = None
@@ -265,9 +288,13 @@ class ClaimedTask(Task[Any, Any]):
             task_id=request.id,
             records=True,
             record_extra=extra,
+            idle_ttl=opts.idle_ttl,
+            redelivery_window=opts.redelivery_window,
         )
         try:
-            acquired = claim.acquire(request_rerun=opts.on_busy == "rerun")
+            acquired = claim.acquire(
+                request_rerun=_trigger(args, kwargs) if opts.on_busy == "rerun" else False
+            )
         except ClaimUnavailable as exc:
             raise self._unavailable(exc, opts) from None
         except BaseException as exc:  # e.g. a soft time limit: never leave a lease renewed
@@ -290,16 +317,19 @@ class ClaimedTask(Task[Any, Any]):
     ) -> None:
         """Before a retried or redelivered message runs, look at its task id's earlier runs.
 
-        An earlier run that ended ``ok`` means this delivery is a duplicate: it does not
-        run again (e.g. a Redis broker's visibility timeout shorter than the run handed
-        the message to a second worker, which waited for the first attempt's lease). An
-        earlier run with no end recorded died with its worker: it is recorded as
+        A run of this task id that ended ``ok`` within ``claim_redelivery_window`` means
+        this delivery is a duplicate: it does not run again (e.g. a Redis broker's
+        visibility timeout shorter than the run handed the message to a second worker,
+        which waited for the first attempt's lease). That is one key per task id, read
+        in O(1) however many other runs the claim had. An earlier run among the recent
+        records with no end recorded died with its worker: it is recorded as
         ``aborted``. We hold the claim, so no attempt of this task id is running. This
-        costs a round trip, on this path only.
+        costs two round trips, on this path only.
         """
         client, namespace = claim.redis, claim.namespace
         try:
-            runs = records.history(client, claim.name, limit=100, namespace=namespace)
+            done = claim.finished_ok()
+            runs = records.history(client, claim.name, limit=20, namespace=namespace)
             for run in runs:
                 if run.task_id == task_id and run.outcome == "running" and run.token:
                     if run.token == claim.token:
@@ -312,11 +342,12 @@ class ClaimedTask(Task[Any, Any]):
                         token=run.token,
                         reason="its worker died mid-run (found by a later delivery)",
                         task_id=task_id,
+                        idle_ttl=self._options().idle_ttl,
                     )
         except (redis.RedisError, OSError):  # cannot tell: running again is safe under the claim
             log.warning("fenced: could not read the run records of %r", claim.name, exc_info=True)
             return
-        if not any(run.task_id == task_id and run.outcome == "ok" for run in runs):
+        if not done:
             return
         count("duplicates")
         log.info(
@@ -339,33 +370,45 @@ class ClaimedTask(Task[Any, Any]):
         count("runs")
         stack = _stack()
         stack.append((self, claim))
-        outcome, reason = "failed", None
         try:
-            try:
-                with interrupter or nullcontext():
-                    if claim.lost:  # lost before it could be interrupted: do not start
-                        raise ClaimInterrupted()
-                    result = super().__call__(*args, **kwargs)
-            except ClaimInterrupted as exc:
-                outcome, reason = outcome_of(claim, exc)
-                raise lost_error(claim, "the task", interrupted=True) from None
-            except SoftTimeLimitExceeded as exc:
-                outcome, reason = outcome_of(claim, exc)
-                if outcome == "failed":
-                    reason = "soft time limit exceeded"
-                raise
-            except BaseException as exc:
-                outcome, reason = outcome_of(claim, exc)
-                raise
-            outcome, reason = outcome_of(claim, None)
-            if outcome == "lost":
-                # The body finished, but not under the claim: its writes were not protected.
-                raise lost_error(claim, "the task")
-            return result
+            with interrupter or nullcontext():
+                if claim.lost:  # lost before it could be interrupted: do not start
+                    raise ClaimInterrupted()
+                result = super().__call__(*args, **kwargs)
+        except ClaimInterrupted as exc:
+            self._end(claim, exc, args, kwargs)
+            raise lost_error(claim, "the task", interrupted=True) from None
+        except SoftTimeLimitExceeded as exc:
+            self._end(claim, exc, args, kwargs, reason="soft time limit exceeded")
+            raise
+        except BaseException as exc:
+            self._end(claim, exc, args, kwargs)
+            raise
         finally:
             stack.pop()
-            count(outcome)
-            self._finish(claim, outcome, reason, args, kwargs)
+        if self._end(claim, None, args, kwargs) == "lost":
+            # The body finished, but not under the claim: its writes were not protected.
+            raise lost_error(claim, "the task")
+        return result
+
+    def _end(
+        self,
+        claim: Claim,
+        exc: BaseException | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        reason: str | None = None,
+    ) -> str:
+        """Release with the run's outcome, send the reruns asked for; the outcome."""
+        try:
+            outcome = finish(claim, exc, "the task", reason=reason, raise_lost=False)
+        except Exception:  # never hide the run's own outcome behind a release error
+            log.exception("fenced: releasing claim %r failed", claim.name)
+            outcome = outcome_of(claim, exc, reason)[0]
+        count(outcome)
+        if claim.rerun_triggers:
+            self._send_reruns(claim, args, kwargs)
+        return outcome
 
     def _finish(
         self,
@@ -375,15 +418,17 @@ class ClaimedTask(Task[Any, Any]):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> None:
+        """Release with an outcome decided before the body ran (a duplicate, a failure)."""
         try:
-            released = claim.release(outcome=outcome, reason=reason)
+            claim.release(outcome=outcome, reason=reason)
         except Exception:  # never hide the run's own outcome behind a release error
             log.exception("fenced: releasing claim %r failed", claim.name)
             return
-        if released and claim.rerun_requested > 0:
-            self._send_rerun(claim, args, kwargs)
+        if claim.rerun_triggers:
+            self._send_reruns(claim, args, kwargs)
 
-    def _send_rerun(self, claim: Claim, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _send_reruns(self, claim: Claim, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Send the task once more for each distinct trigger that arrived during the run."""
         options: dict[str, Any] = {}
         info = self.request.delivery_info or {}
         exchange, routing_key = info.get("exchange"), info.get("routing_key")
@@ -393,29 +438,32 @@ class ClaimedTask(Task[Any, Any]):
             options.update(exchange=exchange, routing_key=routing_key)
         if info.get("priority") is not None:
             options["priority"] = info["priority"]
-        try:
-            sent = self.apply_async(args, kwargs, **options)
-        except Exception:
-            log.exception(
-                "fenced: could not send the rerun of %s that %d trigger(s) asked for; "
-                "the request stays for the next run of %r",
-                self.name,
-                claim.rerun_requested,
-                claim.name,
-            )
-            try:  # hand the request back, so the next holder runs once more
-                claim.redis.incrby(claim.keys.rerun, claim.rerun_requested)
+        calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        for trigger in claim.rerun_triggers:
+            call = _call_of(trigger) or (args, kwargs)
+            calls.setdefault(_trigger(*call), call)
+        for trigger, (rerun_args, rerun_kwargs) in calls.items():
+            try:
+                sent = self.apply_async(rerun_args, rerun_kwargs, **options)
             except Exception:
-                pass
-            return
-        count("reruns")
-        log.info(
-            "fenced: %s ran while %d trigger(s) asked for another run of %r: sent %s",
-            self.name,
-            claim.rerun_requested,
-            claim.name,
-            sent.id,
-        )
+                log.exception(
+                    "fenced: could not send a rerun of %s asked for during a run of %r; "
+                    "the request stays for the claim's next run",
+                    self.name,
+                    claim.name,
+                )
+                try:  # hand the request back, so the next holder runs it
+                    claim.redis.sadd(claim.keys.rerun, trigger)
+                except Exception:
+                    pass
+                continue
+            count("reruns")
+            log.info(
+                "fenced: %s ran while a trigger asked for another run of %r: sent %s",
+                self.name,
+                claim.name,
+                sent.id,
+            )
 
     # -- when the claim is not ours -----------------------------------------------------
 
@@ -529,6 +577,8 @@ def _values(options: TaskOptions) -> tuple[Any, ...]:
         options.namespace,
         options.backoff,
         options.unavailable_retries,
+        options.redelivery_window,
+        options.idle_ttl,
     )
 
 

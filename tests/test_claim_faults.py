@@ -1,0 +1,94 @@
+"""Faults the claim must survive: a lease gone before release, a late grant, a callback
+that raises, a refresh interval that cannot work."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from fenced import Claim, ClaimLost, ClaimUnavailable, ConfigError, exclusive, records
+from fenced.testing import RedisServer
+
+
+def test_a_lease_gone_before_release_ends_the_block_as_lost(r: Any) -> None:
+    claim = Claim(r, "vanished", ttl=30, records=True)
+    with pytest.raises(ClaimLost, match="gone"), claim:
+        r.delete(claim.key)  # evicted, failed over, or cleared by an operator
+    run = records.last(r, "vanished")
+    assert run is not None and run.outcome == "lost"
+
+
+def test_a_release_that_released_nothing_resets_no_skip_count(r: Any) -> None:
+    holder = Claim(r, "vanished-skips", ttl=30, records=True)
+    assert holder.acquire()
+    assert not Claim(r, "vanished-skips", ttl=30, records=True).acquire()
+    assert records.consecutive_skips(r, "vanished-skips") == 1
+    r.delete(holder.key)
+    assert holder.release(outcome="ok") is False
+    assert records.consecutive_skips(r, "vanished-skips") == 1
+    (run,) = [x for x in records.history(r, "vanished-skips") if x.token == holder.token]
+    assert run.outcome == "lost" and run.reason == "the lease was gone before release"
+
+
+def test_an_exclusive_function_whose_lease_vanished_raises_claim_lost(r: Any) -> None:
+    @exclusive("vanish:{k}", redis=r, ttl=30)
+    def job(k: str) -> str:
+        r.delete(f"fenced:{{vanish:{k}}}:lock")
+        return "done"
+
+    with pytest.raises(ClaimLost):
+        job("a")
+    run = records.last(r, "vanish:a")
+    assert run is not None and run.outcome == "lost"
+
+
+def test_a_grant_that_arrives_after_its_deadline_is_given_back(
+    own_server: RedisServer,
+) -> None:
+    client = own_server.client()
+    admin = own_server.client()
+    claim = Claim(client, "late", ttl=1.0, records=True)
+    assert claim.acquire()  # the script is cached: the next acquire is one EVALSHA
+    claim.release()
+    admin.execute_command("CLIENT", "PAUSE", 1500, "ALL")
+    with pytest.raises(ClaimUnavailable, match="after its own deadline"):
+        claim.acquire()
+    assert not claim.held
+    assert client.get(claim.key) is None, "a late grant must not sit in Redis"
+    other = Claim(client, "late", ttl=1.0)
+    assert other.acquire(), "the name is free for the next holder at once"
+    other.release()
+
+
+def test_an_on_lost_that_raises_system_exit_stops_no_other_renewal(r: Any) -> None:
+    def bail(_claim: Claim) -> None:
+        raise SystemExit("callback gave up")
+
+    doomed = Claim(r, "doomed", ttl=1.0, on_lost=bail)
+    healthy = Claim(r, "healthy", ttl=1.0)
+    assert doomed.acquire() and healthy.acquire()
+    r.set(doomed.key, "thief")
+    deadline = time.monotonic() + 5
+    while not doomed.lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert doomed.lost
+    time.sleep(3.0)  # three ttls: renewals must have gone on
+    assert healthy.held
+    healthy.check()
+    assert threading.active_count() >= 1
+    healthy.release()
+
+
+@pytest.mark.parametrize(
+    ("ttl", "refresh_every"), [(2, 1.99), (10, 6), (1, 0.9)]
+)
+def test_a_refresh_interval_that_cannot_work_is_refused_with_one_that_does(
+    r: Any, ttl: float, refresh_every: float
+) -> None:
+    with pytest.raises(ConfigError, match=r"at most .*ttl/2") as info:
+        Claim(r, "too-late", ttl=ttl, refresh_every=refresh_every)
+    assert f"{ttl / 2:g}" in str(info.value)
+    Claim(r, "too-late", ttl=ttl, refresh_every=ttl / 2)  # the value it names works
