@@ -164,10 +164,11 @@ def spinner(self: Any, key: str, seconds: float) -> str:
     return "spun"
 
 
-def _gated(task: Any, key: str) -> Any:
+def _gated(task: Any, key: str, **seen: Any) -> Any:
     """Note the start, then wait (checking the claim) until the test opens this run's gate."""
     r = obs()
-    n = r.rpush(f"runs:{key}", json.dumps({"task_id": task.request.id, "start": time.time()})) - 1
+    start = {"task_id": task.request.id, "start": time.time(), **seen}
+    n = r.rpush(f"runs:{key}", json.dumps(start)) - 1
     while not r.exists(f"gate:{key}:{n}"):
         task.claim.check()
         time.sleep(0.05)
@@ -185,6 +186,14 @@ def gated(self: Any, key: str) -> Any:
 def gated_rerun(self: Any, key: str) -> Any:
     """Rerun policy: conflicting triggers coalesce into one more run."""
     return _gated(self, key)
+
+
+@app.task(
+    base=ClaimedTask, bind=True, name="t.rerun_layers", claim="gated:{key}", claim_on_busy="rerun"
+)
+def gated_rerun_layers(self: Any, key: str, layer: str) -> Any:
+    """Rerun policy with a claim coarser than the arguments: one per distinct layer."""
+    return _gated(self, key, layer=layer)
 
 
 @app.task(base=ClaimedTask, bind=True, name="t.retry", claim="gated:{key}", claim_on_busy="retry")

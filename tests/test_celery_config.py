@@ -407,3 +407,19 @@ def holder_view(r: Any, name: str) -> Claim:
     seen = Claim(r, name, ttl=5)
     assert not seen.acquire()
     return seen
+
+
+def test_a_finished_task_id_is_found_however_many_runs_came_after(app: Celery, r: Any) -> None:
+    ran: list[str] = []
+
+    @app.task(shared=False, base=ClaimedTask, bind=True, claim="busy-name:{x}")
+    def job(self: ClaimedTask, x: str) -> str:
+        ran.append(str(self.request.id))
+        return "done"
+
+    job.apply(("a",), task_id="first")
+    for i in range(110):  # other runs of the same claim, in between
+        job.apply(("a",), task_id=f"other-{i}")
+    job.apply(("a",), task_id="first", retries=1)  # the message comes back
+    assert ran.count("first") == 1
+    assert len(ran) == 111

@@ -320,6 +320,26 @@ def test_rerun_policy_coalesces_triggers_into_one_more_run(cel: Cel) -> None:
     assert read_holder(cel.locks, f"gated:{k}") is None
 
 
+def test_rerun_policy_runs_each_distinct_skipped_call_once(cel: Cel) -> None:
+    # The claim (per key) is coarser than the arguments (key, layer): a trigger for
+    # another layer must not be answered by a rerun of the holder's layer.
+    k = key()
+    cel.send("t.rerun_layers", k, "roads")
+    wait_for("the first run", lambda: len(_runs(cel, k)) == 1)
+    for layer in ("rivers", "rivers", "rails", "roads", "rivers"):
+        assert cel.send("t.rerun_layers", k, layer).get(timeout=WAIT)["status"] == "skipped"
+    for n in range(4):
+        _open_gate(cel, k, n)
+        started = min(n + 2, 4)
+        wait_for(f"run {started}", lambda: len(_runs(cel, k)) >= started)
+    wait_for("the last run to end", lambda: len(notes(cel.obs, f"ends:{k}")) == 4)
+    _open_gate(cel, k, 4)  # should a fifth run start, it would finish and be counted
+    time.sleep(1.5)
+    layers = [run["layer"] for run in _runs(cel, k)]
+    assert layers[0] == "roads"
+    assert sorted(layers[1:]) == ["rails", "rivers", "roads"]
+
+
 def test_retry_policy_retries_after_the_holders_lease(cel: Cel) -> None:
     k = key()
     holder = cel.send("t.retry", k)

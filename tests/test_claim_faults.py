@@ -82,9 +82,7 @@ def test_an_on_lost_that_raises_system_exit_stops_no_other_renewal(r: Any) -> No
     healthy.release()
 
 
-@pytest.mark.parametrize(
-    ("ttl", "refresh_every"), [(2, 1.99), (10, 6), (1, 0.9)]
-)
+@pytest.mark.parametrize(("ttl", "refresh_every"), [(2, 1.99), (10, 6), (1, 0.9)])
 def test_a_refresh_interval_that_cannot_work_is_refused_with_one_that_does(
     r: Any, ttl: float, refresh_every: float
 ) -> None:
@@ -92,3 +90,72 @@ def test_a_refresh_interval_that_cannot_work_is_refused_with_one_that_does(
         Claim(r, "too-late", ttl=ttl, refresh_every=refresh_every)
     assert f"{ttl / 2:g}" in str(info.value)
     Claim(r, "too-late", ttl=ttl, refresh_every=ttl / 2)  # the value it names works
+
+
+def test_a_hashed_name_is_the_same_claim_everywhere(redis_server: RedisServer) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from fenced import claim_name, read_holder
+
+    r = redis_server.client()
+    name = claim_name("feed:{url}", url="https://example.com/feeds/a b?x={1}")
+    claim = Claim(r, name, ttl=30, records=True)
+    assert claim.acquire()
+    assert claim.name == name
+    holder = read_holder(r, claim.name)
+    assert holder is not None and holder.token == claim.token
+    env = {"FENCED_REDIS_URL": redis_server.url, "PATH": "/usr/bin:/bin"}
+    listed = subprocess.run(
+        [sys.executable, "-m", "fenced.cli", "ls", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=True,
+    )
+    (shown,) = [c["name"] for c in json.loads(listed.stdout)]
+    assert shown == claim.name
+    released = subprocess.run(
+        [sys.executable, "-m", "fenced.cli", "release", shown, "--force", "--reason", "test"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert released.returncode == 0, released.stderr
+    assert "released" in released.stdout
+    assert read_holder(r, claim.name) is None
+    assert records.history(r, claim.name)[0].outcome == "released"
+
+
+def test_an_idle_names_keys_expire_and_its_fence_still_rises(r: Any) -> None:
+    week = 7 * 24 * 3600 * 1000
+    a = Claim(r, "idle:a", ttl=5, records=True)
+    assert a.acquire()
+    assert not Claim(r, "idle:a", ttl=5, records=True).acquire(request_rerun=True)
+    keys = a.keys
+    for key in (keys.fence, keys.runs, keys.skips, keys.rerun):
+        assert 0 < r.pttl(key) <= week, key
+    a.release()  # takes the rerun trigger, resets the skips
+    for key in (keys.fence, keys.runs):
+        assert 0 < r.pttl(key) <= week, key
+    first = a.fence
+    # What the idle expiry does, sped up: the name's lasting keys are gone.
+    r.delete(keys.fence, keys.runs, keys.skips, keys.rerun)
+    b = Claim(r, "idle:a", ttl=5)
+    assert b.acquire()
+    assert first is not None and b.fence is not None and b.fence > first
+    b.release()
+    forever = Claim(r, "idle:b", ttl=5, records=True, idle_ttl=None)
+    assert forever.acquire()
+    forever.release()
+    assert r.pttl(forever.keys.fence) == -1 and r.pttl(forever.keys.runs) == -1
+
+
+def test_an_idle_expiry_shorter_than_a_minute_is_refused(r: Any) -> None:
+    with pytest.raises(ConfigError, match="at least 60 seconds"):
+        Claim(r, "idle:c", ttl=5, idle_ttl=10)
+    with pytest.raises(ConfigError, match="at least 200 seconds"):
+        Claim(r, "idle:c", ttl=100, idle_ttl=150)
