@@ -54,8 +54,9 @@ MAX_RECORDS = 1000
 #: rerun triggers) are kept: a week. Names built from arguments (per user, per feed)
 #: would otherwise fill a Redis that must not evict.
 IDLE_TTL = 7 * 24 * 3600.0
-#: The shortest idle expiry: well above any lease, so no key of a held name expires.
-MIN_IDLE_TTL = 60.0
+#: The shortest idle expiry (and never below twice the ttl): long enough that a name in
+#: use keeps its skip count and records between runs.
+MIN_IDLE_TTL = 1.0
 
 # -- process identity -----------------------------------------------------------------
 
@@ -275,7 +276,7 @@ def check_idle_ttl(idle_ttl: Any, ttl: float, name: str = "idle_ttl") -> int:
     ):
         raise ConfigError(
             f"{name}={idle_ttl!r}: the keys of an idle name must be kept at least "
-            f"{max(MIN_IDLE_TTL, 2 * ttl):g} seconds (a minute, and twice the ttl); "
+            f"{max(MIN_IDLE_TTL, 2 * ttl):g} seconds (twice the ttl, and a second); "
             f"the default keeps them a week ({IDLE_TTL:g}); None keeps them forever"
         )
     return int(idle_ttl * 1000)
