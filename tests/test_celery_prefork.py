@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -328,10 +328,13 @@ def test_rerun_policy_runs_each_distinct_skipped_call_once(cel: Cel) -> None:
     wait_for("the first run", lambda: len(_runs(cel, k)) == 1)
     for layer in ("rivers", "rivers", "rails", "roads", "rivers"):
         assert cel.send("t.rerun_layers", k, layer).get(timeout=WAIT)["status"] == "skipped"
+
+    def started(count: int) -> Callable[[], bool]:
+        return lambda: len(_runs(cel, k)) >= count
+
     for n in range(4):
         _open_gate(cel, k, n)
-        started = min(n + 2, 4)
-        wait_for(f"run {started}", lambda: len(_runs(cel, k)) >= started)
+        wait_for(f"run {min(n + 2, 4)}", started(min(n + 2, 4)))
     wait_for("the last run to end", lambda: len(notes(cel.obs, f"ends:{k}")) == 4)
     _open_gate(cel, k, 4)  # should a fifth run start, it would finish and be counted
     time.sleep(1.5)
