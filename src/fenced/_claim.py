@@ -283,14 +283,17 @@ class Claim:
             # stalled or paused Redis, a client retrying through an outage): another
             # holder may take the name any moment, so give it back and start nothing.
             late = self._clock() - sent
-            self._store.release(
-                token,
-                self._finished_record(late, _LATE),
-                self.max_records,
-                "lost",
-                int(res[1]),
-                self._idle_ms,
-            )
+            try:
+                self._store.release(
+                    token,
+                    self._finished_record(late, _LATE),
+                    self.max_records,
+                    "lost",
+                    int(res[1]),
+                    self._idle_ms,
+                )
+            except Exception:  # best effort: the lease expires within its ttl anyway
+                log.warning("fenced: could not give back the late grant of %r", self.name)
             raise ClaimUnavailable(
                 f"Redis at {describe_client(self.redis)} granted claim {self.name!r} after "
                 f"its own deadline ({late:.2f}s for a {self.ttl:g}s lease); it was given back "

@@ -113,9 +113,9 @@ def _tell(what: Callable[..., None], *args: Any) -> None:
 class _Lane:
     """One server's renewals: a thread and a private client, so a stuck server waits alone."""
 
-    def __init__(self, client: Any, owner: weakref.ref[Any], private: bool) -> None:
+    def __init__(self, client: Any, owner: weakref.ref[Any] | None, private: bool) -> None:
         self.client = client
-        self.owner = owner  # the claims' pool (or client) this lane serves
+        self.owner = owner  # the client this lane serves as it is, None for a server's lane
         self.private = private  # a clone of that pool, which the lane owns and closes
         self.last_used = time.monotonic()
         self.busy = False
@@ -187,6 +187,21 @@ class _Lane:
                     _tell(c.renewal_refused, lease.token)
 
 
+def _server_of(pool: Any) -> tuple[Any, ...]:
+    """Which server (and as whom) a pool talks to: the clients a lane may share."""
+    kw = pool.connection_kwargs
+    return (
+        pool.connection_class,
+        kw.get("host"),
+        kw.get("port"),
+        kw.get("path"),
+        kw.get("db", 0),
+        kw.get("username"),
+        kw.get("password"),
+        kw.get("decode_responses", False),
+    )
+
+
 class Heartbeat:
     """Renews every claim of this process: one scheduler thread, one lane per server."""
 
@@ -200,9 +215,9 @@ class Heartbeat:
         # a claim acquired while it sleeps is due no sooner than its next look and
         # add() need not wake it: a wake per acquire costs every acquire a thread switch.
         self._nap = IDLE_WAIT
-        # (id of the claim's pool, timeout bucket) -> its lane. The lane's source pool is
-        # checked on every hit: a new pool can be given a dead one's id.
-        self._lanes: dict[tuple[int, float], _Lane] = {}
+        # (the server, timeout bucket) -> its lane: clients of one server share a lane
+        # and its connections, however many clients a program makes.
+        self._lanes: dict[tuple[Any, float], _Lane] = {}
         self.rounds = 0
 
     @property
@@ -326,7 +341,7 @@ class Heartbeat:
     def _prune(self, now: float) -> None:
         """Close lanes whose client is gone, or that no claim used for a while."""
         for key, lane in list(self._lanes.items()):
-            gone = lane.owner() is None
+            gone = lane.owner is not None and lane.owner() is None
             if gone or (not lane.busy and now - lane.last_used > LANE_IDLE):
                 lane.close()
                 del self._lanes[key]
@@ -337,16 +352,27 @@ class Heartbeat:
         # Bucket timeouts by powers of two so claims with similar intervals share a pool.
         timeout = min(5.0, max(0.05, refresh_every / 2))
         bucket = 2.0 ** math.floor(math.log2(timeout))
-        owner = pool if pool is not None else client
-        key = (id(owner), bucket)
+        lane: _Lane | None
+        if pool is not None and type(client) is redis.Redis:
+            key: tuple[Any, float] = (_server_of(pool), bucket)
+            lane = self._lanes.get(key)
+            if lane is not None and not lane.closed:
+                return lane
+            private = self._private_client(client, pool, bucket)
+            if private is not client:
+                lane = _Lane(private, None, private=True)
+                self._lanes[key] = lane
+                return lane
+        # A client used as it is (Cluster, custom, or a pool that cannot be cloned): its
+        # lane is its own, and ends with it. A new client can be given a dead one's id.
+        key = (("client", id(client)), bucket)
         lane = self._lanes.get(key)
-        # A new pool can be given a dead one's id: the lane must still serve this one.
-        if lane is not None and not lane.closed and lane.owner() is owner:
+        owner = lane.owner if lane is not None else None
+        if lane is not None and not lane.closed and owner is not None and owner() is client:
             return lane
         if lane is not None:
             lane.close()
-        private = self._private_client(client, pool, bucket)
-        lane = _Lane(private, weakref.ref(owner), private is not client)
+        lane = _Lane(client, weakref.ref(client), private=False)
         self._lanes[key] = lane
         return lane
 

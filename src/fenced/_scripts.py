@@ -209,13 +209,14 @@ if ARGV[2] ~= '' then
                'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
                'outcome', outcome, 'r', ARGV[2])
   end
+  -- a recorded success ends a streak of skips (a claim without records counts none)
+  if outcome == 'ok' then
+    redis.call('DEL', KEYS[3])
+  end
   touch(idle, KEYS[2])
 end
-if outcome == 'ok' then
-  redis.call('DEL', KEYS[3])
-  if tonumber(ARGV[8]) > 0 then
-    redis.call('SET', KEYS[5], '1', 'PX', ARGV[8])
-  end
+if outcome == 'ok' and tonumber(ARGV[8]) > 0 then
+  redis.call('SET', KEYS[5], '1', 'PX', ARGV[8])
 end
 local reruns = {}
 if ARGV[6] == '1' and released == 1 then
