@@ -663,3 +663,17 @@ def test_render_without_rich_prints_plain_text(
     out = capsys.readouterr().out
     assert out.startswith("WARNING  x.y: what")
     assert "0 error(s), 1 warning(s), 0 note(s)" in out
+
+
+def test_a_redelivery_window_shorter_than_the_visibility_timeout_is_an_error() -> None:
+    assert "celery.redelivery-window" not in codes(check_celery(good_app()))
+    app = make_app(**{**GOOD_CONF, "fenced_claim_redelivery_window": 600})
+
+    @app.task(base=ClaimedTask, shared=False, name="t.once", claim="once:{a}", time_limit=60)
+    def once(a: str) -> str:
+        return a
+
+    found = check_celery(app)
+    assert severity_of(found, "celery.redelivery-window") == "error"
+    finding = next(f for f in found if f.code == "celery.redelivery-window")
+    assert "t.once" in finding.what and "fenced_claim_redelivery_window = 14400" in finding.fix

@@ -307,6 +307,34 @@ def _visibility_findings(
                     "(longer than the longest time limit and ETA).",
                 )
             )
+    from ..celery import DEFAULTS  # only with an app: the doctor runs without Celery too
+
+    short = []
+    for task in claimed:
+        window = getattr(task, "claim_redelivery_window", None)
+        if window is None:
+            window = conf.get("fenced_claim_redelivery_window")
+        if window is None:
+            window = DEFAULTS["claim_redelivery_window"]
+        if float(window) < visibility:
+            short.append((float(window), task))
+    if short:
+        window, _task = min(short, key=lambda pair: pair[0])
+        names = _names([t for _w, t in short])
+        found.append(
+            Finding(
+                "error",
+                "celery.redelivery-window",
+                f"claim_redelivery_window ({_seconds(window)}) of {names} is shorter than the "
+                f"Redis broker's visibility_timeout ({_seconds(visibility)})",
+                "A task id that finished ok is remembered for claim_redelivery_window, so a "
+                "message delivered again is not run twice; a broker that redelivers after "
+                "the window has passed gets a second run of a finished task.",
+                f"`fenced_claim_redelivery_window = {math.ceil(visibility * 2)}` (or the "
+                "task option claim_redelivery_window), above the visibility timeout.",
+                subject=names,
+            )
+        )
     unbounded = [t for t in late if _hard_limit(t, conf) is None]
     if unbounded:
         found.append(
