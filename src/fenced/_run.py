@@ -8,6 +8,7 @@ and renewed by the heartbeat. What can happen, and the exit status of each::
     busy, on_busy="raise"           75  (EX_TEMPFAIL; "fail" is accepted as another name)
     busy, waited past wait_timeout  75
     claim lost while it ran         76  the group got SIGTERM, then SIGKILL after grace
+    (or ran out while fenced run was stopped: the watchdog ended the command)
     Redis unreachable               69  (EX_UNAVAILABLE), the command never started
     command not found / not exec.   127 / 126, as a shell reports them
 
@@ -17,6 +18,22 @@ SIGUSR1 and SIGUSR2 to the command alone (they mean "reopen logs" or "report" to
 program and would kill helpers that do not handle them). The claim is released when
 the command ends, with the outcome ``ok``, ``failed``, ``lost`` or ``aborted``
 recorded beside the command line.
+
+The command never outlives the runner: a watchdog process (:mod:`fenced._watchdog`),
+started just before the command and told each renewal, ends the command's group when
+the runner dies however it dies (``kill -9``, the OOM killer), and when the runner is
+stopped or starved until its claim runs out. A watchdog that dies is replaced.
+
+**SIGTSTP** (Ctrl-Z) stops the command's group and then the runner, as a terminal user
+expects of a job. A stopped runner renews nothing, so its claim runs out within a ttl;
+the watchdog then ends the command (SIGTERM with SIGCONT, so that a stopped command
+acts on it; SIGKILL after grace), rather than leave it to go on unclaimed beside the
+next holder once continued. Resumed within the lease (``fg``, ``bg``, SIGCONT), the
+runner continues the group and the run goes on; resumed after it, the run reports the
+loss (76, recorded ``lost``). One line on stderr says so when it stops. The choices
+not taken: ignoring SIGTSTP leaves a terminal with a job that will not stop; stopping
+the runner alone leaves the command working on a claim that nobody renews; stopping the
+command alone cannot give the terminal back, since the shell waits for the runner.
 """
 
 from __future__ import annotations
@@ -36,6 +53,7 @@ from typing import Any
 from ._claim import Claim
 from ._errors import ClaimHeld, ClaimUnavailable, ConfigError
 from ._guard import Guard, Skipped, check_on_busy
+from ._watchdog import ENDED_AT_DEADLINE, Watchdog, dies_with_runner
 
 __all__ = [
     "EXIT_BUSY",
@@ -64,6 +82,16 @@ TO_GROUP = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 TO_CHILD = (signal.SIGUSR1, signal.SIGUSR2)
 #: How often the runner looks at the child and the claim while the command runs.
 POLL = 0.1
+#: The watchdog ends the command this much before the claim's local deadline (at most;
+#: a tenth of the ttl for short ones): time for the signal to take effect before another
+#: holder can start, on a machine too busy to run the watchdog the moment it is due.
+WATCH_MARGIN = 0.1
+#: How long a finished run waits for its watchdog to report (beyond the grace of an
+#: ending under way).
+WATCH_REPORT = 5.0
+#: Stopping the command on SIGTSTP: a process group in a session of its own (Python
+#: 3.10) is orphaned, and the kernel discards SIGTSTP sent to it.
+STOP_SIGNAL = signal.SIGTSTP if sys.version_info >= (3, 11) else signal.SIGSTOP
 
 
 @dataclass
@@ -129,6 +157,14 @@ class _Runner:
         self.lost = threading.Event()
         self.proc: subprocess.Popen[bytes] | None = None
         self.pending: list[int] = []
+        self.watch = Watchdog(opts.name, opts.grace, say)
+        self.stop_asked = False
+        self.looked = time.monotonic()
+        self.stalled = 0.0
+        # Short leases are looked at more often: the watchdog must hear of a renewal
+        # well before the margin ahead of the old deadline.
+        self.poll = min(POLL, opts.ttl / 10)
+        self.margin = min(WATCH_MARGIN, opts.ttl / 10)
         self.claim = Claim(
             client,
             opts.name,
@@ -147,6 +183,29 @@ class _Runner:
             self.pending.append(signum)
             return
         self._send(signum, group=signum not in TO_CHILD)
+
+    def _on_stop(self, _signum: int, _frame: FrameType | None) -> None:
+        if self.proc is None or self.proc.returncode is not None:
+            # Nothing runs under the claim: stop at once, as without a handler.
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
+        # The poll loop stops the group, then the runner: a handler that prints could
+        # interrupt the main thread's own printing.
+        self.stop_asked = True
+
+    def _stop(self) -> None:
+        """SIGTSTP while the command runs: stop its group, then the runner; continue both."""
+        self.stop_asked = False
+        self._send(STOP_SIGNAL, group=True)
+        left = self.claim.expires_in
+        self.say(
+            f"fenced: stopped; claim {self.opts.name!r} is not renewed while fenced run is "
+            f"stopped: if it is not continued within {left:.0f}s, the claim runs out and "
+            "the command is ended"
+        )
+        os.kill(os.getpid(), signal.SIGSTOP)
+        # Continued (fg, bg, SIGCONT): so is the command, if the watchdog left it.
+        self._send(signal.SIGCONT, group=True)
 
     def _send(self, signum: int, group: bool) -> None:
         proc = self.proc
@@ -208,8 +267,21 @@ class _Runner:
             signum = self.pending[0]
             self.say(f"fenced: {_signame(signum)} before {opts.name!r} started; not run")
             return "aborted", f"{_signame(signum)} before the command started", 128 + signum
+        # Before the command: from the moment it runs, the watchdog holds its pipe.
+        self.watch.start()
         try:
-            self.proc = subprocess.Popen(list(opts.argv), **_own_group())
+            return self._run_watched()
+        finally:
+            # Normally finished already; if not (an exception), the watchdog sees the
+            # pipe close and ends the command: its claim is being released.
+            self.watch.close()
+
+    def _run_watched(self) -> tuple[str, str | None, int]:
+        opts = self.opts
+        try:
+            self.proc = subprocess.Popen(
+                list(opts.argv), preexec_fn=dies_with_runner(), **_own_group()
+            )
         except FileNotFoundError as exc:
             self.say(f"fenced: cannot run {opts.argv[0]!r}: {exc.strerror}")
             return "failed", f"command not found: {opts.argv[0]}", EXIT_NOT_FOUND
@@ -218,6 +290,8 @@ class _Runner:
             # fault, and not an unreachable Redis, which an OSError escaping would mean.
             self.say(f"fenced: cannot run {opts.argv[0]!r}: {exc.strerror or exc}")
             return "failed", f"command not executable: {opts.argv[0]}", EXIT_NOT_EXECUTABLE
+        self.watch.guard(self.proc.pid, self._watch_deadline())
+        self.looked = time.monotonic()
         # Signals that came while the child was being started belong to it.
         for signum in self.pending:
             self._send(signum, group=signum not in TO_CHILD)
@@ -225,6 +299,8 @@ class _Runner:
         returncode = self._wait(stop_on_loss=True)
         if returncode is None:
             return self._stop_lost()
+        if self.watch.finish(timeout=opts.grace + WATCH_REPORT) == ENDED_AT_DEADLINE:
+            return self._ended_by_watchdog(returncode)
         if self.lost.is_set() or self.claim.lost:
             # It ended, but the claim had already gone: its work was not protected.
             self.say(f"fenced: claim {opts.name!r} was lost before the command ended")
@@ -236,18 +312,47 @@ class _Runner:
             return "failed", f"killed by {_signame(-returncode)}", status
         return "failed", f"exit status {returncode}", status
 
+    def _ended_by_watchdog(self, returncode: int) -> tuple[str, str | None, int]:
+        """The watchdog ended the command: no renewal reached it before the lease's end."""
+        if self.stalled > 3 * self.poll:
+            why = "fenced run was stopped (or starved) until its lease ran out"
+        else:
+            why = self.claim.lost_reason or "no renewal was confirmed before the lease's end"
+        self.say(
+            f"fenced: claim {self.opts.name!r} lost: {why}; the watchdog ended the command "
+            f"({_ending(returncode)})"
+        )
+        return "lost", f"{why}; command {_ending(returncode)}", EXIT_LOST
+
     def _wait(self, stop_on_loss: bool, until: float | None = None) -> int | None:
         """The child's return code; None when the claim was lost or ``until`` passed."""
         assert self.proc is not None
         while True:
             try:
-                return self.proc.wait(timeout=POLL)
+                returncode: int | None = self.proc.wait(timeout=self.poll)
             except subprocess.TimeoutExpired:
-                pass
+                returncode = None
+            # The longest the runner went without looking: it was stopped, or starved.
+            now = time.monotonic()
+            self.stalled = max(self.stalled, now - self.looked)
+            self.looked = now
+            if returncode is not None:
+                return returncode
+            if self.stop_asked:
+                self._stop()
+            self.watch.tend(self._watch_deadline())
             if stop_on_loss and (self.lost.is_set() or self.claim.lost):
                 return None
             if until is not None and self.clock() >= until:
                 return None
+
+    def _watch_deadline(self) -> float | None:
+        """When the watchdog is to end the command unless told later: None once lost."""
+        left = self.claim.expires_in
+        if left <= 0:
+            return None
+        # The watchdog reads time.monotonic(), whatever clock the runner was given.
+        return time.monotonic() + left - self.margin
 
     def _stop_lost(self) -> tuple[str, str | None, int]:
         opts = self.opts
@@ -256,18 +361,27 @@ class _Runner:
             f"fenced: claim {opts.name!r} lost while the command ran ({why}); "
             f"sending SIGTERM, SIGKILL after {opts.grace:g}s"
         )
-        self._send(signal.SIGTERM, group=True)
+        # One process sends the signals (the watchdog may have begun already, at the
+        # deadline); the runner only when the watchdog cannot be told.
+        if not self.watch.end_now():
+            self._send(signal.SIGTERM, group=True)
+            self._send(signal.SIGCONT, group=True)  # a stopped command acts on it
         returncode = self._wait(stop_on_loss=False, until=self.clock() + opts.grace)
         if returncode is None:
             self._send(signal.SIGKILL, group=True)
             assert self.proc is not None
             returncode = self.proc.wait()
+        # What the command started may still be ending: the watchdog sees to it.
+        self.watch.finish(timeout=opts.grace + WATCH_REPORT)
         return "lost", self._lost_reason(returncode), EXIT_LOST
 
     def _lost_reason(self, returncode: int) -> str:
         why = self.claim.lost_reason or "the lease is gone"
-        end = f"killed by {_signame(-returncode)}" if returncode < 0 else f"exit {returncode}"
-        return f"{why}; command {end}"
+        return f"{why}; command {_ending(returncode)}"
+
+
+def _ending(returncode: int) -> str:
+    return f"killed by {_signame(-returncode)}" if returncode < 0 else f"exit {returncode}"
 
 
 def _own_group() -> dict[str, Any]:
@@ -295,6 +409,7 @@ def run_command(
     if in_main:
         for sig in (*TO_GROUP, *TO_CHILD):
             previous[sig] = signal.signal(sig, runner._on_signal)
+        previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, runner._on_stop)
     try:
         return runner.run()
     finally:
