@@ -106,8 +106,10 @@ def main() -> None:
     lock_last = max(1, results["redis-py Lock"][-1])
     print()
     for k, samples in results.items():
-        print(f"{k:<34} last/first sample {samples[-1] / max(1, samples[0]):6.2f}   "
-              f"vs redis-py Lock {samples[-1] / lock_last:8.1f}x")
+        print(
+            f"{k:<34} last/first sample {samples[-1] / max(1, samples[0]):6.2f}   "
+            f"vs redis-py Lock {samples[-1] / lock_last:8.1f}x"
+        )
 
 
 if __name__ == "__main__":
