@@ -107,6 +107,7 @@ class Fault:
     kind: str
     start: float
     end: float
+    wall: float
     details: dict[str, Any]
 
 
@@ -163,6 +164,8 @@ class LaneStats:
 
     lane: str
     acquisitions: int = 0
+    #: Acquisitions per front end (claim/explicit, claim/with, exclusive, celery, lock).
+    fronts: dict[str, int] = field(default_factory=dict)
     lost: int = 0
     unavailable: int = 0
     writes: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -267,6 +270,10 @@ class Report:
             rows.append((label, *(str(fn(lane)) for lane in lanes)))
 
         row("acquisitions", lambda x: x.acquisitions)
+        row(
+            "  by front end",
+            lambda x: ", ".join(f"{k} {v}" for k, v in sorted(x.fronts.items())),
+        )
         row("overlaps: two holders at once", lambda x: sum(x.overlaps.values()))
         row(
             "  caught by the fence (stale write refused)",
@@ -433,7 +440,16 @@ def _faults(events: list[Event]) -> tuple[list[Fault], Counter[str], Counter[str
             details = {
                 k: v for k, v in e.items() if k not in ("t", "wall", "ev", "w", "pid", "kind", "n")
             }
-            faults.append(Fault(int(e["n"]), e["kind"], float(e["t"]), float(e["end"]), details))
+            faults.append(
+                Fault(
+                    int(e["n"]),
+                    e["kind"],
+                    float(e["t"]),
+                    float(e["end"]),
+                    float(e["wall"]),
+                    details,
+                )
+            )
         elif e["ev"] == "fault-skipped":
             skipped[e["kind"]] += 1
         elif e["ev"] == "fault-failed":
@@ -521,6 +537,7 @@ def check(
         _rank(mine, lane)
         stats = LaneStats(lane)
         stats.acquisitions = len(mine)
+        stats.fronts = dict(Counter(h.front for h in mine))
         stats.lost = sum(1 for e in events if e.get("lane") == lane and e["ev"] == "lost")
         stats.unavailable = sum(
             1 for e in events if e.get("lane") == lane and e["ev"] == "unavailable"
@@ -904,9 +921,9 @@ def _run_lane(
                 continue
             killed = kills.get(a.runner)
             why = (
-                f"the first one's runner was killed {b.start - killed.details['wall']:.2f} s "
+                f"the first one's runner was killed {b.start - killed.wall:.2f} s "
                 f"before (kill_runner #{killed.n}) and it ran on"
-                if killed is not None and killed.details["wall"] <= b.start
+                if killed is not None and killed.wall <= b.start
                 else ""
             )
             t = b.start - offset
@@ -926,7 +943,7 @@ def _run_lane(
     recovery: list[float] = []
     starts = [c.start for c in commands]
     for f in kills.values():
-        wall = float(f.details["wall"])
+        wall = f.wall
         for pid in f.details.get("command_pids", []):
             c = by_pid.get(int(pid))
             if c is not None and c.last > wall + ttl:

@@ -129,12 +129,14 @@ class Harness:
                 pids[pid] = f"celery-{pid}"
         return pids
 
-    def holders(self) -> list[dict[str, Any]]:
-        """The current holder of each lane (waiting up to 2 ttl for one to appear)."""
+    def holders(self, wait: bool = True) -> list[dict[str, Any]]:
+        """The current holder of each lane (waiting up to 2 ttl for them to appear)."""
         found: dict[str, dict[str, Any]] = {}
         lanes = ["fenced"] + (["lock"] if self.cfg.baseline else [])
-        deadline = time.monotonic() + 2 * self.cfg.ttl
-        while time.monotonic() < deadline and len(found) < len(lanes):
+        deadline = time.monotonic() + (2 * self.cfg.ttl if wait else 0)
+        first = True
+        while (first or time.monotonic() < deadline) and len(found) < len(lanes):
+            first = False
             for lane in lanes:
                 if lane in found:
                     continue

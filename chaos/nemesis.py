@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from .runlane import children, kill_quietly
+from .runlane import children, kill_quietly, process_age
 
 if TYPE_CHECKING:
     from .harness import Harness
@@ -129,9 +129,18 @@ class Nemesis:
         self.record("client_pause", start, start + ms / 1000, ms=ms)
 
     def partition(self) -> None:
-        """Black-hole the proxied workers' traffic to the lock Redis for 1.5-3 ttl."""
+        """Black-hole the proxied workers' traffic to the lock Redis for 1.5-3 ttl.
+
+        Preferably while a proxied worker holds its claim (waiting up to 4 ttl for one).
+        """
         proxy = self.h.proxy
         assert proxy is not None
+        proxied = set(self.h.proxied_workers())
+        deadline = time.monotonic() + 4 * self.ttl
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            if any(t["w"] in proxied for t in self.h.holders(wait=False)):
+                break
+            time.sleep(0.02)
         start = time.monotonic()
         proxy.blackhole()
         try:
@@ -157,21 +166,19 @@ class Nemesis:
         self.record("kill_worker", start, targets=victims)
 
     def kill_runner(self) -> None:
-        """kill -9 the ``fenced run`` runner that holds the lane's claim, mid-command."""
+        """kill -9 the ``fenced run`` runner that holds the lane's claim, early in a command."""
         lane = self.h.run_lane
         assert lane is not None
-        deadline = time.monotonic() + 3 * self.ttl
+        deadline = time.monotonic() + 6 * self.ttl
         while time.monotonic() < deadline and not self.stopping.is_set():
             pid = self.h.holder_pid(lane.name)
             if pid is not None and pid in lane.runner_pids():
                 commands = children(pid)
-                if commands:  # mid-command: its child is running
+                # Early in its command, so that the command has well over a ttl to go.
+                if commands and process_age(commands[0]) < 0.4 * self.ttl:
                     start = time.monotonic()
                     kill_quietly(pid)
-                    self.record(
-                        "kill_runner", start, runner_pid=pid, command_pids=commands,
-                        wall=time.time(),
-                    )  # fmt: skip
+                    self.record("kill_runner", start, runner_pid=pid, command_pids=commands)
                     return
             time.sleep(0.05)
         self.skipped("kill_runner", "no runner mid-command")

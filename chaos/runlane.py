@@ -187,3 +187,16 @@ def kill_quietly(pid: int, sig: int = signal.SIGKILL) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def process_age(pid: int) -> float:
+    """Seconds since process ``pid`` started (Linux); infinity if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except OSError:
+        return float("inf")
+    # Field 22 (starttime, in clock ticks since boot) counts from after the ")" that
+    # ends the command name, which may itself hold spaces.
+    fields = stat.rsplit(")", 1)[1].split()
+    return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")

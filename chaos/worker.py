@@ -152,9 +152,10 @@ class Worker:
 
     # -- Claim --------------------------------------------------------------------------
 
-    def claim_once(self, n: int) -> bool:
+    def claim_once(self, _n: int) -> bool:
         claim = Claim(self.client, self.shared.name, ttl=self.shared.ttl)
-        if n % 2:
+        # One holding in each form, in turn.
+        if self.work.holds % 2 == 0:
             return self._explicit(claim)
         return self._with(claim)
 
