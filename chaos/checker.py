@@ -20,7 +20,9 @@ Invariants of the fenced lane (any violation fails the run):
   Redis became unreachable (it cannot have renewed since);
 - ``late-grant``: no grant that arrived later than the ttl after it was asked is
   counted as acquired (its deadline had passed: it must be given back);
-- ``release``: ``release()`` reports success only for a lease that still existed;
+- ``release``: a front end reports success (``release()`` True, a ``with`` block or an
+  ``@exclusive`` call ending without ``ClaimLost``) only when its lease still existed
+  when the release was sent;
 - ``run-overlap``, ``run-orphan``: two ``fenced run`` commands never ran at once,
   and a command stops within a ttl when its runner is killed. One exception, counted
   apart: a restart of the lock Redis without persistence forgets the lease, the next
@@ -58,7 +60,7 @@ INVARIANTS = {
     "fence-order": "fences strictly increasing, across lock Redis restarts",
     "unreachable": "no work started or continued while the lock Redis was unreachable",
     "late-grant": "no grant counted as acquired after its own deadline",
-    "release": "release() reports success only for a lease that still existed",
+    "release": "success reported only when the lease lasted until the release",
     "run-overlap": "fenced run: no two commands at once (after a restart: < 1 ttl)",
     "run-orphan": "fenced run: a command stops when its runner is killed",
 }
@@ -133,7 +135,11 @@ class Holding:
     acked: float
     end: float | None = None
     end_how: str = ""
+    #: What the front end reported: release() True; a with block or @exclusive call that
+    #: ended without ClaimLost. None where it reports nothing (Celery, killed).
     released_ok: bool | None = None
+    #: When the release was about to be sent (the "releasing" event), else the last work.
+    release_from: float | None = None
     work_end: float = 0.0
     steps: list[float] = field(default_factory=list)
     writes: list[Write] = field(default_factory=list)
@@ -426,6 +432,8 @@ def _holdings(events: list[Event]) -> tuple[list[Holding], dict[str, Write], dic
         elif ev in ("lost", "releasing", "released"):
             if h.end is None:
                 h.end, h.end_how = t, ev
+            if ev == "releasing":
+                h.release_from = t
             if ev == "released":
                 h.released_ok = e.get("ok")
     return list(holdings.values()), writes, last_seen
@@ -594,7 +602,7 @@ def check(
             checked["late-grant"] = f"{len(mine)} grants"
             violations += _releases(mine, faults, timeline)
             checked["release"] = (
-                f"{sum(1 for h in mine if h.released_ok is not None)} explicit releases"
+                f"{sum(1 for h in mine if h.released_ok is not None)} releases (not Celery's)"
             )
         lanes[lane] = stats
     run_lane = _run_lane(commands, faults, events, ttl, violations, timeline)
@@ -847,10 +855,19 @@ def _late_grants(
                 f"(ttl {ttl:g} s: its deadline had passed); "
                 + ("it then stopped at its first check" if not h.writes else
                    f"it went on to {len(h.writes)} write(s)"),
-                timeline.before(h.sent),
+                _while_waiting(timeline, h),
             )
         )  # fmt: skip
     return out
+
+
+def _while_waiting(timeline: Timeline, h: Holding) -> str:
+    """The fault that held up a grant: one under way while it was awaited."""
+    during = timeline.between(h.sent, h.acked)
+    if during:
+        f = during[-1]
+        return f"during {f.kind} #{f.n}{_targets(f)}"
+    return timeline.before(h.sent)
 
 
 def _releases(holdings: list[Holding], faults: list[Fault], timeline: Timeline) -> list[Violation]:
@@ -861,29 +878,35 @@ def _releases(holdings: list[Holding], faults: list[Fault], timeline: Timeline) 
     for h in holdings:
         if h.released_ok is not True:
             continue
+        said = {
+            "claim/explicit": "release() said True",
+            "claim/with": "the with block ended without ClaimLost",
+            "exclusive": "@exclusive returned without ClaimLost",
+        }.get(h.front, "the release reported success")
+        sent_after = h.release_from if h.release_from is not None else h.work_end
         i = bisect.bisect_right(acks, h.acked)
-        j = bisect.bisect_left(acks, h.work_end)
+        j = bisect.bisect_left(acks, sent_after)
         others = [g for g in grants[i:j] if g.pid != h.pid]
         if others:
             g = others[0]
             out.append(
                 Violation(
                     "release",
-                    h.work_end,
-                    f"{h.label}: release() said True, but {g.label} had been granted the "
-                    f"claim at {g.acked:.3f}, before the release was sent",
+                    sent_after,
+                    f"{h.label}: {said}, but {g.label} had been granted the claim at "
+                    f"{g.acked:.3f}, before the release was sent",
                     timeline.before(g.acked),
                 )
             )
             continue
-        gone = [f for f in restarts if h.acked < f.start < h.work_end]
+        gone = [f for f in restarts if h.acked < f.start < sent_after]
         if gone:
             out.append(
                 Violation(
                     "release",
-                    h.work_end,
-                    f"{h.label}: release() said True, but its lease vanished with the lock "
-                    f"Redis restart #{gone[0].n} before the release was sent",
+                    sent_after,
+                    f"{h.label}: {said}, but its lease had vanished with lock Redis "
+                    f"restart #{gone[0].n} before the release was sent",
                     f"after restart_lock_redis #{gone[0].n}",
                 )
             )

@@ -192,7 +192,10 @@ class Worker:
         except ClaimLost as exc:
             # The block finished, but the claim had been lost meanwhile.
             self.log.emit("lost", hold=hold, how="with-exit", reason=str(exc)[:200])
-        self.log.emit("released", hold=hold, ok=None)
+            self.log.emit("released", hold=hold, ok=False)
+            return True
+        # The block ended without ClaimLost: the claim says the work ran under it.
+        self.log.emit("released", hold=hold, ok=True)
         return True
 
     # -- @exclusive ---------------------------------------------------------------------
@@ -243,10 +246,12 @@ class Worker:
                     self.log.emit(
                         "lost", hold=state.get("hold", 0), how="wrapper", reason=str(exc)[:200]
                     )
-            else:
-                if isinstance(result, Skipped):
-                    return False
-            self.log.emit("released", hold=state.get("hold", 0), ok=None)
+                self.log.emit("released", hold=state.get("hold", 0), ok=False)
+                return True
+            if isinstance(result, Skipped):
+                return False
+            # No ClaimLost: the decorator says the function ran under its claim.
+            self.log.emit("released", hold=state.get("hold", 0), ok=True)
             return True
 
         return once
