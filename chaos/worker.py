@@ -132,11 +132,14 @@ class Worker:
 
     def run(self) -> None:
         self.log.emit("started", lock_url=self.args.lock_url)
-        loop: Callable[[int], bool] = {
-            "claim": self.claim_once,
-            "exclusive": self.exclusive_once(),
-            "lock": self.lock_once,
-        }[self.args.front]
+        front = self.args.front
+        loop: Callable[[int], bool] = (
+            self.exclusive_once()
+            if front == "exclusive"
+            else self.claim_once
+            if front == "claim"
+            else self.lock_once
+        )
         n = 0
         while not self.stopping.is_set():
             n += 1
