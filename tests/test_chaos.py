@@ -101,5 +101,6 @@ def test_fenced_keeps_its_invariants_under_every_fault(tmp_path: Path) -> None:
     fronts = {front.split("/")[0] for front in report.fenced.fronts}
     assert fronts == {"claim", "exclusive", "celery"}, report.tables()
     assert report.run_lane["commands"] > 3, report.tables()
-    assert sum(report.faults.values()) >= len(FAULTS) - 1, report.tables()
+    # About one of each kind in 25 s; a loaded machine may fit fewer.
+    assert sum(report.faults.values()) >= len(FAULTS) - 2, report.tables()
     assert report.ok, "\n" + report.tables()
