@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from .config import FAULTS, Config
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if report.ok else 1
     from .harness import Harness  # after the arguments: --help needs no Redis
 
+    # As Ctrl-C does: unwind, so that the harness stops every process and server it started.
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(143))
     harness = Harness(cfg)
     print(f"chaos: {cfg.seconds:g} s of faults; logs in {harness.out}", flush=True)
     report = harness.run()
