@@ -148,7 +148,9 @@ class Harness:
         return list(found.values())
 
     def proxied_workers(self) -> list[str]:
-        return [s.id for s in self.slots if self.proxy and str(self.proxy.port) in s.lock_url]
+        """The workers that reach the lock Redis through the proxy."""
+        proxy = self.proxy
+        return [s.id for s in self.slots if proxy is not None and s.lock_url == proxy.url]
 
     def pick_victims(self, rng: random.Random) -> list[dict[str, Any]]:
         """A worker of each lane to kill: its current holder half the time."""
