@@ -34,3 +34,10 @@ bench: install
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache
+
+# Fault injection (chaos/; the README's "Under faults"): five minutes by default.
+# CHAOS_SECONDS=60 make chaos; CHAOS_ARGS="--workers 3 --no-celery" (python -m chaos --help).
+CHAOS_SECONDS ?= 300
+.PHONY: chaos
+chaos: install
+	CHAOS_SECONDS=$(CHAOS_SECONDS) $(BIN)/python -m chaos $(CHAOS_ARGS)

@@ -1,0 +1,27 @@
+"""Fault injection for fenced: many holders of one claim, a nemesis, and a checker.
+
+``python -m chaos`` (``make chaos``) starts a lock Redis, a second Redis for the
+stores, a broker Redis and, for a few minutes, has worker processes compete for one
+claim name with a short ttl. Each holder works in steps, checking its claim, and
+writes under its fence to a ``RedisPointer`` (on the store Redis), a ``FilePointer``
+and a fenced ``upsert`` (PostgreSQL when ``FENCED_TEST_POSTGRES_URL`` is set, SQLite
+otherwise). The front ends are ``Claim`` (explicit and ``with``), ``@exclusive`` and
+``ClaimedTask`` in a real ``celery worker``; a separate lane runs ``fenced run``. A
+baseline lane does the same work under redis-py's ``Lock`` with fence-less writes.
+
+A nemesis pauses holders, restarts the lock Redis empty, kills its clients, makes it
+sleep or pause, black-holes one worker's connection, and kills workers and runners.
+Every process logs what it did (JSON lines); the checker reads the logs and the final
+stores and says which invariant broke, after which fault.
+
+Modules: ``config`` (one run's settings), ``events`` (the logs), ``stores`` (the
+fenced and fence-less stores), ``worker`` (the worker processes), ``celery_app`` (the
+Celery lane), ``runlane`` (the ``fenced run`` lane), ``nemesis`` (the faults),
+``checker`` (the verdict), ``harness`` (all of it together).
+"""
+
+from __future__ import annotations
+
+from .config import Config
+
+__all__ = ["Config"]

@@ -1,0 +1,107 @@
+"""One run's settings, and the part of them every worker process is handed."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["FAULTS", "LANES", "Config", "Shared"]
+
+#: Every fault the nemesis knows, in the order the report lists them.
+FAULTS = (
+    "pause_holder",
+    "restart_lock_redis",
+    "client_kill",
+    "debug_sleep",
+    "client_pause",
+    "partition",
+    "kill_worker",
+    "kill_runner",
+)
+#: The lanes: fenced's front ends, and the same work under redis-py's Lock.
+LANES = ("fenced", "lock")
+#: The environment variable that carries :class:`Shared` to worker processes.
+ENV = "CHAOS_SHARED"
+
+
+@dataclass
+class Config:
+    """What ``python -m chaos`` was asked to do."""
+
+    seconds: float = 300.0
+    #: Worker processes in the fenced lane (front ends alternate: Claim, @exclusive).
+    workers: int = 6
+    #: Worker processes in the redis-py Lock lane (default: as many as ``workers``).
+    baseline_workers: int | None = None
+    ttl: float = 1.0
+    steps: int = 4
+    step_min: float = 0.1
+    step_max: float = 0.3
+    celery: bool = True
+    #: Prefork children of the one Celery worker (the machine may have few cores).
+    celery_children: int = 2
+    run_lane: bool = True
+    runners: int = 2
+    baseline: bool = True
+    seed: int | None = None
+    #: SQLAlchemy URL for the upserts; None: FENCED_TEST_POSTGRES_URL, else SQLite.
+    sql_url: str | None = None
+    #: Directory for this run's logs and files; None: chaos/runs/<time>.
+    out: str | None = None
+    faults: tuple[str, ...] = FAULTS
+    #: Quiet time between two faults, in multiples of the ttl.
+    gap: tuple[float, float] = (1.5, 3.0)
+    keep_tables: bool = False
+
+    def check(self) -> None:
+        """Raise ValueError for settings that cannot work, naming the fix."""
+        unknown = [f for f in self.faults if f not in FAULTS]
+        if unknown:
+            raise ValueError(f"unknown fault(s) {unknown}: choose from {', '.join(FAULTS)}")
+        if self.workers < 2:
+            raise ValueError(f"--workers {self.workers}: at least 2, so that holders compete")
+        if self.ttl < 0.3:
+            raise ValueError(f"--ttl {self.ttl}: at least 0.3 s (the heartbeat renews at ttl/3)")
+        if self.seconds <= 0:
+            raise ValueError(f"--seconds {self.seconds}: a positive duration")
+        if not 0 < self.step_min <= self.step_max:
+            raise ValueError("step times: 0 < step_min <= step_max")
+
+    @property
+    def n_baseline(self) -> int:
+        """Worker processes in the Lock lane."""
+        if not self.baseline:
+            return 0
+        return self.workers if self.baseline_workers is None else self.baseline_workers
+
+
+@dataclass
+class Shared:
+    """What a worker process needs to know, passed in the environment as JSON."""
+
+    name: str
+    ttl: float
+    steps: int
+    step_min: float
+    step_max: float
+    lock_url: str
+    store_url: str
+    sql_url: str
+    sql_prefix: str
+    files_dir: str
+    log_dir: str
+    lock_name: str = "chaos:lock"
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def to_env(self) -> str:
+        """The JSON form carried by CHAOS_SHARED."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> Shared:
+        """Read CHAOS_SHARED; a clear error outside a chaos run."""
+        raw = os.environ.get(ENV)
+        if not raw:
+            raise SystemExit(f"{ENV} is not set: worker processes are started by python -m chaos")
+        return cls(**json.loads(raw))

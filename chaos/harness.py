@@ -1,0 +1,406 @@
+"""The harness: servers, workers, the Celery and ``fenced run`` lanes, the nemesis.
+
+``Harness(Config(...)).run()`` starts everything, lets the nemesis work for
+``cfg.seconds``, stops the workload, reads the final stores and returns the checker's
+:class:`~chaos.checker.Report`. Everything it starts, it stops (also on Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import redis
+
+import fenced
+from fenced import read_holder
+from fenced.testing import CeleryWorker, RedisServer, TcpProxy
+
+from . import checker
+from .config import ENV, Config, Shared
+from .events import EventLog, read_events
+from .nemesis import Nemesis
+from .runlane import RunLane, alive_commands, children, kill_quietly, read_lane
+from .stores import create_tables, drop_tables, read_final
+
+__all__ = ["ROOT", "Harness"]
+
+ROOT = Path(__file__).resolve().parent.parent
+NAME = "chaos:main"
+RUN_NAME = "chaos:run"
+QUEUE = "chaos"
+
+
+@dataclass
+class Slot:
+    """One worker process's place: restarted with a new pid when it dies."""
+
+    id: str
+    lane: str
+    front: str
+    lock_url: str
+    proc: subprocess.Popen[bytes] | None = None
+
+
+class Harness:
+    """One chaos run."""
+
+    def __init__(self, cfg: Config) -> None:
+        cfg.check()
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.out = Path(cfg.out) if cfg.out else ROOT / "chaos" / "runs" / stamp
+        self.log_dir = self.out / "logs"
+        self.proc_dir = self.out / "processes"
+        self.lane_file = self.out / "run-lane.txt"
+        self.stopping = threading.Event()
+        self.lock_server = RedisServer()
+        if _major(self.lock_server.version()) >= 7:
+            # DEBUG SLEEP is a fault the nemesis injects; Redis 7 refuses DEBUG by default.
+            self.lock_server.extra = ["--enable-debug-command", "yes"]
+        self.store_server = RedisServer()
+        self.broker_server = RedisServer() if cfg.celery else None
+        self.proxy: TcpProxy | None = None
+        self.run_lane: RunLane | None = None
+        self.celery: CeleryWorker | None = None
+        self._celery_restarting = threading.Lock()
+        self.slots: list[Slot] = []
+        self._slots_lock = threading.Lock()
+        self._admin: Any = None
+        self.sql_url = (
+            cfg.sql_url
+            or os.environ.get("FENCED_TEST_POSTGRES_URL")
+            or f"sqlite:///{self.out / 'chaos.db'}"
+        )
+        self.sql_prefix = f"chaos_{secrets.token_hex(4)}"
+        self.log: EventLog
+        self.shared: Shared
+        self.env: dict[str, str] = {}
+
+    # -- what the nemesis asks ------------------------------------------------------------
+
+    def admin(self) -> Any:
+        """A client on the lock Redis for the harness's own reads and faults."""
+        if self._admin is None:
+            self._admin = redis.Redis.from_url(
+                self.lock_server.url, socket_timeout=5, socket_connect_timeout=2
+            )
+        return self._admin
+
+    def holder_pid(self, name: str) -> int | None:
+        """The pid in the token of the claim's holder, or None."""
+        try:
+            holder = read_holder(self.admin(), name)
+        except fenced.FencedError:
+            return None
+        return holder.pid if holder is not None else None
+
+    def lock_holder_pid(self) -> int | None:
+        """The pid in the token of the redis-py Lock's holder (the Lock lane's tokens)."""
+        try:
+            token = self.admin().get(self.shared.lock_name)
+        except redis.RedisError:
+            return None
+        if not token:
+            return None
+        tail = token.decode().rsplit(":", 1)[-1]
+        return int(tail) if tail.isdigit() else None
+
+    def lane_pids(self, lane: str) -> dict[int, str]:
+        """The live worker processes of a lane: pid -> worker id."""
+        with self._slots_lock:
+            pids = {
+                s.proc.pid: s.id
+                for s in self.slots
+                if s.lane == lane and s.proc is not None and s.proc.poll() is None
+            }
+        if lane == "fenced" and self.celery is not None and self.celery.proc is not None:
+            for pid in children(self.celery.proc.pid):
+                pids[pid] = f"celery-{pid}"
+        return pids
+
+    def holders(self, wait: bool = True) -> list[dict[str, Any]]:
+        """The current holder of each lane (waiting up to 2 ttl for them to appear)."""
+        found: dict[str, dict[str, Any]] = {}
+        lanes = ["fenced"] + (["lock"] if self.cfg.baseline else [])
+        deadline = time.monotonic() + (2 * self.cfg.ttl if wait else 0)
+        first = True
+        while (first or time.monotonic() < deadline) and len(found) < len(lanes):
+            first = False
+            for lane in lanes:
+                if lane in found:
+                    continue
+                pid = self.holder_pid(NAME) if lane == "fenced" else self.lock_holder_pid()
+                ours = self.lane_pids(lane)
+                if pid is not None and pid in ours:
+                    found[lane] = {"lane": lane, "pid": pid, "w": ours[pid]}
+            time.sleep(0.02)
+        return list(found.values())
+
+    def proxied_workers(self) -> list[str]:
+        """The workers that reach the lock Redis through the proxy."""
+        proxy = self.proxy
+        return [s.id for s in self.slots if proxy is not None and s.lock_url == proxy.url]
+
+    def pick_victims(self, rng: random.Random) -> list[dict[str, Any]]:
+        """A worker of each lane to kill: its current holder half the time."""
+        victims: list[dict[str, Any]] = []
+        holders = {h["lane"]: h for h in self.holders()} if rng.random() < 0.5 else {}
+        for lane in ["fenced"] + (["lock"] if self.cfg.baseline else []):
+            pids = self.lane_pids(lane)
+            if not pids:
+                continue
+            if lane in holders:
+                pid, is_holder = holders[lane]["pid"], True
+            else:
+                pid, is_holder = rng.choice(sorted(pids)), False
+            victim: dict[str, Any] = {"lane": lane, "pid": pid, "w": pids[pid], "holder": is_holder}
+            if pids[pid].startswith("celery-") and rng.random() < 0.25 and self.celery:
+                # Now and then the whole worker, as a deploy's hard restart does.
+                assert self.celery.proc is not None
+                victim["whole_celery"] = True
+                victim["pids"] = [self.celery.proc.pid, *children(self.celery.proc.pid)]
+            victims.append(victim)
+        return victims
+
+    def restart_celery_in_background(self) -> None:
+        def restart() -> None:
+            if not self._celery_restarting.acquire(blocking=False):
+                return
+            try:
+                assert self.celery is not None
+                self.celery.kill()
+                if self.stopping.is_set():
+                    return
+                self.celery.start()
+                self.celery.ready()
+                self.log.emit("celery-restarted")
+            except Exception as exc:
+                self.log.emit("celery-restart-failed", error=repr(exc)[:300])
+            finally:
+                self._celery_restarting.release()
+
+        threading.Thread(target=restart, daemon=True).start()
+
+    # -- the run --------------------------------------------------------------------------
+
+    def run(self) -> checker.Report:
+        """Start, inject faults for cfg.seconds, stop, check."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log = EventLog(self.log_dir / "harness.jsonl", w="harness", pid=os.getpid())
+        finals = {}
+        try:
+            self._start()
+            nemesis = Nemesis(self, self.rng)  # after the start: it looks at what runs
+            self.log.emit("phase", phase="faults")
+            until = time.monotonic() + self.cfg.seconds
+            thread = threading.Thread(target=nemesis.run, args=(until,), daemon=True)
+            thread.start()
+            while time.monotonic() < until and thread.is_alive():
+                time.sleep(0.2)
+            nemesis.stopping.set()
+            thread.join(30)
+            self.log.emit("phase", phase="stop")
+            self._stop_workload()
+            for lane in ("fenced", "lock") if self.cfg.baseline else ("fenced",):
+                finals[lane] = read_final(self.shared, lane)
+        finally:
+            self.stopping.set()
+            self._teardown()
+        setup = checker.Setup.of(self.cfg, self.sql_url, self.celery is not None)
+        checker.save_inputs(self.out, finals, setup)
+        report = checker.check(read_events(self.log_dir), read_lane(self.lane_file), finals, setup)
+        report.write(self.out / "report.json")
+        return report
+
+    def _start(self) -> None:
+        cfg = self.cfg
+        self.lock_server.start()
+        self.store_server.start()
+        if self.broker_server is not None:
+            self.broker_server.start()
+        self.proc_dir.mkdir(parents=True, exist_ok=True)
+        create_tables(self.sql_url, self.sql_prefix)
+        self.shared = Shared(
+            name=NAME,
+            ttl=cfg.ttl,
+            steps=cfg.steps,
+            step_min=cfg.step_min,
+            step_max=cfg.step_max,
+            lock_url=self.lock_server.url,
+            store_url=self.store_server.url,
+            sql_url=self.sql_url,
+            sql_prefix=self.sql_prefix,
+            files_dir=str(self.out / "files"),
+            log_dir=str(self.log_dir),
+        )
+        src = str(Path(fenced.__file__).resolve().parent.parent)
+        path = [str(ROOT), src, *filter(None, [os.environ.get("PYTHONPATH")])]
+        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), ENV: self.shared.to_env()}
+        if self.broker_server is not None:
+            self.env["CHAOS_BROKER_URL"] = self.broker_server.url
+            self.env["CHAOS_QUEUE"] = QUEUE
+        if "partition" in cfg.faults:
+            self.proxy = TcpProxy(self.lock_server.port)
+        for i in range(cfg.workers):
+            front = ("claim", "exclusive")[i % 2]
+            self.slots.append(Slot(f"w{i}", "fenced", front, self._url_for(i)))
+        for i in range(cfg.n_baseline):
+            self.slots.append(Slot(f"b{i}", "lock", "lock", self._url_for(i)))
+        for slot in self.slots:
+            self._spawn(slot)
+        threading.Thread(target=self._supervise, daemon=True).start()
+        if cfg.celery:
+            self.celery = CeleryWorker(
+                "chaos.celery_app",
+                name="chaos",
+                log=self.proc_dir / "celery.out",
+                concurrency=cfg.celery_children,
+                pool="prefork",
+                cwd=ROOT,
+                env=self.env,
+            ).start()
+            self.celery.ready()
+            threading.Thread(target=self._feed, daemon=True).start()
+        if cfg.run_lane:
+            self.run_lane = RunLane(
+                name=RUN_NAME,
+                lock_url=self.lock_server.url,
+                ttl=cfg.ttl,
+                runners=cfg.runners,
+                file=self.lane_file,
+                log=self.log,
+                env=self.env,
+                out_dir=self.proc_dir,
+            )
+            self.run_lane.start()
+        self._warm_up()
+
+    def _url_for(self, i: int) -> str:
+        # The first worker of each lane reaches the lock Redis through the proxy.
+        if i == 0 and self.proxy is not None:
+            return self.proxy.url
+        return self.lock_server.url
+
+    def _spawn(self, slot: Slot) -> None:
+        argv = [
+            sys.executable, "-m", "chaos.worker", "--id", slot.id, "--lane", slot.lane,
+            "--front", slot.front, "--lock-url", slot.lock_url,
+        ]  # fmt: skip
+        with open(self.proc_dir / f"{slot.id}.out", "ab") as out:
+            slot.proc = subprocess.Popen(
+                argv, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT
+            )
+        self.log.emit("worker-start", worker=slot.id, worker_pid=slot.proc.pid, lane=slot.lane)
+
+    def _supervise(self) -> None:
+        while not self.stopping.is_set():
+            for slot in self.slots:
+                with self._slots_lock:
+                    proc = slot.proc
+                    if self.stopping.is_set() or proc is None or proc.poll() is None:
+                        continue
+                    self.log.emit(
+                        "worker-exit", worker=slot.id, worker_pid=proc.pid, code=proc.returncode
+                    )
+                    self._spawn(slot)
+            time.sleep(0.1)
+
+    def _feed(self) -> None:
+        """Keep a task waiting in the Celery queue."""
+        from celery import Celery
+
+        assert self.broker_server is not None
+        client = Celery("chaos-feeder", broker=self.broker_server.url)
+        client.conf.broker_connection_retry_on_startup = True
+        broker = self.broker_server.client()
+        while not self.stopping.is_set():
+            try:
+                if not int(broker.llen(QUEUE)):
+                    client.send_task("chaos.work", queue=QUEUE)
+            except Exception as exc:
+                self.log.emit("feeder-error", error=repr(exc)[:200])
+            # A busy claim makes each task a quick skip: a few tries a second compete
+            # like a worker does, without flooding two cores with skipped tasks.
+            self.stopping.wait(0.15)
+
+    def _warm_up(self, timeout: float = 90.0) -> None:
+        """Wait until each lane has had a holder: every process has started."""
+        lanes = {"fenced": NAME}
+        if self.cfg.baseline:
+            lanes["lock"] = self.shared.lock_name
+        seen: set[str] = set()
+        deadline = time.monotonic() + timeout
+        while seen != set(lanes) and time.monotonic() < deadline:
+            for lane, name in lanes.items():
+                pid = self.holder_pid(name) if lane == "fenced" else self.lock_holder_pid()
+                if pid is not None:
+                    seen.add(lane)
+            time.sleep(0.05)
+        if seen != set(lanes):
+            raise RuntimeError(
+                f"no holder in lane(s) {set(lanes) - seen} after {timeout:g}s: see "
+                f"{self.proc_dir} for the workers' output"
+            )
+
+    def _stop_workload(self) -> None:
+        self.stopping.set()
+        if self.run_lane is not None:
+            self.run_lane.stop()
+        with self._slots_lock:
+            procs = [s.proc for s in self.slots if s.proc is not None]
+        for p in procs:
+            if p.poll() is None:
+                kill_quietly(p.pid, signal.SIGCONT)
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        if self.celery is not None:
+            with self._celery_restarting:
+                self.celery.stop()
+        # A command whose runner was killed may still run: it belongs to this run.
+        deadline = time.monotonic() + 10
+        while alive_commands(read_lane(self.lane_file)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in alive_commands(read_lane(self.lane_file)):
+            kill_quietly(pid)
+
+    def _teardown(self) -> None:
+        for p in [s.proc for s in self.slots if s.proc is not None]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        if self.run_lane is not None:
+            self.run_lane.stop(timeout=2)
+        if self.celery is not None:
+            self.celery.kill()
+        if self.proxy is not None:
+            self.proxy.close()
+        for server in (self.lock_server, self.store_server, self.broker_server):
+            if server is not None:
+                server.stop()
+        if not self.cfg.keep_tables:
+            try:
+                drop_tables(self.sql_url, self.sql_prefix)
+            except Exception as exc:
+                print(f"chaos: could not drop tables {self.sql_prefix}_*: {exc}", file=sys.stderr)
+
+
+def _major(version: str) -> int:
+    head = version.split(".", 1)[0]
+    return int(head) if head.isdigit() else 0

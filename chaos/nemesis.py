@@ -1,0 +1,184 @@
+"""The nemesis: one fault at a time, at random, each logged with its start and end.
+
+Faults come from a shuffled bag (every kind once, then again), separated by a random
+quiet time, so that each violation the checker finds has one fault just before it.
+Targeted faults hit both lanes at once (the holder of the fenced claim and the holder
+of the redis-py Lock are paused together; a worker of each lane is killed), so the
+two lanes see the same faults.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from .runlane import children, kill_quietly, process_age
+
+if TYPE_CHECKING:
+    from .harness import Harness
+
+__all__ = ["Nemesis"]
+
+
+class Nemesis:
+    """Injects the configured faults into a running harness until stopped."""
+
+    def __init__(self, harness: Harness, rng: random.Random) -> None:
+        self.h = harness
+        self.rng = rng
+        self.ttl = harness.cfg.ttl
+        self.stopping = threading.Event()
+        self.kinds = [k for k in harness.cfg.faults if self.applies(k)]
+        self.count = 0
+
+    def applies(self, kind: str) -> bool:
+        """Whether this run has what the fault needs."""
+        if kind == "partition":
+            return self.h.proxy is not None
+        if kind == "kill_runner":
+            return self.h.run_lane is not None
+        return True
+
+    def run(self, until: float) -> None:
+        bag: list[str] = []
+        low, high = self.h.cfg.gap
+        # A quiet start: the first holders settle before the first fault.
+        self.stopping.wait(self.rng.uniform(low, high) * self.ttl)
+        while not self.stopping.is_set() and time.monotonic() < until and self.kinds:
+            if not bag:
+                bag = list(self.kinds)
+                self.rng.shuffle(bag)
+            kind = bag.pop()
+            try:
+                getattr(self, kind)()
+            except Exception as exc:  # a fault that could not be made is logged, not fatal
+                self.h.log.emit("fault-failed", kind=kind, error=repr(exc)[:300])
+            self.stopping.wait(self.rng.uniform(low, high) * self.ttl)
+
+    def record(self, kind: str, start: float, end: float | None = None, **details: Any) -> None:
+        self.count += 1
+        self.h.log.emit(
+            "fault", t=start, kind=kind, n=self.count, end=start if end is None else end, **details
+        )
+
+    def skipped(self, kind: str, why: str) -> None:
+        self.h.log.emit("fault-skipped", kind=kind, why=why)
+
+    def _span(self, low: float, high: float) -> float:
+        return self.rng.uniform(low, high) * self.ttl
+
+    # -- the faults ---------------------------------------------------------------------
+
+    def pause_holder(self) -> None:
+        """SIGSTOP the current holder of each lane for 1.5-3 ttl, then SIGCONT."""
+        targets = self.h.holders()
+        if not targets:
+            self.skipped("pause_holder", "no holder")
+            return
+        pids = [t["pid"] for t in targets]
+        start = time.monotonic()
+        try:
+            for pid in pids:
+                kill_quietly(pid, signal.SIGSTOP)
+            self.stopping.wait(self._span(1.5, 3.0))
+        finally:
+            for pid in pids:
+                kill_quietly(pid, signal.SIGCONT)
+        self.record("pause_holder", start, time.monotonic(), targets=targets)
+
+    def restart_lock_redis(self) -> None:
+        """kill -9 the lock Redis, leave it down a moment, start it empty on its port."""
+        server = self.h.lock_server
+        start = time.monotonic()
+        server.kill()
+        self.stopping.wait(self._span(0.1, 0.5))
+        # Nothing can answer before the new process exists: the outage ends no earlier.
+        down_until = time.monotonic()
+        server.start()
+        self.record("restart_lock_redis", start, time.monotonic(), down_until=down_until)
+
+    def client_kill(self) -> None:
+        """CLIENT KILL TYPE normal: every client's connection to the lock Redis drops."""
+        admin = self.h.admin()
+        start = time.monotonic()
+        killed = admin.execute_command("CLIENT", "KILL", "TYPE", "normal")
+        self.record("client_kill", start, connections=int(killed))
+
+    def debug_sleep(self) -> None:
+        """DEBUG SLEEP for 0.5-2 ttl: the lock Redis answers nobody meanwhile."""
+        seconds = round(self._span(0.5, 2.0), 3)
+        admin: Any = redis.Redis.from_url(self.h.lock_server.url, socket_timeout=seconds + 30)
+        start = time.monotonic()
+        try:
+            admin.execute_command("DEBUG", "SLEEP", seconds)
+        finally:
+            admin.close()
+        self.record("debug_sleep", start, time.monotonic(), seconds=seconds)
+
+    def client_pause(self) -> None:
+        """CLIENT PAUSE for 0.5-2 ttl: the lock Redis holds every client's commands."""
+        ms = int(self._span(0.5, 2.0) * 1000)
+        start = time.monotonic()
+        self.h.admin().execute_command("CLIENT", "PAUSE", ms)
+        self.stopping.wait(ms / 1000)
+        self.record("client_pause", start, start + ms / 1000, ms=ms)
+
+    def partition(self) -> None:
+        """Black-hole the proxied workers' traffic to the lock Redis for 1.5-3 ttl.
+
+        Preferably while a proxied worker holds its claim (waiting up to 4 ttl for one).
+        """
+        proxy = self.h.proxy
+        assert proxy is not None
+        proxied = set(self.h.proxied_workers())
+        deadline = time.monotonic() + 4 * self.ttl
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            if any(t["w"] in proxied for t in self.h.holders(wait=False)):
+                break
+            time.sleep(0.02)
+        start = time.monotonic()
+        proxy.blackhole()
+        try:
+            self.stopping.wait(self._span(1.5, 3.0))
+        finally:
+            proxy.heal()
+        self.record(
+            "partition", start, time.monotonic(), workers=self.h.proxied_workers(),
+        )  # fmt: skip
+
+    def kill_worker(self) -> None:
+        """kill -9 a worker of each lane (its holder half the time); a new one starts."""
+        victims = self.h.pick_victims(self.rng)
+        if not victims:
+            self.skipped("kill_worker", "no worker")
+            return
+        start = time.monotonic()
+        for v in victims:
+            if v.get("whole_celery"):
+                self.h.restart_celery_in_background()
+            else:
+                kill_quietly(v["pid"])
+        self.record("kill_worker", start, targets=victims)
+
+    def kill_runner(self) -> None:
+        """kill -9 the ``fenced run`` runner that holds the lane's claim, early in a command."""
+        lane = self.h.run_lane
+        assert lane is not None
+        deadline = time.monotonic() + 6 * self.ttl
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            pid = self.h.holder_pid(lane.name)
+            if pid is not None and pid in lane.runner_pids():
+                commands = children(pid)
+                # Early in its command, so that the command has well over a ttl to go.
+                if commands and process_age(commands[0]) < 0.4 * self.ttl:
+                    start = time.monotonic()
+                    kill_quietly(pid)
+                    self.record("kill_runner", start, runner_pid=pid, command_pids=commands)
+                    return
+            time.sleep(0.05)
+        self.skipped("kill_runner", "no runner mid-command")
