@@ -23,8 +23,8 @@ test: install
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/ruff check src tests benchmarks examples chaos
+	$(BIN)/ruff format --check src tests benchmarks examples chaos
 	$(BIN)/mypy src tests
 
 bench: install
