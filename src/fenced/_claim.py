@@ -159,7 +159,7 @@ class Claim:
         self.token: str | None = None
         self.fence: int | None = None
         self.holder: Holder | None = None
-        self.lost_reason: str | None = None
+        self._lost_reason: str | None = None
         self.skips = 0
         #: Distinct triggers that asked for one more run: seen by a loser after its
         #: acquire (how many are waiting), taken by the holder at release.
@@ -184,6 +184,13 @@ class Claim:
     def lost(self) -> bool:
         """True once the claim was lost (or its local deadline passed); it never comes back."""
         return self._state == _LOST or (self._mine() and self._clock() >= self._deadline)
+
+    @property
+    def lost_reason(self) -> str | None:
+        """Why the claim was lost (None while it is not)."""
+        if self._lost_reason is None and self.lost:
+            return _DEADLINE_PASSED  # lost by the clock, not declared yet
+        return self._lost_reason
 
     @property
     def expires_in(self) -> float:
@@ -305,7 +312,7 @@ class Claim:
                 self.token = token
                 self.fence = int(res[1])
                 self.holder = None
-                self.lost_reason = None
+                self._lost_reason = None
                 self.vanished = False
                 self.rerun_triggers = []
                 self._pid = current_pid()
@@ -421,7 +428,7 @@ class Claim:
             if self._state != _HELD or (token is not None and token != self.token):
                 return
             self._state = _LOST
-            self.lost_reason = reason
+            self._lost_reason = reason
         if self.heartbeat:
             _heartbeat().discard(self)
         log.warning("fenced: claim %r (fence %s) lost: %s", self.name, self.fence, reason)
@@ -477,7 +484,7 @@ class Claim:
         if not released and before == _HELD:
             # Ours until the end as far as we knew, but Redis had no lease for us.
             self.vanished = True
-            self.lost_reason = _VANISHED
+            self._lost_reason = _VANISHED
         return released
 
     def finished_ok(self) -> bool:
