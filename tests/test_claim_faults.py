@@ -159,3 +159,24 @@ def test_an_idle_expiry_shorter_than_twice_the_ttl_is_refused(r: Any) -> None:
         Claim(r, "idle:c", ttl=5, idle_ttl=9)
     with pytest.raises(ConfigError, match="at least 200 seconds"):
         Claim(r, "idle:c", ttl=100, idle_ttl=150)
+
+
+def test_a_redis_restarted_empty_before_release_ends_the_block_as_lost(
+    own_server: RedisServer,
+) -> None:
+    client = own_server.client()
+    claim = Claim(client, "restarted", ttl=5.0)
+    with pytest.raises(ClaimLost, match="gone before release"), claim:
+        own_server.kill()
+        threading.Timer(0.5, own_server.start).start()  # back, empty, within the lease
+    assert claim.vanished
+
+
+def test_a_release_that_cannot_reach_redis_reports_no_success(own_server: RedisServer) -> None:
+    client = own_server.client(socket_timeout=0.5, socket_connect_timeout=0.5)
+    claim = Claim(client, "unconfirmed", ttl=2.0)
+    started = time.monotonic()
+    with pytest.raises(ClaimLost, match="could not be reached to confirm"), claim:
+        own_server.kill()
+    assert time.monotonic() - started < claim.ttl + 2.0  # it gave up by the deadline
+    assert claim.vanished

@@ -60,6 +60,10 @@ _DEADLINE_PASSED = "no refresh was confirmed before the local deadline"
 _TAKEN = "the lease is gone or held under another token"
 _LATE = "granted after its own deadline; given back"
 _VANISHED = "the lease was gone before release (evicted, failed over, or cleared)"
+_UNCONFIRMED = "Redis could not be reached to confirm the lease at release"
+#: How long a release keeps trying to reach Redis (never past the lease's deadline).
+RELEASE_PATIENCE = 5.0
+RELEASE_RETRY = 0.1
 
 
 class Claim:
@@ -166,7 +170,8 @@ class Claim:
         self.rerun_requested = 0
         self.rerun_triggers: list[str] = []
         #: True when release() found the lease already gone (evicted, failed over,
-        #: cleared by an operator): the run did not end under the claim.
+        #: cleared by an operator), or could not reach Redis to find out before the
+        #: lease would have run out: the run is not known to have ended under the claim.
         self.vanished = False
 
     # -- state (reading it never acts) -----------------------------------------------------
@@ -456,30 +461,42 @@ class Claim:
             # Given back from here on: a renewal already in flight that reaches Redis
             # after the lease is deleted finds it gone, and that is not a loss.
             before, self._state = self._state, _RELEASED
-        try:
-            released, _recorded, self.rerun_triggers = self._store.release(
-                self.token,
-                record,
-                self.max_records,
-                outcome,
-                self.fence,
-                self._idle_ms,
-                self.task_id,
-                self._done_ms,
-            )
-        except UNREACHABLE as exc:
-            log.warning(
-                "fenced: could not release %r at %s (%s); it expires within %.1fs",
-                self.name,
-                describe_client(self.redis),
-                exc,
-                self.ttl,
-            )
-            return False
-        except BaseException:
-            with self._mutex:
-                self._state = before  # not given back: release() may be called again
-            raise
+        # Until the lease would run out anyway, a release that cannot reach Redis is
+        # tried again: only an answer says whether the lease lasted (a Redis restarted
+        # without persistence has forgotten it), and "ok" must not be said unconfirmed.
+        give_up = min(self._deadline, self._clock() + RELEASE_PATIENCE)
+        while True:
+            try:
+                released, _recorded, self.rerun_triggers = self._store.release(
+                    self.token,
+                    record,
+                    self.max_records,
+                    outcome,
+                    self.fence,
+                    self._idle_ms,
+                    self.task_id,
+                    self._done_ms,
+                )
+                break
+            except UNREACHABLE as exc:
+                if before == _HELD and self._clock() + RELEASE_RETRY < give_up:
+                    self._sleep(RELEASE_RETRY)
+                    continue
+                log.warning(
+                    "fenced: could not release %r at %s (%s); it expires within %.1fs",
+                    self.name,
+                    describe_client(self.redis),
+                    exc,
+                    self.ttl,
+                )
+                if before == _HELD:
+                    self.vanished = True
+                    self._lost_reason = f"{_UNCONFIRMED} ({exc})"
+                return False
+            except BaseException:
+                with self._mutex:
+                    self._state = before  # not given back: release() may be called again
+                raise
         self.rerun_requested = len(self.rerun_triggers)
         if not released and before == _HELD:
             # Ours until the end as far as we knew, but Redis had no lease for us.
