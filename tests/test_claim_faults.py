@@ -180,3 +180,44 @@ def test_a_release_that_cannot_reach_redis_reports_no_success(own_server: RedisS
         own_server.kill()
     assert time.monotonic() - started < claim.ttl + 2.0  # it gave up by the deadline
     assert claim.vanished
+
+
+def test_a_claim_lost_before_its_release_never_ends_ok(r: Any) -> None:
+    from fenced._guard import finish
+
+    claim = Claim(r, "lost-first", ttl=5, heartbeat=False, records=True)
+    assert claim.acquire()
+    r.set(claim.key, "thief")
+    claim.refresh()  # the heartbeat finds the lease taken
+    # The work had finished ("ok") just before: the release must not say ok.
+    assert claim.release(outcome="ok") is False
+    assert claim.vanished
+    other = Claim(r, "lost-first-2", ttl=5, heartbeat=False)
+    assert other.acquire()
+    r.delete(other.key)
+    with pytest.raises(ClaimLost):
+        finish(other, None)
+
+
+def test_a_release_sent_again_gets_the_first_answer(r: Any) -> None:
+    claim = Claim(r, "sent-twice", ttl=5, heartbeat=False, records=True)
+    assert claim.acquire()
+    assert not Claim(r, "sent-twice", ttl=5).acquire(request_rerun="again")
+    assert claim.token is not None
+    # The first release lands, but its reply is lost on the way back ...
+    first = claim._store.release(claim.token, "", 100, "ok", claim.fence, 0)
+    assert first == (True, "ok", ["again"])
+    # ... so the client sends it again: same answer, nothing recorded twice.
+    assert claim.release() is True
+    assert not claim.vanished and claim.rerun_triggers == ["again"]
+
+
+def test_a_long_run_keeps_its_names_keys_from_expiring(r: Any) -> None:
+    holder = Claim(r, "long-run", ttl=1.0, idle_ttl=2.0)
+    assert holder.acquire()
+    assert not Claim(r, "long-run", ttl=1.0, idle_ttl=2.0).acquire(request_rerun="later")
+    time.sleep(3.5)  # longer than the idle expiry, renewed all along
+    assert holder.held
+    assert r.smembers(holder.keys.rerun)
+    holder.release()
+    assert holder.rerun_triggers == ["later"]

@@ -370,3 +370,34 @@ def test_a_command_that_cannot_start_leaves_no_watchdog(runs: Runs) -> None:
     proc = runs.start("job:nf", "--", "no-such-command-here")
     assert proc.wait(timeout=60) == 127
     assert not watchdogs_named("job:nf")
+
+
+def test_a_lease_gone_when_the_command_ends_exits_76(redis_server: RedisServer) -> None:
+    import subprocess
+    import sys
+
+    from fenced._lease import ClaimKeys
+
+    key = ClaimKeys.of("gone-at-end").lock
+    command = "import redis, sys; redis.Redis.from_url(sys.argv[1]).delete(sys.argv[2])"
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fenced.cli",
+            "run",
+            "gone-at-end",
+            "--",
+            sys.executable,
+            "-c",
+            command,
+            redis_server.url,
+            key,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "FENCED_REDIS_URL": redis_server.url},
+    )
+    assert res.returncode == 76, res.stderr
+    assert "was not held when the command ended" in res.stderr

@@ -63,6 +63,8 @@ _VANISHED = "the lease was gone before release (evicted, failed over, or cleared
 _UNCONFIRMED = "Redis could not be reached to confirm the lease at release"
 #: How long a release keeps trying to reach Redis (never past the lease's deadline).
 RELEASE_PATIENCE = 5.0
+#: A release that gets one of these does not know whether the lease lasted.
+_UNCONFIRMABLE: tuple[type[BaseException], ...] = (*UNREACHABLE, redis.ResponseError)
 RELEASE_RETRY = 0.1
 
 
@@ -303,6 +305,7 @@ class Claim:
                     "lost",
                     int(res[1]),
                     self._idle_ms,
+                    take_reruns=False,  # the triggers are for whoever holds it next
                 )
             except Exception:  # best effort: the lease expires within its ttl anyway
                 log.warning("fenced: could not give back the late grant of %r", self.name)
@@ -342,7 +345,7 @@ class Claim:
         token = self.token
         sent = self._clock()
         try:
-            ok = self._store.refresh(token, self._ttl_ms)
+            ok = self._store.refresh(token, self._ttl_ms, self._idle_ms)
         except UNREACHABLE as exc:
             self.retry_soon()
             raise ClaimUnavailable.about(
@@ -397,6 +400,8 @@ class Claim:
                 self.refresh_every,
                 self._next_refresh,
                 self._deadline,
+                self.keys.lasting() if self._idle_ms else (),
+                self._idle_ms,
             )
 
     def renewed(self, sent: float, token: str) -> None:
@@ -434,8 +439,9 @@ class Claim:
                 return
             self._state = _LOST
             self._lost_reason = reason
-        if self.heartbeat:
-            _heartbeat().discard(self)
+        # Not discarded from the heartbeat here: it drops claims no longer held by
+        # itself, and a discard from this (maybe another) thread could remove the entry
+        # of a lease this object acquired again meanwhile.
         log.warning("fenced: claim %r (fence %s) lost: %s", self.name, self.fence, reason)
         if self.on_lost is not None:
             try:
@@ -461,13 +467,15 @@ class Claim:
             # Given back from here on: a renewal already in flight that reaches Redis
             # after the lease is deleted finds it gone, and that is not a loss.
             before, self._state = self._state, _RELEASED
-        # Until the lease would run out anyway, a release that cannot reach Redis is
-        # tried again: only an answer says whether the lease lasted (a Redis restarted
-        # without persistence has forgotten it), and "ok" must not be said unconfirmed.
-        give_up = min(self._deadline, self._clock() + RELEASE_PATIENCE)
+        # Until the lease would run out anyway (and at most RELEASE_PATIENCE), a release
+        # that cannot reach Redis is tried again: only an answer says whether the lease
+        # lasted (a Redis restarted without persistence has forgotten it), and "ok" must
+        # not be said unconfirmed. A retry of a release that did land gets its answer.
+        patience = min(max(0.0, self._deadline - self._clock()), RELEASE_PATIENCE)
+        give_up = time.monotonic() + (patience if before == _HELD else 0.0)
         while True:
             try:
-                released, _recorded, self.rerun_triggers = self._store.release(
+                released, recorded, self.rerun_triggers = self._store.release(
                     self.token,
                     record,
                     self.max_records,
@@ -478,9 +486,9 @@ class Claim:
                     self._done_ms,
                 )
                 break
-            except UNREACHABLE as exc:
-                if before == _HELD and self._clock() + RELEASE_RETRY < give_up:
-                    self._sleep(RELEASE_RETRY)
+            except _UNCONFIRMABLE as exc:
+                if isinstance(exc, UNREACHABLE) and time.monotonic() + RELEASE_RETRY < give_up:
+                    time.sleep(RELEASE_RETRY)  # real time: the claim's sleep may be a seam
                     continue
                 log.warning(
                     "fenced: could not release %r at %s (%s); it expires within %.1fs",
@@ -489,19 +497,24 @@ class Claim:
                     exc,
                     self.ttl,
                 )
-                if before == _HELD:
-                    self.vanished = True
-                    self._lost_reason = f"{_UNCONFIRMED} ({exc})"
+                # A replica (READONLY) or no answer: whether the lease lasted is unknown.
+                self.vanished = True
+                self._lost_reason = f"{_UNCONFIRMED} ({exc})"
                 return False
             except BaseException:
                 with self._mutex:
                     self._state = before  # not given back: release() may be called again
+                if self.heartbeat and before == _HELD:
+                    _heartbeat().add(self)
                 raise
         self.rerun_requested = len(self.rerun_triggers)
-        if not released and before == _HELD:
-            # Ours until the end as far as we knew, but Redis had no lease for us.
+        lost_first = before == _LOST and outcome == "ok"
+        if lost_first or recorded != outcome or (not released and before == _HELD):
+            # Ours until the end as far as the caller knew, but it was not: lost before
+            # the release, or Redis had no lease for us when it came.
             self.vanished = True
-            self._lost_reason = _VANISHED
+            if self._lost_reason is None or before == _HELD:
+                self._lost_reason = _VANISHED
         return released
 
     def finished_ok(self) -> bool:

@@ -57,6 +57,9 @@ class Renewal(NamedTuple):
     refresh_every: float
     next_refresh: float
     deadline: float
+    #: The name's keys that outlive the lease, kept from expiring while it is held.
+    lasting: tuple[str, ...] = ()
+    idle_ms: int = 0
 
 
 class Renewable(Protocol):
@@ -118,6 +121,9 @@ class _Lane:
         self.owner = owner  # the client this lane serves as it is, None for a server's lane
         self.private = private  # a clone of that pool, which the lane owns and closes
         self.last_used = time.monotonic()
+        # Idle means: unused for longer than two intervals of its slowest claim (a lane
+        # between two renewals is not idle), and at least LANE_IDLE.
+        self.idle_after = LANE_IDLE
         self.busy = False
         self.closed = False
         self.round_trips = 0
@@ -131,6 +137,8 @@ class _Lane:
             return False
         self.busy = True
         self.last_used = time.monotonic()
+        slowest = max(lease.refresh_every for _c, lease in batch)
+        self.idle_after = max(self.idle_after, 2 * slowest)
         self._queue.put(batch)
         return True
 
@@ -161,7 +169,10 @@ class _Lane:
             # Each lease is judged under the token it was read with: a claim released
             # and acquired again meanwhile has a new lease.
             part = batch[start : start + BATCH]
-            calls = [(REFRESH, [lease.key], [lease.token, lease.ttl_ms]) for _c, lease in part]
+            calls = [
+                (REFRESH, [lease.key, *lease.lasting], [lease.token, lease.ttl_ms, lease.idle_ms])
+                for _c, lease in part
+            ]
             sent = time.monotonic()
             try:
                 self.round_trips += 1
@@ -342,7 +353,7 @@ class Heartbeat:
         """Close lanes whose client is gone, or that no claim used for a while."""
         for key, lane in list(self._lanes.items()):
             gone = lane.owner is not None and lane.owner() is None
-            if gone or (not lane.busy and now - lane.last_used > LANE_IDLE):
+            if gone or (not lane.busy and now - lane.last_used > lane.idle_after):
                 lane.close()
                 del self._lanes[key]
 
@@ -353,7 +364,9 @@ class Heartbeat:
         timeout = min(5.0, max(0.05, refresh_every / 2))
         bucket = 2.0 ** math.floor(math.log2(timeout))
         lane: _Lane | None
-        if pool is not None and type(client) is redis.Redis:
+        if type(pool) in (redis.ConnectionPool, redis.BlockingConnectionPool) and (
+            type(client) is redis.Redis
+        ):
             key: tuple[Any, float] = (_server_of(pool), bucket)
             lane = self._lanes.get(key)
             if lane is not None and not lane.closed:
@@ -383,8 +396,10 @@ class Heartbeat:
     @staticmethod
     def _private_client(client: Any, pool: Any, timeout: float) -> Any:
         """A clone of the client's pool: short timeouts, no retries, few connections."""
-        if pool is None or type(client) is not redis.Redis:
-            return client  # cluster or custom clients: use them as they are
+        if type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool) or (
+            type(client) is not redis.Redis
+        ):
+            return client  # Cluster, Sentinel or custom clients: use them as they are
         # redis-py 6+ keeps per-pool bookkeeping in connection_kwargs; a clone gets its own.
         kwargs = {
             k: v

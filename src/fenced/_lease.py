@@ -181,6 +181,14 @@ class ClaimKeys:
         """Set when a conflicting trigger asked for one more run."""
         return self._key("rerun")
 
+    def released(self, token: str) -> str:
+        """A short-lived note of how a token's release went, so a retry gets that answer."""
+        return self._key(f"released:{token.split(':', 1)[0]}")
+
+    def lasting(self) -> tuple[str, ...]:
+        """The keys that outlive a lease and expire when the name is idle."""
+        return (self.fence, self.runs, self.skips, self.rerun)
+
     def done(self, task_id: str) -> str:
         """Set while a task id's run that ended ``ok`` may still be redelivered."""
         return self._key(f"done:{task_id}")
@@ -340,9 +348,10 @@ class LeaseStore:
             )
         )
 
-    def refresh(self, token: str, ttl_ms: int) -> bool:
-        """Extend the lease if ``token`` still holds it."""
-        return int(REFRESH(self.client, [self.keys.lock], [token, ttl_ms])) == 1
+    def refresh(self, token: str, ttl_ms: int, idle_ms: int = 0) -> bool:
+        """Extend the lease if ``token`` still holds it (and keep the name's lasting keys)."""
+        keys = [self.keys.lock, *self.keys.lasting()] if idle_ms else [self.keys.lock]
+        return int(REFRESH(self.client, keys, [token, ttl_ms, idle_ms])) == 1
 
     def release(
         self,
@@ -354,20 +363,21 @@ class LeaseStore:
         idle_ms: int,
         task_id: str | None = None,
         done_ms: int = 0,
+        take_reruns: bool = True,
     ) -> tuple[bool, str, list[str]]:
         """Delete the lease if ``token`` holds it: (released, outcome recorded, reruns)."""
         # Without a task id there is no marker to set; the key still names this slot.
         done = self.keys.done(task_id or "")
         res = RELEASE(
             self.client,
-            (*self._release_keys, done),
+            (*self._release_keys, done, self.keys.released(token)),
             [
                 token,
                 record,
                 max_records,
                 outcome,
                 fence or 0,
-                "1",
+                "1" if take_reruns else "0",
                 idle_ms,
                 done_ms if task_id else 0,
             ],
@@ -383,7 +393,7 @@ class LeaseStore:
         try:
             RELEASE(
                 self.client,
-                (*self._release_keys, self.keys.done("")),
+                (*self._release_keys, self.keys.done(""), self.keys.released(token)),
                 [token, "", MAX_RECORDS, "", 0, "0", 0, 0],
             )
         except Exception:  # best effort; the lease expires within its ttl anyway

@@ -254,6 +254,14 @@ class _Runner:
             outcome, reason, code = self._run_child()
         finally:
             self.claim.release(outcome=outcome, reason=reason)
+        if self.claim.vanished and outcome == "ok":
+            # It ended well, but the lease was gone (or unconfirmed) at the end: the
+            # command may have run beside another.
+            self.say(
+                f"fenced: claim {opts.name!r} was not held when the command ended "
+                f"({self.claim.lost_reason})"
+            )
+            return EXIT_LOST
         return code
 
     def _skipped(self, skipped: Skipped) -> int:

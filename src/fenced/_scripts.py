@@ -158,21 +158,28 @@ return {0, holder, pttl, fence, skips, rerun}
 )
 
 # REFRESH
-# KEYS[1] lock
-# ARGV[1] token  ARGV[2] ttl in ms
+# KEYS[1] lock   KEYS[2..] (optional) the name's lasting keys, to keep while it is held
+# ARGV[1] token  ARGV[2] ttl in ms  ARGV[3] (optional) idle expiry in ms (0 = never)
 # returns 1 when the lease was extended, 0 when the token no longer holds it
 REFRESH = Script(
     "refresh",
-    """
+    _TOUCH
+    + """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
+  local idle = tonumber(ARGV[3] or '0')
+  if idle > 0 then
+    touch(idle, unpack(KEYS, 2))
+  end
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
 """,
 )
 
-# RELEASE
+# RELEASE (safe to send again: a retry of a release whose reply was lost gets the first
+#          answer back, from a short-lived note of it, and records nothing twice)
 # KEYS[1] lock   KEYS[2] runs   KEYS[3] skips   KEYS[4] rerun   KEYS[5] done marker
+# KEYS[6] the note of this token's release
 # ARGV[1] token
 # ARGV[2] JSON of the finished run record, or "" to record nothing
 # ARGV[3] maximum length of the runs stream
@@ -188,6 +195,10 @@ RELEASE = Script(
     "release",
     _TOUCH
     + """
+local noted = redis.call('GET', KEYS[6])
+if noted then
+  return cjson.decode(noted)
+end
 local idle = tonumber(ARGV[7])
 local released = 0
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -228,7 +239,11 @@ if ARGV[6] == '1' and released == 1 then
   end
   redis.call('DEL', KEYS[4])
 end
-return {released, outcome, reruns}
+local answer = {released, outcome, reruns}
+if released == 1 then
+  redis.call('SET', KEYS[6], cjson.encode(answer), 'PX', 60000)
+end
+return answer
 """,
 )
 

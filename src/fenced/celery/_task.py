@@ -404,7 +404,10 @@ class ClaimedTask(Task[Any, Any]):
             outcome = finish(claim, exc, "the task", reason=reason, raise_lost=False)
         except Exception:  # never hide the run's own outcome behind a release error
             log.exception("fenced: releasing claim %r failed", claim.name)
+            # Whether the lease lasted is unknown: not a success.
             outcome = outcome_of(claim, exc, reason)[0]
+            if outcome == "ok":
+                outcome = "lost"
         count(outcome)
         if claim.rerun_triggers:
             self._send_reruns(claim, args, kwargs)
