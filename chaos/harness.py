@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import random
 import secrets
-import signal
 import subprocess
 import sys
 import threading
@@ -29,7 +28,7 @@ from . import checker
 from .config import ENV, Config, Shared
 from .events import EventLog, read_events
 from .nemesis import Nemesis
-from .runlane import RunLane, alive_commands, children, kill_quietly, read_lane
+from .runlane import RunLane, alive_commands, children, kill_quietly, read_lane, stop_processes
 from .stores import create_tables, drop_tables, read_final
 
 __all__ = ["ROOT", "Harness"]
@@ -359,17 +358,7 @@ class Harness:
             self.run_lane.stop()
         with self._slots_lock:
             procs = [s.proc for s in self.slots if s.proc is not None]
-        for p in procs:
-            if p.poll() is None:
-                kill_quietly(p.pid, signal.SIGCONT)
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs)
         if self.celery is not None:
             with self._celery_restarting:
                 self.celery.stop()

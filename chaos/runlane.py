@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .events import EventLog
 
@@ -112,16 +113,7 @@ class RunLane:
         self.stopping.set()
         with self._lock:
             procs = list(self.procs.values())
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop_processes(procs, timeout)
         for t in self.threads:
             t.join(timeout)
 
@@ -179,6 +171,22 @@ def children(pid: int) -> list[int]:
     except OSError:
         return []
     return [int(x) for x in text.split()]
+
+
+def stop_processes(procs: list[subprocess.Popen[Any]], timeout: float = 10.0) -> None:
+    """SIGTERM each process still running (SIGCONT first: it may be paused), then
+    SIGKILL whatever has not ended when ``timeout`` runs out."""
+    for p in procs:
+        if p.poll() is None:
+            kill_quietly(p.pid, signal.SIGCONT)
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def kill_quietly(pid: int, sig: int = signal.SIGKILL) -> None:
