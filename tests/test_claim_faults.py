@@ -221,3 +221,18 @@ def test_a_long_run_keeps_its_names_keys_from_expiring(r: Any) -> None:
     assert r.smembers(holder.keys.rerun)
     holder.release()
     assert holder.rerun_triggers == ["later"]
+
+
+def test_a_release_answered_by_a_replica_ends_as_lost(own_server: RedisServer) -> None:
+    # A failover demoted the master the claim was taken on: the release reaches a
+    # replica (READONLY), which cannot say whether the lease lasted.
+    other = RedisServer(own_server.binary).start()
+    try:
+        client = own_server.client()
+        claim = Claim(client, "demoted", ttl=5.0)
+        with pytest.raises(ClaimLost, match="could not be reached to confirm"), claim:
+            client.execute_command("REPLICAOF", "127.0.0.1", other.port)
+        assert claim.vanished
+    finally:
+        own_server.client().execute_command("REPLICAOF", "NO", "ONE")
+        other.stop()
