@@ -183,7 +183,7 @@ class ClaimKeys:
 
     def released(self, token: str) -> str:
         """A short-lived note of how a token's release went, so a retry gets that answer."""
-        return self._key(f"released:{token.split(':', 1)[0]}")
+        return f"{self._key('released:')}{token.split(':', 1)[0]}"
 
     def lasting(self) -> tuple[str, ...]:
         """The keys that outlive a lease and expire when the name is idle."""
@@ -319,7 +319,7 @@ def reachable(client: Any, doing: str, name: str | None = None, **context: Any) 
 class LeaseStore:
     """The lease scripts of one name on one client: acquire, refresh, release, abandon."""
 
-    __slots__ = ("_acquire_keys", "_release_keys", "client", "keys")
+    __slots__ = ("_acquire_keys", "_no_done", "_note_prefix", "_release_keys", "client", "keys")
 
     def __init__(self, client: Any, keys: ClaimKeys) -> None:
         self.client = client
@@ -327,6 +327,8 @@ class LeaseStore:
         # Built once: every acquire and release sends them.
         self._acquire_keys = tuple(keys.all())
         self._release_keys = (keys.lock, keys.runs, keys.skips, keys.rerun)
+        self._no_done = keys.done("")
+        self._note_prefix = keys.released("")
 
     def acquire(
         self,
@@ -367,10 +369,11 @@ class LeaseStore:
     ) -> tuple[bool, str, list[str]]:
         """Delete the lease if ``token`` holds it: (released, outcome recorded, reruns)."""
         # Without a task id there is no marker to set; the key still names this slot.
-        done = self.keys.done(task_id or "")
+        done = self.keys.done(task_id) if task_id else self._no_done
         res = RELEASE(
             self.client,
-            (*self._release_keys, done, self.keys.released(token)),
+            # The note's key: the token's random part (new_token's 32 hex digits).
+            (*self._release_keys, done, self._note_prefix + token[:32]),
             [
                 token,
                 record,
@@ -382,7 +385,7 @@ class LeaseStore:
                 done_ms if task_id else 0,
             ],
         )
-        return int(res[0]) == 1, as_text(res[1]), [as_text(t) for t in res[2]]
+        return int(res[0]) == 1, as_text(res[1]), [as_text(t) for t in res[2]] if res[2] else []
 
     def finished_ok(self, task_id: str) -> bool:
         """Whether a run of ``task_id`` ended ``ok`` within its redelivery window."""
@@ -393,7 +396,7 @@ class LeaseStore:
         try:
             RELEASE(
                 self.client,
-                (*self._release_keys, self.keys.done(""), self.keys.released(token)),
+                (*self._release_keys, self._no_done, self._note_prefix + token[:32]),
                 [token, "", MAX_RECORDS, "", 0, "0", 0, 0],
             )
         except Exception:  # best effort; the lease expires within its ttl anyway

@@ -119,7 +119,8 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
                'event', 'started', 'token', ARGV[1], 'fence', string.format('%d', fence),
                'r', ARGV[3])
   end
-  touch(idle, KEYS[2], KEYS[3], KEYS[4], KEYS[5])
+  -- the skip count and rerun triggers are given the expiry when they are written
+  touch(idle, KEYS[2], KEYS[3])
   return {1, fence}
 end
 local holder = redis.call('GET', KEYS[1]) or ''
@@ -197,6 +198,9 @@ RELEASE = Script(
     + """
 local noted = redis.call('GET', KEYS[6])
 if noted then
+  if noted == 'ok' or noted == 'failed' or noted == 'lost' or noted == 'aborted' then
+    return {1, noted, {}}
+  end
   return cjson.decode(noted)
 end
 local idle = tonumber(ARGV[7])
@@ -241,7 +245,10 @@ if ARGV[6] == '1' and released == 1 then
 end
 local answer = {released, outcome, reruns}
 if released == 1 then
-  redis.call('SET', KEYS[6], cjson.encode(answer), 'PX', 60000)
+  -- most releases take no rerun triggers: then the outcome alone is the note
+  local note = outcome
+  if #reruns > 0 then note = cjson.encode(answer) end
+  redis.call('SET', KEYS[6], note, 'PX', 60000)
 end
 return answer
 """,
