@@ -141,3 +141,68 @@ def test_bad_replica_settings_name_the_fix(
 ) -> None:
     with pytest.raises(ConfigError, match=match):
         Claim(server.client(), "x", ttl=30, replicas=replicas, replica_timeout=timeout)
+
+
+def test_fenced_run_with_replicas_fails_closed_when_unacknowledged(
+    pair: tuple[RedisServer, RedisServer], tmp_path: Any
+) -> None:
+    import subprocess
+    import sys
+
+    master, replica = pair
+    marker = tmp_path / "ran"
+    cmd = [sys.executable, "-m", "fenced.cli", "run", "--redis", master.url, "--replicas", "1"]
+    body = ["--", sys.executable, "-c", f"open({str(marker)!r}, 'w').write('x')"]
+    replica.pause()
+    try:
+        done = subprocess.run(
+            [*cmd, "--replica-timeout", "0.3", "nightly", *body],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        replica.resume()
+    assert done.returncode == 69, done.stderr
+    assert "replica" in done.stderr and not marker.exists()
+    assert _lock_keys(master.client()) == []
+    done = subprocess.run([*cmd, "nightly", *body], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert marker.exists()
+
+
+def test_celery_and_exclusive_take_replicas(pair: tuple[RedisServer, RedisServer]) -> None:
+    from celery import Celery
+
+    from fenced import exclusive
+    from fenced.celery import ClaimedTask
+
+    master, replica = pair
+    app = Celery("fenced_replicas", set_as_current=False, broker="memory://")
+    app.conf.fenced_redis_url = master.url
+    app.conf.fenced_claim_replicas = 1
+    app.conf.fenced_claim_replica_timeout = 0.3
+    app.finalize()
+
+    @app.task(shared=False, base=ClaimedTask, bind=True, claim="replicated:{t}")
+    def task(self: Any, t: str) -> int:
+        return int(replica.client().exists(self.claim.key))
+
+    assert task("a") == 1  # the lease was on the replica before the body ran
+
+    with pytest.raises(ConfigError, match="claim_replicas=-2 must be a whole number"):
+
+        @app.task(shared=False, base=ClaimedTask, bind=True, claim="x", claim_replicas=-2)
+        def bad(self: Any) -> None: ...
+
+    @exclusive(name="job", redis=master.url, replicas=1, replica_timeout=0.3)
+    def job() -> str:
+        return "done"
+
+    assert job() == "done"
+    replica.pause()
+    try:
+        with pytest.raises(ClaimUnavailable, match="replica"):
+            job()
+    finally:
+        replica.resume()

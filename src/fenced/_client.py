@@ -332,7 +332,7 @@ def connect(target: Any, *, what: str = "claims", **options: Any) -> Any:
             f"(redis.Redis, redis.cluster.RedisCluster, Sentinel.master_for(...)) or a URL "
             f"such as {EXAMPLES.split(', ')[0]}"
         )
-    if inspect.iscoroutinefunction(evalsha):
+    if inspect.iscoroutinefunction(getattr(target, "execute_command", None)):
         raise ConfigError(
             f"{type(target).__name__} is an asyncio client: pass a synchronous redis-py "
             "client here (redis.Redis), or use fenced.aio with redis.asyncio clients"

@@ -26,7 +26,7 @@ from ._claim import Claim
 from ._client import connect
 from ._errors import ConfigError
 from ._guard import Guard, Skipped, check_on_busy
-from ._lease import check_namespace, check_timing
+from ._lease import check_namespace, check_replicas, check_timing
 from ._naming import Namer, NameSource
 
 __all__ = ["ON_BUSY", "Skipped", "exclusive"]
@@ -50,6 +50,8 @@ def exclusive(
     namespace: str = "fenced",
     refresh_every: float | None = None,
     records: bool = True,
+    replicas: int = 0,
+    replica_timeout: float = 1.0,
 ) -> Callable[[F], F]:
     """Hold a claim named from the arguments while the function runs; skip, wait or raise."""
     on_busy = check_on_busy(on_busy, ON_BUSY)
@@ -60,6 +62,7 @@ def exclusive(
         )
     ttl, refresh_every = check_timing(ttl, refresh_every)
     check_namespace(namespace)
+    check_replicas(replicas, replica_timeout, ttl)
     client = _client(redis)
 
     def decorate(fn: F) -> F:
@@ -76,6 +79,8 @@ def exclusive(
                 namespace=namespace,
                 records=records,
                 record_extra=extra,
+                replicas=replicas,
+                replica_timeout=replica_timeout,
             )
             return Guard(claim, on_busy, wait_timeout)
 

@@ -324,18 +324,23 @@ class NotReplicated(Exception):
         self.acked = acked
 
 
-def check_replicas(replicas: Any, timeout: Any, ttl: float) -> tuple[int, int]:
+def check_replicas(
+    replicas: Any,
+    timeout: Any,
+    ttl: float,
+    names: tuple[str, str] = ("replicas", "replica_timeout"),
+) -> tuple[int, int]:
     """``replicas`` (an int >= 0) and its timeout in ms (below the ttl), or ConfigError."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
         raise ConfigError(
-            f"replicas={replicas!r} must be a whole number >= 0: how many replicas must "
+            f"{names[0]}={replicas!r} must be a whole number >= 0: how many replicas must "
             "acknowledge the lease before the work starts (0: do not wait)"
         )
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ConfigError(f"replica_timeout={timeout!r} must be seconds > 0, e.g. 1.0")
+        raise ConfigError(f"{names[1]}={timeout!r} must be seconds > 0, e.g. 1.0")
     if replicas and timeout >= ttl / 2:
         raise ConfigError(
-            f"replica_timeout={timeout!r} must be below half the ttl ({ttl / 2:g} s): a "
+            f"{names[1]}={timeout!r} must be below half the ttl ({ttl / 2:g} s): a "
             "lease must not run out while its acknowledgement is awaited"
         )
     return replicas, max(1, int(timeout * 1000))

@@ -251,6 +251,17 @@ if app is not None:
         quiet: Annotated[
             bool, typer.Option("--quiet", "-q", help="Print nothing on a skip.")
         ] = False,
+        replicas: Annotated[
+            int,
+            typer.Option(
+                metavar="N",
+                help="Wait for N replicas to acknowledge the lease (WAIT) before the "
+                "command starts, and each renewal; not acknowledged: exit 69.",
+            ),
+        ] = 0,
+        replica_timeout: Annotated[
+            float, typer.Option(metavar="S", help="How long to wait for --replicas.")
+        ] = 1.0,
     ) -> None:
         """Run a command while holding a claim: a distributed flock for cron.
 
@@ -281,6 +292,8 @@ if app is not None:
             wait_timeout=wait_timeout,
             grace=grace,
             quiet=quiet,
+            replicas=replicas,
+            replica_timeout=replica_timeout,
         )
         with _talking_to(client):
             code = run_command(client, opts)
