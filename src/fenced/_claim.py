@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import redis
 
 from . import records as _records
+from ._client import connect
 from ._errors import ClaimLost, ClaimUnavailable, ConfigError, FencedError, NotOwner
 from ._guard import SKIP_REASON, SKIP_RERUN_REASON, busy_error, finish
 from ._heartbeat import Renewal
@@ -40,7 +41,9 @@ from ._lease import (
     ClaimKeys,
     Holder,
     LeaseStore,
+    NotReplicated,
     check_idle_ttl,
+    check_replicas,
     check_timing,
     current_pid,
     describe_client,
@@ -59,6 +62,7 @@ RETRY_INTERVAL = 0.05
 _DEADLINE_PASSED = "no refresh was confirmed before the local deadline"
 _TAKEN = "the lease is gone or held under another token"
 _LATE = "granted after its own deadline; given back"
+_UNREPLICATED = "not acknowledged by the replicas asked for; given back"
 _VANISHED = "the lease was gone before release (evicted, failed over, or cleared)"
 _UNCONFIRMED = "Redis could not be reached to confirm the lease at release"
 #: How long a release keeps trying to reach Redis (never past the lease's deadline).
@@ -102,6 +106,11 @@ class Claim:
             The fence still increases after its key expired.
         redelivery_window: seconds to remember that the run of ``task_id`` ended ``ok``
             (see ``finished_ok``), so a redelivered message of it does not run again.
+        replicas: replicas that must acknowledge the acquire (and each renewal) within
+            ``replica_timeout`` seconds (Redis ``WAIT``). An acquire they do not
+            acknowledge removes its lease and raises ClaimUnavailable; a renewal they do
+            not acknowledge is not confirmed (the claim is lost at its deadline unless a
+            later one is). Narrows the window in which a failover forgets a fresh lease.
         clock, sleep: time seams for tests (``time.monotonic``, ``time.sleep``).
     """
 
@@ -121,12 +130,15 @@ class Claim:
         max_records: int = MAX_RECORDS,
         idle_ttl: float | None = IDLE_TTL,
         redelivery_window: float = 0.0,
+        replicas: int = 0,
+        replica_timeout: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         try:
             self.ttl, self.refresh_every = check_timing(ttl, refresh_every)
             self._idle_ms = check_idle_ttl(idle_ttl, self.ttl)
+            self.replicas, self._replica_ms = check_replicas(replicas, replica_timeout, self.ttl)
             if not isinstance(redelivery_window, (int, float)) or redelivery_window < 0:
                 raise ConfigError(
                     f"redelivery_window={redelivery_window!r} must be seconds >= 0 (0 "
@@ -134,14 +146,16 @@ class Claim:
                 )
         except ConfigError as exc:
             raise ConfigError(exc.message, name=name) from None
-        if redis is None:
-            raise ConfigError("no Redis client given: pass redis.Redis.from_url(...)", name=name)
+        try:
+            redis = connect(redis)
+        except ConfigError as exc:
+            raise ConfigError(exc.message, name=name) from None
         self.redis = redis
         self.keys = ClaimKeys.of(name, namespace)
         self.name: str = self.keys.name
         self.key: str = self.keys.lock
         self.namespace = namespace
-        self._store = LeaseStore(redis, self.keys)
+        self._store = LeaseStore(redis, self.keys, self.replicas, self._replica_ms)
         self.heartbeat = heartbeat
         self.on_lost = on_lost
         self.task_id = task_id
@@ -292,23 +306,24 @@ class Claim:
                 "(fenced doctor)",
                 name=self.name,
             ) from exc
+        if int(res[0]) == 1 and self.replicas and int(res[-1]) < self.replicas:
+            # The master wrote the lease, but a failover now could forget it: give it
+            # back and start nothing (fail closed).
+            self._give_back(token, int(res[1]), _UNREPLICATED, self._clock() - sent)
+            raise ClaimUnavailable(
+                f"Redis at {describe_client(self.redis)} granted claim {self.name!r}, but "
+                f"only {int(res[-1])} of the {self.replicas} replica(s) asked for "
+                f"acknowledged it within {self._replica_ms / 1000:g} s; the lease was "
+                "removed and the work was not started (fail closed). Check the replicas "
+                "(INFO replication), or lower replicas=",
+                name=self.name,
+            )
         if int(res[0]) == 1 and self._clock() >= sent + self.ttl - self._drift:
             # Granted, but the answer came after the lease's own local deadline (a
             # stalled or paused Redis, a client retrying through an outage): another
             # holder may take the name any moment, so give it back and start nothing.
             late = self._clock() - sent
-            try:
-                self._store.release(
-                    token,
-                    self._finished_record(late, _LATE),
-                    self.max_records,
-                    "lost",
-                    int(res[1]),
-                    self._idle_ms,
-                    take_reruns=False,  # the triggers are for whoever holds it next
-                )
-            except Exception:  # best effort: the lease expires within its ttl anyway
-                log.warning("fenced: could not give back the late grant of %r", self.name)
+            self._give_back(token, int(res[1]), _LATE, late)
             raise ClaimUnavailable(
                 f"Redis at {describe_client(self.redis)} granted claim {self.name!r} after "
                 f"its own deadline ({late:.2f}s for a {self.ttl:g}s lease); it was given back "
@@ -336,6 +351,21 @@ class Claim:
         self.rerun_requested = int(res[5])
         return False
 
+    def _give_back(self, token: str, fence: int, why: str, elapsed: float) -> None:
+        """Remove a lease granted to us that we must not use (its run record says why)."""
+        try:
+            self._store.release(
+                token,
+                self._finished_record(elapsed, why),
+                self.max_records,
+                "lost",
+                fence,
+                self._idle_ms,
+                take_reruns=False,  # the triggers are for whoever holds it next
+            )
+        except Exception:  # best effort: the lease expires within its ttl anyway
+            log.warning("fenced: could not give back the grant of %r (%s)", self.name, why)
+
     # -- refresh / check --------------------------------------------------------------
 
     def refresh(self) -> bool:
@@ -346,6 +376,13 @@ class Claim:
         sent = self._clock()
         try:
             ok = self._store.refresh(token, self._ttl_ms, self._idle_ms)
+        except NotReplicated as exc:
+            self.retry_soon()
+            raise ClaimUnavailable.about(
+                self,
+                f"the refresh of claim {self.name!r} was acknowledged by {exc.acked} of the "
+                f"{self.replicas} replica(s) asked for: not confirmed",
+            ) from None
         except UNREACHABLE as exc:
             self.retry_soon()
             raise ClaimUnavailable.about(
@@ -402,6 +439,9 @@ class Claim:
                 self._deadline,
                 self.keys.lasting() if self._idle_ms else (),
                 self._idle_ms,
+                self.replicas,
+                # Below the heartbeat's socket timeout (a quarter of the interval).
+                min(self._replica_ms, max(1, int(self.refresh_every * 250))),
             )
 
     def renewed(self, sent: float, token: str) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from ._claim import Claim
+from ._client import connect
 from ._errors import ConfigError
 from ._guard import Guard, Skipped, check_on_busy
 from ._lease import check_namespace, check_timing
@@ -36,16 +37,7 @@ ON_BUSY = ("skip", "wait", "raise")
 
 
 def _client(redis: Any) -> Any:
-    if isinstance(redis, str):
-        import redis as redis_py
-
-        return redis_py.Redis.from_url(redis)
-    if redis is None:
-        raise ConfigError(
-            "exclusive() needs redis=: a redis.Redis client or a URL such as "
-            "'redis://localhost:6379/0'"
-        )
-    return redis
+    return connect(redis, what="exclusive()")
 
 
 def exclusive(

@@ -54,16 +54,22 @@ class Script:
 Call = tuple[Script, Sequence[str], Sequence[Any]]
 
 
-def run_pipeline(client: Any, calls: Sequence[Call]) -> list[Any]:
+def run_pipeline(
+    client: Any, calls: Sequence[Call], *, wait: tuple[int, int] | None = None
+) -> list[Any]:
     """Run many script calls in one round trip; errors come back in place of results.
 
-    When the server has lost its script cache (a restart), the scripts are loaded and
-    the batch is sent once more.
+    With ``wait=(replicas, timeout_ms)``, a ``WAIT`` follows the calls on the same
+    connection, and its answer (how many replicas acknowledged every write before it)
+    is the last item of the result. When the server has lost its script cache (a
+    restart), the scripts are loaded and the batch is sent once more.
     """
     for attempt in (1, 2):
         pipe = client.pipeline(transaction=False)
         for script, keys, args in calls:
             pipe.evalsha(script.sha, len(keys), *keys, *args)
+        if wait is not None:
+            pipe.execute_command("WAIT", *wait)
         result: list[Any] = pipe.execute(raise_on_error=False)
         if attempt == 2 or not any(isinstance(r, NoScriptError) for r in result):
             return result

@@ -18,8 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
+from .._client import client_from_setting, connect
 from .._errors import ConfigError
 from .._guard import check_on_busy
 from .._lease import IDLE_TTL, check_idle_ttl, check_namespace, check_timing
@@ -205,7 +204,7 @@ def as_attribute(value: Any) -> Any:
 
 # -- the lock Redis -------------------------------------------------------------------
 
-_clients: weakref.WeakKeyDictionary[Any, tuple[str, Any]] = weakref.WeakKeyDictionary()
+_clients: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 _clients_lock = threading.Lock()
 
 
@@ -216,7 +215,21 @@ def lock_url(app: Any) -> str | None:
 
 
 def lock_redis(app: Any) -> Any:
-    """The Redis client that holds claims for a Celery app (one per app and process)."""
+    """The Redis client that holds claims for a Celery app (one per app and process).
+
+    ``fenced_redis_client`` (a callable, or its dotted path, returning a redis-py client)
+    comes first; then the ``fenced_redis_url`` setting, then ``FENCED_REDIS_URL``, in any
+    form :mod:`fenced._client` reads (standalone, TLS, unix, Sentinel, Cluster).
+    """
+    factory = app.conf.get("fenced_redis_client") or os.environ.get("FENCED_REDIS_CLIENT")
+    if factory:
+        with _clients_lock:
+            cached = _clients.get(app)
+            if cached is not None and cached[0] == ("client", factory):
+                return cached[1]
+            client = client_from_setting(factory)
+            _clients[app] = (("client", factory), client)
+            return client
     url = lock_url(app)
     if not url:
         raise ConfigError(
@@ -234,6 +247,6 @@ def lock_redis(app: Any) -> Any:
         options.update(app.conf.get("fenced_redis_options") or {})
         # redis-py pools notice a fork and reconnect, so one client serves the main
         # process and every pool child.
-        client = redis.Redis.from_url(url, **options)
+        client = connect(url, what="claims", **options)
         _clients[app] = (url, client)
         return client
