@@ -7,6 +7,10 @@ CONFIG answer for one node only; these tests put claims on every primary of a re
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -133,5 +137,76 @@ def test_ls_and_show_through_a_sentinel_managed_client(sentinel_group: SentinelG
         assert show_claim(client, "backup:db").runs[0].outcome == "running"
         assert claim.release("ok")
         assert list_claims(client) == []
+    finally:
+        client.close()
+
+
+# -- the fenced command, as a subprocess, on the cluster ----------------------------------
+
+FENCED = [sys.executable, "-m", "fenced.cli"]
+
+
+def fenced(url: str, command: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``fenced COMMAND --redis URL ARGS...`` (the URL before any ``--``)."""
+    env = {k: v for k, v in os.environ.items() if k != "FENCED_REDIS_URL"}
+    return subprocess.run(
+        [*FENCED, command, "--redis", url, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
+def test_cli_ls_show_and_release_on_a_cluster(ha_cluster: RedisCluster, client: Any) -> None:
+    names = names_on_every_master(ha_cluster, client)
+    claims = {name: hold(client, name) for name in names}
+    url = ha_cluster.startup_url
+    ls = fenced(url, "ls", "--json")
+    assert ls.returncode == 0, ls.stderr
+    listed = {c["name"]: c for c in json.loads(ls.stdout)}
+    assert set(listed) == set(names)
+    assert all(listed[n]["fence"] == claims[n].fence for n in names)
+    table = fenced(url, "ls")
+    assert table.returncode == 0 and f"{len(names)} held" in table.stdout, table.stderr
+    gone = names[-1]
+    shown = fenced(url, "show", gone, "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["holder"]["fence"] == claims[gone].fence
+    refused = fenced(url, "release", gone)
+    assert refused.returncode == 1 and "held by" in refused.stderr
+    released = fenced(url, "release", gone, "--force", "--reason", "host died", "--json")
+    assert released.returncode == 0, released.stderr
+    assert json.loads(released.stdout)["released"] is True
+    after = json.loads(fenced(url, "ls", "--json").stdout)
+    assert {c["name"] for c in after} == set(names) - {gone}
+
+
+def test_cli_run_records_a_run_on_a_cluster(ha_cluster: RedisCluster) -> None:
+    url = ha_cluster.startup_url
+    done = fenced(url, "run", "backup:db", "--ttl", "5", "--", sys.executable, "-c", "pass")
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(fenced(url, "show", "backup:db", "--json").stdout)
+    assert shown["holder"] is None
+    assert [r["outcome"] for r in shown["runs"]] == ["ok"]
+
+
+def test_cli_doctor_on_a_cluster_checks_every_primary(ha_cluster: RedisCluster) -> None:
+    checked = fenced(ha_cluster.startup_url, "doctor", "--json")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    report = json.loads(checked.stdout)
+    (cluster,) = [f for f in report["findings"] if f["code"] == "redis.cluster"]
+    assert all(f"127.0.0.1:{m.port}" in cluster["what"] for m in ha_cluster.masters())
+
+
+def test_cli_ls_through_sentinels(sentinel_group: SentinelGroup) -> None:
+    client = sentinel_group.master_client(decode_responses=True)
+    try:
+        claim = hold(client, "backup:db")
+        ls = fenced(sentinel_group.url, "ls", "--json")
+        assert ls.returncode == 0, ls.stderr
+        (listed,) = json.loads(ls.stdout)
+        assert listed["name"] == "backup:db" and listed["fence"] == claim.fence
+        assert claim.release("ok")
     finally:
         client.close()

@@ -11,14 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from ._client import is_cluster
 from ._scripts import as_text
 
 __all__ = ["is_cluster", "node_of", "primaries", "scan_keys", "server_times"]
-
-
-def is_cluster(client: Any) -> bool:
-    """True for a Redis Cluster client (``redis.cluster.RedisCluster``)."""
-    return callable(getattr(client, "get_primaries", None))
 
 
 def _address(client: Any) -> str:
