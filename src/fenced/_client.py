@@ -286,6 +286,9 @@ def _build(parsed: RedisURL, options: Mapping[str, Any]) -> Any:
         sentinel_kwargs = {
             k: v for k, v in kwargs.items() if k not in ("username", "password", "db")
         }
+        # A sentinel that does not answer must not hold up finding the master.
+        sentinel_kwargs.setdefault("socket_timeout", 1.0)
+        sentinel_kwargs.setdefault("socket_connect_timeout", 1.0)
         sentinel_kwargs.update(sentinel_auth)
         sentinel = Sentinel(  # type: ignore[no-untyped-call]
             parsed.hosts, sentinel_kwargs=sentinel_kwargs, **kwargs

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple, Protocol
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redis.sentinel import SentinelConnectionPool
 
 from ._client import is_cluster, node_client, refresh_slots
 from ._lease import UNREACHABLE
@@ -254,14 +255,26 @@ class _Lane:
             _tell(c.renewed, sent, lease.token)
 
 
+def _clonable(client: Any, pool: Any) -> bool:
+    """Whether the heartbeat can make its own pool like ``pool``: standard ones only."""
+    if type(client) is not redis.Redis:
+        return False
+    if type(pool) is SentinelConnectionPool:
+        return bool(pool.is_master)
+    return type(pool) in (redis.ConnectionPool, redis.BlockingConnectionPool)
+
+
 def _server_of(pool: Any) -> tuple[Any, ...]:
     """Which server (and as whom) a pool talks to: the clients a lane may share."""
     kw = pool.connection_kwargs
+    if isinstance(pool, SentinelConnectionPool):
+        # The sentinels' master of a service; the manager tells groups apart.
+        where: tuple[Any, ...] = ("sentinel", pool.service_name, id(pool.sentinel_manager))
+    else:
+        where = (kw.get("host"), kw.get("port"), kw.get("path"))
     return (
         pool.connection_class,
-        kw.get("host"),
-        kw.get("port"),
-        kw.get("path"),
+        *where,
         kw.get("db", 0),
         kw.get("username"),
         kw.get("password"),
@@ -430,9 +443,7 @@ class Heartbeat:
         timeout = min(5.0, max(0.05, refresh_every / 2))
         bucket = 2.0 ** math.floor(math.log2(timeout))
         lane: _Lane | None
-        if type(pool) in (redis.ConnectionPool, redis.BlockingConnectionPool) and (
-            type(client) is redis.Redis
-        ):
+        if _clonable(client, pool):
             key: tuple[Any, float] = (_server_of(pool), bucket)
             lane = self._lanes.get(key)
             if lane is not None and not lane.closed:
@@ -462,15 +473,14 @@ class Heartbeat:
     @staticmethod
     def _private_client(client: Any, pool: Any, timeout: float) -> Any:
         """A clone of the client's pool: short timeouts, no retries, few connections."""
-        if type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool) or (
-            type(client) is not redis.Redis
-        ):
-            return client  # Cluster, Sentinel or custom clients: use them as they are
+        if not _clonable(client, pool):
+            return client  # custom clients and pools: use them as they are
         # redis-py 6+ keeps per-pool bookkeeping in connection_kwargs; a clone gets its own.
         kwargs = {
             k: v
             for k, v in pool.connection_kwargs.items()
-            if not k.startswith("orig_") and k != "maint_notifications_pool_handler"
+            if not k.startswith("orig_")
+            and k not in ("maint_notifications_pool_handler", "connection_pool")
         }
         kwargs["socket_timeout"] = timeout
         kwargs["socket_connect_timeout"] = timeout
@@ -481,6 +491,18 @@ class Heartbeat:
         kwargs["retry_on_error"] = []
         kwargs.pop("retry_on_timeout", None)
         try:
+            if isinstance(pool, SentinelConnectionPool):
+                # The master the sentinels name, found again after a failover.
+                return redis.Redis(
+                    connection_pool=SentinelConnectionPool(  # type: ignore[no-untyped-call]
+                        pool.service_name,
+                        pool.sentinel_manager,
+                        connection_class=pool.connection_class,
+                        check_connection=pool.check_connection,
+                        max_connections=4,
+                        **kwargs,
+                    )
+                )
             return redis.Redis(
                 connection_pool=redis.ConnectionPool(
                     connection_class=pool.connection_class, max_connections=4, **kwargs
