@@ -8,6 +8,7 @@ sides of the difference (README, "Drop-in for redis-py's Lock").
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -58,7 +59,7 @@ def decoded(server: RedisServer) -> Iterator[Any]:
     c.close()
 
 
-def make(client: Any, lock_class: LockClass, name: str = "foo", **kwargs: Any) -> Any:
+def make(client: Any, lock_class: LockClass, name: str | bytes = "foo", **kwargs: Any) -> Any:
     """A lock through the client, as applications make them: ``r.lock(..., lock_class=)``."""
     return client.lock(name, lock_class=lock_class, **kwargs)
 
@@ -280,9 +281,8 @@ def test_context_manager_raises_lock_error_when_not_acquired(
 ) -> None:
     client.set("foo", "bar")
     ran = False
-    with pytest.raises(LockError) as info:
-        with make(client, lock_class, blocking_timeout=0.1):
-            ran = True
+    with pytest.raises(LockError) as info, make(client, lock_class, blocking_timeout=0.1):
+        ran = True
     assert not ran
     assert type(info.value) is LockError
     assert info.value.lock_name == "foo"
@@ -296,24 +296,30 @@ def test_context_manager_release_error_raised_or_logged(
         time.sleep(0.15)
     assert "no longer owned" in caplog.text
 
-    with pytest.raises(LockNotOwnedError):
-        with make(client, lock_class, timeout=0.1, raise_on_release_error=True):
-            time.sleep(0.15)
+    with (
+        pytest.raises(LockNotOwnedError),
+        make(client, lock_class, timeout=0.1, raise_on_release_error=True),
+    ):
+        time.sleep(0.15)
 
 
 def test_context_manager_released_inside_the_block(client: Any, lock_class: LockClass) -> None:
     with make(client, lock_class, timeout=1, raise_on_release_error=False) as lock:
         lock.release()
 
-    with pytest.raises(LockError):
-        with make(client, lock_class, timeout=1, raise_on_release_error=True) as lock:
-            lock.release()
+    with (
+        pytest.raises(LockError),
+        make(client, lock_class, timeout=1, raise_on_release_error=True) as lock,
+    ):
+        lock.release()
 
 
 def test_context_manager_lock_taken_inside_the_block(client: Any, lock_class: LockClass) -> None:
-    with pytest.raises(LockNotOwnedError) as info:
-        with make(client, lock_class, timeout=10, blocking=False):
-            client.set("foo", "a")
+    with (
+        pytest.raises(LockNotOwnedError) as info,
+        make(client, lock_class, timeout=10, blocking=False),
+    ):
+        client.set("foo", "a")
     assert info.value.lock_name == "foo"
     assert client.get("foo") == b"a", "a release must never delete another holder's lock"
 
@@ -321,9 +327,8 @@ def test_context_manager_lock_taken_inside_the_block(client: Any, lock_class: Lo
 def test_context_manager_passes_the_body_exception_through(
     client: Any, lock_class: LockClass
 ) -> None:
-    with pytest.raises(KeyError):
-        with make(client, lock_class, timeout=10):
-            raise KeyError("boom")
+    with pytest.raises(KeyError), make(client, lock_class, timeout=10):
+        raise KeyError("boom")
     assert client.get("foo") is None
 
 
@@ -412,9 +417,8 @@ def test_reacquire_refusals(client: Any, lock_class: LockClass) -> None:
 
 
 def test_context_manager_reacquire_refusals(client: Any, lock_class: LockClass) -> None:
-    with make(client, lock_class, timeout=None, blocking=False) as lock:
-        with pytest.raises(LockError):
-            lock.reacquire()
+    with make(client, lock_class, timeout=None, blocking=False) as lock, pytest.raises(LockError):
+        lock.reacquire()
 
 
 def test_thread_local_tokens_keep_a_late_release_off_the_next_holder(
@@ -425,7 +429,12 @@ def test_thread_local_tokens_keep_a_late_release_off_the_next_holder(
     lock = make(client, lock_class, timeout=0.2, sleep=0.01)
     assert lock.acquire(blocking=False)
     got = threading.Event()
-    threading.Thread(target=lambda: lock.acquire(blocking_timeout=5) and got.set()).start()
+
+    def take() -> None:
+        if lock.acquire(blocking_timeout=5):
+            got.set()
+
+    threading.Thread(target=take).start()
     assert got.wait(5)
     with pytest.raises(LockNotOwnedError):
         lock.release()
@@ -561,20 +570,21 @@ def test_difference_names_must_be_text(client: Any, lock_class: LockClass) -> No
 
 
 def test_fence_strictly_increases_across_acquires_and_locks(client: Any) -> None:
-    seen = []
+    seen: list[int] = []
     locks = [fenced.Lock(client, "job", timeout=10), fenced.Lock(client, "job")]
     for i in range(200):
         lock = locks[i % 2]
         assert lock.acquire(blocking=False)
+        assert lock.fence is not None
         seen.append(lock.fence)
         lock.release()
-    assert all(b > a for a, b in zip(seen, seen[1:]))
+    assert all(b > a for a, b in itertools.pairwise(seen))
     # A mixed fleet does not disturb it: a redis-py holder mints nothing.
     plain = redis.lock.Lock(client, "job")
     assert plain.acquire(blocking=False)
     plain.release()
     assert locks[0].acquire(blocking=False)
-    assert locks[0].fence > seen[-1]
+    assert (locks[0].fence or 0) > seen[-1]
     locks[0].release()
 
 
@@ -724,10 +734,12 @@ def test_auto_renew_reports_a_stolen_lock(client: Any) -> None:
 
 
 def test_auto_renew_reports_a_deleted_lock_at_the_end_of_the_block(client: Any) -> None:
-    with pytest.raises(LockNotOwnedError):
-        with fenced.Lock(client, "job", timeout=0.6, auto_renew=True) as lock:
-            client.delete("job")
-            wait_for("the renewal to find the lock gone", lambda: lock.lost, 5)
+    with (
+        pytest.raises(LockNotOwnedError),
+        fenced.Lock(client, "job", timeout=0.6, auto_renew=True) as lock,
+    ):
+        client.delete("job")
+        wait_for("the renewal to find the lock gone", lambda: lock.lost, 5)
 
 
 def test_auto_renew_reports_a_server_paused_past_the_deadline(own_server: RedisServer) -> None:

@@ -304,7 +304,7 @@ class Lock(redis.lock.Lock):
         self.fence_key = fence_key(name, namespace)
         if isinstance(redis, _cluster_types()) and not shares_slot(name):
             raise ConfigError(
-                    f"lock name {name!r} has no hash tag and contains '}}' (or is empty): on "
+                f"lock name {name!r} has no hash tag and contains '}}' (or is empty): on "
                 "Redis Cluster no fence key can share its slot; give it a hash tag, e.g. "
                 f"'{{{name.replace('{', '').replace('}', '') or 'lock'}}}'",
                 name=name,
@@ -390,7 +390,9 @@ class Lock(redis.lock.Lock):
                     name=self.name,
                 )
         self.local.generated = generated
-        return bool(super().acquire(sleep, blocking, blocking_timeout, token))
+        # redis-py encodes str and bytes tokens alike (its annotation says str only).
+        chosen: Any = token
+        return bool(super().acquire(sleep, blocking, blocking_timeout, chosen))
 
     def do_acquire(self, token: str | bytes) -> bool:
         """One acquire attempt: the lock and its fence in one script."""
@@ -437,7 +439,9 @@ class Lock(redis.lock.Lock):
                 lock_name=self.name,
             )
         if not released:
-            raise LockNotOwnedError("Cannot release a lock that's no longer owned", lock_name=self.name)
+            raise LockNotOwnedError(
+                "Cannot release a lock that's no longer owned", lock_name=self.name
+            )
 
     # -- extend / reacquire -----------------------------------------------------------
 
