@@ -9,8 +9,10 @@ sides of the difference (README, "Drop-in for redis-py's Lock").
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -120,8 +122,41 @@ def test_generated_tokens_are_uuid1_hex_bytes(client: Any, lock_class: LockClass
     assert lock.acquire(blocking=False)
     token = lock.local.token
     assert isinstance(token, bytes) and len(token) == 32
-    assert int(token, 16) >> 76 & 0xF == 1  # the uuid version nibble
+    made = uuid.UUID(hex=token.decode())
+    assert made.version == 1 and made.variant == uuid.RFC_4122
+    assert made.hex.encode() == token
+    # A version-1 timestamp: 100-ns intervals since 1582, close to now.
+    assert abs((made.time - 0x01B21DD213814000) / 1e7 - time.time()) < 60
     lock.release()
+
+
+def test_tokens_are_unique_across_threads_and_forks() -> None:
+    from fenced._lock import new_token
+
+    made: list[bytes] = []
+
+    def burst() -> None:
+        made.extend(new_token() for _ in range(2000))
+
+    threads = [threading.Thread(target=burst) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child writes its tokens and leaves without running anything else
+        os.write(write, b"".join(new_token() for _ in range(500)))
+        os._exit(0)
+    os.close(write)
+    child = b""
+    while chunk := os.read(read, 65536):
+        child += chunk
+    os.close(read)
+    os.waitpid(pid, 0)
+    made += [child[i : i + 32] for i in range(0, len(child), 32)]
+    assert len(made) == 8500
+    assert len(set(made)) == len(made)
 
 
 def test_locked(client: Any, lock_class: LockClass) -> None:
