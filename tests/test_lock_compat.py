@@ -8,6 +8,7 @@ sides of the difference (README, "Drop-in for redis-py's Lock").
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
@@ -831,3 +832,13 @@ def test_without_auto_renew_a_lock_is_never_reported_lost(client: Any) -> None:
     assert not lock.owned()
     with pytest.raises(LockNotOwnedError):
         lock.release()
+
+
+def test_auto_renew_through_r_lock_with_a_partial(client: Any) -> None:
+    # r.lock() passes on only redis-py's arguments: fenced's options ride on a partial.
+    renewing = functools.partial(fenced.Lock, auto_renew=True)
+    with client.lock("job", timeout=0.5, lock_class=renewing) as lock:
+        assert isinstance(lock, fenced.Lock) and lock.auto_renew
+        time.sleep(1.2)
+        assert lock.owned()
+    assert client.get("job") is None
