@@ -691,7 +691,7 @@ def test_bad_input_names_the_fix(client: Any) -> None:
     with pytest.raises(fenced.ConfigError, match="timeout"):
         fenced.Lock(client, "job", timeout=-1, auto_renew=True)
     with pytest.raises(fenced.ConfigError, match="idle_ttl"):
-        fenced.Lock(client, "job", timeout=10, idle_ttl=5)
+        fenced.Lock(client, "job", timeout=10, idle_ttl=0.5)
     with pytest.raises(fenced.ConfigError, match="namespace"):
         fenced.Lock(client, "job", namespace="a{b}")
 
@@ -776,6 +776,17 @@ def test_auto_renew_reports_a_deleted_lock_at_the_end_of_the_block(client: Any) 
     ):
         client.delete("job")
         wait_for("the renewal to find the lock gone", lambda: lock.lost, 5)
+    assert lock.lost, "a lost hold stays lost after its release"
+    assert lock.acquire(blocking=False)
+    assert not lock.lost, "until the next acquire"
+    lock.release()
+
+
+def test_a_timeout_longer_than_the_fence_idle_expiry_is_accepted(client: Any) -> None:
+    lock = client.lock("job", timeout=30 * 86400, lock_class=fenced.Lock)
+    assert lock.acquire(blocking=False)
+    assert client.ttl("job") > 29 * 86400
+    lock.release()
 
 
 def test_auto_renew_reports_a_server_paused_past_the_deadline(own_server: RedisServer) -> None:

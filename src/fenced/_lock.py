@@ -206,13 +206,14 @@ class _Hold:
             self._shortened_at = sent
 
     def give_back(self) -> str:
-        """Mark released; the state it was in."""
+        """Stop renewing; the state it was in. A lost hold stays lost (``Lock.lost``)."""
         with self._mutex:
-            before, self.state = self.state, _RELEASED
+            before = self.state
+            if before == _HELD and self.past_deadline():
+                before = _LOST
+                self.lost_reason = _DEADLINE_PASSED
+            self.state = _LOST if before == _LOST else _RELEASED
         _heartbeat().discard(self)
-        if before == _HELD and self.past_deadline():
-            before = _LOST
-            self.lost_reason = _DEADLINE_PASSED
         return before
 
     # -- fenced._heartbeat.Renewable ---------------------------------------------------
@@ -299,7 +300,7 @@ class Lock(redis.lock.Lock):
             ``timeout``); a lost lock shows as ``lost``, ``owned()`` is then False.
         refresh_every: seconds between renewals (default timeout/3, at most timeout/2).
         on_lost: called once with the lock, from the heartbeat thread, when a renewed
-            hold is lost.
+            hold is lost (with ``thread_local=True`` that thread sees no ``fence``).
         idle_ttl: seconds the fence key is kept after the last acquire (default a week;
             None: forever). The fence still increases after its key expired.
         namespace: prefix of the fence key (the lock itself is the key ``name``).
@@ -341,9 +342,9 @@ class Lock(redis.lock.Lock):
                 )
             else:
                 self._ttl, self._refresh_every = 0.0, 0.0
-            self._idle_ms = check_idle_ttl(
-                idle_ttl, float(timeout) if isinstance(timeout, (int, float)) else 0.0
-            )
+            # The fence may expire while the lock is held: the TIME floor keeps it
+            # increasing, so no ttl bounds the idle expiry from below.
+            self._idle_ms = check_idle_ttl(idle_ttl, 0.0)
         except ConfigError as exc:
             raise ConfigError(exc.message, name=name) from None
         self.fence_key = fence_key(name, namespace)
@@ -389,7 +390,8 @@ class Lock(redis.lock.Lock):
 
     @property
     def lost(self) -> bool:
-        """True once a renewed hold was lost (found taken, or not renewed in time)."""
+        """True once a renewed hold was lost (found taken, or not renewed in time), until
+        the next acquire; reading it asks nothing of Redis."""
         hold: _Hold | None = getattr(self.local, "hold", None)
         return hold is not None and hold.lost
 
