@@ -1,7 +1,8 @@
 """The Lua scripts behind every claim operation, registered once and run with EVALSHA.
 
 Each constant states its KEYS, ARGV and return value. Every key a script touches is
-one claim's key and shares that claim's hash tag, so the scripts run on Redis Cluster.
+one claim's key and shares that claim's hash tag (a ``fenced.Lock``'s fence key shares
+its name's slot), so the scripts run on Redis Cluster.
 Release and refresh compare the owner token first and never touch a claim held under
 another token.
 
@@ -19,7 +20,17 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-__all__ = ["ACQUIRE", "FORCE_RELEASE", "RECORD", "REFRESH", "RELEASE", "TOKEN_PATTERN", "Script"]
+__all__ = [
+    "ACQUIRE",
+    "FORCE_RELEASE",
+    "LOCK_ACQUIRE",
+    "LOCK_RELEASE",
+    "RECORD",
+    "REFRESH",
+    "RELEASE",
+    "TOKEN_PATTERN",
+    "Script",
+]
 
 #: The one definition of an owner token, read by the scripts (Lua ``string.match``) and
 #: by Python (``re.fullmatch``, with DOTALL as Lua's ``.``): ``random:host:pid:task id``.
@@ -312,5 +323,61 @@ local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*',
 if ARGV[2] == 'ok' then redis.call('DEL', KEYS[2]) end
 touch(tonumber(ARGV[6]), KEYS[1])
 return id
+""",
+)
+
+
+# LOCK_ACQUIRE: fenced.Lock's acquire, on the key redis-py's Lock uses (so the two
+#               exclude each other), minting the fence in the same step
+# KEYS[1] lock (the lock's name itself; value = token)   KEYS[2] the lock's fence
+# ARGV[1] token   ARGV[2] ttl in ms, or "" for a lock that never expires
+# ARGV[3] idle expiry of the fence key in ms (0 = never)
+# ARGV[4] "1" when the token was made for this acquire: a holder with the same token is
+#         then this very acquire, retried after its reply was lost, and it is granted
+#         with the fence minted for it; "0" for a token the caller chose (as redis-py,
+#         a held name is not taken, whoever holds it)
+# returns the fence (> 0) when the lock is ours, 0 when another holder has it
+LOCK_ACQUIRE = Script(
+    "lock_acquire",
+    """
+local granted
+if ARGV[2] == '' then
+  granted = redis.call('SET', KEYS[1], ARGV[1], 'NX')
+else
+  granted = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
+end
+if not granted then
+  if ARGV[4] ~= '1' or redis.call('GET', KEYS[1]) ~= ARGV[1] then
+    return 0
+  end
+  local minted = redis.call('GET', KEYS[2])
+  if minted then return tonumber(minted) end
+end
+local t = redis.call('TIME')
+local fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+if fence <= last then
+  fence = last + 1
+end
+local idle = tonumber(ARGV[3])
+if idle > 0 then
+  redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', idle)
+else
+  redis.call('SET', KEYS[2], string.format('%d', fence))
+end
+return fence
+""",
+)
+
+# LOCK_RELEASE: compare-and-delete, as redis-py's Lock releases
+# KEYS[1] lock   ARGV[1] token
+# returns 1 when the token held the lock (now deleted), else 0
+LOCK_RELEASE = Script(
+    "lock_release",
+    """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
 """,
 )
