@@ -12,6 +12,12 @@ only its own lane. So a claim is declared lost no later than its local deadline 
 one refresh interval, whatever the client's retry and timeout settings, and one
 unreachable Redis never delays renewals on another.
 
+A server is what a claim's keys live on: for a Redis Cluster client, the node that owns
+the claim's slot (each node's claims go in their own pipelined rounds; a MOVED or ASK
+answer is followed through the cluster client, and a node that stops answering makes it
+read the slot map again); for a Sentinel client, the master the sentinels name, through
+a private pool that finds it again after a failover.
+
 It holds claims weakly: a claim that nobody references any more (dropped without
 ``release()``, say after an exception) stops being renewed and expires by its ttl, as
 if its process had died. A lane whose client is gone, or that no claim has used for a
