@@ -303,3 +303,11 @@ def test_cli_takes_a_client_factory_and_redacts_bad_urls(
     assert "Hunter2" not in bad.stderr + bad.stdout
     assert "database 'abc' must be a number" in bad.stderr
     assert bad.stderr.count("\n") == 1  # one line, no traceback
+
+
+def test_a_cluster_with_no_node_answering_fails_closed() -> None:
+    port = free_port()
+    with pytest.raises(
+        ClaimUnavailable, match=rf"cannot reach Redis at redis\+cluster://127.0.0.1:{port}/"
+    ):
+        Claim(f"redis+cluster://127.0.0.1:{port}/?socket_connect_timeout=0.5", "x")

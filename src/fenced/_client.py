@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode
 
-from ._errors import ConfigError
+from ._errors import ClaimUnavailable, ConfigError
 
 __all__ = [
     "SCHEMES",
@@ -321,6 +321,15 @@ def connect(target: Any, *, what: str = "claims", **options: Any) -> Any:
                     client = _build(parsed, options)
                 except (TypeError, ValueError) as exc:
                     raise _bad(target, str(exc)) from None
+                except Exception as exc:  # a cluster client asks its nodes when made
+                    from redis.exceptions import ConnectionError, RedisClusterException
+
+                    if not isinstance(exc, (RedisClusterException, ConnectionError, OSError)):
+                        raise
+                    raise ClaimUnavailable(
+                        f"cannot reach Redis at {redact(target)} ({exc}); nothing was started "
+                        "(fail closed)"
+                    ) from exc
                 _cache[key] = client
         return client
     if target is None:
