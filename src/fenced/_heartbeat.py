@@ -305,11 +305,17 @@ class Heartbeat:
         # and its connections, however many clients a program makes.
         self._lanes: dict[tuple[Any, float], _Lane] = {}
         self.rounds = 0
+        # Round trips of the lanes closed so far (they still count).
+        self._closed_trips = 0
 
     @property
     def round_trips(self) -> int:
-        """Pipelined renewal round trips sent so far (all lanes)."""
-        return sum(lane.round_trips for lane in list(self._lanes.values()))
+        """Pipelined renewal round trips sent so far (all lanes, closed ones too)."""
+        return self._closed_trips + sum(lane.round_trips for lane in list(self._lanes.values()))
+
+    def _retire(self, lane: _Lane) -> None:
+        lane.close()
+        self._closed_trips += lane.round_trips
 
     # -- registry ---------------------------------------------------------------------
 
@@ -429,7 +435,7 @@ class Heartbeat:
         for key, lane in list(self._lanes.items()):
             gone = lane.owner is not None and lane.owner() is None
             if gone or (not lane.busy and now - lane.last_used > lane.idle_after):
-                lane.close()
+                self._retire(lane)
                 del self._lanes[key]
 
     def _lane_for(self, client: Any, refresh_every: float, name_key: str | None = None) -> _Lane:
@@ -467,7 +473,7 @@ class Heartbeat:
         if lane is not None and not lane.closed and owner is not None and owner() is client:
             return lane
         if lane is not None:
-            lane.close()
+            self._retire(lane)
         lane = _Lane(client, weakref.ref(client), private=False)
         self._lanes[key] = lane
         return lane

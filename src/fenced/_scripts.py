@@ -65,6 +65,59 @@ class Script:
 Call = tuple[Script, Sequence[str], Sequence[Any]]
 
 
+_pack: Any
+try:  # hiredis packs a command in C, ten times faster than redis-py's packer
+    from hiredis import pack_command as _pack
+except ImportError:  # pragma: no cover - hiredis comes with the default extras
+    _pack = None
+
+
+def _packable(client: Any) -> bool:
+    """A plain client over a standard pool, speaking RESP2 in UTF-8: its batches are
+    packed here (hiredis encodes text as UTF-8, as redis-py does by default)."""
+    import redis
+    from redis.sentinel import SentinelConnectionPool
+
+    pool: Any = getattr(client, "connection_pool", None)
+    return (
+        type(client) is redis.Redis
+        and type(pool)
+        in (redis.ConnectionPool, redis.BlockingConnectionPool, SentinelConnectionPool)
+        and pool.connection_kwargs.get("protocol") in (None, 2, "2")
+        and str(pool.connection_kwargs.get("encoding", "utf-8")).lower() in ("utf-8", "utf8")
+    )
+
+
+def _send_packed(client: Any, calls: Sequence[Call], wait: tuple[int, int] | None) -> list[Any]:
+    """What a non-transactional pipeline does, on one connection: packed in one buffer,
+    the replies read in order, an error reply in place of its result."""
+    from redis.exceptions import ResponseError
+
+    assert _pack is not None
+    parts = [
+        _pack(("EVALSHA", script.sha, len(keys), *keys, *args)) for script, keys, args in calls
+    ]
+    if wait is not None:
+        parts.append(_pack(("WAIT", *wait)))
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    try:
+        conn.send_packed_command([b"".join(parts)])
+        replies: list[Any] = []
+        for _ in parts:
+            try:
+                replies.append(conn.read_response())
+            except ResponseError as exc:
+                replies.append(exc)
+        return replies
+    except BaseException:
+        # Replies may be left unread: this connection must not be used again.
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+
+
 def run_pipeline(
     client: Any, calls: Sequence[Call], *, wait: tuple[int, int] | None = None
 ) -> list[Any]:
@@ -76,12 +129,16 @@ def run_pipeline(
     restart), the scripts are loaded and the batch is sent once more.
     """
     for attempt in (1, 2):
-        pipe = client.pipeline(transaction=False)
-        for script, keys, args in calls:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
-        if wait is not None:
-            pipe.execute_command("WAIT", *wait)
-        result: list[Any] = pipe.execute(raise_on_error=False)
+        result: list[Any]
+        if _pack is not None and _packable(client):
+            result = _send_packed(client, calls, wait)
+        else:
+            pipe = client.pipeline(transaction=False)
+            for script, keys, args in calls:
+                pipe.evalsha(script.sha, len(keys), *keys, *args)
+            if wait is not None:
+                pipe.execute_command("WAIT", *wait)
+            result = pipe.execute(raise_on_error=False)
         if attempt == 2 or not any(isinstance(r, NoScriptError) for r in result):
             return result
         for source in {script.source for script, _k, _a in calls}:
