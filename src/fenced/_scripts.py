@@ -19,7 +19,16 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-__all__ = ["ACQUIRE", "FORCE_RELEASE", "RECORD", "REFRESH", "RELEASE", "TOKEN_PATTERN", "Script"]
+__all__ = [
+    "ACQUIRE",
+    "FORCE_RELEASE",
+    "MINT_FENCE",
+    "RECORD",
+    "REFRESH",
+    "RELEASE",
+    "TOKEN_PATTERN",
+    "Script",
+]
 
 #: The one definition of an owner token, read by the scripts (Lua ``string.match``) and
 #: by Python (``re.fullmatch``, with DOTALL as Lua's ``.``): ``random:host:pid:task id``.
@@ -83,6 +92,20 @@ local function touch(idle, ...)
 end
 """
 
+#: The fence rule, for every script that mints one: ``max(previous + 1, TIME in µs)``.
+MINT_FENCE = """
+local function mint(key)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local fence = redis.call('INCR', key)
+  if fence < now then
+    redis.call('SET', key, string.format('%d', now))
+    fence = now
+  end
+  return fence
+end
+"""
+
 # ACQUIRE
 # KEYS[1] lock   KEYS[2] fence   KEYS[3] runs   KEYS[4] skips   KEYS[5] rerun (a set)
 # ARGV[1] token  ARGV[2] ttl in ms
@@ -104,16 +127,11 @@ end
 ACQUIRE = Script(
     "acquire",
     _TOUCH
+    + MINT_FENCE
     + """
 local idle = tonumber(ARGV[8])
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local fence = redis.call('INCR', KEYS[2])
-  if fence < now then
-    redis.call('SET', KEYS[2], string.format('%d', now))
-    fence = now
-  end
+  local fence = mint(KEYS[2])
   if ARGV[3] ~= '' then
     redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
                'event', 'started', 'token', ARGV[1], 'fence', string.format('%d', fence),

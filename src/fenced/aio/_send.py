@@ -1,0 +1,73 @@
+"""Sending the lease scripts on a ``redis.asyncio`` client, and keeping work going.
+
+The scripts, their arguments and the meaning of their answers live in
+``fenced._scripts`` and ``fenced._lease`` (no I/O); this module only awaits them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from redis.exceptions import NoScriptError
+
+from .._scripts import Call
+
+__all__ = ["call", "call_pipeline", "run_to_end"]
+
+T = TypeVar("T")
+
+#: Work that must finish although its caller was cancelled (releases, give-backs): a
+#: task the loop only references weakly would be collected mid-flight.
+_running: set[asyncio.Future[Any]] = set()
+
+
+async def call(client: Any, request: Call) -> Any:
+    """Run one script call (EVALSHA; EVAL when the server's script cache is cold)."""
+    script, keys, args = request
+    try:
+        return await client.evalsha(script.sha, len(keys), *keys, *args)
+    except NoScriptError:
+        return await client.eval(script.source, len(keys), *keys, *args)
+
+
+async def call_pipeline(client: Any, calls: Sequence[Call]) -> list[Any]:
+    """Many script calls in one round trip; errors come back in place of results."""
+    for attempt in (1, 2):
+        pipe = client.pipeline(transaction=False)
+        for script, keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        result: list[Any] = await pipe.execute(raise_on_error=False)
+        if attempt == 2 or not any(isinstance(r, NoScriptError) for r in result):
+            return result
+        for source in {script.source for script, _k, _a in calls}:
+            await client.script_load(source)
+    raise AssertionError("unreachable")
+
+
+async def run_to_end(
+    work: Awaitable[T], on_cancel: Callable[[asyncio.Future[T]], object] | None = None
+) -> T:
+    """Await ``work`` shielded: a cancelled caller gets CancelledError, the work goes on.
+
+    ``on_cancel`` is called with the work's future when it ends after its caller was
+    cancelled (to give back what it took).
+    """
+    future = asyncio.ensure_future(work)
+    _running.add(future)
+    future.add_done_callback(_running.discard)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        if on_cancel is not None and not future.done():
+            future.add_done_callback(on_cancel)
+        elif on_cancel is not None:
+            on_cancel(future)
+        raise
+
+
+def keep(future: asyncio.Future[Any]) -> None:
+    """Keep a background task referenced until it ends."""
+    _running.add(future)
+    future.add_done_callback(_running.discard)
