@@ -12,7 +12,10 @@
 The claim name comes from the template over the function's arguments, checked against
 its signature when the decorator is applied. While the function runs the claim is
 renewed by the heartbeat; a run that outlives its claim raises ``ClaimLost`` after it
-returns (its writes were not protected). Coroutine functions are wrapped as coroutines.
+returns (its writes were not protected). Coroutine functions are wrapped as coroutines:
+given a ``redis.asyncio`` client or a URL they hold a ``fenced.aio.Claim`` (a loss
+cancels the coroutine and ends in ``ClaimLost``); given a ``redis.Redis`` client they
+hold a thread ``Claim``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any, TypeVar, cast
 
 from ._claim import Claim
 from ._errors import ConfigError
-from ._guard import Guard, Skipped, check_on_busy
+from ._guard import Guard, Skipped, busy_error, check_on_busy
 from ._lease import check_namespace, check_timing
 from ._naming import Namer, NameSource
 
@@ -48,6 +51,35 @@ def _client(redis: Any) -> Any:
     return redis
 
 
+def _async_client(redis: Any) -> Callable[[], Any] | None:
+    """For a ``redis.asyncio`` client or a URL: the client of the running event loop.
+
+    A URL gets one ``redis.asyncio`` client per event loop (its connections belong to
+    that loop); a URL used by a plain function gets a ``redis.Redis`` client instead.
+    """
+    if isinstance(redis, str):
+        import weakref
+
+        import redis.asyncio as aredis
+
+        url = redis
+        by_loop: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+        def for_loop() -> Any:
+            import asyncio
+
+            loop = asyncio.get_running_loop()
+            found = by_loop.get(loop)
+            if found is None:
+                found = by_loop[loop] = aredis.Redis.from_url(url)
+            return found
+
+        return for_loop
+    if type(redis).__module__.startswith("redis.asyncio"):
+        return lambda: redis
+    return None
+
+
 def exclusive(
     name: NameSource,
     *,
@@ -68,9 +100,16 @@ def exclusive(
         )
     ttl, refresh_every = check_timing(ttl, refresh_every)
     check_namespace(namespace)
-    client = _client(redis)
+    async_client = _async_client(redis)
+    # A URL serves both kinds of function; a redis.asyncio client only coroutines.
+    client = None if async_client is not None and not isinstance(redis, str) else _client(redis)
 
     def decorate(fn: F) -> F:
+        if client is None and not inspect.iscoroutinefunction(fn):
+            raise ConfigError(
+                f"exclusive() on {fn.__qualname__}: a redis.asyncio client serves coroutine "
+                "functions only; pass a redis.Redis client or a URL for a plain function"
+            )
         where = f"function {fn.__qualname__}"
         namer = Namer(name, inspect.signature(fn), where)
         extra = {"function": f"{fn.__module__}.{fn.__qualname__}"}
@@ -86,6 +125,32 @@ def exclusive(
                 record_extra=extra,
             )
             return Guard(claim, on_busy, wait_timeout)
+
+        if inspect.iscoroutinefunction(fn) and async_client is not None:
+            from . import aio
+
+            @functools.wraps(fn)
+            async def aio_wrapper(*args: Any, **kwargs: Any) -> Any:
+                claim = aio.Claim(
+                    async_client(),
+                    namer(args, kwargs)[0],
+                    ttl=ttl,
+                    refresh_every=refresh_every,
+                    namespace=namespace,
+                    records=records,
+                    record_extra=extra,
+                )
+                claim._what = "the function"
+                wait = on_busy == "wait"
+                if not await claim.acquire(blocking=wait, timeout=wait_timeout if wait else None):
+                    if on_busy == "skip":
+                        return Skipped.of(claim)
+                    raise busy_error(claim, wait_timeout if wait else None)
+                # Entered already acquired; a loss cancels the function and ends in ClaimLost.
+                async with claim:
+                    return await fn(*args, **kwargs)
+
+            return cast(F, aio_wrapper)
 
         if inspect.iscoroutinefunction(fn):
 

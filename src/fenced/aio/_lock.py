@@ -175,18 +175,18 @@ class Lock:
 
     async def do_acquire(self, token: str | bytes) -> bool:
         """One try: ``SET NX`` and a new fence, in one round trip."""
-        token = self._encoder().encode(token)
+        raw: bytes = self._encoder().encode(token)
         timeout = int(self.timeout * 1000) if self.timeout else ""
-        request = (LOCK_ACQUIRE, [self.name, self._fence_key], [token, timeout])
+        request = (LOCK_ACQUIRE, [self.name, self._fence_key], [raw, timeout])
         sent = time.monotonic()
-        fence = await run_to_end(call(self.redis, request), lambda f: self._abandon(f, token))
+        fence = await run_to_end(call(self.redis, request), lambda f: self._abandon(f, raw))
         if fence is None:
             return False
-        self.local.token = token
+        self.local.token = raw
         self.local.fence = int(fence)
         self.lost = False
         if self.auto_renew and self.timeout:
-            self._renewing = token
+            self._renewing = raw
             self._deadline = sent + self.timeout * 0.99 - 0.002
             self._next_refresh = sent + self.timeout / 3
             renewer().add(self)
