@@ -114,14 +114,13 @@ class Claim(ClaimState):
             renewer().add(self)
         return True
 
-    def _abandon(self, request: asyncio.Future[Any], token: str) -> None:
+    async def _abandon(self, request: asyncio.Future[Any], token: str) -> None:
         """The caller of an ACQUIRE was cancelled: give back what it may have granted."""
         if request.cancelled():
             return
         exc = request.exception()
-        granted = exc is None and int(request.result()[0]) == 1
-        if granted or isinstance(exc, redis.TimeoutError):
-            keep(asyncio.ensure_future(self._give_back(token)))
+        if (exc is None and int(request.result()[0]) == 1) or isinstance(exc, redis.TimeoutError):
+            await self._give_back(token)
 
     async def _give_back(self, token: str) -> None:
         try:

@@ -19,6 +19,7 @@ with a timeout alive from the event loop's renewer (with the claims) until relea
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
@@ -33,9 +34,11 @@ from .._errors import ConfigError
 from .._heartbeat import Renewal
 from .._scripts import MINT_FENCE, Script
 from ._renewer import renewer
-from ._send import call, keep, run_to_end
+from ._send import call, run_to_end
 
 __all__ = ["Lock", "fence_key"]
+
+log = logging.getLogger("fenced")
 
 # LOCK_ACQUIRE
 # KEYS[1] the lock (the name)   KEYS[2] its fence
@@ -62,8 +65,9 @@ LOCK_REACQUIRE = Script("lock_reacquire", _RedisLock.LUA_REACQUIRE_SCRIPT)
 
 
 def _has_tag(name: str) -> bool:
+    """Whether Redis Cluster hashes ``name`` by a tag (a non-empty ``{...}``)."""
     start = name.find("{")
-    return start >= 0 and name.find("}", start + 2) > start
+    return start >= 0 and name.find("}", start + 1) > start + 1
 
 
 def fence_key(name: str | bytes | memoryview) -> str | bytes:
@@ -142,8 +146,6 @@ class Lock:
         except LockError:
             if self.raise_on_release_error:
                 raise
-            import logging
-
             logging.getLogger("redis.asyncio.lock").warning(
                 "Lock was unlocked or no longer owned when exiting context manager."
             )
@@ -192,10 +194,13 @@ class Lock:
             renewer().add(self)
         return True
 
-    def _abandon(self, request: asyncio.Future[Any], token: bytes) -> None:
+    async def _abandon(self, request: asyncio.Future[Any], token: bytes) -> None:
         # The caller was cancelled while its acquire was on its way: give a grant back.
         if not request.cancelled() and request.exception() is None and request.result():
-            keep(asyncio.ensure_future(call(self.redis, (LOCK_RELEASE, [self.name], [token]))))
+            try:
+                await call(self.redis, (LOCK_RELEASE, [self.name], [token]))
+            except Exception:  # best effort: a lock with a timeout expires anyway
+                log.warning("fenced: could not give back an abandoned grant of lock %r", self.name)
 
     async def locked(self) -> bool:
         """True if this key is locked by any process."""

@@ -47,24 +47,29 @@ async def call_pipeline(client: Any, calls: Sequence[Call]) -> list[Any]:
 
 
 async def run_to_end(
-    work: Awaitable[T], on_cancel: Callable[[asyncio.Future[T]], object] | None = None
+    work: Awaitable[T],
+    on_cancel: Callable[[asyncio.Future[T]], Awaitable[object]] | None = None,
 ) -> T:
     """Await ``work`` shielded: a cancelled caller gets CancelledError, the work goes on.
 
-    ``on_cancel`` is called with the work's future when it ends after its caller was
-    cancelled (to give back what it took).
+    ``on_cancel`` is awaited with the work's future once it has ended, when its caller
+    was cancelled (to give back what it took); it runs in a task started at once.
     """
     future = asyncio.ensure_future(work)
-    _running.add(future)
-    future.add_done_callback(_running.discard)
+    keep(future)
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
-        if on_cancel is not None and not future.done():
-            future.add_done_callback(on_cancel)
-        elif on_cancel is not None:
-            on_cancel(future)
+        if on_cancel is not None:
+            keep(asyncio.ensure_future(_after(future, on_cancel)))
         raise
+
+
+async def _after(
+    future: asyncio.Future[T], then: Callable[[asyncio.Future[T]], Awaitable[object]]
+) -> None:
+    await asyncio.wait([future])
+    await then(future)
 
 
 def keep(future: asyncio.Future[Any]) -> None:
