@@ -269,6 +269,20 @@ def test_a_cancellation_from_elsewhere_propagates_and_releases(server: RedisServ
     assert history(sync, "cancelled")[0].outcome == "failed"
 
 
+async def cancel_after(task: asyncio.Task[Any], when: int | float) -> None:
+    """Cancel ``task`` after ``when`` steps of the loop (an int) or seconds (a float)."""
+    if isinstance(when, int):
+        for _ in range(when):
+            await asyncio.sleep(0)
+    else:
+        await asyncio.sleep(when)
+    task.cancel()
+
+
+#: Where to cancel: after each step of the loop, then after each 50 µs (finer than a step).
+CANCEL_POINTS: list[int | float] = [*range(150), *(i * 0.00005 for i in range(200))]
+
+
 def test_cancellation_at_every_await_of_acquire_and_release_leaves_no_lease(
     server: RedisServer,
 ) -> None:
@@ -277,7 +291,7 @@ def test_cancellation_at_every_await_of_acquire_and_release_leaves_no_lease(
 
     async def scenario(r: Any) -> list[str]:
         ends = []
-        for steps in range(150):
+        for when in CANCEL_POINTS:
             claim = Claim(r, "cancel", ttl=5)
             entered: list[bool] = []
             fence_before = sync.get(keys.fence)
@@ -287,9 +301,7 @@ def test_cancellation_at_every_await_of_acquire_and_release_leaves_no_lease(
                     entered.append(True)
 
             task = asyncio.create_task(cycle())
-            for _ in range(steps):
-                await asyncio.sleep(0)  # one more step of the cycle before the cancel
-            task.cancel()
+            await cancel_after(task, when)
             try:
                 await task
                 ends.append("done")
@@ -301,9 +313,7 @@ def test_cancellation_at_every_await_of_acquire_and_release_leaves_no_lease(
                 else:
                     ends.append("cancelled in acquire")
             await settled()  # whatever was in flight runs to its end; then nothing is left
-            assert sync.exists(keys.lock) == 0, f"lease left behind after {steps} steps"
-            if ends[-5:] == ["done"] * 5:
-                break
+            assert sync.exists(keys.lock) == 0, f"lease left behind, cancelled at {when}"
         return ends
 
     ends = run(server, scenario)

@@ -15,19 +15,9 @@ from fenced import ConfigError
 from fenced.aio import Lock
 from fenced.aio._lock import fence_key
 from fenced.testing import RedisServer
+from test_aio import CANCEL_POINTS, cancel_after, settled
 
 T = TypeVar("T")
-
-
-async def settled() -> None:
-    """Wait until every task but this one and the renewer has ended (work in flight)."""
-    me = asyncio.current_task()
-    for _ in range(2000):
-        others = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
-        if all(t.get_name() == "fenced-renewer" for t in others):
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("work in flight never ended")
 
 
 def run(server: RedisServer, scenario: Callable[[Any], Awaitable[T]], **kw: Any) -> T:
@@ -178,27 +168,25 @@ def test_a_cancelled_acquire_or_release_leaves_no_lock(server: RedisServer) -> N
 
     async def scenario(r: Any) -> list[str]:
         ends = []
-        for steps in range(150):
+        for when in CANCEL_POINTS:
             lock = Lock(r, "cancelled", timeout=30)
+            entered: list[bool] = []
 
-            async def cycle(lk: Lock = lock) -> None:
+            async def cycle(lk: Lock = lock, entered: list[bool] = entered) -> None:
                 async with lk:
-                    pass
+                    entered.append(True)
 
             task = asyncio.create_task(cycle())
-            for _ in range(steps):
-                await asyncio.sleep(0)
-            task.cancel()
+            await cancel_after(task, when)
             try:
                 await task
                 ends.append("done")
             except asyncio.CancelledError:
-                ends.append("cancelled")
+                ends.append("cancelled in release" if entered else "cancelled in acquire")
             await settled()
-            assert not sync.exists("cancelled"), f"lock left behind after {steps} steps"
-            if ends[-5:] == ["done"] * 5:
-                break
+            assert not sync.exists("cancelled"), f"lock left behind, cancelled at {when}"
         return ends
 
     ends = run(server, scenario)
-    assert "done" in ends and ends.count("cancelled") >= 3
+    assert "done" in ends
+    assert "cancelled in acquire" in ends and "cancelled in release" in ends

@@ -13,9 +13,10 @@ front end; this class only awaits the scripts. What it adds is asyncio's:
   ``asyncio.timeout`` does, and the block ends in ``ClaimLost`` (on Python 3.10,
   which has no ``Task.uncancel``, a cancellation that arrives from elsewhere at the
   same moment is taken for the loss);
-- acquire and release run to their end even when their caller is cancelled: a grant
-  that lands after its caller was cancelled is given back, and a release goes on, so a
-  cancelled caller never leaves its lease behind.
+- acquire and release run to their end even when their caller is cancelled: an
+  acquire is shielded, and a grant that lands after its caller was cancelled is given
+  back; a release cut short is sent again (RELEASE is safe to repeat), so a cancelled
+  caller never leaves its lease behind.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import redis
 from .._claim import _HELD, _UNCONFIRMABLE, RELEASE_RETRY, ClaimState
 from .._guard import busy_error, lost_error, outcome_of, settle
 from .._lease import UNREACHABLE, LeaseCalls, new_token, released
+from .._scripts import Call
 from ._renewer import renewer
 from ._send import call, keep, run_to_end
 
@@ -154,18 +156,25 @@ class Claim(ClaimState):
     async def release(self, outcome: str | None = None, reason: str | None = None) -> bool:
         """Give the claim back; True only if our token still held it (then it is deleted).
 
-        Runs to its end even when the caller is cancelled meanwhile.
+        Goes on to its end when the caller is cancelled meanwhile.
         """
         if not self._releasable():
             return False
         if self.heartbeat:
             renewer().discard(self)
         before, outcome, record = self._begin_release(outcome, reason)
-        return await run_to_end(self._send_release(before, outcome, record))
-
-    async def _send_release(self, before: str, outcome: str, record: str) -> bool:
-        give_up = self._release_give_up(before)
         request = self._store.release_call(*self._release_args(outcome, record))
+        try:
+            return await self._send_release(before, outcome, request)
+        except asyncio.CancelledError:
+            # Sent or not, it is sent again from a task of its own: a RELEASE is safe to
+            # repeat (one that landed answers from its note and records nothing twice),
+            # and this costs a cycle no task, where shielding every release would.
+            keep(asyncio.ensure_future(self._send_release(before, outcome, request)))
+            raise
+
+    async def _send_release(self, before: str, outcome: str, request: Call) -> bool:
+        give_up = self._release_give_up(before)
         while True:
             try:
                 answer = released(await call(self.redis, request))
@@ -176,6 +185,8 @@ class Claim(ClaimState):
                     continue
                 self._release_unconfirmed(exc)
                 return False
+            except asyncio.CancelledError:
+                raise  # not undone: the caller sends it again
             except BaseException:
                 self._release_undone(before)
                 if self.heartbeat and before == _HELD:

@@ -34,7 +34,7 @@ from .._errors import ConfigError
 from .._heartbeat import Renewal
 from .._scripts import MINT_FENCE, Script
 from ._renewer import renewer
-from ._send import call, run_to_end
+from ._send import call, keep, run_to_end
 
 __all__ = ["Lock", "fence_key"]
 
@@ -214,7 +214,7 @@ class Lock:
         return self.local.token is not None and stored == self.local.token
 
     async def release(self) -> None:
-        """Release the lock (runs to its end even when the caller is cancelled)."""
+        """Release the lock (sent again when the caller is cancelled meanwhile)."""
         expected = self.local.token
         if expected is None:
             raise LockError(
@@ -225,17 +225,25 @@ class Lock:
             self._renewing = None
             renewer().discard(self)
         local = self.local
-        await run_to_end(self._release(local, expected))
-
-    async def _release(self, local: Any, expected: bytes) -> None:
         try:
             await self.do_release(expected)
         except LockNotOwnedError:
-            local.token = None
-            local.fence = None
+            local.token = local.fence = None  # gone from Redis: safe to forget
             raise
-        local.token = None
-        local.fence = None
+        except asyncio.CancelledError:
+            # Sent or not: compare-and-delete again from a task of its own (a repeat of
+            # one that landed finds the key gone and changes nothing).
+            keep(asyncio.ensure_future(self._release_again(local, expected)))
+            raise
+        local.token = local.fence = None
+
+    async def _release_again(self, local: Any, expected: bytes) -> None:
+        try:
+            await call(self.redis, (LOCK_RELEASE, [self.name], [expected]))
+        except Exception:  # a lock with a timeout expires anyway
+            log.warning("fenced: could not release lock %r after a cancel", self.name)
+        if local.token == expected:
+            local.token = local.fence = None
 
     async def do_release(self, expected_token: bytes) -> None:
         """Compare-and-delete (redis-py's script)."""
