@@ -11,12 +11,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 import redis.asyncio as aredis
+from redis.asyncio.connection import UnixDomainSocketConnection
 
 import fenced
 from fenced import ClaimHeld, ClaimLost, ConfigError, Skipped, exclusive
@@ -42,11 +43,16 @@ async def settled() -> None:
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
-def run(server: RedisServer, scenario: Callable[[Any], Awaitable[T]], **kw: Any) -> T:
+def run(
+    server: RedisServer,
+    scenario: Callable[[Any], Awaitable[T]],
+    stepping: bool = False,
+    **kw: Any,
+) -> T:
     """Run ``scenario(client)`` on a fresh loop with a redis.asyncio client on ``server``."""
 
     async def main() -> T:
-        client = aredis.from_url(server.url, **kw)
+        client = Stepping.on(server, **kw) if stepping else aredis.from_url(server.url, **kw)
         try:
             return await scenario(client)
         finally:
@@ -148,6 +154,7 @@ def test_many_tasks_on_one_loop_never_overlap_and_fences_increase(server: RedisS
 CHILD = """
 import asyncio, sys, time
 import redis.asyncio as aredis
+from redis.asyncio.connection import UnixDomainSocketConnection
 from fenced.aio import Claim
 
 async def main(url, rounds):
@@ -269,18 +276,84 @@ def test_a_cancellation_from_elsewhere_propagates_and_releases(server: RedisServ
     assert history(sync, "cancelled")[0].outcome == "failed"
 
 
-async def cancel_after(task: asyncio.Task[Any], when: int | float) -> None:
-    """Cancel ``task`` after ``when`` steps of the loop (an int) or seconds (a float)."""
-    if isinstance(when, int):
-        for _ in range(when):
-            await asyncio.sleep(0)
-    else:
-        await asyncio.sleep(when)
-    task.cancel()
+class Stepping(aredis.Redis):
+    """A real client that cancels a chosen task at a chosen point of its commands.
+
+    Every command has three points: before it is sent, once it was sent (as its answer
+    is read), and after the answer came. Point ``cancel_at`` (counted over all commands)
+    cancels ``target`` there, once.
+    """
+
+    target: asyncio.Task[Any] | None = None
+    cancel_at = -1
+    points = 0
+    #: Called by the connection as it starts reading an answer (the command was sent).
+    armed: Callable[[], object] | None = None
+
+    @classmethod
+    def on(cls, server: RedisServer, **kw: Any) -> Stepping:
+        """A client on ``server``'s unix socket whose connections call ``armed``."""
+        client = cls(unix_socket_path=server.socket_path, **kw)
+        client.connection_pool.connection_class = _ArmedConnection
+        return client
+
+    def _point(self) -> bool:
+        hit = self.points == self.cancel_at and self.target is not None
+        if hit:
+            self.cancel_at = -1
+        self.points += 1
+        return hit
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        if self._point() and self.target is not None:
+            self.target.cancel()
+        await asyncio.sleep(0)
+        if self._point() and self.target is not None:
+            Stepping.armed = self.target.cancel
+        result = await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+        if self._point() and self.target is not None:
+            self.target.cancel()
+        await asyncio.sleep(0)
+        return result
 
 
-#: Where to cancel: after each step of the loop, then after each 50 µs (finer than a step).
-CANCEL_POINTS: list[int | float] = [*range(150), *(i * 0.00005 for i in range(200))]
+class _ArmedConnection(UnixDomainSocketConnection):
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        armed, Stepping.armed = Stepping.armed, None
+        if armed is not None:
+            armed()  # the command is on its way: cancel as its answer is awaited
+        return await super().read_response(*args, **kwargs)
+
+
+async def cancel_everywhere(
+    r: Stepping,
+    cycle: Callable[[list[bool]], Coroutine[Any, Any, None]],
+    settle: Callable[[], Awaitable[None]],
+) -> list[tuple[str, int]]:
+    """Run ``cycle`` once per point of its commands, cancelled at that point; how each ended.
+
+    Ends are ("done" | "cancelled in the block or after" | "cancelled before", point).
+    ``settle`` is called after each run, once the work left in flight has ended.
+    """
+    ends = []
+    point = 0
+    while True:
+        entered: list[bool] = []
+        r.points, r.cancel_at = 0, point
+        task = asyncio.create_task(cycle(entered))
+        r.target = task
+        try:
+            await task
+            end = "done"
+        except asyncio.CancelledError:
+            end = "cancelled in release" if entered else "cancelled in acquire"
+        r.target, r.cancel_at = None, -1
+        await settled()  # whatever was in flight runs to its end
+        await settle()
+        ends.append((end, point))
+        if end == "done":
+            return ends
+        point += 1
 
 
 def test_cancellation_at_every_await_of_acquire_and_release_leaves_no_lease(
@@ -288,39 +361,26 @@ def test_cancellation_at_every_await_of_acquire_and_release_leaves_no_lease(
 ) -> None:
     sync = server.client()
     keys = ClaimKeys.of("cancel")
+    grants: list[int] = []
 
-    async def scenario(r: Any) -> list[str]:
-        ends = []
-        for when in CANCEL_POINTS:
-            claim = Claim(r, "cancel", ttl=5)
-            entered: list[bool] = []
-            fence_before = sync.get(keys.fence)
+    async def scenario(r: Any) -> list[tuple[str, int]]:
+        async def cycle(entered: list[bool]) -> None:
+            async with Claim(r, "cancel", ttl=5):
+                entered.append(True)
 
-            async def cycle(c: Claim = claim, entered: list[bool] = entered) -> None:
-                async with c:
-                    entered.append(True)
+        async def settle() -> None:
+            grants.append(int(sync.get(keys.fence) or 0))
+            assert sync.exists(keys.lock) == 0, "a lease was left behind"
 
-            task = asyncio.create_task(cycle())
-            await cancel_after(task, when)
-            try:
-                await task
-                ends.append("done")
-            except asyncio.CancelledError:
-                if entered:
-                    ends.append("cancelled in release")
-                elif sync.get(keys.fence) != fence_before:
-                    ends.append("cancelled after a grant")  # given back
-                else:
-                    ends.append("cancelled in acquire")
-            await settled()  # whatever was in flight runs to its end; then nothing is left
-            assert sync.exists(keys.lock) == 0, f"lease left behind, cancelled at {when}"
-        return ends
+        return await cancel_everywhere(r, cycle, settle)
 
-    ends = run(server, scenario)
-    assert "done" in ends
-    assert "cancelled in acquire" in ends
-    assert "cancelled after a grant" in ends
-    assert "cancelled in release" in ends
+    ends = run(server, scenario, stepping=True)
+    kinds = [end for end, _point in ends]
+    # Two commands (ACQUIRE, RELEASE), three points each, then a run that completes.
+    assert kinds == ["cancelled in acquire"] * 3 + ["cancelled in release"] * 3 + ["done"]
+    # The acquire runs to its end whatever the point: each cancelled one got a grant (a
+    # new fence) and gave it back.
+    assert 0 < grants[0] < grants[1] < grants[2]
 
 
 def test_a_thousand_claims_are_renewed_by_one_task_in_few_round_trips(

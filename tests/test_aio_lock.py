@@ -7,7 +7,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pytest
-import redis.asyncio as aredis
 from redis.crc import key_slot
 from redis.exceptions import LockError, LockNotOwnedError
 
@@ -15,14 +14,14 @@ from fenced import ConfigError
 from fenced.aio import Lock
 from fenced.aio._lock import fence_key
 from fenced.testing import RedisServer
-from test_aio import CANCEL_POINTS, cancel_after, settled
+from test_aio import Stepping, cancel_everywhere
 
 T = TypeVar("T")
 
 
 def run(server: RedisServer, scenario: Callable[[Any], Awaitable[T]], **kw: Any) -> T:
     async def main() -> T:
-        client = aredis.from_url(server.url, **kw)
+        client = Stepping.on(server, **kw)
         try:
             return await scenario(client)
         finally:
@@ -166,27 +165,16 @@ def test_auto_renew_keeps_the_lock_past_its_timeout(server: RedisServer) -> None
 def test_a_cancelled_acquire_or_release_leaves_no_lock(server: RedisServer) -> None:
     sync = server.client()
 
-    async def scenario(r: Any) -> list[str]:
-        ends = []
-        for when in CANCEL_POINTS:
-            lock = Lock(r, "cancelled", timeout=30)
-            entered: list[bool] = []
+    async def scenario(r: Any) -> list[tuple[str, int]]:
+        async def cycle(entered: list[bool]) -> None:
+            async with Lock(r, "cancelled", timeout=30):
+                entered.append(True)
 
-            async def cycle(lk: Lock = lock, entered: list[bool] = entered) -> None:
-                async with lk:
-                    entered.append(True)
+        async def settle() -> None:
+            assert not sync.exists("cancelled"), "a lock was left behind"
 
-            task = asyncio.create_task(cycle())
-            await cancel_after(task, when)
-            try:
-                await task
-                ends.append("done")
-            except asyncio.CancelledError:
-                ends.append("cancelled in release" if entered else "cancelled in acquire")
-            await settled()
-            assert not sync.exists("cancelled"), f"lock left behind, cancelled at {when}"
-        return ends
+        return await cancel_everywhere(r, cycle, settle)
 
     ends = run(server, scenario)
-    assert "done" in ends
-    assert "cancelled in acquire" in ends and "cancelled in release" in ends
+    kinds = [end for end, _point in ends]
+    assert kinds == ["cancelled in acquire"] * 3 + ["cancelled in release"] * 3 + ["done"]

@@ -26,7 +26,7 @@ import weakref
 from .._heartbeat import BATCH, COALESCE, IDLE_WAIT, MIN_NAP, Renewable, Renewal, _tell
 from .._lease import UNREACHABLE
 from .._scripts import REFRESH, Call
-from ._send import call_pipeline
+from ._send import call_pipeline, keep
 
 __all__ = ["Renewer", "renewer"]
 
@@ -142,6 +142,7 @@ class Renewer:
                 self._busy.add(client_id)
                 task = asyncio.get_running_loop().create_task(self._round(client_id, batch))
                 task.add_done_callback(functools.partial(self._round_done, client_id))
+                keep(task)  # the loop holds tasks weakly
             # The claims just told to retry soon are due again within the nap.
             wake = min(
                 wake, now + max(MIN_NAP, min(lease.refresh_every for _c, lease in due) * 0.35)
