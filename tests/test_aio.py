@@ -448,6 +448,17 @@ def test_exclusive_with_an_asyncio_client_or_url(server: RedisServer) -> None:
         by_url_skipped: Any = await by_url(3)
         assert isinstance(by_url_skipped, Skipped) and by_url_skipped.claim == "job:3"
         await holder.release()
+
+        @exclusive("job:{n}", redis=r, ttl=5, on_busy="wait", wait_timeout=30)
+        async def waiting(n: int) -> int:
+            return n
+
+        assert await holder.acquire()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.3, lambda: asyncio.ensure_future(holder.release()))
+        waited_from = time.monotonic()
+        assert await waiting(3) == 3  # the loop ran on while it waited: it was released
+        assert time.monotonic() - waited_from >= 0.25
         started = time.monotonic()
         with pytest.raises(ClaimLost, match="the function was interrupted"):
             await slow()
