@@ -8,23 +8,36 @@ The family, from cheapest to most private:
   worker processes and other programs that connect by URL, and for tests that need no
   run per binary;
 - ``own_server``: one per test, on a TCP port, to pause, kill or restart;
-- ``cluster_server``: one per test, a one-node Redis Cluster holding every slot.
+- ``cluster_server``: one per test, a one-node Redis Cluster holding every slot;
+- ``ha_cluster``: one per module, a Redis Cluster of 3 masters with a replica each,
+  every master emptied before each test;
+- ``own_ha_cluster``: one per test, the same cluster, for tests that kill a master;
+- ``sentinel_group``: one per test, a master, a replica and 3 sentinels (quick to
+  start), for tests that kill the master.
 
 ``redis_binary`` runs the tests that use ``server``, ``own_server`` or
-``cluster_server`` on each redis-server this machine has (system and bundled).
+``cluster_server`` on each redis-server this machine has (system and bundled). The
+high-availability fixtures run on one binary (``FENCED_REDIS_SERVER``, else the system
+one): they test topology, not the server build.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from _wait import wait_for
-from fenced.testing import RedisServer, available_binaries, free_port
+from fenced.testing import (
+    RedisCluster,
+    RedisServer,
+    SentinelGroup,
+    available_binaries,
+    cluster_port,
+    find_binary,
+)
 
 BINARIES = available_binaries()
 if not BINARIES:
@@ -74,27 +87,10 @@ def own_server(redis_binary: str) -> Iterator[RedisServer]:
         srv.stop()
 
 
-def _cluster_port() -> int:
-    """A free port whose cluster bus port (+10000) is free and valid as well."""
-    for _ in range(200):
-        port = free_port()
-        if port + 10000 > 65535:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 10000))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair for a cluster node")
-
-
 @pytest.fixture
 def cluster_server(redis_binary: str) -> Iterator[RedisServer]:
     """A one-node Redis Cluster owned by one test, every slot assigned, state ok."""
-    srv = RedisServer(
-        redis_binary, port=_cluster_port(), extra=["--cluster-enabled", "yes"]
-    ).start()
+    srv = RedisServer(redis_binary, port=cluster_port(), extra=["--cluster-enabled", "yes"]).start()
     try:
         node = srv.client()
         node.execute_command("CLUSTER", "ADDSLOTS", *range(16384))
@@ -107,6 +103,41 @@ def cluster_server(redis_binary: str) -> Iterator[RedisServer]:
         yield srv
     finally:
         srv.stop()
+
+
+def _ha_binary() -> str:
+    """The binary for clusters and sentinels; skip when this machine has none."""
+    try:
+        return find_binary()
+    except FileNotFoundError as exc:
+        pytest.skip(f"no redis-server to run a cluster or sentinels on: {exc}")
+
+
+@pytest.fixture(scope="module")
+def _shared_ha_cluster() -> Iterator[RedisCluster]:
+    with RedisCluster(masters=3, replicas=1, binary=_ha_binary()) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def ha_cluster(_shared_ha_cluster: RedisCluster) -> Iterator[RedisCluster]:
+    """A module-wide cluster of 3 masters, a replica each; every master emptied first."""
+    _shared_ha_cluster.flush()
+    yield _shared_ha_cluster
+
+
+@pytest.fixture
+def own_ha_cluster() -> Iterator[RedisCluster]:
+    """A cluster of 3 masters, a replica each, owned by one test: to kill a master."""
+    with RedisCluster(masters=3, replicas=1, binary=_ha_binary()) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def sentinel_group() -> Iterator[SentinelGroup]:
+    """A master, its replica and 3 sentinels, owned by one test: to kill the master."""
+    with SentinelGroup(binary=_ha_binary(), service="fenced-test") as group:
+        yield group
 
 
 @pytest.fixture(params=[False, True], ids=["bytes", "decoded"])

@@ -117,8 +117,12 @@ def test_bad_input_is_refused_as_the_sync_claim_does(server: RedisServer) -> Non
         Claim(client, "x", namespace="a{b")
     with pytest.raises(ConfigError):
         Claim(client, "", ttl=1)
-    with pytest.raises(ConfigError, match="no Redis client"):
+    with pytest.raises(ConfigError, match=r"redis\.asyncio"):
         Claim(None, "x")
+    with pytest.raises(ConfigError, match=r"redis\.asyncio"):
+        Claim(server.client(), "x")  # a synchronous client: fenced.Claim is for it
+    with pytest.raises(ConfigError, match="replicas"):
+        Claim(client, "x", replicas=1, replica_timeout=0.5)
 
 
 def test_many_tasks_on_one_loop_never_overlap_and_fences_increase(server: RedisServer) -> None:

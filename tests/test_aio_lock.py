@@ -7,12 +7,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pytest
-from redis.crc import key_slot
 from redis.exceptions import LockError, LockNotOwnedError
 
+import fenced
 from fenced import ConfigError
 from fenced.aio import Lock
-from fenced.aio._lock import fence_key
 from fenced.testing import RedisServer
 from test_aio import Stepping, cancel_everywhere
 
@@ -91,26 +90,34 @@ def test_async_with_as_redis_py(server: RedisServer) -> None:
         run(server, scenario)
 
 
-def test_fences_increase_and_live_in_the_names_slot(server: RedisServer) -> None:
+def test_thread_and_asyncio_locks_share_one_fence_and_exclude_each_other(
+    server: RedisServer,
+) -> None:
+    sync = server.client()
+
     async def scenario(r: Any) -> list[int]:
         fences = []
-        for name in ("plain", "with{tag}inside", b"raw-bytes"):
-            lock = Lock(r, name, timeout=5)
-            for _ in range(3):
+        for name in ("plain", "with{tag}inside"):
+            for _ in range(2):
+                lock = Lock(r, name, timeout=5)
                 assert await lock.acquire()
-                assert lock.fence is not None
+                assert lock.fence is not None and await r.exists(lock.fence_key)
+                assert not fenced.Lock(sync, name, timeout=5).acquire(blocking=False)
                 fences.append(lock.fence)
                 await lock.release()
+                threaded = fenced.Lock(sync, name, timeout=5)
+                assert threaded.acquire(blocking=False)
+                assert not await Lock(r, name).acquire(blocking=False)
+                assert threaded.fence is not None
+                fences.append(threaded.fence)
+                threaded.release()
         return fences
 
     fences = run(server, scenario)
-    for start in (0, 3, 6):
-        part = fences[start : start + 3]
-        assert part == sorted(part) and len(set(part)) == 3
-    for name in ("plain", "with{tag}inside", "a:b", "x{y}{z}", b"raw", "{a}b}c"):
-        raw = name.encode() if isinstance(name, str) else name
-        key = fence_key(name)
-        assert key_slot(raw) == key_slot(key.encode() if isinstance(key, str) else key)
+    for part in (fences[:4], fences[4:]):
+        assert part == sorted(part) and len(set(part)) == 4
+    with pytest.raises(ConfigError, match="str"):
+        Lock(None, b"raw")  # type: ignore[arg-type]
 
 
 def test_mixed_fleets_exclude_each_other(server: RedisServer) -> None:

@@ -417,7 +417,7 @@ def test_redis_pointer_reads_are_never_torn(server: RedisServer) -> None:
 
 
 def test_redis_pointer_bad_input(r: Any) -> None:
-    with pytest.raises(ConfigError, match="no Redis client"):
+    with pytest.raises(ConfigError, match="no Redis given"):
         RedisPointer(None, "x")
     with pytest.raises(ConfigError, match="namespace"):
         RedisPointer(r, "x", namespace="a{b}")

@@ -18,6 +18,7 @@ from ._errors import (
 from ._exclusive import exclusive
 from ._guard import Skipped
 from ._lease import Holder, force_release, read_holder
+from ._lock import Lock
 from ._naming import claim_name, hash_value
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ __all__ = [
     "CorruptObject",
     "FencedError",
     "Holder",
+    "Lock",
     "NotOwner",
     "Skipped",
     "StaleFence",

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import redis
 
 from . import records as _records
+from ._client import connect
 from ._errors import ClaimLost, ClaimUnavailable, ConfigError, FencedError, NotOwner
 from ._guard import SKIP_REASON, SKIP_RERUN_REASON, busy_error, finish
 from ._heartbeat import Renewal
@@ -40,7 +41,9 @@ from ._lease import (
     ClaimKeys,
     Holder,
     LeaseStore,
+    NotReplicated,
     check_idle_ttl,
+    check_replicas,
     check_timing,
     current_pid,
     describe_client,
@@ -59,6 +62,7 @@ RETRY_INTERVAL = 0.05
 _DEADLINE_PASSED = "no refresh was confirmed before the local deadline"
 _TAKEN = "the lease is gone or held under another token"
 _LATE = "granted after its own deadline; given back"
+_UNREPLICATED = "not acknowledged by the replicas asked for; given back"
 _VANISHED = "the lease was gone before release (evicted, failed over, or cleared)"
 _UNCONFIRMED = "Redis could not be reached to confirm the lease at release"
 #: How long a release keeps trying to reach Redis (never past the lease's deadline).
@@ -91,12 +95,15 @@ class ClaimState:
         max_records: int = MAX_RECORDS,
         idle_ttl: float | None = IDLE_TTL,
         redelivery_window: float = 0.0,
+        replicas: int = 0,
+        replica_timeout: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Any] = time.sleep,
     ) -> None:
         try:
             self.ttl, self.refresh_every = check_timing(ttl, refresh_every)
             self._idle_ms = check_idle_ttl(idle_ttl, self.ttl)
+            self.replicas, self._replica_ms = check_replicas(replicas, replica_timeout, self.ttl)
             if not isinstance(redelivery_window, (int, float)) or redelivery_window < 0:
                 raise ConfigError(
                     f"redelivery_window={redelivery_window!r} must be seconds >= 0 (0 "
@@ -104,8 +111,10 @@ class ClaimState:
                 )
         except ConfigError as exc:
             raise ConfigError(exc.message, name=name) from None
-        if redis is None:
-            raise ConfigError("no Redis client given: pass redis.Redis.from_url(...)", name=name)
+        try:
+            redis = self._connect(redis)
+        except ConfigError as exc:
+            raise ConfigError(exc.message, name=name) from None
         self.redis = redis
         self.keys = ClaimKeys.of(name, namespace)
         self.name: str = self.keys.name
@@ -145,6 +154,10 @@ class ClaimState:
         #: lease would have run out: the run is not known to have ended under the claim.
         self.vanished = False
         self._bind_store()
+
+    def _connect(self, redis: Any) -> Any:
+        """The client this front end talks through (a URL becomes one)."""
+        raise NotImplementedError
 
     def _bind_store(self) -> None:
         """Make the store this claim sends its scripts through."""
@@ -231,6 +244,9 @@ class ClaimState:
                 self._deadline,
                 self.keys.lasting() if self._idle_ms else (),
                 self._idle_ms,
+                self.replicas,
+                # Below the heartbeat's socket timeout (a quarter of the interval).
+                min(self._replica_ms, max(1, int(self.refresh_every * 250))),
             )
 
     def renewed(self, sent: float, token: str) -> None:
@@ -349,16 +365,35 @@ class ClaimState:
         return None
 
     def _give_back_args(
-        self, token: str, res: list[Any], late: float
+        self, token: str, fence: int, why: str, elapsed: float
     ) -> tuple[str, str, int, str, int, int]:
-        """The arguments of the store's ``release`` that give a late grant back."""
+        """The arguments of the store's ``release`` that give back a grant we must not use
+        (its run record says why)."""
         return (
             token,
-            self._finished_record(late, _LATE),
+            self._finished_record(elapsed, why),
             self.max_records,
             "lost",
-            int(res[1]),
+            fence,
             self._idle_ms,
+        )
+
+    def _unreplicated(self, res: list[Any]) -> int | None:
+        """How many replicas acknowledged a grant, when fewer than asked for."""
+        if int(res[0]) == 1 and self.replicas and int(res[-1]) < self.replicas:
+            return int(res[-1])
+        return None
+
+    def _unreplicated_error(self, acked: int) -> ClaimUnavailable:
+        # The master wrote the lease, but a failover now could forget it: it was given
+        # back and nothing started (fail closed).
+        return ClaimUnavailable(
+            f"Redis at {describe_client(self.redis)} granted claim {self.name!r}, but "
+            f"only {acked} of the {self.replicas} replica(s) asked for "
+            f"acknowledged it within {self._replica_ms / 1000:g} s; the lease was "
+            "removed and the work was not started (fail closed). Check the replicas "
+            "(INFO replication), or lower replicas=",
+            name=self.name,
         )
 
     def _late_error(self, late: float) -> ClaimUnavailable:
@@ -515,13 +550,21 @@ class Claim(ClaimState):
             The fence still increases after its key expired.
         redelivery_window: seconds to remember that the run of ``task_id`` ended ``ok``
             (see ``finished_ok``), so a redelivered message of it does not run again.
+        replicas: replicas that must acknowledge the acquire (and each renewal) within
+            ``replica_timeout`` seconds (Redis ``WAIT``). An acquire they do not
+            acknowledge removes its lease and raises ClaimUnavailable; a renewal they do
+            not acknowledge is not confirmed (the claim is lost at its deadline unless a
+            later one is). Narrows the window in which a failover forgets a fresh lease.
         clock, sleep: time seams for tests (``time.monotonic``, ``time.sleep``).
     """
 
     _store: LeaseStore
 
+    def _connect(self, redis: Any) -> Any:
+        return connect(redis)
+
     def _bind_store(self) -> None:
-        self._store = LeaseStore(self.redis, self.keys)
+        self._store = LeaseStore(self.redis, self.keys, self.replicas, self._replica_ms)
 
     # -- acquire ----------------------------------------------------------------------
 
@@ -566,19 +609,29 @@ class Claim(ClaimState):
             raise self._unavailable(exc) from exc
         except redis.ResponseError as exc:
             raise self._unavailable(exc) from exc
+        acked = self._unreplicated(res)
+        if acked is not None:
+            self._give_back(token, int(res[1]), _UNREPLICATED, self._clock() - sent)
+            raise self._unreplicated_error(acked)
         late = self._late(res, sent)
         if late is not None:
-            try:
-                # The triggers are for whoever holds it next: none are taken.
-                self._store.release(*self._give_back_args(token, res, late), take_reruns=False)
-            except Exception:  # best effort: the lease expires within its ttl anyway
-                log.warning("fenced: could not give back the late grant of %r", self.name)
+            self._give_back(token, int(res[1]), _LATE, late)
             raise self._late_error(late)
         if not self._took(token, res, sent):
             return False
         if self.heartbeat:
             _heartbeat().add(self)
         return True
+
+    def _give_back(self, token: str, fence: int, why: str, elapsed: float) -> None:
+        """Remove a lease granted to us that we must not use (its run record says why)."""
+        try:
+            self._store.release(
+                *self._give_back_args(token, fence, why, elapsed),
+                take_reruns=False,  # the triggers are for whoever holds it next
+            )
+        except Exception:  # best effort: the lease expires within its ttl anyway
+            log.warning("fenced: could not give back the grant of %r (%s)", self.name, why)
 
     # -- refresh --------------------------------------------------------------
 
@@ -590,6 +643,13 @@ class Claim(ClaimState):
         sent = self._clock()
         try:
             ok = self._store.refresh(token, self._ttl_ms, self._idle_ms)
+        except NotReplicated as exc:
+            self.retry_soon()
+            raise ClaimUnavailable.about(
+                self,
+                f"the refresh of claim {self.name!r} was acknowledged by {exc.acked} of the "
+                f"{self.replicas} replica(s) asked for: not confirmed",
+            ) from None
         except UNREACHABLE as exc:
             self.retry_soon()
             raise self._refresh_unavailable(exc) from exc

@@ -26,38 +26,33 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from ._claim import Claim
+from ._client import connect
 from ._errors import ConfigError
 from ._guard import Guard, Skipped, busy_error, check_on_busy
-from ._lease import check_namespace, check_timing
+from ._lease import check_namespace, check_replicas, check_timing
 from ._naming import Namer, NameSource
 
 __all__ = ["ON_BUSY", "Skipped", "exclusive"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+#: URLs a redis.asyncio client is built from for coroutine functions.
+_PLAIN_URLS = ("redis://", "rediss://", "unix://")
 #: The busy policies a plain function can carry out (see fenced._guard).
 ON_BUSY = ("skip", "wait", "raise")
 
 
 def _client(redis: Any) -> Any:
-    if isinstance(redis, str):
-        import redis as redis_py
-
-        return redis_py.Redis.from_url(redis)
-    if redis is None:
-        raise ConfigError(
-            "exclusive() needs redis=: a redis.Redis client or a URL such as "
-            "'redis://localhost:6379/0'"
-        )
-    return redis
+    return connect(redis, what="exclusive()")
 
 
-def _async_client(redis: Any) -> Callable[[], Any] | None:
-    """For a ``redis.asyncio`` client or a URL: the client of the running event loop.
+def _async_client(redis: Any, replicas: int) -> Callable[[], Any] | None:
+    """For a ``redis.asyncio`` client or a plain URL: the client of the running event loop.
 
     A URL gets one ``redis.asyncio`` client per event loop (its connections belong to
-    that loop); a URL used by a plain function gets a ``redis.Redis`` client instead.
+    that loop); a URL used by a plain function gets a ``redis.Redis`` client instead, and
+    so do Cluster and Sentinel URLs and ``replicas=`` (``fenced.aio`` has neither yet).
     """
-    if isinstance(redis, str):
+    if isinstance(redis, str) and not replicas and redis.startswith(_PLAIN_URLS):
         import weakref
 
         import redis.asyncio as aredis
@@ -76,6 +71,11 @@ def _async_client(redis: Any) -> Callable[[], Any] | None:
 
         return for_loop
     if type(redis).__module__.startswith("redis.asyncio"):
+        if replicas:
+            raise ConfigError(
+                "exclusive(replicas=...) needs a synchronous redis-py client or a URL: "
+                "fenced.aio does not wait for replicas"
+            )
         return lambda: redis
     return None
 
@@ -90,6 +90,8 @@ def exclusive(
     namespace: str = "fenced",
     refresh_every: float | None = None,
     records: bool = True,
+    replicas: int = 0,
+    replica_timeout: float = 1.0,
 ) -> Callable[[F], F]:
     """Hold a claim named from the arguments while the function runs; skip, wait or raise."""
     on_busy = check_on_busy(on_busy, ON_BUSY)
@@ -100,7 +102,8 @@ def exclusive(
         )
     ttl, refresh_every = check_timing(ttl, refresh_every)
     check_namespace(namespace)
-    async_client = _async_client(redis)
+    check_replicas(replicas, replica_timeout, ttl)
+    async_client = _async_client(redis, replicas)
     # A URL serves both kinds of function; a redis.asyncio client only coroutines.
     client = None if async_client is not None and not isinstance(redis, str) else _client(redis)
 
@@ -123,6 +126,8 @@ def exclusive(
                 namespace=namespace,
                 records=records,
                 record_extra=extra,
+                replicas=replicas,
+                replica_timeout=replica_timeout,
             )
             return Guard(claim, on_busy, wait_timeout)
 

@@ -12,6 +12,12 @@ only its own lane. So a claim is declared lost no later than its local deadline 
 one refresh interval, whatever the client's retry and timeout settings, and one
 unreachable Redis never delays renewals on another.
 
+A server is what a claim's keys live on: for a Redis Cluster client, the node that owns
+the claim's slot (each node's claims go in their own pipelined rounds; a MOVED or ASK
+answer is followed through the cluster client, and a node that stops answering makes it
+read the slot map again); for a Sentinel client, the master the sentinels name, through
+a private pool that finds it again after a failover.
+
 It holds claims weakly: a claim that nobody references any more (dropped without
 ``release()``, say after an exception) stops being renewed and expires by its ttl, as
 if its process had died. A lane whose client is gone, or that no claim has used for a
@@ -40,7 +46,9 @@ from typing import Any, NamedTuple, Protocol
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from redis.sentinel import SentinelConnectionPool
 
+from ._client import is_cluster, node_client, refresh_slots
 from ._lease import UNREACHABLE
 from ._scripts import REFRESH, run_pipeline
 
@@ -60,6 +68,9 @@ class Renewal(NamedTuple):
     #: The name's keys that outlive the lease, kept from expiring while it is held.
     lasting: tuple[str, ...] = ()
     idle_ms: int = 0
+    #: Replicas that must acknowledge each renewal (WAIT), and how long to wait for them.
+    replicas: int = 0
+    replica_timeout_ms: int = 0
 
 
 class Renewable(Protocol):
@@ -165,6 +176,12 @@ class _Lane:
                 pass
 
     def _renew(self, batch: Batch) -> None:
+        if is_cluster(self.client):
+            # A cluster client that cannot be split into its nodes (no slot map yet):
+            # redis-py refuses scripts in a cluster pipeline, so one call per claim.
+            for c, lease in batch:
+                self._renew_one(c, lease)
+            return
         for start in range(0, len(batch), BATCH):
             # Each lease is judged under the token it was read with: a claim released
             # and acquired again meanwhile has a new lease.
@@ -173,13 +190,19 @@ class _Lane:
                 (REFRESH, [lease.key, *lease.lasting], [lease.token, lease.ttl_ms, lease.idle_ms])
                 for _c, lease in part
             ]
+            # One WAIT after the batch covers every write before it on this connection.
+            replicas = max(lease.replicas for _c, lease in part)
+            wait = None
+            if replicas:
+                wait = (replicas, max(lease.replica_timeout_ms for _c, lease in part))
             sent = time.monotonic()
             try:
                 self.round_trips += 1
-                results = run_pipeline(self.client, calls)
+                results = run_pipeline(self.client, calls, wait=wait)
             except UNREACHABLE as exc:
                 # Not confirmed: each claim keeps its deadline and is retried soon.
                 log.warning("fenced: heartbeat could not reach Redis: %s", exc)
+                self._lost_track(part)
                 for c, _lease in part:
                     _tell(c.retry_soon)
                 continue
@@ -188,24 +211,76 @@ class _Lane:
                 for c, _lease in part:
                     _tell(c.retry_soon)
                 continue
+            acked = results.pop() if wait else 0
+            if wait and (isinstance(acked, Exception) or acked < replicas):
+                log.warning(
+                    "fenced: renewals not acknowledged by %d replica(s) (%s): not confirmed",
+                    replicas,
+                    acked,
+                )
             for (c, lease), res in zip(part, results):
-                if isinstance(res, Exception):
+                if isinstance(res, redis.exceptions.AskError):  # MOVED too: a slot moved
+                    refresh_slots(lease.client)
+                    self._renew_one(c, lease)
+                elif isinstance(res, Exception):
                     log.warning("fenced: refresh of %s failed: %s", c.name, res)
                     _tell(c.retry_soon)
-                elif res == 1:
-                    _tell(c.renewed, sent, lease.token)
-                else:
+                elif res != 1:
                     _tell(c.renewal_refused, lease.token)
+                elif lease.replicas and (isinstance(acked, Exception) or acked < lease.replicas):
+                    _tell(c.retry_soon)
+                else:
+                    _tell(c.renewed, sent, lease.token)
+
+    @staticmethod
+    def _lost_track(part: Batch) -> None:
+        """A cluster node that stopped answering may have failed over: re-read the map."""
+        for client in {id(lease.client): lease.client for _c, lease in part}.values():
+            refresh_slots(client)
+
+    def _renew_one(self, c: Renewable, lease: Renewal) -> None:
+        """One renewal through the claim's own client (it follows MOVED and ASK)."""
+        sent = time.monotonic()
+        try:
+            self.round_trips += 1
+            res = REFRESH(
+                lease.client,
+                [lease.key, *lease.lasting],
+                [lease.token, lease.ttl_ms, lease.idle_ms],
+            )
+        except Exception as exc:
+            log.warning("fenced: refresh of %s failed: %s", c.name, exc)
+            refresh_slots(lease.client)
+            _tell(c.retry_soon)
+            return
+        if res != 1:
+            _tell(c.renewal_refused, lease.token)
+        elif lease.replicas:
+            _tell(c.retry_soon)  # acknowledged by replicas only in a pipelined round
+        else:
+            _tell(c.renewed, sent, lease.token)
+
+
+def _clonable(client: Any, pool: Any) -> bool:
+    """Whether the heartbeat can make its own pool like ``pool``: standard ones only."""
+    if type(client) is not redis.Redis:
+        return False
+    if type(pool) is SentinelConnectionPool:
+        return bool(pool.is_master)
+    return type(pool) in (redis.ConnectionPool, redis.BlockingConnectionPool)
 
 
 def _server_of(pool: Any) -> tuple[Any, ...]:
     """Which server (and as whom) a pool talks to: the clients a lane may share."""
     kw = pool.connection_kwargs
+    if isinstance(pool, SentinelConnectionPool):
+        # The sentinels' master of a service; the manager tells groups apart.
+        where: tuple[Any, ...] = ("sentinel", pool.service_name, id(pool.sentinel_manager))
+    else:
+        where = (kw.get("host"), kw.get("port"), kw.get("path"))
     return (
         pool.connection_class,
-        kw.get("host"),
-        kw.get("port"),
-        kw.get("path"),
+        *where,
         kw.get("db", 0),
         kw.get("username"),
         kw.get("password"),
@@ -339,7 +414,7 @@ class Heartbeat:
     def _dispatch(self, due: Batch) -> None:
         by_lane: dict[int, tuple[_Lane, Batch]] = {}
         for c, lease in due:
-            lane = self._lane_for(lease.client, lease.refresh_every)
+            lane = self._lane_for(lease.client, lease.refresh_every, lease.key)
             by_lane.setdefault(id(lane), (lane, []))[1].append((c, lease))
         self.rounds += 1
         for lane, batch in by_lane.values():
@@ -357,16 +432,24 @@ class Heartbeat:
                 lane.close()
                 del self._lanes[key]
 
-    def _lane_for(self, client: Any, refresh_every: float) -> _Lane:
-        """The lane of a client's server, with a socket timeout below the interval."""
+    def _lane_for(self, client: Any, refresh_every: float, name_key: str | None = None) -> _Lane:
+        """The lane of a client's server, with a socket timeout below the interval.
+
+        On a cluster, the server is the node that owns ``key``'s slot: each node's
+        renewals go in their own pipelined rounds, so a node that is down delays only
+        the claims whose slots it owns (``name_key`` is the claim's lock key).
+        """
+        if name_key is not None and is_cluster(client):
+            try:
+                client = node_client(client, name_key)
+            except Exception:  # no slot map yet: the cluster client's own lane
+                pass
         pool = getattr(client, "connection_pool", None)
         # Bucket timeouts by powers of two so claims with similar intervals share a pool.
         timeout = min(5.0, max(0.05, refresh_every / 2))
         bucket = 2.0 ** math.floor(math.log2(timeout))
         lane: _Lane | None
-        if type(pool) in (redis.ConnectionPool, redis.BlockingConnectionPool) and (
-            type(client) is redis.Redis
-        ):
+        if _clonable(client, pool):
             key: tuple[Any, float] = (_server_of(pool), bucket)
             lane = self._lanes.get(key)
             if lane is not None and not lane.closed:
@@ -389,22 +472,21 @@ class Heartbeat:
         self._lanes[key] = lane
         return lane
 
-    def _client_for(self, client: Any, refresh_every: float) -> Any:
+    def _client_for(self, client: Any, refresh_every: float, name_key: str | None = None) -> Any:
         """The client a lane renews through (for tests and tools)."""
-        return self._lane_for(client, refresh_every).client
+        return self._lane_for(client, refresh_every, name_key).client
 
     @staticmethod
     def _private_client(client: Any, pool: Any, timeout: float) -> Any:
         """A clone of the client's pool: short timeouts, no retries, few connections."""
-        if type(pool) not in (redis.ConnectionPool, redis.BlockingConnectionPool) or (
-            type(client) is not redis.Redis
-        ):
-            return client  # Cluster, Sentinel or custom clients: use them as they are
+        if not _clonable(client, pool):
+            return client  # custom clients and pools: use them as they are
         # redis-py 6+ keeps per-pool bookkeeping in connection_kwargs; a clone gets its own.
         kwargs = {
             k: v
             for k, v in pool.connection_kwargs.items()
-            if not k.startswith("orig_") and k != "maint_notifications_pool_handler"
+            if not k.startswith("orig_")
+            and k not in ("maint_notifications_pool_handler", "connection_pool")
         }
         kwargs["socket_timeout"] = timeout
         kwargs["socket_connect_timeout"] = timeout
@@ -415,6 +497,18 @@ class Heartbeat:
         kwargs["retry_on_error"] = []
         kwargs.pop("retry_on_timeout", None)
         try:
+            if isinstance(pool, SentinelConnectionPool):
+                # The master the sentinels name, found again after a failover.
+                return redis.Redis(
+                    connection_pool=SentinelConnectionPool(  # type: ignore[no-untyped-call]
+                        pool.service_name,
+                        pool.sentinel_manager,
+                        connection_class=pool.connection_class,
+                        check_connection=pool.check_connection,
+                        max_connections=4,
+                        **kwargs,
+                    )
+                )
             return redis.Redis(
                 connection_pool=redis.ConnectionPool(
                     connection_class=pool.connection_class, max_connections=4, **kwargs

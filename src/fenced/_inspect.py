@@ -1,8 +1,9 @@
 """Claims seen from outside, as an operator sees them: list, read history, clear a stale one.
 
-Listing SCANs for lock keys (never ``KEYS``, which blocks the server) and reads
-everything else about the claims it found in pipelined round trips. Ages and times are
-measured on the Redis server's clock, the one its stream entry ids come from.
+Listing SCANs for lock keys (never ``KEYS``, which blocks the server; on a cluster, on
+every primary) and reads everything else about the claims it found in pipelined round
+trips. Ages and times are measured on the clock of the Redis server that holds the
+claim, the one its stream entry ids come from.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import getpass
 import os
 import re
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import _lease
 from ._lease import MAX_RECORDS, ClaimKeys, Holder, read_holder
+from ._nodes import is_cluster, node_of, scan_keys, server_times
 from ._scripts import as_text
 from .records import RunRecord, entries_for, from_entries, history
 
@@ -62,13 +64,31 @@ def _glob_escape(text: str) -> str:
 
 
 def _lock_keys(client: Any, namespace: str) -> Iterator[str]:
-    pattern = _glob_escape(namespace) + ":{*}:lock"
-    seen: set[str] = set()
-    for key in client.scan_iter(match=pattern, count=1000):
-        text = as_text(key)
-        if text not in seen:  # SCAN may return a key more than once
-            seen.add(text)
-            yield text
+    return scan_keys(client, _glob_escape(namespace) + ":{*}:lock")
+
+
+def _pipeline(client: Any) -> tuple[Any, bool]:
+    """A pipeline, and whether it reads the server's clock in the same round trip.
+
+    A cluster pipeline refuses TIME (it goes to no key's slot), and every node has a
+    clock of its own: :func:`_clocks` asks each primary instead.
+    """
+    pipe = client.pipeline(transaction=False)
+    if is_cluster(client):
+        return pipe, False
+    pipe.time()
+    return pipe, True
+
+
+def _clocks(client: Any, results: list[Any], timed: bool) -> Callable[[str], float]:
+    """The clock (epoch seconds) of the server that stamped a key's records, by key."""
+    if timed:
+        secs, micros = results.pop(0)
+        now = int(secs) + int(micros) / 1e6
+        return lambda key: now
+    times = server_times(client)
+    latest = max(times.values())  # a key whose slot moved since: any clock will do
+    return lambda key: times.get(node_of(client, key), latest)
 
 
 def list_claims(client: Any, namespace: str = "fenced") -> list[ClaimInfo]:
@@ -86,8 +106,7 @@ def list_claims(client: Any, namespace: str = "fenced") -> list[ClaimInfo]:
 
 
 def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo]:
-    pipe = client.pipeline(transaction=False)
-    pipe.time()
+    pipe, timed = _pipeline(client)
     for name in names:
         keys = ClaimKeys(namespace, name)
         pipe.get(keys.lock)
@@ -96,11 +115,10 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
         pipe.get(keys.skips)
         pipe.xrevrange(keys.runs, count=entries_for(LS_RUNS))
     results = pipe.execute()
-    secs, micros = results[0]
-    now = int(secs) + int(micros) / 1e6
+    clock = _clocks(client, results, timed)
     infos: list[ClaimInfo] = []
     for i, name in enumerate(names):
-        token, pttl, fence, skips, entries = results[1 + 5 * i : 6 + 5 * i]
+        token, pttl, fence, skips, entries = results[5 * i : 5 * i + 5]
         if token is None:
             continue  # released between the scan and the read
         fence_int = int(fence) if fence is not None else None
@@ -115,7 +133,9 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
             last_outcome=None,
             last_finished=None,
         )
-        _apply_runs(info, from_entries(name, entries, LS_RUNS), now)
+        _apply_runs(
+            info, from_entries(name, entries, LS_RUNS), clock(ClaimKeys(namespace, name).runs)
+        )
         infos.append(info)
     return infos
 
@@ -136,15 +156,14 @@ def _apply_runs(info: ClaimInfo, runs: list[RunRecord], now: float) -> None:
 
 def _find_starts(client: Any, infos: list[ClaimInfo], namespace: str) -> None:
     """Second look, deeper into the streams, for runs whose start lies behind many skips."""
-    pipe = client.pipeline(transaction=False)
-    pipe.time()
-    for info in infos:
-        pipe.xrevrange(ClaimKeys(namespace, info.name).runs, count=MAX_RECORDS)
+    pipe, timed = _pipeline(client)
+    streams = [ClaimKeys(namespace, info.name).runs for info in infos]
+    for stream in streams:
+        pipe.xrevrange(stream, count=MAX_RECORDS)
     results = pipe.execute()
-    secs, micros = results[0]
-    now = int(secs) + int(micros) / 1e6
-    for info, entries in zip(infos, results[1:]):
-        _apply_runs(info, from_entries(info.name, entries, MAX_RECORDS), now)
+    clock = _clocks(client, results, timed)
+    for info, stream, entries in zip(infos, streams, results, strict=True):
+        _apply_runs(info, from_entries(info.name, entries, MAX_RECORDS), clock(stream))
 
 
 @dataclass

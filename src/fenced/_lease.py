@@ -18,16 +18,27 @@ import os
 import re
 import secrets
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import redis
 
+from ._client import describe_client, node_client, refresh_slots
 from ._errors import ClaimUnavailable, ConfigError
 from ._naming import validate_name
-from ._scripts import ACQUIRE, FORCE_RELEASE, REFRESH, RELEASE, TOKEN_PATTERN, Call, as_text
+from ._scripts import (
+    ACQUIRE,
+    FORCE_RELEASE,
+    REFRESH,
+    RELEASE,
+    TOKEN_PATTERN,
+    Call,
+    Script,
+    as_text,
+    run_pipeline,
+)
 
 __all__ = [
     "HOST",
@@ -295,16 +306,6 @@ def check_idle_ttl(idle_ttl: Any, ttl: float, name: str = "idle_ttl") -> int:
 # -- reaching the store -----------------------------------------------------------------
 
 
-def describe_client(client: Any) -> str:
-    """Human address of a Redis client (for error messages)."""
-    kw = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {}) or {}
-    if "path" in kw:
-        where = f"unix://{kw['path']}"
-    else:
-        where = f"redis://{kw.get('host', '?')}:{kw.get('port', 6379)}"
-    return f"{where}/{kw.get('db', 0)}"
-
-
 @contextmanager
 def reachable(client: Any, doing: str, name: str | None = None, **context: Any) -> Iterator[None]:
     """Turn "Redis could not be reached" into ClaimUnavailable, the one place that does."""
@@ -316,6 +317,36 @@ def reachable(client: Any, doing: str, name: str | None = None, **context: Any) 
             name=name,
             **context,
         ) from exc
+
+
+class NotReplicated(Exception):
+    """The master applied a write, but fewer replicas than asked acknowledged it in time."""
+
+    def __init__(self, acked: int) -> None:
+        super().__init__(acked)
+        self.acked = acked
+
+
+def check_replicas(
+    replicas: Any,
+    timeout: Any,
+    ttl: float,
+    names: tuple[str, str] = ("replicas", "replica_timeout"),
+) -> tuple[int, int]:
+    """``replicas`` (an int >= 0) and its timeout in ms (below the ttl), or ConfigError."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
+        raise ConfigError(
+            f"{names[0]}={replicas!r} must be a whole number >= 0: how many replicas must "
+            "acknowledge the lease before the work starts (0: do not wait)"
+        )
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ConfigError(f"{names[1]}={timeout!r} must be seconds > 0, e.g. 1.0")
+    if replicas and timeout >= ttl / 2:
+        raise ConfigError(
+            f"{names[1]}={timeout!r} must be below half the ttl ({ttl / 2:g} s): a "
+            "lease must not run out while its acknowledgement is awaited"
+        )
+    return replicas, max(1, int(timeout * 1000))
 
 
 class LeaseCalls:
@@ -406,11 +437,15 @@ def released(res: Any) -> tuple[bool, str, list[str]]:
 class LeaseStore(LeaseCalls):
     """The lease scripts of one name on one client: acquire, refresh, release, abandon."""
 
-    __slots__ = ("client",)
+    __slots__ = ("client", "replica_timeout_ms", "replicas")
 
-    def __init__(self, client: Any, keys: ClaimKeys) -> None:
+    def __init__(
+        self, client: Any, keys: ClaimKeys, replicas: int = 0, replica_timeout_ms: int = 0
+    ) -> None:
         super().__init__(keys)
         self.client = client
+        self.replicas = replicas
+        self.replica_timeout_ms = replica_timeout_ms
 
     def _run(self, call: Call) -> Any:
         script, keys, args = call
@@ -427,15 +462,46 @@ class LeaseStore(LeaseCalls):
         task_id: str | None,
         idle_ms: int,
     ) -> list[Any]:
-        """Run ACQUIRE (see its contract); unreachable errors propagate to the caller."""
+        """Run ACQUIRE (see its contract); unreachable errors propagate to the caller.
+
+        With replicas to wait for, the answer has one more item: how many acknowledged.
+        """
         call = self.acquire_call(
             token, ttl_ms, record, skip_reason, max_records, rerun, task_id, idle_ms
         )
+        if self.replicas:
+            reply, acked = self.replicated(*call)
+            return [*reply, acked]
         return list(self._run(call))
+
+    def replicated(
+        self, script: Script, keys: Sequence[str], args: Sequence[Any]
+    ) -> tuple[Any, int]:
+        """Run a script, then WAIT for the replicas on the same connection: (reply, acked).
+
+        One round trip to the server that holds the name (on a cluster, its node).
+        """
+        wait = (self.replicas, self.replica_timeout_ms)
+        for attempt in (1, 2):
+            server = node_client(self.client, self.keys.lock)
+            reply, acked = run_pipeline(server, [(script, keys, args)], wait=wait)
+            if isinstance(reply, redis.exceptions.AskError) and attempt == 1:
+                refresh_slots(self.client)  # MOVED: the slot map was out of date
+                continue
+            if isinstance(reply, Exception):
+                raise reply
+            return reply, 0 if isinstance(acked, Exception) else int(acked)
+        raise AssertionError("unreachable")
 
     def refresh(self, token: str, ttl_ms: int, idle_ms: int = 0) -> bool:
         """Extend the lease if ``token`` still holds it (and keep the name's lasting keys)."""
-        return int(self._run(self.refresh_call(token, ttl_ms, idle_ms))) == 1
+        call = self.refresh_call(token, ttl_ms, idle_ms)
+        if self.replicas:
+            reply, acked = self.replicated(*call)
+            if int(reply) == 1 and acked < self.replicas:
+                raise NotReplicated(acked)
+            return int(reply) == 1
+        return int(self._run(call)) == 1
 
     def release(
         self,

@@ -53,6 +53,7 @@ from typing import Any
 from ._claim import Claim
 from ._errors import ClaimHeld, ClaimUnavailable, ConfigError
 from ._guard import Guard, Skipped, check_on_busy
+from ._lease import check_replicas
 from ._watchdog import ENDED_AT_DEADLINE, Watchdog, dies_with_runner
 
 __all__ = [
@@ -106,6 +107,8 @@ class RunOptions:
     wait_timeout: float | None = None
     grace: float = 10.0
     quiet: bool = False
+    replicas: int = 0
+    replica_timeout: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
@@ -125,6 +128,9 @@ class RunOptions:
                 raise ConfigError(f"wait timeout {self.wait_timeout} must be >= 0")
         if self.grace < 0:
             raise ConfigError(f"grace {self.grace} must be >= 0 seconds")
+        check_replicas(
+            self.replicas, self.replica_timeout, self.ttl, names=("--replicas", "--replica-timeout")
+        )
 
 
 class _Interrupted(Exception):
@@ -173,6 +179,8 @@ class _Runner:
             on_lost=lambda _claim: self.lost.set(),
             records=True,
             record_extra={"command": shlex.join(opts.argv), **opts.extra},
+            replicas=opts.replicas,
+            replica_timeout=opts.replica_timeout,
             sleep=self._sleep,
         )
 

@@ -1,7 +1,8 @@
 """The Lua scripts behind every claim operation, registered once and run with EVALSHA.
 
 Each constant states its KEYS, ARGV and return value. Every key a script touches is
-one claim's key and shares that claim's hash tag, so the scripts run on Redis Cluster.
+one claim's key and shares that claim's hash tag (a ``fenced.Lock``'s fence key shares
+its name's slot), so the scripts run on Redis Cluster.
 Release and refresh compare the owner token first and never touch a claim held under
 another token.
 
@@ -22,7 +23,8 @@ from redis.exceptions import NoScriptError
 __all__ = [
     "ACQUIRE",
     "FORCE_RELEASE",
-    "MINT_FENCE",
+    "LOCK_ACQUIRE",
+    "LOCK_RELEASE",
     "RECORD",
     "REFRESH",
     "RELEASE",
@@ -63,16 +65,22 @@ class Script:
 Call = tuple[Script, Sequence[str], Sequence[Any]]
 
 
-def run_pipeline(client: Any, calls: Sequence[Call]) -> list[Any]:
+def run_pipeline(
+    client: Any, calls: Sequence[Call], *, wait: tuple[int, int] | None = None
+) -> list[Any]:
     """Run many script calls in one round trip; errors come back in place of results.
 
-    When the server has lost its script cache (a restart), the scripts are loaded and
-    the batch is sent once more.
+    With ``wait=(replicas, timeout_ms)``, a ``WAIT`` follows the calls on the same
+    connection, and its answer (how many replicas acknowledged every write before it)
+    is the last item of the result. When the server has lost its script cache (a
+    restart), the scripts are loaded and the batch is sent once more.
     """
     for attempt in (1, 2):
         pipe = client.pipeline(transaction=False)
         for script, keys, args in calls:
             pipe.evalsha(script.sha, len(keys), *keys, *args)
+        if wait is not None:
+            pipe.execute_command("WAIT", *wait)
         result: list[Any] = pipe.execute(raise_on_error=False)
         if attempt == 2 or not any(isinstance(r, NoScriptError) for r in result):
             return result
@@ -89,20 +97,6 @@ local function touch(idle, ...)
   if idle > 0 then
     for _, key in ipairs({...}) do redis.call('PEXPIRE', key, idle) end
   end
-end
-"""
-
-#: The fence rule, for every script that mints one: ``max(previous + 1, TIME in µs)``.
-MINT_FENCE = """
-local function mint(key)
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local fence = redis.call('INCR', key)
-  if fence < now then
-    redis.call('SET', key, string.format('%d', now))
-    fence = now
-  end
-  return fence
 end
 """
 
@@ -127,11 +121,16 @@ end
 ACQUIRE = Script(
     "acquire",
     _TOUCH
-    + MINT_FENCE
     + """
 local idle = tonumber(ARGV[8])
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-  local fence = mint(KEYS[2])
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local fence = redis.call('INCR', KEYS[2])
+  if fence < now then
+    redis.call('SET', KEYS[2], string.format('%d', now))
+    fence = now
+  end
   if ARGV[3] ~= '' then
     redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
                'event', 'started', 'token', ARGV[1], 'fence', string.format('%d', fence),
@@ -324,5 +323,61 @@ local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*',
 if ARGV[2] == 'ok' then redis.call('DEL', KEYS[2]) end
 touch(tonumber(ARGV[6]), KEYS[1])
 return id
+""",
+)
+
+
+# LOCK_ACQUIRE: fenced.Lock's acquire, on the key redis-py's Lock uses (so the two
+#               exclude each other), minting the fence in the same step
+# KEYS[1] lock (the lock's name itself; value = token)   KEYS[2] the lock's fence
+# ARGV[1] token   ARGV[2] ttl in ms, or "" for a lock that never expires
+# ARGV[3] idle expiry of the fence key in ms (0 = never)
+# ARGV[4] "1" when the token was made for this acquire: a holder with the same token is
+#         then this very acquire, retried after its reply was lost, and it is granted
+#         with the fence minted for it; "0" for a token the caller chose (as redis-py,
+#         a held name is not taken, whoever holds it)
+# returns the fence (> 0) when the lock is ours, 0 when another holder has it
+LOCK_ACQUIRE = Script(
+    "lock_acquire",
+    """
+local granted
+if ARGV[2] == '' then
+  granted = redis.call('SET', KEYS[1], ARGV[1], 'NX')
+else
+  granted = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
+end
+if not granted then
+  if ARGV[4] ~= '1' or redis.call('GET', KEYS[1]) ~= ARGV[1] then
+    return 0
+  end
+  local minted = redis.call('GET', KEYS[2])
+  if minted then return tonumber(minted) end
+end
+local t = redis.call('TIME')
+local fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local last = tonumber(redis.call('GET', KEYS[2]) or '0')
+if fence <= last then
+  fence = last + 1
+end
+local idle = tonumber(ARGV[3])
+if idle > 0 then
+  redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', idle)
+else
+  redis.call('SET', KEYS[2], string.format('%d', fence))
+end
+return fence
+""",
+)
+
+# LOCK_RELEASE: compare-and-delete, as redis-py's Lock releases
+# KEYS[1] lock   ARGV[1] token
+# returns 1 when the token held the lock (now deleted), else 0
+LOCK_RELEASE = Script(
+    "lock_release",
+    """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
 """,
 )

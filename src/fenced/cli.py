@@ -44,13 +44,19 @@ def _redis_url(url: str | None) -> str:
 
 
 def _client(url: str | None) -> Any:
-    import redis
+    """The client of ``--redis``, else $FENCED_REDIS_CLIENT (a factory), else $FENCED_REDIS_URL."""
+    from ._client import client_from_setting, connect
+    from ._errors import ConfigError
 
-    address = _redis_url(url)
     try:
-        return redis.Redis.from_url(address, socket_connect_timeout=5, socket_timeout=10)
-    except ValueError as exc:
-        _err(f"fenced: bad Redis URL {address!r}: {exc}")
+        if not url and os.environ.get("FENCED_REDIS_CLIENT"):
+            return client_from_setting(
+                os.environ["FENCED_REDIS_CLIENT"], setting="FENCED_REDIS_CLIENT"
+            )
+        address = _redis_url(url)
+        return connect(address, socket_connect_timeout=5, socket_timeout=10)
+    except ConfigError as exc:
+        _err(f"fenced: {exc.message}")
         raise SystemExit(EXIT_USAGE) from None
 
 
@@ -164,7 +170,7 @@ if app is not None:
             client = _client(redis_url)
         elif app_obj is not None:
             store = lock_store_url(app_obj)
-            if store is not None:
+            if store is not None or app_obj.conf.get("fenced_redis_client"):
                 from .celery import lock_redis
 
                 # The client its workers make (fenced_redis_options included), so the
@@ -173,11 +179,11 @@ if app is not None:
                     client = lock_redis(app_obj)
                 except ValueError as exc:
                     _err(
-                        f"fenced doctor: bad lock store URL {store!r} (from fenced_redis_url "
-                        f"or FENCED_REDIS_URL): {exc}"
+                        "fenced doctor: bad lock store (from fenced_redis_client, "
+                        f"fenced_redis_url or FENCED_REDIS_URL): {exc}"
                     )
                     raise typer.Exit(EXIT_USAGE) from None
-        elif os.environ.get("FENCED_REDIS_URL"):
+        elif os.environ.get("FENCED_REDIS_URL") or os.environ.get("FENCED_REDIS_CLIENT"):
             client = _client(None)
         else:
             _err("fenced doctor: nothing to check: pass --redis URL and/or --app MODULE:ATTR")
@@ -245,6 +251,17 @@ if app is not None:
         quiet: Annotated[
             bool, typer.Option("--quiet", "-q", help="Print nothing on a skip.")
         ] = False,
+        replicas: Annotated[
+            int,
+            typer.Option(
+                metavar="N",
+                help="Wait for N replicas to acknowledge the lease (WAIT) before the "
+                "command starts, and each renewal; not acknowledged: exit 69.",
+            ),
+        ] = 0,
+        replica_timeout: Annotated[
+            float, typer.Option(metavar="S", help="How long to wait for --replicas.")
+        ] = 1.0,
     ) -> None:
         """Run a command while holding a claim: a distributed flock for cron.
 
@@ -275,6 +292,8 @@ if app is not None:
             wait_timeout=wait_timeout,
             grace=grace,
             quiet=quiet,
+            replicas=replicas,
+            replica_timeout=replica_timeout,
         )
         with _talking_to(client):
             code = run_command(client, opts)

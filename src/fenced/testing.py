@@ -4,6 +4,9 @@ A claim is only as good as what Redis does with it, so test your claimed tasks a
 a real server, not a mock: :class:`RedisServer` starts one that its caller owns (no
 data on disk, a free port or a unix socket) and can pause (SIGSTOP), resume, kill and
 restart it on the same address, which is what tests of lost claims need.
+:class:`RedisCluster` (masters with replicas) and :class:`SentinelGroup` (a master, a
+replica, three sentinels) are built from such servers with plain Redis commands, and
+fail over for real when a test kills a master.
 :class:`CeleryWorker` runs your Celery app in a real ``celery worker`` process group,
 which a test can pause or kill as a deploy would. ``fenced demo`` runs on both.
 
@@ -25,6 +28,7 @@ A pytest fixture::
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -33,14 +37,18 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "CeleryWorker",
+    "RedisCluster",
     "RedisServer",
+    "SentinelGroup",
     "TcpProxy",
     "available_binaries",
+    "cluster_port",
     "find_binary",
     "free_port",
 ]
@@ -139,8 +147,8 @@ class RedisServer:
                 return part[2:]
         return "?"
 
-    def start(self, timeout: float = 10.0) -> RedisServer:
-        """Start and wait until the server answers PING."""
+    def command(self) -> list[str]:
+        """The command line that starts this server."""
         args = [
             self.binary,
             "--port",
@@ -160,17 +168,36 @@ class RedisServer:
         ]
         if self.socket_path:
             args += ["--unixsocket", self.socket_path, "--unixsocketperm", "700"]
-        args += self.extra
+        return args + self.extra
+
+    def launch(self) -> None:
+        """Start the process without waiting for it (``start`` waits)."""
         self.proc = subprocess.Popen(
-            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+            self.command(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        """Start and wait until the server answers PING."""
+        self.launch()
+        return self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float = 10.0) -> RedisServer:
+        """Wait until the launched server answers PING."""
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited at start: {self._log_tail()}")
             try:
-                if self.client(socket_timeout=0.5).ping():
-                    return self
+                probe = self.client(socket_timeout=0.5)
+                try:
+                    if probe.ping():
+                        return self
+                finally:
+                    probe.close()
             except Exception:
                 if time.monotonic() > deadline:
                     self.stop()
@@ -226,6 +253,482 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free and valid as well."""
+    for _ in range(200):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+def _wait(what: str, check: Callable[[], Any], timeout: float, every: float = 0.05) -> Any:
+    """Poll ``check`` until it returns something truthy; RuntimeError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = check()
+        except Exception:  # a node still starting, or one just killed: ask again
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(every)
+
+
+def _conn(port: int) -> Any:
+    """A plain client on one node of a cluster or group (untyped, as redis-py is)."""
+    import redis
+
+    return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
+
+
+def _raw(server: RedisServer, *args: str | int) -> str:
+    """One command on a short-lived connection, answered as text."""
+    conn = _conn(server.port)
+    try:
+        reply = conn.execute_command(*args, NEVER_DECODE=True)
+    finally:
+        conn.close()
+    return reply.decode() if isinstance(reply, bytes) else str(reply)
+
+
+def _role(server: RedisServer) -> dict[str, Any]:
+    """INFO replication of ``server``, parsed."""
+    conn = server.client(socket_timeout=2)
+    try:
+        info: dict[str, Any] = conn.info("replication")
+    finally:
+        conn.close()
+    return info
+
+
+#: What every node of a test cluster is started with: failover within a few seconds of
+#: a kill (a short node timeout, any replica may be promoted), a cluster that keeps
+#: serving the slots it has while one master is down, and replicas that sync at once
+#: (and ping often: Redis 7 shows clients a replica only once it has replicated bytes).
+_CLUSTER_NODE_ARGS = [
+    "--cluster-enabled", "yes",
+    "--cluster-config-file", "nodes.conf",
+    "--cluster-announce-ip", "127.0.0.1",
+    "--cluster-replica-validity-factor", "0",
+    "--cluster-require-full-coverage", "no",
+    "--repl-diskless-sync", "yes",
+    "--repl-diskless-sync-delay", "0",
+    "--repl-ping-replica-period", "1",
+    "--replica-announce-ip", "127.0.0.1",
+]  # fmt: skip
+
+
+class RedisCluster:
+    """A Redis Cluster of real redis-server processes: masters, replicas, failover.
+
+    ::
+
+        with RedisCluster(masters=3, replicas=1) as cluster:
+            client = cluster.client()                # redis.cluster.RedisCluster
+            cluster.kill_master_for("fenced:{job}")  # kill -9 the slot's master
+            cluster.wait_failover()                  # its replica now serves the slot
+
+    The cluster is built with plain commands (CLUSTER ADDSLOTS, MEET, REPLICATE), so no
+    ``redis-cli`` is needed; ``start()`` returns once every node reports
+    ``cluster_state:ok`` and every node agrees on which node serves which slots.
+    """
+
+    def __init__(
+        self,
+        masters: int = 3,
+        replicas: int = 1,
+        binary: str | None = None,
+        *,
+        node_timeout_ms: int = 1000,
+        extra: list[str] | None = None,
+    ) -> None:
+        if masters < 1 or replicas < 0:
+            raise ValueError(f"masters={masters} must be >= 1 and replicas={replicas} >= 0")
+        self.binary = binary or find_binary()
+        self.replicas = replicas
+        ports: list[int] = []
+        while len(ports) < masters * (1 + replicas):
+            port = cluster_port()
+            if port not in ports:
+                ports.append(port)
+        args = [*_CLUSTER_NODE_ARGS, "--cluster-node-timeout", str(node_timeout_ms)]
+        args += extra or []
+        #: Every node, the first ``masters`` of them started as masters.
+        self.nodes = [RedisServer(self.binary, port=p, extra=list(args)) for p in ports]
+        self._masters = masters
+        self._ids: dict[int, str] = {}
+        self._killed: list[RedisServer] = []
+
+    # -- building --------------------------------------------------------------------------
+
+    def start(self, timeout: float = 30.0) -> RedisCluster:
+        """Start every node, assign slots, join them, attach replicas; wait until ready."""
+        try:
+            for node in self.nodes:
+                node.launch()
+            for node in self.nodes:
+                node.wait_ready(timeout)
+            self._build(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _build(self, timeout: float) -> None:
+        masters = self.nodes[: self._masters]
+        for epoch, node in enumerate(self.nodes, 1):
+            self._ids[node.port] = _raw(node, "CLUSTER", "MYID")
+            # Distinct epochs from the start: no collision to resolve after the meet.
+            _raw(node, "CLUSTER", "SET-CONFIG-EPOCH", epoch)
+        per = 16384 // len(masters)
+        for i, node in enumerate(masters):
+            end = 16384 if i == len(masters) - 1 else (i + 1) * per
+            _raw(node, "CLUSTER", "ADDSLOTS", *range(i * per, end))
+        first = self.nodes[0]
+        for node in self.nodes[1:]:
+            _raw(node, "CLUSTER", "MEET", "127.0.0.1", first.port)
+        _wait("every cluster node to know every other", self._all_met, timeout)
+        for i, node in enumerate(self.nodes[self._masters :]):
+            master = masters[i // self.replicas]
+            _raw(node, "CLUSTER", "REPLICATE", self._ids[master.port])
+        _wait("the cluster to be ready (slots agreed, replicas in sync)", self._ready, timeout)
+
+    def _all_met(self) -> bool:
+        for node in self.nodes:
+            lines = _raw(node, "CLUSTER", "NODES").strip().splitlines()
+            if len(lines) != len(self.nodes) or "handshake" in " ".join(lines):
+                return False
+        return True
+
+    def _live(self) -> list[RedisServer]:
+        return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+
+    def _slots_view(self, node: RedisServer) -> frozenset[tuple[int, int, int, int]]:
+        """(first slot, last slot, master port, replica count) of every slot range.
+
+        From CLUSTER SLOTS, as a client sees it: Redis 7 lists a replica there only
+        once it has replicated something.
+        """
+        conn = _conn(node.port)
+        try:
+            ranges = conn.execute_command("CLUSTER", "SLOTS")
+        finally:
+            conn.close()
+        return frozenset(
+            (int(first), int(last), int(master[1]), len(replicas))
+            for first, last, master, *replicas in ranges
+        )
+
+    def _ready(self) -> bool:
+        views = set()
+        for node in self._live():
+            if "cluster_state:ok" not in _raw(node, "CLUSTER", "INFO"):
+                return False
+            role = _role(node)
+            if role["role"] == "slave" and role.get("master_link_status") != "up":
+                return False
+            views.add(self._slots_view(node))
+        if len(views) != 1:
+            return False
+        (view,) = views
+        covered = sum(last - first + 1 for first, last, _, _ in view)
+        return covered == 16384
+
+    # -- reading the topology --------------------------------------------------------------
+
+    def _by_port(self, port: int) -> RedisServer:
+        for node in self.nodes:
+            if node.port == port:
+                return node
+        raise LookupError(f"no node of this cluster on port {port}")
+
+    def node_for_slot(self, slot: int) -> RedisServer:
+        """The node that serves ``slot`` now, as the live nodes see it."""
+        for first, last, port, _ in self._slots_view(self._live()[0]):
+            if first <= slot <= last:
+                return self._by_port(port)
+        raise LookupError(f"slot {slot} is served by no node")
+
+    def master_for_key(self, key: str | bytes) -> RedisServer:
+        """The node that serves ``key``'s slot now."""
+        from redis.crc import key_slot
+
+        return self.node_for_slot(key_slot(key.encode() if isinstance(key, str) else key))
+
+    def masters(self) -> list[RedisServer]:
+        """The nodes that serve slots now, by port."""
+        ports = {port for _, _, port, _ in self._slots_view(self._live()[0])}
+        return [self._by_port(p) for p in sorted(ports)]
+
+    def replicas_of(self, master: RedisServer) -> list[RedisServer]:
+        """The live replicas of ``master``, by port."""
+        found = []
+        for line in _raw(master, "CLUSTER", "REPLICAS", self._ids[master.port]).splitlines():
+            fields = line.split()
+            if len(fields) > 2 and "fail" not in fields[2].split(","):
+                found.append(self._by_port(int(fields[1].split(":")[1].split("@")[0])))
+        return sorted(found, key=lambda n: n.port)
+
+    @property
+    def startup_url(self) -> str:
+        """A ``redis+cluster://`` URL naming the nodes started as masters."""
+        hosts = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[: self._masters])
+        return f"redis+cluster://{hosts}/"
+
+    def client(self, **kwargs: Any) -> Any:
+        """A new ``redis.cluster.RedisCluster`` client, started from every live node."""
+        import redis.cluster
+
+        cluster: Any = redis.cluster
+        startup = [cluster.ClusterNode("127.0.0.1", n.port) for n in self._live()]
+        return cluster.RedisCluster(startup_nodes=startup, **kwargs)
+
+    # -- faults ----------------------------------------------------------------------------
+
+    def kill_master_for(self, key: str | bytes) -> RedisServer:
+        """kill -9 the master that serves ``key``; ``wait_failover()`` waits for its replica."""
+        master = self.master_for_key(key)
+        master.kill()
+        self._killed.append(master)
+        return master
+
+    def wait_failover(self, timeout: float = 30.0) -> list[RedisServer]:
+        """Wait until a replica serves every slot of each killed master; the new masters."""
+        killed = {n.port for n in self._killed}
+
+        def done() -> list[RedisServer] | None:
+            if not self._ready():
+                return None
+            masters = self.masters()
+            return None if killed & {m.port for m in masters} else masters
+
+        found: list[RedisServer] = _wait("a replica to take over each killed master", done, timeout)
+        return found
+
+    def flush(self) -> None:
+        """Empty every master (their replicas follow)."""
+        for node in self.masters():
+            _raw(node, "FLUSHALL")
+
+    def stop(self) -> None:
+        """Stop every node and remove their directories."""
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> RedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class _SentinelServer(RedisServer):
+    """One ``redis-server <conf> --sentinel``; the config file is its own to rewrite."""
+
+    def __init__(self, binary: str, lines: list[str]) -> None:
+        super().__init__(binary)
+        self.myid = secrets.token_hex(20)
+        self.lines = lines
+
+    def command(self) -> list[str]:
+        conf = Path(self.dir) / "sentinel.conf"
+        head = [
+            f"port {self.port}",
+            "bind 127.0.0.1",
+            f"dir {self.dir}",
+            f"logfile {self.log_path}",
+            "daemonize no",
+            f"sentinel myid {self.myid}",
+        ]
+        conf.write_text("\n".join(head + self.lines) + "\n")
+        return [self.binary, str(conf), "--sentinel"]
+
+
+class SentinelGroup:
+    """A master, its replica and three sentinels watching them, all real processes.
+
+    ::
+
+        with SentinelGroup() as group:
+            client = group.master_client()   # via redis.sentinel.Sentinel.master_for
+            group.kill_master()               # kill -9 the master
+            host, port = group.wait_promoted()
+
+    The sentinels know each other and the replica from their config files, so a kill
+    is noticed after ``down_after_ms`` and the replica promoted a few seconds later.
+    """
+
+    def __init__(
+        self,
+        binary: str | None = None,
+        *,
+        service: str = "fenced",
+        sentinels: int = 3,
+        quorum: int = 2,
+        down_after_ms: int = 1000,
+        failover_timeout_ms: int = 3000,
+    ) -> None:
+        self.binary = binary or find_binary()
+        self.service = service
+        self.quorum = quorum
+        data_args = [
+            "--replica-announce-ip", "127.0.0.1",
+            "--repl-diskless-sync", "yes",
+            "--repl-diskless-sync-delay", "0",
+        ]  # fmt: skip
+        first = RedisServer(self.binary, extra=list(data_args))
+        second = RedisServer(
+            self.binary, extra=[*data_args, "--replicaof", "127.0.0.1", str(first.port)]
+        )
+        #: The data servers, the master first (as started; roles change on failover).
+        self.servers = [first, second]
+        monitor = [
+            f"sentinel monitor {service} 127.0.0.1 {first.port} {quorum}",
+            f"sentinel down-after-milliseconds {service} {down_after_ms}",
+            f"sentinel failover-timeout {service} {failover_timeout_ms}",
+            f"sentinel parallel-syncs {service} 1",
+            f"sentinel known-replica {service} 127.0.0.1 {second.port}",
+        ]
+        self.sentinels = [_SentinelServer(self.binary, monitor) for _ in range(sentinels)]
+        for s in self.sentinels:
+            s.lines = s.lines + [
+                f"sentinel known-sentinel {service} 127.0.0.1 {o.port} {o.myid}"
+                for o in self.sentinels
+                if o is not s
+            ]
+        self._killed: list[RedisServer] = []
+
+    @property
+    def url(self) -> str:
+        """A ``redis+sentinel://`` URL: every sentinel, the service name, database 0."""
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{hosts}/{self.service}/0"
+
+    def start(self, timeout: float = 30.0) -> SentinelGroup:
+        """Start the servers, then the sentinels; wait until every sentinel sees all."""
+        try:
+            for server in self.servers:
+                server.start(timeout)
+            for sentinel in self.sentinels:
+                sentinel.launch()
+            for sentinel in self.sentinels:
+                sentinel.wait_ready(timeout)
+            _wait("the replica to sync and the sentinels to agree", self._ready, timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _ready(self) -> bool:
+        if _role(self.servers[1]).get("master_link_status") != "up":
+            return False
+        for sentinel in self.sentinels:
+            conn = sentinel.client(socket_timeout=2)
+            try:
+                state = conn.sentinel_master(self.service)
+                replicas = conn.sentinel_slaves(self.service)
+            finally:
+                conn.close()
+            if (
+                state["flags"] != "master"
+                or state["num-other-sentinels"] != len(self.sentinels) - 1
+            ):
+                return False
+            if not replicas or any(r["flags"] != "slave" for r in replicas):
+                return False
+            if any(r.get("master-link-status") != "ok" for r in replicas):
+                return False
+        return True
+
+    def sentinel(self, **kwargs: Any) -> Any:
+        """A ``redis.sentinel.Sentinel`` over every sentinel of the group."""
+        import redis.sentinel
+
+        sentinel: Any = redis.sentinel
+        hosts = [("127.0.0.1", s.port) for s in self.sentinels]
+        return sentinel.Sentinel(hosts, sentinel_kwargs={"socket_timeout": 2}, **kwargs)
+
+    def master_client(self, **kwargs: Any) -> Any:
+        """A client on whichever server the sentinels name master (``master_for``)."""
+        return self.sentinel().master_for(self.service, **kwargs)
+
+    def master_address(self) -> tuple[str, int]:
+        """The master's address, as the first sentinel that answers names it."""
+        for sentinel in self.sentinels:
+            try:
+                host, port = _raw_pair(sentinel, self.service)
+            except Exception:
+                continue
+            return host, port
+        raise RuntimeError("no sentinel answered")
+
+    def master(self) -> RedisServer:
+        """The data server the sentinels name master now."""
+        _, port = self.master_address()
+        for server in self.servers:
+            if server.port == port:
+                return server
+        raise LookupError(f"the sentinels name 127.0.0.1:{port}, not a server of this group")
+
+    def kill_master(self) -> RedisServer:
+        """kill -9 the master; ``wait_promoted()`` waits for the sentinels to replace it."""
+        master = self.master()
+        master.kill()
+        self._killed.append(master)
+        return master
+
+    def wait_promoted(self, timeout: float = 30.0) -> tuple[str, int]:
+        """Wait until every sentinel names a live master that says so; its address."""
+        killed = {s.port for s in self._killed}
+
+        def promoted() -> tuple[str, int] | None:
+            named = {_raw_pair(s, self.service) for s in self.sentinels}
+            if len(named) != 1:
+                return None
+            ((host, port),) = named
+            if port in killed:
+                return None
+            if _role(self.master())["role"] != "master":
+                return None
+            return host, port
+
+        found: tuple[str, int] = _wait("the sentinels to promote the replica", promoted, timeout)
+        return found
+
+    def stop(self) -> None:
+        """Stop the sentinels and the servers and remove their directories."""
+        for server in [*self.sentinels, *self.servers]:
+            server.stop()
+
+    def __enter__(self) -> SentinelGroup:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _raw_pair(sentinel: RedisServer, service: str) -> tuple[str, int]:
+    conn = _conn(sentinel.port)
+    try:
+        reply = conn.execute_command(
+            "SENTINEL", "GET-MASTER-ADDR-BY-NAME", service, NEVER_DECODE=True
+        )
+    finally:
+        conn.close()
+    if not reply:
+        raise LookupError(f"the sentinel on {sentinel.port} knows no {service!r}")
+    return reply[0].decode(), int(reply[1])
 
 
 class TcpProxy:

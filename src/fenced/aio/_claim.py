@@ -22,6 +22,7 @@ front end; this class only awaits the scripts. What it adds is asyncio's:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import sys
 import time
@@ -30,7 +31,8 @@ from typing import Any
 
 import redis
 
-from .._claim import _HELD, _UNCONFIRMABLE, RELEASE_RETRY, ClaimState
+from .._claim import _HELD, _LATE, _UNCONFIRMABLE, RELEASE_RETRY, ClaimState
+from .._errors import ConfigError
 from .._guard import busy_error, lost_error, outcome_of, settle
 from .._lease import UNREACHABLE, LeaseCalls, new_token, released
 from .._scripts import Call
@@ -55,7 +57,24 @@ class Claim(ClaimState):
     #: What runs under the claim, as loss messages name it.
     _what = "the block"
 
+    def _connect(self, redis: Any) -> Any:
+        if redis is None or not inspect.iscoroutinefunction(
+            getattr(redis, "execute_command", None)
+        ):
+            raise ConfigError(
+                f"{type(redis).__name__} is not a redis.asyncio client: pass one (e.g. "
+                "redis.asyncio.from_url('redis://localhost:6379/0')), or use fenced.Claim "
+                "with a synchronous client"
+            )
+        return redis
+
     def _bind_store(self) -> None:
+        if self.replicas:
+            raise ConfigError(
+                f"replicas={self.replicas}: fenced.aio does not wait for replicas; use "
+                "fenced.Claim for claims that must be acknowledged by replicas",
+                name=self.name,
+            )
         self._store = LeaseCalls(self.keys)
         self._block: asyncio.Task[Any] | None = None
         self._block_cancelling = 0
@@ -101,7 +120,7 @@ class Claim(ClaimState):
             raise self._unavailable(exc) from exc
         late = self._late(res, sent)
         if late is not None:
-            args = self._give_back_args(token, res, late)
+            args = self._give_back_args(token, int(res[1]), _LATE, late)
             try:
                 # The triggers are for whoever holds it next: none are taken.
                 await run_to_end(

@@ -18,11 +18,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
+from .._client import client_from_setting, connect
 from .._errors import ConfigError
 from .._guard import check_on_busy
-from .._lease import IDLE_TTL, check_idle_ttl, check_namespace, check_timing
+from .._lease import IDLE_TTL, check_idle_ttl, check_namespace, check_replicas, check_timing
 
 __all__ = ["DEFAULTS", "ON_BUSY", "SETTINGS", "TaskOptions", "lock_redis", "resolve", "validate"]
 
@@ -44,6 +43,9 @@ DEFAULTS: dict[str, Any] = {
     # RabbitMQ's consumer timeout (30 minutes), after which a message comes back.
     "claim_redelivery_window": 86400.0,
     "claim_idle_ttl": IDLE_TTL,
+    # Replicas that must acknowledge each acquire and renewal (WAIT), and for how long.
+    "claim_replicas": 0,
+    "claim_replica_timeout": 1.0,
 }
 OPTIONS = tuple(DEFAULTS)
 #: The setting that gives each option its default.
@@ -148,6 +150,24 @@ def validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc.message}") from None
         out["claim_idle_ttl"] = float(values["claim_idle_ttl"])
+    if values.get("claim_replicas") is not None or values.get("claim_replica_timeout") is not None:
+        try:
+            replicas, timeout_ms = check_replicas(
+                DEFAULTS["claim_replicas"]
+                if values.get("claim_replicas") is None
+                else values["claim_replicas"],
+                DEFAULTS["claim_replica_timeout"]
+                if values.get("claim_replica_timeout") is None
+                else values["claim_replica_timeout"],
+                ttl if ttl is not None else float("inf"),
+                names=("claim_replicas", "claim_replica_timeout"),
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc.message}") from None
+        if values.get("claim_replicas") is not None:
+            out["claim_replicas"] = replicas
+        if values.get("claim_replica_timeout") is not None:
+            out["claim_replica_timeout"] = timeout_ms / 1000
     if values.get("claim_unavailable_retries") is not None:
         out["claim_unavailable_retries"] = _check_positive(
             values["claim_unavailable_retries"], "claim_unavailable_retries", where, True
@@ -170,6 +190,8 @@ class TaskOptions:
     unavailable_retries: int
     redelivery_window: float
     idle_ttl: float
+    replicas: int
+    replica_timeout: float
 
 
 def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
@@ -195,6 +217,8 @@ def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
         unavailable_retries=int(merged["claim_unavailable_retries"]),
         redelivery_window=float(merged["claim_redelivery_window"]),
         idle_ttl=float(merged["claim_idle_ttl"]),
+        replicas=int(merged["claim_replicas"]),
+        replica_timeout=float(merged["claim_replica_timeout"]),
     )
 
 
@@ -205,7 +229,7 @@ def as_attribute(value: Any) -> Any:
 
 # -- the lock Redis -------------------------------------------------------------------
 
-_clients: weakref.WeakKeyDictionary[Any, tuple[str, Any]] = weakref.WeakKeyDictionary()
+_clients: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 _clients_lock = threading.Lock()
 
 
@@ -216,7 +240,21 @@ def lock_url(app: Any) -> str | None:
 
 
 def lock_redis(app: Any) -> Any:
-    """The Redis client that holds claims for a Celery app (one per app and process)."""
+    """The Redis client that holds claims for a Celery app (one per app and process).
+
+    ``fenced_redis_client`` (a callable, or its dotted path, returning a redis-py client)
+    comes first; then the ``fenced_redis_url`` setting, then ``FENCED_REDIS_URL``, in any
+    form :mod:`fenced._client` reads (standalone, TLS, unix, Sentinel, Cluster).
+    """
+    factory = app.conf.get("fenced_redis_client") or os.environ.get("FENCED_REDIS_CLIENT")
+    if factory:
+        with _clients_lock:
+            cached = _clients.get(app)
+            if cached is not None and cached[0] == ("client", factory):
+                return cached[1]
+            client = client_from_setting(factory)
+            _clients[app] = (("client", factory), client)
+            return client
     url = lock_url(app)
     if not url:
         raise ConfigError(
@@ -234,6 +272,6 @@ def lock_redis(app: Any) -> Any:
         options.update(app.conf.get("fenced_redis_options") or {})
         # redis-py pools notice a fork and reconnect, so one client serves the main
         # process and every pool child.
-        client = redis.Redis.from_url(url, **options)
+        client = connect(url, what="claims", **options)
         _clients[app] = (url, client)
         return client

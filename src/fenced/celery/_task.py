@@ -173,6 +173,8 @@ class ClaimedTask(Task[Any, Any]):
     claim_unavailable_retries: int | None = None
     claim_redelivery_window: float | None = None
     claim_idle_ttl: float | None = None
+    claim_replicas: int | None = None
+    claim_replica_timeout: float | None = None
 
     _fenced_namer: Namer | None = None
     _fenced_options: TaskOptions | None = None
@@ -290,6 +292,8 @@ class ClaimedTask(Task[Any, Any]):
             record_extra=extra,
             idle_ttl=opts.idle_ttl,
             redelivery_window=opts.redelivery_window,
+            replicas=opts.replicas,
+            replica_timeout=opts.replica_timeout,
         )
         try:
             acquired = claim.acquire(
@@ -582,6 +586,8 @@ def _values(options: TaskOptions) -> tuple[Any, ...]:
         options.unavailable_retries,
         options.redelivery_window,
         options.idle_ttl,
+        options.replicas,
+        options.replica_timeout,
     )
 
 

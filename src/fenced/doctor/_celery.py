@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from .._client import redact
 from ._finding import Finding
 
 __all__ = ["DEFAULT_VISIBILITY_TIMEOUT", "check_celery", "lock_store_url"]
@@ -36,12 +37,8 @@ def _is_redis(url: str | None) -> bool:
 
 
 def _redact(url: str | None) -> str:
-    """A URL fit to print: its password replaced."""
-    parts = urlsplit(str(url))
-    if not parts.password:
-        return str(url)
-    host = parts.netloc.rsplit("@", 1)[1]
-    return parts._replace(netloc=f"{parts.username or ''}:***@{host}").geturl()
+    """A URL fit to print: its passwords replaced."""
+    return redact(str(url))
 
 
 def _same_database(a: str | None, b: str | None) -> bool:
@@ -357,7 +354,7 @@ def _lock_store_findings(app: Any, claimed: list[Any], broker: str | None) -> li
     conf = app.conf
     store = lock_store_url(app)
     if store is None:
-        if not claimed:
+        if not claimed or conf.get("fenced_redis_client"):
             return []
         return [
             Finding(

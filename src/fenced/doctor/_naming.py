@@ -11,6 +11,7 @@ from typing import Any
 from .._errors import ConfigError
 from .._lease import ClaimKeys
 from .._naming import template_fields
+from .._nodes import scan_keys
 from ..records import OUTCOMES, history
 from ._finding import Finding
 
@@ -191,7 +192,7 @@ def load_records(
     found: list[dict[str, Any]] = []
     pattern = _escape_glob(namespace) + ":{*}:runs"
     names: set[str] = set()
-    for key in client.scan_iter(match=pattern, count=500):
+    for key in scan_keys(client, pattern, count=500):  # every primary of a cluster
         name = ClaimKeys.name_from_key(key, namespace)
         if name is not None:
             names.add(name)

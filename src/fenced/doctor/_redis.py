@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
+from .._nodes import is_cluster, primaries
 from .._scripts import as_text
 from ._finding import Finding
 
@@ -211,20 +213,32 @@ def _skew_finding(client: Any, clock: Callable[[], float], max_skew: float) -> l
 def check_redis(
     client: Any, *, max_skew: float = 0.5, clock: Callable[[], float] = time.time
 ) -> list[Finding]:
-    """Check the lock Redis: eviction, persistence, role, cluster, clock skew, version."""
+    """Check the lock Redis: eviction, persistence, role, cluster, clock skew, version.
+
+    A cluster client has every primary checked, and the nodes compared: a claim gets
+    the settings of the node that serves its slot.
+    """
+    if is_cluster(client):
+        return _check_cluster(client, max_skew, clock)
+    return _check_server(client, max_skew, clock)
+
+
+def _unreachable(exc: BaseException, where: str = "the lock Redis") -> Finding:
+    return Finding(
+        "error",
+        "redis.unreachable",
+        f"Cannot query {where}: {exc}",
+        "Claims fail closed: while the lock store is unreachable no claimed work starts.",
+        "Check the URL (`--redis`, `fenced_redis_url` or FENCED_REDIS_URL) and that "
+        "the server is running: `redis-cli -u URL ping`.",
+    )
+
+
+def _check_server(client: Any, max_skew: float, clock: Callable[[], float]) -> list[Finding]:
     try:
         info: Mapping[str, Any] = client.info()
     except Exception as exc:
-        return [
-            Finding(
-                "error",
-                "redis.unreachable",
-                f"Cannot query the lock Redis: {exc}",
-                "Claims fail closed: while the lock store is unreachable no claimed work starts.",
-                "Check the URL (`--redis`, `fenced_redis_url` or FENCED_REDIS_URL) and that "
-                "the server is running: `redis-cli -u URL ping`.",
-            )
-        ]
+        return [_unreachable(exc)]
     found = version_findings(as_text(info.get("redis_version", "0")))
     found += _policy_findings(info, client)
     evicted = int(info.get("evicted_keys", 0) or 0)
@@ -256,3 +270,95 @@ def check_redis(
             )
         )
     return found
+
+
+def _check_cluster(client: Any, max_skew: float, clock: Callable[[], float]) -> list[Finding]:
+    try:
+        nodes = primaries(client)
+    except Exception as exc:
+        return [_unreachable(exc, "the lock Redis Cluster")]
+    per_node: dict[str, list[Finding]] = {}
+    settings: dict[str, dict[str, str]] = {}
+    for name, node in nodes:
+        # One note for the whole cluster, below, instead of one per node.
+        checked = _check_server(node, max_skew, clock)
+        per_node[name] = [f for f in checked if f.code != "redis.cluster"]
+        if "redis.unreachable" not in {f.code for f in checked}:
+            settings[name] = _settings(node)
+    names = sorted(per_node)
+    found = _merged(per_node)
+    found.append(
+        Finding(
+            "info",
+            "redis.cluster",
+            f"A Redis Cluster of {len(names)} primaries ({', '.join(names)}); each was checked",
+            "Every key of one claim shares the hash tag {name}, so each claim script "
+            "touches a single slot, on the primary that serves it; claims on different "
+            "names spread over the primaries. Each replicates asynchronously, as a single "
+            "master does.",
+            "Nothing to change.",
+        )
+    )
+    found += _differences(settings)
+    return found
+
+
+def _merged(per_node: Mapping[str, list[Finding]]) -> list[Finding]:
+    """One finding for what several nodes share, naming them (or 'every primary')."""
+    groups: dict[Finding, list[str]] = {}
+    for name, findings in per_node.items():
+        for finding in findings:
+            groups.setdefault(finding, []).append(name)
+    merged = []
+    for finding, names in groups.items():
+        where = (
+            f"every primary ({len(names)})"
+            if len(names) == len(per_node) and len(names) > 1
+            else ", ".join(names)
+        )
+        merged.append(replace(finding, what=f"{finding.what} [{where}]", subject=", ".join(names)))
+    return merged
+
+
+def _settings(client: Any) -> dict[str, str]:
+    """The settings a claim depends on, as one node reports them ('?' where unreadable)."""
+    try:
+        info = client.info()
+    except Exception:
+        info = {}
+    policy = info.get("maxmemory_policy")
+    found = {
+        "maxmemory-policy": as_text(policy)
+        if policy is not None
+        else _config(client, "maxmemory-policy"),
+        "save": _config(client, "save"),
+        "appendonly": _config(client, "appendonly"),
+    }
+    return {k: "?" if v is None else v for k, v in found.items()}
+
+
+def _differences(settings: Mapping[str, Mapping[str, str]]) -> list[Finding]:
+    """A warning when the primaries differ in eviction policy or persistence."""
+    differing = []
+    for setting in ("maxmemory-policy", "save", "appendonly"):
+        values = {name: s[setting] for name, s in sorted(settings.items())}
+        if len(set(values.values())) > 1:
+            listed = ", ".join(f"{name} {value!r}" for name, value in values.items())
+            differing.append(f"{setting}: {listed}")
+    if not differing:
+        return []
+    return [
+        Finding(
+            "warning",
+            "redis.cluster-nodes-differ",
+            "The cluster's primaries are configured differently: " + "; ".join(differing),
+            "A claim lives on the one primary that serves its slot and gets that node's "
+            "settings: claims on some names can be evicted under memory pressure, or lost "
+            "at a restart, while claims on other names are kept. A node configured apart "
+            "was usually set up by hand or restarted from an old redis.conf, and a "
+            "failover can promote a replica configured differently again.",
+            "Give every node, primaries and replicas, the same settings: `CONFIG SET "
+            "maxmemory-policy noeviction` (and the same `save` and `appendonly`) on each, "
+            "and the same lines in each node's redis.conf (or `CONFIG REWRITE`).",
+        )
+    ]

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .._client import connect
 from .._errors import ConfigError, StaleFence, StoreError
 from .._lease import UNREACHABLE, ClaimKeys
 from .._scripts import Script, as_text
@@ -239,8 +240,7 @@ class RedisPointer:
     def __init__(
         self, redis: Any, name: str, *, namespace: str = "fenced", history: int = HISTORY
     ) -> None:
-        if redis is None:
-            raise ConfigError("no Redis client given: pass redis.Redis.from_url(...)")
+        redis = connect(redis, what="the pointer")
         if isinstance(history, bool) or not isinstance(history, int) or history < 0:
             raise ConfigError(f"history={history!r} must be an int >= 0 (0 keeps no log)")
         keys = ClaimKeys.of(name, namespace)

@@ -1,0 +1,467 @@
+"""Which Redis a claim talks to: one rule for every front end.
+
+A client argument (``Claim``, ``@exclusive``, ``RedisPointer``, Celery's
+``fenced_redis_url``, the command line's ``--redis``) is either a redis-py client, used
+as it is, or a URL, turned into a client here. The URL forms:
+
+- ``redis://[[user]:password@]host[:port][/db]`` and ``rediss://…`` (TLS), and
+  ``unix://[[user]:password@]/path/to/socket[?db=N]``: a single server;
+- ``redis+sentinel://[[user]:password@]host:port[,host:port…]/service[/db]`` (and
+  ``rediss+sentinel://``): the master a Sentinel group names, found again after a
+  failover. ``?sentinel_password=…`` (and ``sentinel_username``) when the sentinels
+  require their own credentials;
+- ``redis+cluster://[[user]:password@]host:port[,host:port…][/]`` (and
+  ``rediss+cluster://``): a Redis Cluster, reached through any of its nodes.
+
+Query parameters name client options (``socket_timeout=5``, ``ssl_ca_certs=/path``,
+``ssl_cert_reqs=required``, ``client_name=…``) for every form. Anything a URL cannot
+say (client certificates in memory, a custom retry policy, a credential provider) is
+a client built by the caller: ``fenced_redis_client`` names a callable that returns one.
+
+Every URL fenced prints goes through :func:`redact` first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import math
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlencode
+
+from ._errors import ClaimUnavailable, ConfigError
+
+__all__ = [
+    "SCHEMES",
+    "client_from_setting",
+    "connect",
+    "describe_client",
+    "is_cluster",
+    "node_client",
+    "parse_url",
+    "redact",
+    "refresh_slots",
+    "topology",
+]
+
+log = logging.getLogger("fenced")
+
+#: The URL schemes fenced understands, and the topology each names.
+SCHEMES = {
+    "redis": "standalone",
+    "rediss": "standalone",
+    "unix": "standalone",
+    "redis+sentinel": "sentinel",
+    "rediss+sentinel": "sentinel",
+    "redis+cluster": "cluster",
+    "rediss+cluster": "cluster",
+}
+
+EXAMPLES = (
+    "redis://localhost:6379/1, rediss://user:password@host:6380/0, "
+    "unix:///run/redis.sock?db=1, redis+sentinel://h1:26379,h2:26379/mymaster/1, "
+    "redis+cluster://h1:7000,h2:7001/"
+)
+
+# Query parameters and how to read them (the rest are refused, so a typo is not lost).
+_FLOAT = ("socket_timeout", "socket_connect_timeout")
+_INT = ("health_check_interval", "max_connections")
+_BOOL = ("socket_keepalive", "ssl_check_hostname", "decode_responses")
+_TEXT = (
+    "client_name",
+    "ssl_cert_reqs",
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_min_version",
+)
+_SENTINEL_ONLY = ("sentinel_password", "sentinel_username")
+_SECRET_PARAMS = ("password", "sentinel_password")
+
+
+class RedisURL:
+    """A parsed Redis URL: its topology, addresses, credentials and options."""
+
+    __slots__ = ("db", "hosts", "options", "password", "raw", "scheme", "service", "username")
+
+    def __init__(self, raw: str) -> None:
+        self.raw = raw
+        self.scheme = ""
+        self.hosts: list[tuple[str, int]] = []
+        self.service: str | None = None
+        self.db = 0
+        self.username: str | None = None
+        self.password: str | None = None
+        self.options: dict[str, Any] = {}
+
+    @property
+    def topology(self) -> str:
+        return SCHEMES[self.scheme]
+
+    @property
+    def tls(self) -> bool:
+        return self.scheme.startswith("rediss")
+
+
+def _bad(url: str, why: str) -> ConfigError:
+    return ConfigError(f"bad Redis URL {redact(url)!r}: {why}")
+
+
+def _read_options(url: str, query: str, topology: str) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    known: tuple[str, ...] = (*_FLOAT, *_INT, *_BOOL, *_TEXT, "username", "password")
+    known += _SENTINEL_ONLY if topology == "sentinel" else ()
+    known += ("db",) if topology != "cluster" else ()
+    for key, value in parse_qsl(query, keep_blank_values=True):
+        if key not in known:
+            raise _bad(url, f"unknown option {key!r} (known: {', '.join(sorted(known))})")
+        try:
+            if key in _FLOAT:
+                options[key] = float(value)
+            elif key in _INT:
+                options[key] = int(value)
+            elif key in _BOOL:
+                if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError(value)
+                options[key] = value.lower() in ("1", "true", "yes")
+            else:
+                options[key] = value
+        except ValueError:
+            raise _bad(url, f"option {key}={value!r} is not a valid value") from None
+    return options
+
+
+def _read_db(url: str, text: str) -> int:
+    if not re.fullmatch(r"\d+", text):
+        raise _bad(url, f"the database {text!r} must be a number such as /0 or /1")
+    return int(text)
+
+
+def _read_hosts(url: str, netloc: str, default_port: int) -> list[tuple[str, int]]:
+    hosts = []
+    for part in netloc.split(","):
+        part = part.strip()
+        match = re.fullmatch(r"\[([0-9a-fA-F:.]+)\](?::(\d+))?|([^:\[\]]+)(?::(\d*))?", part)
+        if not part or match is None:
+            raise _bad(url, f"{part!r} is not a host or host:port")
+        host = match.group(1) or match.group(3)
+        port = match.group(2) or match.group(4)
+        if port is not None and (not port or not 0 < int(port) < 65536):
+            raise _bad(url, f"{part!r} has no valid port")
+        hosts.append((host, int(port) if port else default_port))
+    return hosts
+
+
+def parse_url(url: str) -> RedisURL:
+    """Read a Redis URL of any form fenced accepts; ConfigError naming the fix otherwise."""
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"a Redis URL must be a non-empty string (examples: {EXAMPLES})")
+    scheme, _, rest = url.partition("://")
+    scheme = scheme.lower()
+    if not _ or scheme not in SCHEMES:
+        raise _bad(
+            url,
+            f"the scheme must be one of {', '.join(sorted(SCHEMES))} (examples: {EXAMPLES})",
+        )
+    parsed = RedisURL(url)
+    parsed.scheme = scheme
+    topology = SCHEMES[scheme]
+    rest, _, query = rest.partition("?")
+    rest, _, fragment = rest.partition("#")
+    if fragment:
+        raise _bad(url, "a '#' is not part of a Redis URL (percent-encode it as %23)")
+    # The credentials end at the last '@' before the path.
+    netloc, slash, path = rest.partition("/") if scheme != "unix" else ("", "/", "")
+    if scheme == "unix":
+        creds, at, sock = rest.rpartition("@")
+        if not at:
+            creds, sock = "", rest
+        netloc = creds + ("@" if at else "")
+        path = sock
+        if not path.startswith("/"):
+            raise _bad(url, "a unix URL names an absolute socket path: unix:///path/to/sock")
+    creds, at, hosts = netloc.rpartition("@")
+    if at:
+        user, colon, password = creds.partition(":")
+        parsed.username = unquote(user) or None
+        parsed.password = unquote(password) if colon else None
+    options = _read_options(url, query, topology)
+    if "username" in options:
+        parsed.username = options.pop("username") or None
+    if "password" in options:
+        parsed.password = options.pop("password") or None
+    db_option = options.pop("db", None)
+    if scheme == "unix":
+        parsed.hosts = []
+        parsed.service = path  # the socket path
+        if db_option is not None:
+            parsed.db = _read_db(url, db_option)
+    elif topology == "standalone":
+        parsed.hosts = _read_hosts(url, hosts, 6379)
+        if len(parsed.hosts) != 1:
+            raise _bad(url, "redis:// names one server (use redis+sentinel:// or redis+cluster://)")
+        path = path.strip("/") if slash else ""
+        if path:
+            parsed.db = _read_db(url, path)
+        elif db_option is not None:
+            parsed.db = _read_db(url, db_option)
+    elif topology == "sentinel":
+        parsed.hosts = _read_hosts(url, hosts, 26379)
+        parts = [p for p in path.split("/") if p] if slash else []
+        if not parts or len(parts) > 2:
+            raise _bad(url, "a Sentinel URL ends in /service or /service/db, e.g. /mymaster/0")
+        parsed.service = unquote(parts[0])
+        if len(parts) == 2:
+            parsed.db = _read_db(url, parts[1])
+        elif db_option is not None:
+            parsed.db = _read_db(url, db_option)
+    else:
+        parsed.hosts = _read_hosts(url, hosts, 6379)
+        path = path.strip("/") if slash else ""
+        if path not in ("", "0"):
+            raise _bad(url, "a Redis Cluster has only database 0: end the URL in / or /0")
+    parsed.options = options
+    return parsed
+
+
+def redact(url: str) -> str:
+    """A URL fit to print: passwords (in the credentials or the query) replaced by ***."""
+    try:
+        scheme, _, rest = url.partition("://")
+        if not _:
+            return url
+        head, q, query = rest.partition("?")
+        if scheme.lower() == "unix":
+            # unix://[user:password@]/path: the credentials end at the last '@'.
+            at_sign = head.rfind("@")
+            netloc, path = head[: at_sign + 1], head[at_sign + 1 :]
+        else:
+            slash = head.find("/")
+            netloc, path = (head, "") if slash < 0 else (head[:slash], head[slash:])
+        creds, at, hosts = netloc.rpartition("@")
+        if at:
+            user, colon, _password = creds.partition(":")
+            netloc = f"{user}:***@{hosts}" if colon else f"{user}@{hosts}"
+        elif netloc.endswith("@"):
+            netloc = netloc
+        if q:
+            pairs = parse_qsl(query, keep_blank_values=True)
+            query = urlencode(
+                [(k, "***" if k in _SECRET_PARAMS else v) for k, v in pairs], safe="*/:"
+            )
+        return f"{scheme}://{netloc}{path}{q}{query}"
+    except Exception:  # never let a message fail over its URL
+        return "<a Redis URL>"
+
+
+def _build(parsed: RedisURL, options: Mapping[str, Any]) -> Any:
+    import redis
+
+    kwargs: dict[str, Any] = dict(parsed.options)
+    kwargs.update(options)
+    sentinel_auth = {
+        key.removeprefix("sentinel_"): kwargs.pop(key) for key in _SENTINEL_ONLY if key in kwargs
+    }
+    if parsed.username:
+        kwargs["username"] = parsed.username
+    if parsed.password is not None:
+        kwargs["password"] = parsed.password
+    if parsed.scheme == "unix":
+        return redis.Redis(unix_socket_path=parsed.service, db=parsed.db, **kwargs)
+    if parsed.tls:
+        kwargs["ssl"] = True
+    if parsed.topology == "standalone":
+        host, port = parsed.hosts[0]
+        return redis.Redis(host=host, port=port, db=parsed.db, **kwargs)
+    if parsed.topology == "sentinel":
+        from redis.sentinel import Sentinel
+
+        # The sentinels get the TLS and timeout settings, and their own credentials.
+        sentinel_kwargs = {
+            k: v for k, v in kwargs.items() if k not in ("username", "password", "db")
+        }
+        # A sentinel that does not answer must not hold up finding the master.
+        sentinel_kwargs.setdefault("socket_timeout", 1.0)
+        sentinel_kwargs.setdefault("socket_connect_timeout", 1.0)
+        sentinel_kwargs.update(sentinel_auth)
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            parsed.hosts, sentinel_kwargs=sentinel_kwargs, **kwargs
+        )
+        return sentinel.master_for(parsed.service, db=parsed.db)  # type: ignore[no-untyped-call]
+    from redis.cluster import ClusterNode, RedisCluster
+
+    kwargs.pop("max_connections", None)
+    nodes = [ClusterNode(h, p) for h, p in parsed.hosts]  # type: ignore[no-untyped-call]
+    return RedisCluster(startup_nodes=nodes, **kwargs)
+
+
+_cache: dict[tuple[str, tuple[tuple[str, Any], ...]], Any] = {}
+_cache_lock = threading.Lock()
+
+
+def connect(target: Any, *, what: str = "claims", **options: Any) -> Any:
+    """A client for ``target``: a redis-py client as it is, or one built from a URL.
+
+    Clients built from one URL (with the same options) are shared within the process:
+    each has a connection pool, and redis-py pools reconnect in a forked child.
+    """
+    if isinstance(target, str):
+        parsed = parse_url(target)
+        key = (target, tuple(sorted((k, repr(v)) for k, v in options.items())))
+        with _cache_lock:
+            client = _cache.get(key)
+            if client is None:
+                try:
+                    client = _build(parsed, options)
+                except (TypeError, ValueError) as exc:
+                    raise _bad(target, str(exc)) from None
+                except Exception as exc:  # a cluster client asks its nodes when made
+                    from redis.exceptions import ConnectionError, RedisClusterException
+
+                    if not isinstance(exc, (RedisClusterException, ConnectionError, OSError)):
+                        raise
+                    raise ClaimUnavailable(
+                        f"cannot reach Redis at {redact(target)} ({exc}); nothing was started "
+                        "(fail closed)"
+                    ) from exc
+                _cache[key] = client
+        return client
+    if target is None:
+        raise ConfigError(
+            f"no Redis given for {what}: pass a redis-py client or a URL such as "
+            "'redis://localhost:6379/0'"
+        )
+    evalsha = getattr(target, "evalsha", None)
+    if evalsha is None or not callable(evalsha):
+        raise ConfigError(
+            f"{type(target).__name__} is not a Redis client: pass a redis-py client "
+            f"(redis.Redis, redis.cluster.RedisCluster, Sentinel.master_for(...)) or a URL "
+            f"such as {EXAMPLES.split(', ')[0]}"
+        )
+    if inspect.iscoroutinefunction(getattr(target, "execute_command", None)):
+        raise ConfigError(
+            f"{type(target).__name__} is an asyncio client: pass a synchronous redis-py "
+            "client here (redis.Redis), or use fenced.aio with redis.asyncio clients"
+        )
+    return target
+
+
+def client_from_setting(value: Any, *, setting: str = "fenced_redis_client") -> Any:
+    """The client a ``fenced_redis_client`` setting gives: a callable, or its dotted path.
+
+    A dotted path is ``package.module:attribute`` (or ``package.module.attribute``). The
+    callable is called with no arguments and must return a synchronous redis-py client;
+    a client object given directly is used as it is.
+    """
+    target = value
+    if isinstance(value, str):
+        module_name, colon, attr = value.partition(":")
+        if not colon:
+            module_name, _, attr = value.rpartition(".")
+        if not module_name or not attr:
+            raise ConfigError(
+                f"{setting}={value!r} must name a callable as 'package.module:function'"
+            )
+        try:
+            target = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(
+                f"{setting}={value!r} cannot be loaded ({exc}): name a callable as "
+                "'package.module:function' importable by this process"
+            ) from None
+    if callable(target) and not hasattr(target, "evalsha"):
+        made: Callable[[], Any] = target
+        target = made()
+    try:
+        return connect(target, what=setting)
+    except ConfigError as exc:
+        raise ConfigError(f"{setting} gave no usable client: {exc.message}") from None
+
+
+def is_cluster(client: Any) -> bool:
+    """Whether a client is a Redis Cluster client (its nodes are renewed apart)."""
+    return hasattr(client, "get_primaries") and hasattr(client, "nodes_manager")
+
+
+def topology(client: Any) -> str:
+    """``cluster``, ``sentinel`` or ``standalone``: how a client reaches its Redis."""
+    if is_cluster(client):
+        return "cluster"
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None and hasattr(pool, "service_name"):
+        return "sentinel"
+    return "standalone"
+
+
+def describe_client(client: Any) -> str:
+    """Where a client points, fit to print (no password), for error messages."""
+    try:
+        if is_cluster(client):
+            nodes = client.get_primaries() or client.get_nodes()
+            hosts = ",".join(f"{n.host}:{n.port}" for n in nodes[:3])
+            more = ",…" if len(nodes) > 3 else ""
+            return f"redis+cluster://{hosts}{more}/"
+        pool = getattr(client, "connection_pool", None)
+        if pool is not None and hasattr(pool, "service_name"):
+            manager = getattr(pool, "sentinel_manager", None)
+            sentinels = getattr(manager, "sentinels", [])
+            hosts = ",".join(
+                "{host}:{port}".format(**s.connection_pool.connection_kwargs) for s in sentinels[:3]
+            )
+            db = pool.connection_kwargs.get("db", 0)
+            return f"redis+sentinel://{hosts}/{pool.service_name}/{db}"
+        kw = getattr(pool, "connection_kwargs", {}) or {}
+        if "path" in kw:
+            where = f"unix://{kw['path']}"
+        else:
+            tls = "SSL" in getattr(pool, "connection_class", type).__name__
+            scheme = "rediss" if tls else "redis"
+            where = f"{scheme}://{kw.get('host', '?')}:{kw.get('port', 6379)}"
+        return f"{where}/{kw.get('db', 0)}"
+    except Exception:
+        return type(client).__name__
+
+
+# -- routing to a cluster's nodes -------------------------------------------------------
+
+
+def node_client(client: Any, key: str) -> Any:
+    """The client of the one server that holds ``key``: a cluster's node, else the client.
+
+    On a cluster this reads the client's slot map (no round trip); a map that is out of
+    date is answered with MOVED, and :func:`refresh_slots` brings it up to date.
+    """
+    if not is_cluster(client):
+        return client
+    return client.get_redis_connection(client.get_node_from_key(key))
+
+
+_refreshed: dict[int, float] = {}
+_refresh_lock = threading.Lock()
+#: A cluster's slot map is read again at most this often on behalf of fenced.
+SLOT_REFRESH_INTERVAL = 0.5
+
+
+def refresh_slots(client: Any) -> None:
+    """Read a cluster's slot map again (after MOVED, or a node that stopped answering).
+
+    At most once per :data:`SLOT_REFRESH_INTERVAL` per client; errors are left to the
+    next try (the claims it serves are retried, and declared lost only at their deadline).
+    """
+    if not is_cluster(client):
+        return
+    now = time.monotonic()
+    with _refresh_lock:
+        if now - _refreshed.get(id(client), -math.inf) < SLOT_REFRESH_INTERVAL:
+            return
+        _refreshed[id(client)] = now
+    try:
+        client.nodes_manager.initialize()
+    except Exception as exc:  # a cluster with no node answering: try again later
+        log.warning("fenced: could not read the cluster's slot map: %s", exc)

@@ -1,0 +1,284 @@
+"""Failover that stays fenced, and a heartbeat that renews a whole cluster.
+
+The worst case of a failover is a write the master acknowledged and never replicated:
+here the replica is paused (SIGSTOP) while fences are minted and a holder takes its
+lease, then the master is killed and the replica resumed and promoted. The new master
+never saw those fences; the ``TIME`` floor of ACQUIRE must still mint above them, the
+holder must learn its lease is gone, and its fenced writes must be refused.
+
+Clients are built from the ``redis+sentinel://`` and ``redis+cluster://`` URLs, as
+Celery and the command line build them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from _wait import wait_for
+from fenced import Claim, ClaimUnavailable, StaleFence
+from fenced._client import connect
+from fenced._heartbeat import heartbeat
+from fenced.store import RedisPointer
+from fenced.testing import RedisCluster, RedisServer, SentinelGroup
+
+TTL = 3.0
+EVERY = 0.5
+
+
+def _acquire_when_served(claim: Claim) -> bool:
+    try:
+        return claim.acquire()
+    except ClaimUnavailable:
+        return False
+
+
+def _writes(client: Any, key: str) -> bool:
+    try:
+        client.set(key + ":probe", 1, px=100)
+        return True
+    except Exception:
+        return False
+
+
+class Holder:
+    """A claim held with the heartbeat, noting when it is declared lost."""
+
+    def __init__(self, client: Any, name: str) -> None:
+        self.lost_at: float | None = None
+        self.lost = threading.Event()
+        self.claim = Claim(client, name, ttl=TTL, refresh_every=EVERY, on_lost=self._on_lost)
+
+    def _on_lost(self, _claim: Claim) -> None:
+        self.lost_at = time.monotonic()
+        self.lost.set()
+
+
+def _unreplicated_fences(client: Any, name: str, count: int) -> int:
+    """Mint ``count`` fences on the master; the highest."""
+    top = 0
+    for _ in range(count):
+        claim = Claim(client, name, ttl=TTL, heartbeat=False)
+        assert claim.acquire()
+        top = max(top, claim.fence or 0)
+        claim.release()
+    return top
+
+
+def _check_failover(
+    client: Any,
+    name: str,
+    replica: RedisServer,
+    kill: Any,
+    wait_promoted: Any,
+) -> dict[str, float]:
+    """The scenario on any topology; returns the timings it saw."""
+    keys = Claim(client, name, heartbeat=False).keys
+    pointer = RedisPointer(client, name)
+    replicated = _unreplicated_fences(client, name, 1)
+    on_replica = replica.client(single_connection_client=True)
+    try:
+        on_replica.execute_command("READONLY")  # a cluster replica serves reads only so
+    except Exception:
+        pass
+    wait_for("the replica to have the first fence", lambda: on_replica.get(keys.fence), 5)
+    on_replica.close()
+    replica.pause()
+    try:
+        top = _unreplicated_fences(client, name, 20)
+        holder = Holder(client, name)
+        assert holder.claim.acquire()
+        old_fence = holder.claim.fence
+        assert old_fence is not None and old_fence > top > replicated
+        pointer.swap("old-output", fence=old_fence)
+        time.sleep(2 * EVERY)  # renewed meanwhile, on the master only
+        assert holder.claim.held
+        killed_at = time.monotonic()
+        kill()
+    finally:
+        replica.resume()
+    wait_promoted()
+    promoted_after = time.monotonic() - killed_at
+    # A paused replica still has the stream in its socket buffer and may apply it on
+    # resume; a replica cut off from its master does not. Leave the promoted server as
+    # such a replica would: the fence it last replicated, no lease, no pointer.
+    wait_for("the client to reach the new master", lambda: _writes(client, keys.fence), 30)
+    client.set(keys.fence, replicated)
+    client.delete(keys.lock)
+    client.delete(pointer.key)
+    # A new holder on the new master, through the same client, as soon as it is seen.
+    fresh = Claim(client, name, ttl=TTL, heartbeat=False)
+    wait_for("a claim on the promoted replica", lambda: _acquire_when_served(fresh), 30)
+    acquired_after = time.monotonic() - killed_at
+    assert fresh.fence is not None
+    assert fresh.fence > old_fence > top  # above every fence minted before
+    pointer.swap("new-output", fence=fresh.fence)
+    # The old holder learns its lease is gone by its deadline plus one interval at most.
+    assert holder.lost.wait(TTL + 2 * EVERY + 5)
+    assert holder.lost_at is not None
+    lost_after = holder.lost_at - killed_at
+    assert lost_after <= TTL + EVERY + 0.5, lost_after
+    # And what it would still write under its old fence is refused.
+    with pytest.raises(StaleFence):
+        pointer.swap("stale-output", fence=old_fence)
+    published = pointer.read()
+    assert published is not None and published.target == "new-output"
+    fresh.release()
+    return {"promoted": promoted_after, "acquired": acquired_after, "lost": lost_after}
+
+
+def test_sentinel_failover_after_unreplicated_writes_stays_fenced(
+    sentinel_group: SentinelGroup,
+) -> None:
+    client = connect(sentinel_group.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    replica = next(s for s in sentinel_group.servers if s is not sentinel_group.master())
+    times = _check_failover(
+        client,
+        "rebuild:roads",
+        replica,
+        sentinel_group.kill_master,
+        sentinel_group.wait_promoted,
+    )
+    print(f"sentinel failover: {times}")
+
+
+def test_cluster_failover_after_unreplicated_writes_stays_fenced(
+    own_ha_cluster: RedisCluster,
+) -> None:
+    client = connect(own_ha_cluster.startup_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    name = "rebuild:roads"
+    key = Claim(client, name, heartbeat=False).key
+    master = own_ha_cluster.master_for_key(key)
+    (replica,) = own_ha_cluster.replicas_of(master)
+    times = _check_failover(
+        client,
+        name,
+        replica,
+        lambda: own_ha_cluster.kill_master_for(key),
+        own_ha_cluster.wait_failover,
+    )
+    print(f"cluster failover: {times}")
+
+
+# -- the heartbeat on a cluster -----------------------------------------------------------
+
+
+def _spread(client: Any, count: int, ttl: float, every: float) -> list[Claim]:
+    claims = [
+        Claim(client, f"feed:{i}", ttl=ttl, refresh_every=every, records=False)
+        for i in range(count)
+    ]
+    for claim in claims:
+        assert claim.acquire()
+    return claims
+
+
+def test_a_thousand_claims_over_every_slot_are_renewed_per_node(
+    ha_cluster: RedisCluster,
+) -> None:
+    client = connect(ha_cluster.startup_url)
+    claims = _spread(client, 1200, ttl=2.0, every=0.5)
+    try:
+        nodes = {client.get_node_from_key(c.key).name for c in claims}
+        assert len(nodes) == 3  # every master holds some
+        beat = heartbeat()
+        trips = beat.round_trips
+        time.sleep(3 * 2.0)  # three ttls: nothing survives without renewals
+        assert all(c.held for c in claims)
+        assert not [c.name for c in claims if c.lost]
+        # Pipelined per node: a few round trips per node and interval, not one per claim.
+        per_interval = (beat.round_trips - trips) / (6.0 / 0.5)
+        assert per_interval <= 3 * 3, per_interval
+        remaining = sum(1 for c in claims if 0 < ha_cluster.client().pttl(c.key) <= 2000)
+        assert remaining == len(claims)
+    finally:
+        for claim in claims:
+            claim.release()
+
+
+def test_a_node_that_is_down_delays_only_its_own_claims(own_ha_cluster: RedisCluster) -> None:
+    client = connect(own_ha_cluster.startup_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    claims = _spread(client, 300, ttl=6.0, every=1.0)
+    try:
+        victim = own_ha_cluster.master_for_key(claims[0].key)
+        on_victim = [c for c in claims if own_ha_cluster.master_for_key(c.key) is victim]
+        elsewhere = [c for c in claims if c not in on_victim]
+        assert on_victim and elsewhere
+        victim.pause()  # answers nothing, holds its sockets: the worst kind of down
+        time.sleep(2.5)
+        # The others were renewed meanwhile: their leases run a full ttl from now.
+        assert all(c.held for c in elsewhere)
+        assert min(c.expires_in or 0 for c in elsewhere) > 6.0 - 1.0 - 0.5
+        # The paused node's claims were not (they keep their deadlines, not yet lost).
+        assert max(c.expires_in or 0 for c in on_victim) < 6.0 - 2.0
+        victim.resume()
+        wait_for(
+            "the paused node's claims renewed again",
+            lambda: min(c.expires_in or 0 for c in on_victim) > 6.0 - 1.5,
+            5,
+        )
+        assert all(c.held for c in claims)
+    finally:
+        for claim in claims:
+            claim.release()
+
+
+def test_claims_live_through_a_failover_of_their_node(own_ha_cluster: RedisCluster) -> None:
+    """Leases that reached the replica are renewed on it once promoted: none is lost."""
+    client = connect(own_ha_cluster.startup_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    claims = _spread(client, 300, ttl=10.0, every=1.0)
+    try:
+        victim = own_ha_cluster.master_for_key(claims[0].key)
+        (replica,) = own_ha_cluster.replicas_of(victim)
+        wait_for(
+            "the leases to reach the replica",
+            lambda: (
+                replica.client().dbsize()
+                >= sum(1 for c in claims if own_ha_cluster.master_for_key(c.key) is victim)
+            ),
+            10,
+        )
+        own_ha_cluster.kill_master_for(claims[0].key)
+        own_ha_cluster.wait_failover()
+        time.sleep(12.0)  # past every deadline the old node could have granted
+        assert not [c.name for c in claims if not c.held]
+    finally:
+        for claim in claims:
+            try:
+                claim.release()
+            except ClaimUnavailable:
+                pass
+
+
+def _migrate_slot(cluster: RedisCluster, slot: int, client: Any) -> RedisServer:
+    """Move one slot, and its keys, to another master; the master it is on now."""
+    source = cluster.node_for_slot(slot)
+    target = next(m for m in cluster.masters() if m is not source)
+    src, dst = source.client(), target.client()
+    src_id = src.execute_command("CLUSTER", "MYID")
+    dst_id = dst.execute_command("CLUSTER", "MYID")
+    dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+        src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
+        time.sleep(1.2)  # renewals meet the slot half moved (ASK) in between
+    for node in cluster.masters():
+        node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    return target
+
+
+def test_claims_follow_a_slot_that_moves(ha_cluster: RedisCluster) -> None:
+    client = connect(ha_cluster.startup_url)
+    claim = Claim(client, "moving", ttl=2.0, refresh_every=0.5)
+    slot = client.keyslot(claim.key)
+    assert claim.acquire()
+    try:
+        target = _migrate_slot(ha_cluster, slot, client)
+        time.sleep(3.0)  # more than a ttl after the move: renewed through MOVED
+        assert claim.held
+        assert target.client().pttl(claim.key) > 0
+    finally:
+        claim.release()

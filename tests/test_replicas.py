@@ -1,0 +1,208 @@
+"""replicas=N: an acquire (and each renewal) waits for N replicas, or fails closed.
+
+A real master and a real replica (``REPLICAOF``); the replica is paused with SIGSTOP
+to stop it acknowledging.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from _wait import wait_for
+from fenced import Claim, ClaimUnavailable, ConfigError
+from fenced.testing import RedisServer
+
+
+@pytest.fixture
+def pair(redis_binary: str) -> Iterator[tuple[RedisServer, RedisServer]]:
+    """A master and its replica, in sync."""
+    master = RedisServer(redis_binary).start()
+    replica = RedisServer(redis_binary).start()
+    try:
+        replica.client().execute_command("REPLICAOF", "127.0.0.1", master.port)
+        m = master.client()
+        wait_for(
+            "the replica to be in sync",
+            lambda: (
+                m.info("replication").get("connected_slaves") == 1
+                and m.info("replication").get("slave0", {}).get("state") == "online"
+            ),
+            20,
+        )
+        yield master, replica
+    finally:
+        replica.stop()
+        master.stop()
+
+
+def _lock_keys(client: Any) -> list[bytes]:
+    return list(client.scan_iter(match="fenced:lock:*"))
+
+
+def test_acquire_waits_for_the_replica_and_the_lease_is_on_it(
+    pair: tuple[RedisServer, RedisServer],
+) -> None:
+    master, replica = pair
+    claim = Claim(master.client(), "replicated", ttl=10, replicas=1, heartbeat=False)
+    assert claim.acquire()
+    # WAIT returned only after the replica had the write.
+    assert replica.client().get(claim.key) is not None
+    claim.release()
+
+
+def test_an_unacknowledged_acquire_removes_its_lease_and_fails_closed(
+    pair: tuple[RedisServer, RedisServer],
+) -> None:
+    master, replica = pair
+    client = master.client()
+    replica.pause()
+    try:
+        claim = Claim(client, "unacked", ttl=10, replicas=1, replica_timeout=0.3, heartbeat=False)
+        with pytest.raises(ClaimUnavailable, match="0 of the 1 replica"):
+            claim.acquire()
+        assert not claim.held
+        assert _lock_keys(client) == []  # the lease it wrote was removed
+        # Asking for more replicas than exist fails the same way.
+        with pytest.raises(ClaimUnavailable, match="replica"):
+            Claim(client, "two", ttl=10, replicas=2, replica_timeout=0.2).acquire()
+        assert _lock_keys(client) == []
+    finally:
+        replica.resume()
+    # Once the replica answers again, the same name can be taken.
+    claim = Claim(client, "unacked", ttl=10, replicas=1, heartbeat=False)
+    assert claim.acquire()
+    claim.release()
+
+
+def test_renewals_not_acknowledged_end_in_loss_by_the_deadline(
+    pair: tuple[RedisServer, RedisServer],
+) -> None:
+    master, replica = pair
+    lost: list[str] = []
+    claim = Claim(
+        master.client(),
+        "renewed",
+        ttl=2,
+        refresh_every=0.5,
+        replicas=1,
+        replica_timeout=0.1,
+        on_lost=lambda c: lost.append(c.lost_reason or ""),
+    )
+    assert claim.acquire()
+    try:
+        time.sleep(2.5)  # several renewals, each acknowledged
+        assert claim.held and not lost
+        replica.pause()
+        paused_at = time.monotonic()
+        wait_for("the claim to be declared lost", lambda: bool(lost), 6)
+        # By its deadline (ttl after the last confirmed renewal) plus one interval.
+        assert time.monotonic() - paused_at <= 2 + 0.5 + 0.5
+        assert "deadline" in lost[0]
+    finally:
+        replica.resume()
+        claim.release()
+
+
+def test_manual_refresh_without_acknowledgement_is_unconfirmed(
+    pair: tuple[RedisServer, RedisServer],
+) -> None:
+    master, replica = pair
+    claim = Claim(
+        master.client(), "manual", ttl=10, replicas=1, replica_timeout=0.2, heartbeat=False
+    )
+    assert claim.acquire()
+    replica.pause()
+    try:
+        with pytest.raises(ClaimUnavailable, match="0 of the 1 replica"):
+            claim.refresh()
+        assert claim.held  # not lost: unconfirmed, until its deadline
+    finally:
+        replica.resume()
+    assert claim.refresh()
+    claim.release()
+
+
+@pytest.mark.parametrize(
+    ("replicas", "timeout", "match"),
+    [
+        (-1, 1.0, "whole number"),
+        (True, 1.0, "whole number"),
+        (1.5, 1.0, "whole number"),
+        (1, 0, "seconds > 0"),
+        (1, 20.0, "below half the ttl"),
+    ],
+)
+def test_bad_replica_settings_name_the_fix(
+    server: RedisServer, replicas: Any, timeout: Any, match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        Claim(server.client(), "x", ttl=30, replicas=replicas, replica_timeout=timeout)
+
+
+def test_fenced_run_with_replicas_fails_closed_when_unacknowledged(
+    pair: tuple[RedisServer, RedisServer], tmp_path: Any
+) -> None:
+    import subprocess
+    import sys
+
+    master, replica = pair
+    marker = tmp_path / "ran"
+    cmd = [sys.executable, "-m", "fenced.cli", "run", "--redis", master.url, "--replicas", "1"]
+    body = ["--", sys.executable, "-c", f"open({str(marker)!r}, 'w').write('x')"]
+    replica.pause()
+    try:
+        done = subprocess.run(
+            [*cmd, "--replica-timeout", "0.3", "nightly", *body],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        replica.resume()
+    assert done.returncode == 69, done.stderr
+    assert "replica" in done.stderr and not marker.exists()
+    assert _lock_keys(master.client()) == []
+    done = subprocess.run([*cmd, "nightly", *body], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert marker.exists()
+
+
+def test_celery_and_exclusive_take_replicas(pair: tuple[RedisServer, RedisServer]) -> None:
+    from celery import Celery
+
+    from fenced import exclusive
+    from fenced.celery import ClaimedTask
+
+    master, replica = pair
+    app = Celery("fenced_replicas", set_as_current=False, broker="memory://")
+    app.conf.fenced_redis_url = master.url
+    app.conf.fenced_claim_replicas = 1
+    app.conf.fenced_claim_replica_timeout = 0.3
+    app.finalize()
+
+    @app.task(shared=False, base=ClaimedTask, bind=True, claim="replicated:{t}")
+    def task(self: Any, t: str) -> int:
+        return int(replica.client().exists(self.claim.key))
+
+    assert task("a") == 1  # the lease was on the replica before the body ran
+
+    with pytest.raises(ConfigError, match="claim_replicas=-2 must be a whole number"):
+
+        @app.task(shared=False, base=ClaimedTask, bind=True, claim="x", claim_replicas=-2)
+        def bad(self: Any) -> None: ...
+
+    @exclusive(name="job", redis=master.url, replicas=1, replica_timeout=0.3)
+    def job() -> str:
+        return "done"
+
+    assert job() == "done"
+    replica.pause()
+    try:
+        with pytest.raises(ClaimUnavailable, match="replica"):
+            job()
+    finally:
+        replica.resume()
