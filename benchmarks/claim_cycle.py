@@ -37,7 +37,16 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import redis
-from _common import Rates, interleave, machine_info, paired_ratio, start_server, table
+from _common import (
+    Rates,
+    evalsha_calls,
+    interleave,
+    machine_info,
+    paired_ratio,
+    server_cpu,
+    start_server,
+    table,
+)
 
 from fenced import Claim
 from fenced._heartbeat import heartbeat
@@ -264,29 +273,19 @@ def calibrate(server: RedisServer, op: Callable[[], object], n: int = 300) -> di
         sent[0] += 1
         original(self, command, check_health)  # type: ignore[no-untyped-call]
 
-    before = _server_cpu(probe)
+    before = server_cpu(probe)
     AbstractConnection.send_packed_command = counting  # type: ignore[method-assign]
     try:
         for _ in range(n):
             op()
     finally:
         AbstractConnection.send_packed_command = original  # type: ignore[method-assign]
-    server_cpu = _server_cpu(probe) - before
+    used = server_cpu(probe) - before
     probe.close()
-    return {"round_trips_per_op": sent[0] / n, "server_cpu_s_per_op": server_cpu / n}
+    return {"round_trips_per_op": sent[0] / n, "server_cpu_s_per_op": used / n}
 
 
 # -- the heartbeat under many claims ------------------------------------------------------
-
-
-def _server_cpu(r: Any) -> float:
-    info = r.info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
-
-
-def _evalsha_calls(r: Any) -> int:
-    stats = r.info("commandstats")
-    return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
 
 
 def heartbeat_cost(
@@ -337,8 +336,8 @@ def heartbeat_cost(
 
     after_next_round()
     rounds0, trips0 = hb.rounds, hb.round_trips
-    evalsha0 = _evalsha_calls(probe)
-    srv0 = _server_cpu(probe)
+    evalsha0 = evalsha_calls(probe)
+    srv0 = server_cpu(probe)
     cpu0 = time.process_time()
     me0 = resource.getrusage(resource.RUSAGE_THREAD)
     wall0 = time.monotonic()
@@ -349,8 +348,8 @@ def heartbeat_cost(
     wall = time.monotonic() - wall0
     me1 = resource.getrusage(resource.RUSAGE_THREAD)
     cpu = time.process_time() - cpu0
-    srv = _server_cpu(probe) - srv0
-    evalsha = _evalsha_calls(probe) - evalsha0
+    srv = server_cpu(probe) - srv0
+    evalsha = evalsha_calls(probe) - evalsha0
     rounds, trips = hb.rounds - rounds0, hb.round_trips - trips0
     # This thread's own CPU (the ticks) is not the heartbeat's.
     ticker = (me1.ru_utime + me1.ru_stime) - (me0.ru_utime + me0.ru_stime)

@@ -20,7 +20,9 @@ from fenced.testing import RedisServer
 @pytest.fixture
 def pair(redis_binary: str) -> Iterator[tuple[RedisServer, RedisServer]]:
     """A master and its replica, in sync."""
-    master = RedisServer(redis_binary).start()
+    # Diskless sync without its default 5 s delay: the replica is in sync at once.
+    sync = ["--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"]
+    master = RedisServer(redis_binary, extra=sync).start()
     replica = RedisServer(redis_binary).start()
     try:
         replica.client().execute_command("REPLICAOF", "127.0.0.1", master.port)
@@ -33,6 +35,10 @@ def pair(redis_binary: str) -> Iterator[tuple[RedisServer, RedisServer]]:
             ),
             20,
         )
+        # And acknowledging writes: WAIT has an answer from it.
+        m.set("fenced-test:probe", 1)
+        assert m.execute_command("WAIT", 1, 10000) == 1
+        m.delete("fenced-test:probe")
         yield master, replica
     finally:
         replica.stop()
