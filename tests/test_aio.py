@@ -22,7 +22,7 @@ from redis.asyncio.connection import UnixDomainSocketConnection
 import fenced
 from fenced import ClaimHeld, ClaimLost, ConfigError, Skipped, exclusive
 from fenced._lease import ClaimKeys
-from fenced.aio import Claim, renewer
+from fenced.aio import Claim, Lock, renewer
 from fenced.records import history
 from fenced.testing import RedisServer
 
@@ -471,3 +471,24 @@ def test_exclusive_with_an_asyncio_client_or_url(server: RedisServer) -> None:
     run(server, scenario)
     with pytest.raises(ConfigError, match="coroutine functions only"):
         exclusive("x", redis=aredis.from_url(server.url))(lambda: None)
+
+
+def test_claims_and_locks_on_a_cluster_client(cluster_server: RedisServer) -> None:
+    from redis.asyncio.cluster import RedisCluster
+
+    async def main() -> tuple[int, int]:
+        r = RedisCluster(host="127.0.0.1", port=cluster_server.port)
+        try:
+            claims = [Claim(r, f"cl:{i}", ttl=0.9) for i in range(20)]
+            for c in claims:
+                assert await c.acquire()
+            await asyncio.sleep(1.5)  # past the ttl: renewed, side by side on a Cluster
+            held = sum(c.held for c in claims)
+            async with Lock(r, "cl:lock", timeout=5) as lock:
+                assert lock.fence is not None
+            released = sum([await c.release() for c in claims])
+            return held, released
+        finally:
+            await r.aclose()
+
+    assert asyncio.run(main()) == (20, 20)

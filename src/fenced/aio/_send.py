@@ -33,7 +33,17 @@ async def call(client: Any, request: Call) -> Any:
 
 
 async def call_pipeline(client: Any, calls: Sequence[Call]) -> list[Any]:
-    """Many script calls in one round trip; errors come back in place of results."""
+    """Many script calls in one round trip; errors come back in place of results.
+
+    redis.asyncio's Cluster pipeline refuses scripts: on a Cluster client the calls are
+    sent side by side instead (one round trip each, all in flight at once).
+    """
+    if type(client).__name__ == "RedisCluster":
+        return list(
+            await asyncio.gather(
+                *(call(client, request) for request in calls), return_exceptions=True
+            )
+        )
     for attempt in (1, 2):
         pipe = client.pipeline(transaction=False)
         for script, keys, args in calls:
