@@ -31,6 +31,7 @@ bench: install
 	$(BIN)/python benchmarks/claim_cycle.py
 	$(BIN)/python benchmarks/lock_cycle.py
 	$(BIN)/python benchmarks/held_claims.py
+	$(BIN)/python benchmarks/aio_cycle.py
 	$(BIN)/python benchmarks/celery_throughput.py
 	$(BIN)/python benchmarks/upsert_rows.py
 

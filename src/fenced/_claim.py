@@ -51,7 +51,7 @@ from ._lease import (
 )
 from ._scripts import as_text
 
-__all__ = ["Claim"]
+__all__ = ["Claim", "ClaimState"]
 
 log = logging.getLogger("fenced")
 T = TypeVar("T")
@@ -72,46 +72,11 @@ _UNCONFIRMABLE: tuple[type[BaseException], ...] = (*UNREACHABLE, redis.ResponseE
 RELEASE_RETRY = 0.1
 
 
-class Claim:
-    """An exclusive, self-renewing lease on one named resource, with a fencing token.
+class ClaimState:
+    """The state of one lease and every decision about it that needs no I/O.
 
-    ::
-
-        with Claim(client, "rebuild:acme:roads", ttl=60) as claim:   # ClaimHeld if busy
-            for step in claim.steps(plan):                            # ClaimLost if lost
-                step.run(fence=claim.fence)
-
-    The skip idiom is explicit: ``if claim.acquire(): with claim: ...`` (a claim already
-    acquired enters without acquiring again); ``claim.holder`` then says who has it.
-
-    Parameters:
-        redis: the Redis client that holds claims (``redis.Redis``, a Cluster client).
-        name: the resource two runs would collide on, e.g. ``"rebuild:acme:roads"``;
-            unsafe names are made safe (see ``fenced.claim_name``), and ``claim.name``
-            is the name used.
-        ttl: seconds the lease lasts without renewal; a paused or dead holder loses the
-            claim after this long.
-        refresh_every: seconds between renewals (default ttl/3); must be below ttl.
-        namespace: prefix of every Redis key of the claim.
-        heartbeat: renew in the background while held (off: call ``refresh()``).
-        on_lost: called once (from the heartbeat thread, or from ``check()``) when the
-            claim is lost; reading ``lost`` or ``held`` never calls it.
-        task_id: the Celery task id this claim runs for: carried in the token, so a
-            redelivered message of the same task is known as itself.
-        records: write run records (``fenced.records``) with each acquire and release.
-        record_extra: fields written into every run record of this claim.
-        max_records: run records kept for the name (approximately).
-        idle_ttl: seconds the name's lasting keys (fence, run records, skip count,
-            rerun triggers) are kept after its last use (default a week; None: forever).
-            The fence still increases after its key expired.
-        redelivery_window: seconds to remember that the run of ``task_id`` ended ``ok``
-            (see ``finished_ok``), so a redelivered message of it does not run again.
-        replicas: replicas that must acknowledge the acquire (and each renewal) within
-            ``replica_timeout`` seconds (Redis ``WAIT``). An acquire they do not
-            acknowledge removes its lease and raises ClaimUnavailable; a renewal they do
-            not acknowledge is not confirmed (the claim is lost at its deadline unless a
-            later one is). Narrows the window in which a failover forgets a fresh lease.
-        clock, sleep: time seams for tests (``time.monotonic``, ``time.sleep``).
+    :class:`Claim` (threads) and :class:`fenced.aio.Claim` (asyncio) are thin shells
+    around it: they send the scripts, and hand what came back to the methods here.
     """
 
     def __init__(
@@ -123,7 +88,7 @@ class Claim:
         refresh_every: float | None = None,
         namespace: str = "fenced",
         heartbeat: bool = True,
-        on_lost: Callable[[Claim], object] | None = None,
+        on_lost: Callable[[Any], object] | None = None,
         task_id: str | None = None,
         records: bool = False,
         record_extra: Mapping[str, Any] | None = None,
@@ -133,7 +98,7 @@ class Claim:
         replicas: int = 0,
         replica_timeout: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], Any] = time.sleep,
     ) -> None:
         try:
             self.ttl, self.refresh_every = check_timing(ttl, refresh_every)
@@ -147,7 +112,7 @@ class Claim:
         except ConfigError as exc:
             raise ConfigError(exc.message, name=name) from None
         try:
-            redis = connect(redis)
+            redis = self._connect(redis)
         except ConfigError as exc:
             raise ConfigError(exc.message, name=name) from None
         self.redis = redis
@@ -155,7 +120,6 @@ class Claim:
         self.name: str = self.keys.name
         self.key: str = self.keys.lock
         self.namespace = namespace
-        self._store = LeaseStore(redis, self.keys, self.replicas, self._replica_ms)
         self.heartbeat = heartbeat
         self.on_lost = on_lost
         self.task_id = task_id
@@ -189,6 +153,15 @@ class Claim:
         #: cleared by an operator), or could not reach Redis to find out before the
         #: lease would have run out: the run is not known to have ended under the claim.
         self.vanished = False
+        self._bind_store()
+
+    def _connect(self, redis: Any) -> Any:
+        """The client this front end talks through (a URL becomes one)."""
+        raise NotImplementedError
+
+    def _bind_store(self) -> None:
+        """Make the store this claim sends its scripts through."""
+        raise NotImplementedError
 
     # -- state (reading it never acts) -----------------------------------------------------
 
@@ -226,175 +199,7 @@ class Claim:
     def __repr__(self) -> str:
         return f"<Claim {self.name!r} {self._state} fence={self.fence}>"
 
-    # -- acquire ----------------------------------------------------------------------
-
-    def acquire(
-        self,
-        blocking: bool = False,
-        timeout: float | None = None,
-        *,
-        request_rerun: bool | str = False,
-    ) -> bool:
-        """Take the claim; non-blocking by default. Raises ClaimUnavailable if Redis is down.
-
-        With ``request_rerun``, losing the race asks the holder for one more run after
-        its own: a string names the trigger (e.g. the arguments to run with), and the
-        holder takes every distinct trigger at release (``Claim.rerun_triggers``);
-        equal triggers, and every ``True``, coalesce into one.
-        """
-        if self._mine():
-            raise FencedError.about(
-                self,
-                f"claim {self.name!r} is already held by this object: release it first, "
-                "or use a second Claim",
-            )
-        if timeout is not None and timeout < 0:
-            raise ConfigError(f"timeout={timeout!r} must be >= 0 or None", name=self.name)
-        give_up = None if timeout is None else self._clock() + timeout
-        record_skip = not blocking
-        while True:
-            if self._try_acquire(record_skip, mark_rerun=request_rerun):
-                return True
-            if not blocking:
-                return False
-            now = self._clock()
-            if give_up is not None and now >= give_up:
-                return False
-            left = self.holder.expires_in if self.holder and self.holder.expires_in else 0.0
-            wait = min(RETRY_INTERVAL, left) if left > 0 else RETRY_INTERVAL
-            wait *= random.uniform(0.5, 1.0)  # spread contenders so they do not stampede
-            if give_up is not None:
-                wait = min(wait, give_up - now)
-            self._sleep(max(wait, 0.001))
-
-    def _try_acquire(self, record_skip: bool, mark_rerun: bool | str = False) -> bool:
-        token = new_token(self.task_id)
-        trigger = mark_rerun if isinstance(mark_rerun, str) else ("*" if mark_rerun else "")
-        sent = self._clock()
-        try:
-            res = self._store.acquire(
-                token,
-                self._ttl_ms,
-                # One record serves as the "started" or the "skipped" entry.
-                _records.encode_started(self.task_id, self.record_extra) if self.records else "",
-                (SKIP_RERUN_REASON if mark_rerun else SKIP_REASON) if record_skip else "",
-                self.max_records,
-                trigger,
-                # A lease held under our own task id is an earlier attempt of this
-                # task (a redelivery), not a competitor: no skip, no rerun request.
-                self.task_id,
-                self._idle_ms,
-            )
-        except UNREACHABLE as exc:
-            if isinstance(exc, redis.TimeoutError):
-                # Only a request that was sent can have landed; a refused connection
-                # sent nothing, and cleaning up after it would only wait out the
-                # client's retries a second time.
-                self._store.abandon(token)
-            raise ClaimUnavailable(
-                f"cannot reach Redis at {describe_client(self.redis)} to acquire claim "
-                f"{self.name!r} ({exc}); the work was not started (fail closed)",
-                name=self.name,
-            ) from exc
-        except redis.ResponseError as exc:
-            # A replica after a failover (READONLY), a full server (OOM), a busy script:
-            # the store cannot grant the claim, which is unavailability, not a bug here.
-            raise ClaimUnavailable(
-                f"Redis at {describe_client(self.redis)} refused to grant claim "
-                f"{self.name!r} ({exc}); the work was not started (fail closed). "
-                "Check that the URL names the master and that it has memory to spare "
-                "(fenced doctor)",
-                name=self.name,
-            ) from exc
-        if int(res[0]) == 1 and self.replicas and int(res[-1]) < self.replicas:
-            # The master wrote the lease, but a failover now could forget it: give it
-            # back and start nothing (fail closed).
-            self._give_back(token, int(res[1]), _UNREPLICATED, self._clock() - sent)
-            raise ClaimUnavailable(
-                f"Redis at {describe_client(self.redis)} granted claim {self.name!r}, but "
-                f"only {int(res[-1])} of the {self.replicas} replica(s) asked for "
-                f"acknowledged it within {self._replica_ms / 1000:g} s; the lease was "
-                "removed and the work was not started (fail closed). Check the replicas "
-                "(INFO replication), or lower replicas=",
-                name=self.name,
-            )
-        if int(res[0]) == 1 and self._clock() >= sent + self.ttl - self._drift:
-            # Granted, but the answer came after the lease's own local deadline (a
-            # stalled or paused Redis, a client retrying through an outage): another
-            # holder may take the name any moment, so give it back and start nothing.
-            late = self._clock() - sent
-            self._give_back(token, int(res[1]), _LATE, late)
-            raise ClaimUnavailable(
-                f"Redis at {describe_client(self.redis)} granted claim {self.name!r} after "
-                f"its own deadline ({late:.2f}s for a {self.ttl:g}s lease); it was given back "
-                "and the work was not started (fail closed)",
-                name=self.name,
-            )
-        if int(res[0]) == 1:
-            with self._mutex:
-                self.token = token
-                self.fence = int(res[1])
-                self.holder = None
-                self._lost_reason = None
-                self.vanished = False
-                self.rerun_triggers = []
-                self._pid = current_pid()
-                self._state = _HELD
-                self._started_at = sent
-                self._deadline = sent + self.ttl - self._drift
-                self._next_refresh = sent + self.refresh_every
-            if self.heartbeat:
-                _heartbeat().add(self)
-            return True
-        self.holder = Holder.parse(as_text(res[1]), int(res[2]), int(res[3]))
-        self.skips = int(res[4])
-        self.rerun_requested = int(res[5])
-        return False
-
-    def _give_back(self, token: str, fence: int, why: str, elapsed: float) -> None:
-        """Remove a lease granted to us that we must not use (its run record says why)."""
-        try:
-            self._store.release(
-                token,
-                self._finished_record(elapsed, why),
-                self.max_records,
-                "lost",
-                fence,
-                self._idle_ms,
-                take_reruns=False,  # the triggers are for whoever holds it next
-            )
-        except Exception:  # best effort: the lease expires within its ttl anyway
-            log.warning("fenced: could not give back the grant of %r (%s)", self.name, why)
-
-    # -- refresh / check --------------------------------------------------------------
-
-    def refresh(self) -> bool:
-        """Extend the lease now; False (and the claim is lost) if another token holds it."""
-        if not self._mine() or self.token is None:
-            return False
-        token = self.token
-        sent = self._clock()
-        try:
-            ok = self._store.refresh(token, self._ttl_ms, self._idle_ms)
-        except NotReplicated as exc:
-            self.retry_soon()
-            raise ClaimUnavailable.about(
-                self,
-                f"the refresh of claim {self.name!r} was acknowledged by {exc.acked} of the "
-                f"{self.replicas} replica(s) asked for: not confirmed",
-            ) from None
-        except UNREACHABLE as exc:
-            self.retry_soon()
-            raise ClaimUnavailable.about(
-                self,
-                f"cannot reach Redis at {describe_client(self.redis)} to refresh claim "
-                f"{self.name!r} ({exc})",
-            ) from exc
-        if ok:
-            self.renewed(sent, token)
-            return self.held
-        self.renewal_refused(token)
-        return False
+    # -- check -------------------------------------------------------------------------
 
     def check(self) -> None:
         """Raise ClaimLost once the claim is lost; NotOwner if it is not held at all."""
@@ -483,21 +288,160 @@ class Claim:
         # itself, and a discard from this (maybe another) thread could remove the entry
         # of a lease this object acquired again meanwhile.
         log.warning("fenced: claim %r (fence %s) lost: %s", self.name, self.fence, reason)
+        self._stop_work()
         if self.on_lost is not None:
             try:
                 self.on_lost(self)
             except Exception:
                 log.exception("fenced: on_lost callback for %r failed", self.name)
 
-    # -- release ----------------------------------------------------------------------
+    def _stop_work(self) -> None:
+        """The claim was just declared lost: a front end's hook to stop the work under it."""
 
-    def release(self, outcome: str | None = None, reason: str | None = None) -> bool:
-        """Give the claim back; True only if our token still held it (then it is deleted)."""
-        if self._pid != current_pid() or self.token is None or self._state in (_IDLE, _RELEASED):
-            # A forked child never releases its parent's lease: the token is the parent's.
-            return False
-        if self.heartbeat:
-            _heartbeat().discard(self)
+    # -- what acquire decides (no I/O) ---------------------------------------------------
+
+    def _check_acquire(self, timeout: float | None) -> None:
+        if self._mine():
+            raise FencedError.about(
+                self,
+                f"claim {self.name!r} is already held by this object: release it first, "
+                "or use a second Claim",
+            )
+        if timeout is not None and timeout < 0:
+            raise ConfigError(f"timeout={timeout!r} must be >= 0 or None", name=self.name)
+
+    def _retry_wait(self, now: float, give_up: float | None) -> float:
+        """How long a blocking acquire waits before it looks again."""
+        left = self.holder.expires_in if self.holder and self.holder.expires_in else 0.0
+        wait = min(RETRY_INTERVAL, left) if left > 0 else RETRY_INTERVAL
+        wait *= random.uniform(0.5, 1.0)  # spread contenders so they do not stampede
+        if give_up is not None:
+            wait = min(wait, give_up - now)
+        return max(wait, 0.001)
+
+    def _acquire_args(
+        self, token: str, record_skip: bool, mark_rerun: bool | str
+    ) -> tuple[str, int, str, str, int, str, str | None, int]:
+        """The arguments of the store's ``acquire`` for one try under ``token``."""
+        trigger = mark_rerun if isinstance(mark_rerun, str) else ("*" if mark_rerun else "")
+        return (
+            token,
+            self._ttl_ms,
+            # One record serves as the "started" or the "skipped" entry.
+            _records.encode_started(self.task_id, self.record_extra) if self.records else "",
+            (SKIP_RERUN_REASON if mark_rerun else SKIP_REASON) if record_skip else "",
+            self.max_records,
+            trigger,
+            # A lease held under our own task id is an earlier attempt of this
+            # task (a redelivery), not a competitor: no skip, no rerun request.
+            self.task_id,
+            self._idle_ms,
+        )
+
+    def _unavailable(self, exc: BaseException) -> ClaimUnavailable:
+        """ClaimUnavailable for an acquire that could not reach Redis, or that it refused."""
+        if isinstance(exc, redis.ResponseError):
+            # A replica after a failover (READONLY), a full server (OOM), a busy script:
+            # the store cannot grant the claim, which is unavailability, not a bug here.
+            return ClaimUnavailable(
+                f"Redis at {describe_client(self.redis)} refused to grant claim "
+                f"{self.name!r} ({exc}); the work was not started (fail closed). "
+                "Check that the URL names the master and that it has memory to spare "
+                "(fenced doctor)",
+                name=self.name,
+            )
+        return ClaimUnavailable(
+            f"cannot reach Redis at {describe_client(self.redis)} to acquire claim "
+            f"{self.name!r} ({exc}); the work was not started (fail closed)",
+            name=self.name,
+        )
+
+    def _late(self, res: list[Any], sent: float) -> float | None:
+        """Seconds the grant took when it came after the lease's own local deadline."""
+        # A stalled or paused Redis, a client retrying through an outage: another holder
+        # may take the name any moment, so a late grant is given back and starts nothing.
+        if int(res[0]) == 1 and self._clock() >= sent + self.ttl - self._drift:
+            return self._clock() - sent
+        return None
+
+    def _give_back_args(
+        self, token: str, fence: int, why: str, elapsed: float
+    ) -> tuple[str, str, int, str, int, int]:
+        """The arguments of the store's ``release`` that give back a grant we must not use
+        (its run record says why)."""
+        return (
+            token,
+            self._finished_record(elapsed, why),
+            self.max_records,
+            "lost",
+            fence,
+            self._idle_ms,
+        )
+
+    def _unreplicated(self, res: list[Any]) -> int | None:
+        """How many replicas acknowledged a grant, when fewer than asked for."""
+        if int(res[0]) == 1 and self.replicas and int(res[-1]) < self.replicas:
+            return int(res[-1])
+        return None
+
+    def _unreplicated_error(self, acked: int) -> ClaimUnavailable:
+        # The master wrote the lease, but a failover now could forget it: it was given
+        # back and nothing started (fail closed).
+        return ClaimUnavailable(
+            f"Redis at {describe_client(self.redis)} granted claim {self.name!r}, but "
+            f"only {acked} of the {self.replicas} replica(s) asked for "
+            f"acknowledged it within {self._replica_ms / 1000:g} s; the lease was "
+            "removed and the work was not started (fail closed). Check the replicas "
+            "(INFO replication), or lower replicas=",
+            name=self.name,
+        )
+
+    def _late_error(self, late: float) -> ClaimUnavailable:
+        return ClaimUnavailable(
+            f"Redis at {describe_client(self.redis)} granted claim {self.name!r} after "
+            f"its own deadline ({late:.2f}s for a {self.ttl:g}s lease); it was given back "
+            "and the work was not started (fail closed)",
+            name=self.name,
+        )
+
+    def _took(self, token: str, res: list[Any], sent: float) -> bool:
+        """Take in the answer of an ACQUIRE sent at ``sent``: True if the claim is ours."""
+        if int(res[0]) == 1:
+            with self._mutex:
+                self.token = token
+                self.fence = int(res[1])
+                self.holder = None
+                self._lost_reason = None
+                self.vanished = False
+                self.rerun_triggers = []
+                self._pid = current_pid()
+                self._state = _HELD
+                self._started_at = sent
+                self._deadline = sent + self.ttl - self._drift
+                self._next_refresh = sent + self.refresh_every
+            return True
+        self.holder = Holder.parse(as_text(res[1]), int(res[2]), int(res[3]))
+        self.skips = int(res[4])
+        self.rerun_requested = int(res[5])
+        return False
+
+    def _refresh_unavailable(self, exc: BaseException) -> ClaimUnavailable:
+        return ClaimUnavailable.about(
+            self,
+            f"cannot reach Redis at {describe_client(self.redis)} to refresh claim "
+            f"{self.name!r} ({exc})",
+        )
+
+    # -- what release decides (no I/O) -----------------------------------------------
+
+    def _releasable(self) -> bool:
+        # A forked child never releases its parent's lease: the token is the parent's.
+        return not (
+            self._pid != current_pid() or self.token is None or self._state in (_IDLE, _RELEASED)
+        )
+
+    def _begin_release(self, outcome: str | None, reason: str | None) -> tuple[str, str, str]:
+        """Mark the claim given back: (the state before, the outcome, the finished record)."""
         if self._state == _HELD and self._clock() >= self._deadline:
             self._declare_lost(_DEADLINE_PASSED)
         if outcome is None:
@@ -507,47 +451,56 @@ class Claim:
             # Given back from here on: a renewal already in flight that reaches Redis
             # after the lease is deleted finds it gone, and that is not a loss.
             before, self._state = self._state, _RELEASED
+        return before, outcome, record
+
+    def _release_give_up(self, before: str) -> float:
+        """Until when (``time.monotonic()``) a release that cannot reach Redis tries again."""
         # Until the lease would run out anyway (and at most RELEASE_PATIENCE), a release
         # that cannot reach Redis is tried again: only an answer says whether the lease
         # lasted (a Redis restarted without persistence has forgotten it), and "ok" must
         # not be said unconfirmed. A retry of a release that did land gets its answer.
         patience = min(max(0.0, self._deadline - self._clock()), RELEASE_PATIENCE)
-        give_up = time.monotonic() + (patience if before == _HELD else 0.0)
-        while True:
-            try:
-                released, recorded, self.rerun_triggers = self._store.release(
-                    self.token,
-                    record,
-                    self.max_records,
-                    outcome,
-                    self.fence,
-                    self._idle_ms,
-                    self.task_id,
-                    self._done_ms,
-                )
-                break
-            except _UNCONFIRMABLE as exc:
-                if isinstance(exc, UNREACHABLE) and time.monotonic() + RELEASE_RETRY < give_up:
-                    time.sleep(RELEASE_RETRY)  # real time: the claim's sleep may be a seam
-                    continue
-                log.warning(
-                    "fenced: could not release %r at %s (%s); it expires within %.1fs",
-                    self.name,
-                    describe_client(self.redis),
-                    exc,
-                    self.ttl,
-                )
-                # A replica (READONLY) or no answer: whether the lease lasted is unknown.
-                self.vanished = True
-                self._lost_reason = f"{_UNCONFIRMED} ({exc})"
-                return False
-            except BaseException:
-                with self._mutex:
-                    self._state = before  # not given back: release() may be called again
-                if self.heartbeat and before == _HELD:
-                    _heartbeat().add(self)
-                raise
-        self.rerun_requested = len(self.rerun_triggers)
+        return time.monotonic() + (patience if before == _HELD else 0.0)
+
+    def _release_args(
+        self, outcome: str, record: str
+    ) -> tuple[str, str, int, str, int | None, int, str | None, int]:
+        """The arguments of the store's ``release`` for this claim's lease."""
+        assert self.token is not None
+        return (
+            self.token,
+            record,
+            self.max_records,
+            outcome,
+            self.fence,
+            self._idle_ms,
+            self.task_id,
+            self._done_ms,
+        )
+
+    def _release_unconfirmed(self, exc: BaseException) -> None:
+        """No answer (or a replica's) to the release: whether the lease lasted is unknown."""
+        log.warning(
+            "fenced: could not release %r at %s (%s); it expires within %.1fs",
+            self.name,
+            describe_client(self.redis),
+            exc,
+            self.ttl,
+        )
+        self.vanished = True
+        self._lost_reason = f"{_UNCONFIRMED} ({exc})"
+
+    def _release_undone(self, before: str) -> None:
+        """The release was interrupted: not given back, and release() may be called again."""
+        with self._mutex:
+            self._state = before
+
+    def _ended(
+        self, before: str, outcome: str, released: bool, recorded: str, triggers: list[str]
+    ) -> bool:
+        """Take in the answer of a RELEASE; returns ``released``."""
+        self.rerun_triggers = triggers
+        self.rerun_requested = len(triggers)
         lost_first = before == _LOST and outcome == "ok"
         if lost_first or recorded != outcome or (not released and before == _HELD):
             # Ours until the end as far as the caller knew, but it was not: lost before
@@ -557,14 +510,187 @@ class Claim:
                 self._lost_reason = _VANISHED
         return released
 
-    def finished_ok(self) -> bool:
-        """Whether a run of this claim's task id ended ``ok`` within its redelivery window."""
-        return self.task_id is not None and self._store.finished_ok(self.task_id)
-
     def _finished_record(self, duration: float, reason: str | None) -> str:
         if not self.records:
             return ""
         return _records.encode_finished(self.task_id, duration, reason)
+
+
+class Claim(ClaimState):
+    """An exclusive, self-renewing lease on one named resource, with a fencing token.
+
+    ::
+
+        with Claim(client, "rebuild:acme:roads", ttl=60) as claim:   # ClaimHeld if busy
+            for step in claim.steps(plan):                            # ClaimLost if lost
+                step.run(fence=claim.fence)
+
+    The skip idiom is explicit: ``if claim.acquire(): with claim: ...`` (a claim already
+    acquired enters without acquiring again); ``claim.holder`` then says who has it.
+
+    Parameters:
+        redis: the Redis client that holds claims (``redis.Redis``, a Cluster client).
+        name: the resource two runs would collide on, e.g. ``"rebuild:acme:roads"``;
+            unsafe names are made safe (see ``fenced.claim_name``), and ``claim.name``
+            is the name used.
+        ttl: seconds the lease lasts without renewal; a paused or dead holder loses the
+            claim after this long.
+        refresh_every: seconds between renewals (default ttl/3); must be below ttl.
+        namespace: prefix of every Redis key of the claim.
+        heartbeat: renew in the background while held (off: call ``refresh()``).
+        on_lost: called once (from the heartbeat thread, or from ``check()``) when the
+            claim is lost; reading ``lost`` or ``held`` never calls it.
+        task_id: the Celery task id this claim runs for: carried in the token, so a
+            redelivered message of the same task is known as itself.
+        records: write run records (``fenced.records``) with each acquire and release.
+        record_extra: fields written into every run record of this claim.
+        max_records: run records kept for the name (approximately).
+        idle_ttl: seconds the name's lasting keys (fence, run records, skip count,
+            rerun triggers) are kept after its last use (default a week; None: forever).
+            The fence still increases after its key expired.
+        redelivery_window: seconds to remember that the run of ``task_id`` ended ``ok``
+            (see ``finished_ok``), so a redelivered message of it does not run again.
+        replicas: replicas that must acknowledge the acquire (and each renewal) within
+            ``replica_timeout`` seconds (Redis ``WAIT``). An acquire they do not
+            acknowledge removes its lease and raises ClaimUnavailable; a renewal they do
+            not acknowledge is not confirmed (the claim is lost at its deadline unless a
+            later one is). Narrows the window in which a failover forgets a fresh lease.
+        clock, sleep: time seams for tests (``time.monotonic``, ``time.sleep``).
+    """
+
+    _store: LeaseStore
+
+    def _connect(self, redis: Any) -> Any:
+        return connect(redis)
+
+    def _bind_store(self) -> None:
+        self._store = LeaseStore(self.redis, self.keys, self.replicas, self._replica_ms)
+
+    # -- acquire ----------------------------------------------------------------------
+
+    def acquire(
+        self,
+        blocking: bool = False,
+        timeout: float | None = None,
+        *,
+        request_rerun: bool | str = False,
+    ) -> bool:
+        """Take the claim; non-blocking by default. Raises ClaimUnavailable if Redis is down.
+
+        With ``request_rerun``, losing the race asks the holder for one more run after
+        its own: a string names the trigger (e.g. the arguments to run with), and the
+        holder takes every distinct trigger at release (``Claim.rerun_triggers``);
+        equal triggers, and every ``True``, coalesce into one.
+        """
+        self._check_acquire(timeout)
+        give_up = None if timeout is None else self._clock() + timeout
+        record_skip = not blocking
+        while True:
+            if self._try_acquire(record_skip, mark_rerun=request_rerun):
+                return True
+            if not blocking:
+                return False
+            now = self._clock()
+            if give_up is not None and now >= give_up:
+                return False
+            self._sleep(self._retry_wait(now, give_up))
+
+    def _try_acquire(self, record_skip: bool, mark_rerun: bool | str = False) -> bool:
+        token = new_token(self.task_id)
+        sent = self._clock()
+        try:
+            res = self._store.acquire(*self._acquire_args(token, record_skip, mark_rerun))
+        except UNREACHABLE as exc:
+            if isinstance(exc, redis.TimeoutError):
+                # Only a request that was sent can have landed; a refused connection
+                # sent nothing, and cleaning up after it would only wait out the
+                # client's retries a second time.
+                self._store.abandon(token)
+            raise self._unavailable(exc) from exc
+        except redis.ResponseError as exc:
+            raise self._unavailable(exc) from exc
+        acked = self._unreplicated(res)
+        if acked is not None:
+            self._give_back(token, int(res[1]), _UNREPLICATED, self._clock() - sent)
+            raise self._unreplicated_error(acked)
+        late = self._late(res, sent)
+        if late is not None:
+            self._give_back(token, int(res[1]), _LATE, late)
+            raise self._late_error(late)
+        if not self._took(token, res, sent):
+            return False
+        if self.heartbeat:
+            _heartbeat().add(self)
+        return True
+
+    def _give_back(self, token: str, fence: int, why: str, elapsed: float) -> None:
+        """Remove a lease granted to us that we must not use (its run record says why)."""
+        try:
+            self._store.release(
+                *self._give_back_args(token, fence, why, elapsed),
+                take_reruns=False,  # the triggers are for whoever holds it next
+            )
+        except Exception:  # best effort: the lease expires within its ttl anyway
+            log.warning("fenced: could not give back the grant of %r (%s)", self.name, why)
+
+    # -- refresh --------------------------------------------------------------
+
+    def refresh(self) -> bool:
+        """Extend the lease now; False (and the claim is lost) if another token holds it."""
+        if not self._mine() or self.token is None:
+            return False
+        token = self.token
+        sent = self._clock()
+        try:
+            ok = self._store.refresh(token, self._ttl_ms, self._idle_ms)
+        except NotReplicated as exc:
+            self.retry_soon()
+            raise ClaimUnavailable.about(
+                self,
+                f"the refresh of claim {self.name!r} was acknowledged by {exc.acked} of the "
+                f"{self.replicas} replica(s) asked for: not confirmed",
+            ) from None
+        except UNREACHABLE as exc:
+            self.retry_soon()
+            raise self._refresh_unavailable(exc) from exc
+        if ok:
+            self.renewed(sent, token)
+            return self.held
+        self.renewal_refused(token)
+        return False
+
+    # -- release ----------------------------------------------------------------------
+
+    def release(self, outcome: str | None = None, reason: str | None = None) -> bool:
+        """Give the claim back; True only if our token still held it (then it is deleted)."""
+        if not self._releasable():
+            return False
+        if self.heartbeat:
+            _heartbeat().discard(self)
+        before, outcome, record = self._begin_release(outcome, reason)
+        give_up = self._release_give_up(before)
+        while True:
+            try:
+                released, recorded, triggers = self._store.release(
+                    *self._release_args(outcome, record)
+                )
+                break
+            except _UNCONFIRMABLE as exc:
+                if isinstance(exc, UNREACHABLE) and time.monotonic() + RELEASE_RETRY < give_up:
+                    time.sleep(RELEASE_RETRY)  # real time: the claim's sleep may be a seam
+                    continue
+                self._release_unconfirmed(exc)
+                return False
+            except BaseException:
+                self._release_undone(before)
+                if self.heartbeat and before == _HELD:
+                    _heartbeat().add(self)
+                raise
+        return self._ended(before, outcome, released, recorded, triggers)
+
+    def finished_ok(self) -> bool:
+        """Whether a run of this claim's task id ended ``ok`` within its redelivery window."""
+        return self.task_id is not None and self._store.finished_ok(self.task_id)
 
     # -- context manager --------------------------------------------------------------
 

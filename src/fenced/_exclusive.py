@@ -12,7 +12,10 @@
 The claim name comes from the template over the function's arguments, checked against
 its signature when the decorator is applied. While the function runs the claim is
 renewed by the heartbeat; a run that outlives its claim raises ``ClaimLost`` after it
-returns (its writes were not protected). Coroutine functions are wrapped as coroutines.
+returns (its writes were not protected). Coroutine functions are wrapped as coroutines:
+given a ``redis.asyncio`` client or a URL they hold a ``fenced.aio.Claim`` (a loss
+cancels the coroutine and ends in ``ClaimLost``); given a ``redis.Redis`` client they
+hold a thread ``Claim``.
 """
 
 from __future__ import annotations
@@ -25,19 +28,56 @@ from typing import Any, TypeVar, cast
 from ._claim import Claim
 from ._client import connect
 from ._errors import ConfigError
-from ._guard import Guard, Skipped, check_on_busy
+from ._guard import Guard, Skipped, busy_error, check_on_busy
 from ._lease import check_namespace, check_replicas, check_timing
 from ._naming import Namer, NameSource
 
 __all__ = ["ON_BUSY", "Skipped", "exclusive"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+#: URLs a redis.asyncio client is built from for coroutine functions.
+_PLAIN_URLS = ("redis://", "rediss://", "unix://")
 #: The busy policies a plain function can carry out (see fenced._guard).
 ON_BUSY = ("skip", "wait", "raise")
 
 
 def _client(redis: Any) -> Any:
     return connect(redis, what="exclusive()")
+
+
+def _async_client(redis: Any, replicas: int) -> Callable[[], Any] | None:
+    """For a ``redis.asyncio`` client or a plain URL: the client of the running event loop.
+
+    A URL gets one ``redis.asyncio`` client per event loop (its connections belong to
+    that loop); a URL used by a plain function gets a ``redis.Redis`` client instead, and
+    so do Cluster and Sentinel URLs and ``replicas=`` (``fenced.aio`` has neither yet).
+    """
+    if isinstance(redis, str) and not replicas and redis.startswith(_PLAIN_URLS):
+        import weakref
+
+        import redis.asyncio as aredis
+
+        url = redis
+        by_loop: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+        def for_loop() -> Any:
+            import asyncio
+
+            loop = asyncio.get_running_loop()
+            found = by_loop.get(loop)
+            if found is None:
+                found = by_loop[loop] = aredis.Redis.from_url(url)
+            return found
+
+        return for_loop
+    if type(redis).__module__.startswith("redis.asyncio"):
+        if replicas:
+            raise ConfigError(
+                "exclusive(replicas=...) needs a synchronous redis-py client or a URL: "
+                "fenced.aio does not wait for replicas"
+            )
+        return lambda: redis
+    return None
 
 
 def exclusive(
@@ -63,9 +103,16 @@ def exclusive(
     ttl, refresh_every = check_timing(ttl, refresh_every)
     check_namespace(namespace)
     check_replicas(replicas, replica_timeout, ttl)
-    client = _client(redis)
+    async_client = _async_client(redis, replicas)
+    # A URL serves both kinds of function; a redis.asyncio client only coroutines.
+    client = None if async_client is not None and not isinstance(redis, str) else _client(redis)
 
     def decorate(fn: F) -> F:
+        if client is None and not inspect.iscoroutinefunction(fn):
+            raise ConfigError(
+                f"exclusive() on {fn.__qualname__}: a redis.asyncio client serves coroutine "
+                "functions only; pass a redis.Redis client or a URL for a plain function"
+            )
         where = f"function {fn.__qualname__}"
         namer = Namer(name, inspect.signature(fn), where)
         extra = {"function": f"{fn.__module__}.{fn.__qualname__}"}
@@ -83,6 +130,32 @@ def exclusive(
                 replica_timeout=replica_timeout,
             )
             return Guard(claim, on_busy, wait_timeout)
+
+        if inspect.iscoroutinefunction(fn) and async_client is not None:
+            from . import aio
+
+            @functools.wraps(fn)
+            async def aio_wrapper(*args: Any, **kwargs: Any) -> Any:
+                claim = aio.Claim(
+                    async_client(),
+                    namer(args, kwargs)[0],
+                    ttl=ttl,
+                    refresh_every=refresh_every,
+                    namespace=namespace,
+                    records=records,
+                    record_extra=extra,
+                )
+                claim._what = "the function"
+                wait = on_busy == "wait"
+                if not await claim.acquire(blocking=wait, timeout=wait_timeout if wait else None):
+                    if on_busy == "skip":
+                        return Skipped.of(claim)
+                    raise busy_error(claim, wait_timeout if wait else None)
+                # Entered already acquired; a loss cancels the function and ends in ClaimLost.
+                async with claim:
+                    return await fn(*args, **kwargs)
+
+            return cast(F, aio_wrapper)
 
         if inspect.iscoroutinefunction(fn):
 

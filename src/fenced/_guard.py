@@ -30,7 +30,7 @@ from ._errors import ClaimHeld, ClaimLost, ConfigError
 from ._lease import Holder
 
 if TYPE_CHECKING:
-    from ._claim import Claim
+    from ._claim import Claim, ClaimState
 
 __all__ = [
     "ON_BUSY",
@@ -41,6 +41,7 @@ __all__ = [
     "finish",
     "lost_error",
     "outcome_of",
+    "settle",
 ]
 
 #: Every busy policy, and what it does.
@@ -103,7 +104,7 @@ class Skipped:
         return f"skipped {self.claim!r}: {held_by}"
 
     @classmethod
-    def of(cls, claim: Claim, reason: str = SKIP_REASON) -> Skipped:
+    def of(cls, claim: ClaimState, reason: str = SKIP_REASON) -> Skipped:
         """What a busy claim's last acquire saw."""
         holder = claim.holder
         return cls(claim.name, holder, holder.expires_in if holder else None, reason, claim.skips)
@@ -120,7 +121,7 @@ class Skipped:
         }
 
 
-def busy_error(claim: Claim, waited: float | None = None) -> ClaimHeld:
+def busy_error(claim: ClaimState, waited: float | None = None) -> ClaimHeld:
     """ClaimHeld for a claim whose last acquire found another holder."""
     holder = claim.holder
     held_by = f"held by {holder}" if holder else "held by another holder"
@@ -134,7 +135,7 @@ def busy_error(claim: Claim, waited: float | None = None) -> ClaimHeld:
     )
 
 
-def lost_error(claim: Claim, what: str = "the work", interrupted: bool = False) -> ClaimLost:
+def lost_error(claim: ClaimState, what: str = "the work", interrupted: bool = False) -> ClaimLost:
     """ClaimLost for work that ran on after its claim was lost (or was interrupted)."""
     stopped = f"{what} was interrupted" if interrupted else "its writes were not protected"
     return ClaimLost.about(
@@ -145,7 +146,7 @@ def lost_error(claim: Claim, what: str = "the work", interrupted: bool = False) 
 
 
 def outcome_of(
-    claim: Claim, exc: BaseException | None, reason: str | None = None
+    claim: ClaimState, exc: BaseException | None, reason: str | None = None
 ) -> tuple[str, str | None]:
     """How work under ``claim`` ended: (outcome for the run record, reason).
 
@@ -176,6 +177,17 @@ def finish(
     """
     outcome, why = outcome_of(claim, exc, reason)
     claim.release(outcome=outcome, reason=why)
+    return settle(claim, outcome, exc, what, raise_lost)
+
+
+def settle(
+    claim: ClaimState,
+    outcome: str,
+    exc: BaseException | None,
+    what: str = "the work",
+    raise_lost: bool = True,
+) -> str:
+    """The outcome of work once ``claim`` was released with ``outcome`` (see :func:`finish`)."""
     if claim.vanished and outcome == "ok":
         outcome = "lost"
     if raise_lost and outcome == "lost" and exc is None:

@@ -34,6 +34,7 @@ from ._scripts import (
     REFRESH,
     RELEASE,
     TOKEN_PATTERN,
+    Call,
     Script,
     as_text,
     run_pipeline,
@@ -46,6 +47,7 @@ __all__ = [
     "UNREACHABLE",
     "ClaimKeys",
     "Holder",
+    "LeaseCalls",
     "LeaseStore",
     "check_timing",
     "current_pid",
@@ -54,6 +56,7 @@ __all__ = [
     "new_token",
     "reachable",
     "read_holder",
+    "released",
 ]
 
 #: Errors that mean "the store could not be reached" (the request may not have landed).
@@ -346,32 +349,107 @@ def check_replicas(
     return replicas, max(1, int(timeout * 1000))
 
 
-class LeaseStore:
-    """The lease scripts of one name on one client: acquire, refresh, release, abandon."""
+class LeaseCalls:
+    """The lease scripts of one name as calls to send, and what their answers mean.
 
-    __slots__ = (
-        "_acquire_keys",
-        "_no_done",
-        "_note_prefix",
-        "_release_keys",
-        "client",
-        "keys",
-        "replica_timeout_ms",
-        "replicas",
-    )
+    No I/O: :class:`LeaseStore` sends these calls on a ``redis.Redis`` client, and
+    ``fenced.aio`` on a ``redis.asyncio`` one.
+    """
 
-    def __init__(
-        self, client: Any, keys: ClaimKeys, replicas: int = 0, replica_timeout_ms: int = 0
-    ) -> None:
-        self.client = client
+    __slots__ = ("_acquire_keys", "_no_done", "_note_prefix", "_release_keys", "keys")
+
+    def __init__(self, keys: ClaimKeys) -> None:
         self.keys = keys
-        self.replicas = replicas
-        self.replica_timeout_ms = replica_timeout_ms
         # Built once: every acquire and release sends them.
         self._acquire_keys = tuple(keys.all())
         self._release_keys = (keys.lock, keys.runs, keys.skips, keys.rerun)
         self._no_done = keys.done("")
         self._note_prefix = keys.released("")
+
+    def acquire_call(
+        self,
+        token: str,
+        ttl_ms: int,
+        record: str,
+        skip_reason: str,
+        max_records: int,
+        rerun: str,
+        task_id: str | None,
+        idle_ms: int,
+    ) -> Call:
+        """ACQUIRE (see its contract); the answer is read by ``Claim``."""
+        return (
+            ACQUIRE,
+            self._acquire_keys,
+            [token, ttl_ms, record, skip_reason, max_records, rerun, task_id or "", idle_ms],
+        )
+
+    def refresh_call(self, token: str, ttl_ms: int, idle_ms: int = 0) -> Call:
+        """REFRESH of ``token``'s lease (and the name's lasting keys); 1 when extended."""
+        keys = [self.keys.lock, *self.keys.lasting()] if idle_ms else [self.keys.lock]
+        return REFRESH, keys, [token, ttl_ms, idle_ms]
+
+    def release_call(
+        self,
+        token: str,
+        record: str,
+        max_records: int,
+        outcome: str,
+        fence: int | None,
+        idle_ms: int,
+        task_id: str | None = None,
+        done_ms: int = 0,
+        take_reruns: bool = True,
+    ) -> Call:
+        """RELEASE of ``token``'s lease; its answer is read by :func:`released`."""
+        # Without a task id there is no marker to set; the key still names this slot.
+        done = self.keys.done(task_id) if task_id else self._no_done
+        return (
+            RELEASE,
+            # The note's key: the token's random part (new_token's 32 hex digits).
+            (*self._release_keys, done, self._note_prefix + token[:32]),
+            [
+                token,
+                record,
+                max_records,
+                outcome,
+                fence or 0,
+                "1" if take_reruns else "0",
+                idle_ms,
+                done_ms if task_id else 0,
+            ],
+        )
+
+    def abandon_call(self, token: str) -> Call:
+        """RELEASE of a lease a timed-out request may have left, recording nothing."""
+        return (
+            RELEASE,
+            (*self._release_keys, self._no_done, self._note_prefix + token[:32]),
+            [token, "", MAX_RECORDS, "", 0, "0", 0, 0],
+        )
+
+
+def released(res: Any) -> tuple[bool, str, list[str]]:
+    """A RELEASE answer: (our token held the lease, the outcome recorded, reruns taken)."""
+    return int(res[0]) == 1, as_text(res[1]), [as_text(t) for t in res[2]] if res[2] else []
+
+
+class LeaseStore(LeaseCalls):
+    """The lease scripts of one name on one client: acquire, refresh, release, abandon."""
+
+    __slots__ = ("client", "replica_timeout_ms", "replicas")
+
+    def __init__(
+        self, client: Any, keys: ClaimKeys, replicas: int = 0, replica_timeout_ms: int = 0
+    ) -> None:
+        super().__init__(keys)
+        self.client = client
+        self.replicas = replicas
+        self.replica_timeout_ms = replica_timeout_ms
+
+    def _run(self, call: Call) -> Any:
+        script, keys, args = call
+        return script(self.client, keys, args)
 
     def acquire(
         self,
@@ -388,11 +466,13 @@ class LeaseStore:
 
         With replicas to wait for, the answer has one more item: how many acknowledged.
         """
-        args = [token, ttl_ms, record, skip_reason, max_records, rerun, task_id or "", idle_ms]
+        call = self.acquire_call(
+            token, ttl_ms, record, skip_reason, max_records, rerun, task_id, idle_ms
+        )
         if self.replicas:
-            reply, acked = self.replicated(ACQUIRE, self._acquire_keys, args)
+            reply, acked = self.replicated(*call)
             return [*reply, acked]
-        return list(ACQUIRE(self.client, self._acquire_keys, args))
+        return list(self._run(call))
 
     def replicated(
         self, script: Script, keys: Sequence[str], args: Sequence[Any]
@@ -415,13 +495,13 @@ class LeaseStore:
 
     def refresh(self, token: str, ttl_ms: int, idle_ms: int = 0) -> bool:
         """Extend the lease if ``token`` still holds it (and keep the name's lasting keys)."""
-        keys = [self.keys.lock, *self.keys.lasting()] if idle_ms else [self.keys.lock]
+        call = self.refresh_call(token, ttl_ms, idle_ms)
         if self.replicas:
-            reply, acked = self.replicated(REFRESH, keys, [token, ttl_ms, idle_ms])
+            reply, acked = self.replicated(*call)
             if int(reply) == 1 and acked < self.replicas:
                 raise NotReplicated(acked)
             return int(reply) == 1
-        return int(REFRESH(self.client, keys, [token, ttl_ms, idle_ms])) == 1
+        return int(self._run(call)) == 1
 
     def release(
         self,
@@ -436,24 +516,10 @@ class LeaseStore:
         take_reruns: bool = True,
     ) -> tuple[bool, str, list[str]]:
         """Delete the lease if ``token`` holds it: (released, outcome recorded, reruns)."""
-        # Without a task id there is no marker to set; the key still names this slot.
-        done = self.keys.done(task_id) if task_id else self._no_done
-        res = RELEASE(
-            self.client,
-            # The note's key: the token's random part (new_token's 32 hex digits).
-            (*self._release_keys, done, self._note_prefix + token[:32]),
-            [
-                token,
-                record,
-                max_records,
-                outcome,
-                fence or 0,
-                "1" if take_reruns else "0",
-                idle_ms,
-                done_ms if task_id else 0,
-            ],
+        call = self.release_call(
+            token, record, max_records, outcome, fence, idle_ms, task_id, done_ms, take_reruns
         )
-        return int(res[0]) == 1, as_text(res[1]), [as_text(t) for t in res[2]] if res[2] else []
+        return released(self._run(call))
 
     def finished_ok(self, task_id: str) -> bool:
         """Whether a run of ``task_id`` ended ``ok`` within its redelivery window."""
@@ -462,11 +528,7 @@ class LeaseStore:
     def abandon(self, token: str) -> None:
         """A request that timed out may still have landed: drop that lease if we can."""
         try:
-            RELEASE(
-                self.client,
-                (*self._release_keys, self._no_done, self._note_prefix + token[:32]),
-                [token, "", MAX_RECORDS, "", 0, "0", 0, 0],
-            )
+            self._run(self.abandon_call(token))
         except Exception:  # best effort; the lease expires within its ttl anyway
             pass
 

@@ -1,0 +1,281 @@
+"""The asyncio Claim: the same lease, scripts, keys and records as ``fenced.Claim``.
+
+::
+
+    async with fenced.aio.Claim(client, "rebuild:acme:roads", ttl=60) as claim:
+        await rebuild(fence=claim.fence)      # cancelled if the claim is lost
+
+Every decision is :class:`fenced._claim.ClaimState`'s, shared with the thread
+front end; this class only awaits the scripts. What it adds is asyncio's:
+
+- one renewer task per event loop renews every claim held on it (``_renewer``);
+- when the claim is lost, the task running the ``async with`` block is cancelled, as
+  ``asyncio.timeout`` does, and the block ends in ``ClaimLost`` (on Python 3.10,
+  which has no ``Task.uncancel``, a cancellation that arrives from elsewhere at the
+  same moment is taken for the loss);
+- acquire and release run to their end even when their caller is cancelled: an
+  acquire is shielded, and a grant that lands after its caller was cancelled is given
+  back; a release cut short is sent again (RELEASE is safe to repeat), so a cancelled
+  caller never leaves its lease behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import sys
+import time
+from types import TracebackType
+from typing import Any
+
+import redis
+
+from .._claim import _HELD, _LATE, _UNCONFIRMABLE, RELEASE_RETRY, ClaimState
+from .._errors import ConfigError
+from .._guard import busy_error, lost_error, outcome_of, settle
+from .._lease import UNREACHABLE, LeaseCalls, new_token, released
+from .._scripts import Call
+from ._renewer import renewer
+from ._send import call, keep, run_to_end
+
+__all__ = ["Claim"]
+
+log = logging.getLogger("fenced")
+
+
+class Claim(ClaimState):
+    """An exclusive, self-renewing lease on one named resource, for ``redis.asyncio``.
+
+    Takes the parameters of :class:`fenced.Claim` (``redis`` is a ``redis.asyncio``
+    client); ``acquire``, ``refresh``, ``release`` and ``finished_ok`` are awaited.
+    ``async with claim:`` raises ``ClaimHeld`` when busy, and ends in ``ClaimLost``
+    (the block cancelled) when the claim is lost while it runs.
+    """
+
+    _store: LeaseCalls
+    #: What runs under the claim, as loss messages name it.
+    _what = "the block"
+
+    def _connect(self, redis: Any) -> Any:
+        if redis is None or not inspect.iscoroutinefunction(
+            getattr(redis, "execute_command", None)
+        ):
+            raise ConfigError(
+                f"{type(redis).__name__} is not a redis.asyncio client: pass one (e.g. "
+                "redis.asyncio.from_url('redis://localhost:6379/0')), or use fenced.Claim "
+                "with a synchronous client"
+            )
+        return redis
+
+    def _bind_store(self) -> None:
+        if self.replicas:
+            raise ConfigError(
+                f"replicas={self.replicas}: fenced.aio does not wait for replicas; use "
+                "fenced.Claim for claims that must be acknowledged by replicas",
+                name=self.name,
+            )
+        self._store = LeaseCalls(self.keys)
+        self._block: asyncio.Task[Any] | None = None
+        self._block_cancelling = 0
+        self._cancelled_block = False
+
+    # -- acquire ----------------------------------------------------------------------
+
+    async def acquire(
+        self,
+        blocking: bool = False,
+        timeout: float | None = None,
+        *,
+        request_rerun: bool | str = False,
+    ) -> bool:
+        """Take the claim; non-blocking by default. Raises ClaimUnavailable if Redis is down."""
+        self._check_acquire(timeout)
+        give_up = None if timeout is None else self._clock() + timeout
+        record_skip = not blocking
+        while True:
+            if await self._try_acquire(record_skip, request_rerun):
+                return True
+            if not blocking:
+                return False
+            now = self._clock()
+            if give_up is not None and now >= give_up:
+                return False
+            await asyncio.sleep(self._retry_wait(now, give_up))
+
+    async def _try_acquire(self, record_skip: bool, mark_rerun: bool | str) -> bool:
+        token = new_token(self.task_id)
+        request = self._store.acquire_call(*self._acquire_args(token, record_skip, mark_rerun))
+        sent = self._clock()
+        try:
+            res = list(
+                await run_to_end(call(self.redis, request), lambda f: self._abandon(f, token))
+            )
+        except UNREACHABLE as exc:
+            if isinstance(exc, redis.TimeoutError):
+                # Only a request that was sent can have landed.
+                keep(asyncio.ensure_future(self._give_back(token)))
+            raise self._unavailable(exc) from exc
+        except redis.ResponseError as exc:
+            raise self._unavailable(exc) from exc
+        late = self._late(res, sent)
+        if late is not None:
+            args = self._give_back_args(token, int(res[1]), _LATE, late)
+            try:
+                # The triggers are for whoever holds it next: none are taken.
+                await run_to_end(
+                    call(self.redis, self._store.release_call(*args, take_reruns=False))
+                )
+            except Exception:  # best effort: the lease expires within its ttl anyway
+                log.warning("fenced: could not give back the late grant of %r", self.name)
+            raise self._late_error(late)
+        if not self._took(token, res, sent):
+            return False
+        if self.heartbeat:
+            renewer().add(self)
+        return True
+
+    async def _abandon(self, request: asyncio.Future[Any], token: str) -> None:
+        """The caller of an ACQUIRE was cancelled: give back what it may have granted."""
+        if request.cancelled():
+            return
+        exc = request.exception()
+        if (exc is None and int(request.result()[0]) == 1) or isinstance(exc, redis.TimeoutError):
+            await self._give_back(token)
+
+    async def _give_back(self, token: str) -> None:
+        try:
+            await call(self.redis, self._store.abandon_call(token))
+        except Exception:  # best effort; the lease expires within its ttl anyway
+            log.warning("fenced: could not give back an abandoned grant of %r", self.name)
+
+    # -- refresh ----------------------------------------------------------------------
+
+    async def refresh(self) -> bool:
+        """Extend the lease now; False (and the claim is lost) if another token holds it."""
+        if not self._mine() or self.token is None:
+            return False
+        token = self.token
+        sent = self._clock()
+        try:
+            ok = await call(
+                self.redis, self._store.refresh_call(token, self._ttl_ms, self._idle_ms)
+            )
+        except UNREACHABLE as exc:
+            self.retry_soon()
+            raise self._refresh_unavailable(exc) from exc
+        if int(ok) == 1:
+            self.renewed(sent, token)
+            return self.held
+        self.renewal_refused(token)
+        return False
+
+    # -- release ----------------------------------------------------------------------
+
+    async def release(self, outcome: str | None = None, reason: str | None = None) -> bool:
+        """Give the claim back; True only if our token still held it (then it is deleted).
+
+        Goes on to its end when the caller is cancelled meanwhile.
+        """
+        if not self._releasable():
+            return False
+        if self.heartbeat:
+            renewer().discard(self)
+        before, outcome, record = self._begin_release(outcome, reason)
+        request = self._store.release_call(*self._release_args(outcome, record))
+        try:
+            return await self._send_release(before, outcome, request)
+        except asyncio.CancelledError:
+            # Sent or not, it is sent again from a task of its own: a RELEASE is safe to
+            # repeat (one that landed answers from its note and records nothing twice),
+            # and this costs a cycle no task, where shielding every release would.
+            keep(asyncio.ensure_future(self._send_release(before, outcome, request)))
+            raise
+
+    async def _send_release(self, before: str, outcome: str, request: Call) -> bool:
+        give_up = self._release_give_up(before)
+        while True:
+            try:
+                answer = released(await call(self.redis, request))
+                break
+            except _UNCONFIRMABLE as exc:
+                if isinstance(exc, UNREACHABLE) and time.monotonic() + RELEASE_RETRY < give_up:
+                    await asyncio.sleep(RELEASE_RETRY)
+                    continue
+                self._release_unconfirmed(exc)
+                return False
+            except asyncio.CancelledError:
+                raise  # not undone: the caller sends it again
+            except BaseException:
+                self._release_undone(before)
+                if self.heartbeat and before == _HELD:
+                    renewer().add(self)
+                raise
+        return self._ended(before, outcome, *answer)
+
+    async def finished_ok(self) -> bool:
+        """Whether a run of this claim's task id ended ``ok`` within its redelivery window."""
+        if self.task_id is None:
+            return False
+        return bool(await self.redis.exists(self.keys.done(self.task_id)))
+
+    # -- the block ----------------------------------------------------------------------
+
+    def _stop_work(self) -> None:
+        # Cancel the block's task, as asyncio.timeout does; a loss found by the block's
+        # own task (check(), release) is raised there instead.
+        task = self._block
+        if task is None or task.done() or task is _current_task():
+            return
+        self._cancelled_block = True
+        task.cancel(f"fenced: claim {self.name!r} was lost")
+
+    async def __aenter__(self) -> Claim:
+        if self._mine():
+            # Acquired before the block (the skip idiom): enter only while still ours.
+            self.check()
+        elif not await self.acquire():
+            raise busy_error(self)
+        task = asyncio.current_task()
+        self._block = task
+        self._cancelled_block = False
+        if task is not None and sys.version_info >= (3, 11):
+            self._block_cancelling = task.cancelling()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        task, self._block = self._block, None
+        interrupted = False
+        if self._cancelled_block and task is not None:
+            self._cancelled_block = False
+            others = False  # 3.10 cannot tell our cancellation from another one
+            if sys.version_info >= (3, 11):
+                others = task.uncancel() > self._block_cancelling
+            if not others:
+                interrupted = isinstance(exc, asyncio.CancelledError)
+                if not interrupted:
+                    # Requested but not delivered (the block ended first): take it here,
+                    # so the release below is not cut short.
+                    try:
+                        await asyncio.sleep(0)
+                    except asyncio.CancelledError:
+                        pass
+        if not self._releasable():
+            return
+        outcome, why = outcome_of(self, exc)
+        await self.release(outcome=outcome, reason=why)
+        if interrupted:
+            raise lost_error(self, self._what, interrupted=True) from exc
+        settle(self, outcome, exc, self._what)
+
+
+def _current_task() -> asyncio.Task[Any] | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running loop
+        return None

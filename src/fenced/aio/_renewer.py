@@ -1,0 +1,198 @@
+"""One renewer per event loop: a task that renews every claim held on that loop.
+
+The asyncio counterpart of ``fenced._heartbeat``, with the same rules: the renewer
+task never awaits Redis itself. On each wake it declares lost every claim whose local
+deadline passed, and hands the claims that are due, or nearly due (so renewals
+coalesce into a few pipelined round trips per interval even for thousands of claims),
+to one *round* per client: a task that sends them in pipelined batches of REFRESH,
+bounded by a timeout below the refresh interval. A client whose previous round is still
+waiting gets no new one, so a stuck server holds up only its own claims, and a claim
+is declared lost no later than its local deadline plus one refresh interval.
+
+Claims are held weakly and told what came of a renewal through the same
+:class:`fenced._heartbeat.Renewable` interface as the thread heartbeat. The task ends
+when no claim is left, and starts again with the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+import time
+import weakref
+
+from .._heartbeat import BATCH, COALESCE, IDLE_WAIT, MIN_NAP, Renewable, Renewal, _tell
+from .._lease import UNREACHABLE
+from .._scripts import REFRESH, Call
+from ._send import call_pipeline, keep
+
+__all__ = ["Renewer", "renewer"]
+
+log = logging.getLogger("fenced.heartbeat")
+
+Batch = list[tuple[Renewable, Renewal]]
+#: A round that ends in one of these got no answer: its claims are tried again soon.
+_NO_ANSWER: tuple[type[BaseException], ...] = (*UNREACHABLE, asyncio.TimeoutError)
+
+
+def round_timeout(refresh_every: float) -> float:
+    """How long one renewal round may wait for its server: below the interval."""
+    return min(5.0, max(0.05, refresh_every / 2))
+
+
+class Renewer:
+    """Renews every claim held on one event loop: one task, pipelined rounds per client."""
+
+    def __init__(self) -> None:
+        # Weak: a claim nobody references stops being renewed and expires by its ttl.
+        self._claims: dict[int, weakref.ref[Renewable]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._wake_at = math.inf
+        # Clients (by id) with a round still waiting for its server.
+        self._busy: set[int] = set()
+        #: Pipelined round trips sent so far.
+        self.round_trips = 0
+
+    def add(self, claim: Renewable) -> None:
+        """Start renewing a claim (starts the task on first use)."""
+        lease = claim.renewal()
+        if lease is None:
+            return
+        self._claims[id(claim)] = weakref.ref(claim)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="fenced-renewer")
+        elif min(lease.next_refresh, lease.deadline) < self._wake_at:
+            self._wake.set()
+
+    def discard(self, claim: Renewable) -> None:
+        """Stop renewing a claim."""
+        ref = self._claims.get(id(claim))
+        if ref is not None and ref() in (claim, None):
+            del self._claims[id(claim)]
+
+    def claims(self) -> list[Renewable]:
+        """The claims being renewed now."""
+        return [c for ref in self._claims.values() if (c := ref()) is not None]
+
+    def __len__(self) -> int:
+        return len(self.claims())
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The renewer task, while it runs."""
+        return self._task
+
+    async def _run(self) -> None:
+        while self._claims:
+            try:
+                wake = self._tick()
+            except Exception:  # a renewer that dies silently is the bug to avoid
+                log.exception("fenced: renewer tick failed; retrying")
+                wake = time.monotonic() + 0.05
+            if not self._claims:
+                break
+            self._wake_at = wake
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(0.0, wake - time.monotonic()))
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            self._wake_at = math.inf
+        self._task = None
+
+    def _tick(self) -> float:
+        """Declare expired claims lost, start the rounds that are due; the next wake."""
+        now = time.monotonic()
+        wake = now + IDLE_WAIT
+        due: Batch = []
+        expired: list[tuple[Renewable, str]] = []
+        any_due = False
+        for key, ref in list(self._claims.items()):
+            c = ref()
+            lease = c.renewal() if c is not None else None
+            if c is None or lease is None:
+                del self._claims[key]  # collected, or no longer held
+                continue
+            if now >= lease.deadline:
+                expired.append((c, lease.token))
+                del self._claims[key]
+                continue
+            if lease.next_refresh <= now:
+                any_due = True
+            else:
+                wake = min(wake, lease.next_refresh, lease.deadline)
+            if lease.next_refresh - lease.refresh_every * COALESCE <= now:
+                due.append((c, lease))
+        for c, token in expired:
+            _tell(c.expired, token)
+        if any_due:
+            by_client: dict[int, Batch] = {}
+            for c, lease in due:
+                by_client.setdefault(id(lease.client), []).append((c, lease))
+            for client_id, batch in by_client.items():
+                # Sent, or the client's last round still waits: no answer yet either
+                # way, so each claim looks again a little later.
+                for c, _lease in batch:
+                    _tell(c.retry_soon)
+                if client_id in self._busy:
+                    continue
+                self._busy.add(client_id)
+                task = asyncio.get_running_loop().create_task(self._round(client_id, batch))
+                task.add_done_callback(functools.partial(self._round_done, client_id))
+                keep(task)  # the loop holds tasks weakly
+            # The claims just told to retry soon are due again within the nap.
+            wake = min(
+                wake, now + max(MIN_NAP, min(lease.refresh_every for _c, lease in due) * 0.35)
+            )
+        return wake
+
+    def _round_done(self, client_id: int, _task: asyncio.Task[None]) -> None:
+        self._busy.discard(client_id)
+
+    async def _round(self, client_id: int, batch: Batch) -> None:
+        client = batch[0][1].client
+        timeout = round_timeout(min(lease.refresh_every for _c, lease in batch))
+        for start in range(0, len(batch), BATCH):
+            # Each lease is judged under the token it was read with: a claim released
+            # and acquired again meanwhile has a new lease.
+            part = batch[start : start + BATCH]
+            calls: list[Call] = [
+                (REFRESH, [lease.key, *lease.lasting], [lease.token, lease.ttl_ms, lease.idle_ms])
+                for _c, lease in part
+            ]
+            sent = time.monotonic()
+            self.round_trips += 1
+            try:
+                results = await asyncio.wait_for(call_pipeline(client, calls), timeout)
+            except _NO_ANSWER as exc:
+                # Not confirmed: each claim keeps its deadline and is retried soon.
+                log.warning("fenced: renewer could not reach Redis: %s", exc or "timed out")
+                continue
+            except Exception:
+                log.exception("fenced: renewal round failed")
+                continue
+            for (c, lease), res in zip(part, results):
+                if isinstance(res, Exception):
+                    log.warning("fenced: refresh of %s failed: %s", c.name, res)
+                elif res == 1:
+                    _tell(c.renewed, sent, lease.token)
+                else:
+                    _tell(c.renewal_refused, lease.token)
+        del batch  # the claims are referenced only while their round runs
+
+
+_renewers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Renewer] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def renewer() -> Renewer:
+    """The running event loop's renewer (created on first use)."""
+    loop = asyncio.get_running_loop()
+    found = _renewers.get(loop)
+    if found is None:
+        found = _renewers[loop] = Renewer()
+    return found
