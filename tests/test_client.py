@@ -311,3 +311,51 @@ def test_a_cluster_with_no_node_answering_fails_closed() -> None:
         ClaimUnavailable, match=rf"cannot reach Redis at redis\+cluster://127.0.0.1:{port}/"
     ):
         Claim(f"redis+cluster://127.0.0.1:{port}/?socket_connect_timeout=0.5", "x")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://user:top/S3cret@host:6379/0",
+        "redis://user:top?S3cret@host:6379/0",
+        "redis://:top#S3cret@host:6379/0",
+        "unix://user:top?S3cret@/tmp/redis.sock",
+        "redis+sentinel://user:top/S3cret@h1:26379/mymaster/0",
+        "redis://h/0?pasword=S3cret",  # a misspelt secret option
+    ],
+)
+def test_a_refused_url_never_shows_its_password(url: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_url(url)
+    assert "S3cret" not in str(info.value)
+    assert "top" not in str(info.value)
+    assert "S3cret" not in redact(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "fix"),
+    [
+        ("redis://host/1?db=2", "named twice"),
+        ("redis+sentinel://h/m/1?db=2", "named twice"),
+        ("redis+cluster://:pw@h1:7000/?password", "password= is empty"),
+        ("redis://h/0?ssl_cert_reqs=required", "need TLS: use rediss://"),
+    ],
+)
+def test_urls_that_would_connect_elsewhere_than_written_are_refused(url: str, fix: str) -> None:
+    with pytest.raises(ConfigError, match=fix):
+        parse_url(url)
+
+
+def test_every_entry_point_fails_closed_when_no_cluster_node_answers() -> None:
+    import os
+
+    port = free_port()
+    url = f"redis+cluster://127.0.0.1:{port}/?socket_connect_timeout=0.5"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FENCED_REDIS")}
+    for args in (["ls"], ["show", "x"], ["run", "x", "--", "true"]):
+        done = subprocess.run(
+            [*FENCED, *args[:1], "--redis", url, *args[1:]],
+            capture_output=True, text=True, env=env, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 69, (args, done.stderr)
+        assert done.stderr.count("\n") == 1, done.stderr  # one line, no traceback

@@ -166,6 +166,31 @@ def test_cluster_failover_after_unreplicated_writes_stays_fenced(
 # -- the heartbeat on a cluster -----------------------------------------------------------
 
 
+def test_replicated_acquires_find_the_new_master_after_a_failover(
+    own_ha_cluster: RedisCluster,
+) -> None:
+    client = connect(own_ha_cluster.startup_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    first = Claim(client, "job", ttl=10, replicas=1, heartbeat=False)
+    assert first.acquire()
+    first.release()
+    own_ha_cluster.kill_master_for(first.key)
+    own_ha_cluster.wait_failover()
+    # The promoted replica has no replica of its own, so a replicated acquire reaching
+    # it fails for want of acknowledgement; one still sent to the dead node fails to
+    # connect. The first must come soon after the failover, through the same client.
+    reasons: list[str] = []
+
+    def reached_the_new_master() -> bool:
+        try:
+            Claim(client, "job", ttl=10, replicas=1, replica_timeout=0.2).acquire()
+        except ClaimUnavailable as exc:
+            reasons.append(str(exc))
+            return "replica(s) asked for" in str(exc)
+        return True
+
+    wait_for("a replicated acquire on the new master", reached_the_new_master, 10)
+
+
 def _spread(client: Any, count: int, ttl: float, every: float) -> list[Claim]:
     claims = [
         Claim(client, f"feed:{i}", ttl=ttl, refresh_every=every, records=False)

@@ -212,3 +212,32 @@ def test_celery_and_exclusive_take_replicas(pair: tuple[RedisServer, RedisServer
             job()
     finally:
         replica.resume()
+
+
+def test_a_claim_whose_replicas_stay_away_costs_its_neighbours_nothing(
+    pair: tuple[RedisServer, RedisServer],
+) -> None:
+    """Renewals of claims with and without replicas share a round trip; a WAIT that
+    gets no answer must not hold the others' replies past the socket timeout."""
+    master, replica = pair
+    client = master.client()
+    lost: list[str] = []
+    # refresh_every just under 2 s: the heartbeat's socket timeout is then 0.5 s.
+    waiting = Claim(
+        client, "waits", ttl=6, refresh_every=1.999, replicas=1, replica_timeout=1.0,
+        on_lost=lambda c: lost.append(c.name),
+    )  # fmt: skip
+    plain = Claim(
+        client, "plain", ttl=6, refresh_every=1.999, on_lost=lambda c: lost.append(c.name)
+    )
+    assert waiting.acquire() and plain.acquire()
+    replica.pause()
+    try:
+        time.sleep(9)  # one and a half ttls
+        assert plain.held, lost
+        assert client.pttl(plain.key) > 0
+        assert lost == ["waits"]  # the claim that asked for the replica is lost
+    finally:
+        replica.resume()
+        plain.release()
+        waiting.release()

@@ -245,8 +245,7 @@ class ClaimState:
                 self.keys.lasting() if self._idle_ms else (),
                 self._idle_ms,
                 self.replicas,
-                # Below the heartbeat's socket timeout (a quarter of the interval).
-                min(self._replica_ms, max(1, int(self.refresh_every * 250))),
+                self._replica_ms,  # the heartbeat keeps it below its socket timeout
             )
 
     def renewed(self, sent: float, token: str) -> None:

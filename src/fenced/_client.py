@@ -30,6 +30,7 @@ import math
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode
@@ -82,7 +83,8 @@ _TEXT = (
     "ssl_min_version",
 )
 _SENTINEL_ONLY = ("sentinel_password", "sentinel_username")
-_SECRET_PARAMS = ("password", "sentinel_password")
+#: Query options whose values are printed (every other value is shown as ***).
+_PLAIN_PARAMS = frozenset((*_FLOAT, *_INT, *_BOOL, *_TEXT, "db", "username", "sentinel_username"))
 
 
 class RedisURL:
@@ -172,30 +174,39 @@ def parse_url(url: str) -> RedisURL:
     parsed = RedisURL(url)
     parsed.scheme = scheme
     topology = SCHEMES[scheme]
+    # The credentials end at the last '@'; what they hold must be percent-encoded, so a
+    # password is never taken for a path, a query or a host (and never printed).
+    creds, at, rest = rest.rpartition("@")
+    if at:
+        if any(ch in creds for ch in "/?#"):
+            raise _bad(
+                url,
+                "percent-encode '/', '?', '#' and '@' in the user name and password "
+                "(%2F, %3F, %23, %40)",
+            )
+        user, colon, password = creds.partition(":")
+        parsed.username = unquote(user) or None
+        parsed.password = unquote(password) if colon else None
     rest, _, query = rest.partition("?")
     rest, _, fragment = rest.partition("#")
     if fragment:
         raise _bad(url, "a '#' is not part of a Redis URL (percent-encode it as %23)")
-    # The credentials end at the last '@' before the path.
-    netloc, slash, path = rest.partition("/") if scheme != "unix" else ("", "/", "")
     if scheme == "unix":
-        creds, at, sock = rest.rpartition("@")
-        if not at:
-            creds, sock = "", rest
-        netloc = creds + ("@" if at else "")
-        path = sock
+        hosts, slash, path = "", "/", rest
         if not path.startswith("/"):
             raise _bad(url, "a unix URL names an absolute socket path: unix:///path/to/sock")
-    creds, at, hosts = netloc.rpartition("@")
-    if at:
-        user, colon, password = creds.partition(":")
-        parsed.username = unquote(user) or None
-        parsed.password = unquote(password) if colon else None
+    else:
+        hosts, slash, path = rest.partition("/")
     options = _read_options(url, query, topology)
+    for key in ("username", "password"):
+        if key in options and not options[key]:
+            raise _bad(url, f"{key}= is empty: give a value or leave the option out")
     if "username" in options:
-        parsed.username = options.pop("username") or None
+        parsed.username = options.pop("username")
     if "password" in options:
-        parsed.password = options.pop("password") or None
+        parsed.password = options.pop("password")
+    if not parsed.tls and any(key.startswith("ssl_") for key in options):
+        raise _bad(url, "ssl_* options need TLS: use rediss:// (or rediss+sentinel://, ...)")
     db_option = options.pop("db", None)
     if scheme == "unix":
         parsed.hosts = []
@@ -207,6 +218,8 @@ def parse_url(url: str) -> RedisURL:
         if len(parsed.hosts) != 1:
             raise _bad(url, "redis:// names one server (use redis+sentinel:// or redis+cluster://)")
         path = path.strip("/") if slash else ""
+        if path and db_option is not None:
+            raise _bad(url, "the database is named twice (path and ?db=): keep one")
         if path:
             parsed.db = _read_db(url, path)
         elif db_option is not None:
@@ -217,6 +230,8 @@ def parse_url(url: str) -> RedisURL:
         if not parts or len(parts) > 2:
             raise _bad(url, "a Sentinel URL ends in /service or /service/db, e.g. /mymaster/0")
         parsed.service = unquote(parts[0])
+        if len(parts) == 2 and db_option is not None:
+            raise _bad(url, "the database is named twice (path and ?db=): keep one")
         if len(parts) == 2:
             parsed.db = _read_db(url, parts[1])
         elif db_option is not None:
@@ -231,31 +246,30 @@ def parse_url(url: str) -> RedisURL:
 
 
 def redact(url: str) -> str:
-    """A URL fit to print: passwords (in the credentials or the query) replaced by ***."""
+    """A URL fit to print: its password, and every query value that may be secret, as ***.
+
+    Whatever precedes the last '@' is taken for credentials, so an unencoded '/', '?'
+    or '#' in a password is masked too; query values are shown only for the options
+    known to hold no secret.
+    """
     try:
-        scheme, _, rest = url.partition("://")
-        if not _:
+        scheme, sep, rest = url.partition("://")
+        if not sep:
             return url
-        head, q, query = rest.partition("?")
-        if scheme.lower() == "unix":
-            # unix://[user:password@]/path: the credentials end at the last '@'.
-            at_sign = head.rfind("@")
-            netloc, path = head[: at_sign + 1], head[at_sign + 1 :]
-        else:
-            slash = head.find("/")
-            netloc, path = (head, "") if slash < 0 else (head[:slash], head[slash:])
-        creds, at, hosts = netloc.rpartition("@")
+        creds, at, rest = rest.rpartition("@")
+        shown = ""
         if at:
             user, colon, _password = creds.partition(":")
-            netloc = f"{user}:***@{hosts}" if colon else f"{user}@{hosts}"
-        elif netloc.endswith("@"):
-            netloc = netloc
+            if any(ch in user for ch in "/?#"):
+                user = "***"
+            shown = f"{user}:***@" if colon else f"{user}@"
+        head, q, query = rest.partition("?")
         if q:
             pairs = parse_qsl(query, keep_blank_values=True)
             query = urlencode(
-                [(k, "***" if k in _SECRET_PARAMS else v) for k, v in pairs], safe="*/:"
+                [(k, v if k in _PLAIN_PARAMS else "***") for k, v in pairs], safe="*/:"
             )
-        return f"{scheme}://{netloc}{path}{q}{query}"
+        return f"{scheme}://{shown}{head}{q}{query}"
     except Exception:  # never let a message fail over its URL
         return "<a Redis URL>"
 
@@ -316,22 +330,24 @@ def connect(target: Any, *, what: str = "claims", **options: Any) -> Any:
         key = (target, tuple(sorted((k, repr(v)) for k, v in options.items())))
         with _cache_lock:
             client = _cache.get(key)
-            if client is None:
-                try:
-                    client = _build(parsed, options)
-                except (TypeError, ValueError) as exc:
-                    raise _bad(target, str(exc)) from None
-                except Exception as exc:  # a cluster client asks its nodes when made
-                    from redis.exceptions import ConnectionError, RedisClusterException
+        if client is not None:
+            return client
+        # Built outside the lock: a cluster client asks its nodes when made, and one
+        # that does not answer must not hold up clients of other URLs.
+        try:
+            client = _build(parsed, options)
+        except (TypeError, ValueError) as exc:
+            raise _bad(target, str(exc)) from None
+        except Exception as exc:
+            from redis.exceptions import ConnectionError, RedisClusterException
 
-                    if not isinstance(exc, (RedisClusterException, ConnectionError, OSError)):
-                        raise
-                    raise ClaimUnavailable(
-                        f"cannot reach Redis at {redact(target)} ({exc}); nothing was started "
-                        "(fail closed)"
-                    ) from exc
-                _cache[key] = client
-        return client
+            if not isinstance(exc, (RedisClusterException, ConnectionError, OSError)):
+                raise
+            raise ClaimUnavailable(
+                f"cannot reach Redis at {redact(target)} ({exc}); nothing was started (fail closed)"
+            ) from exc
+        with _cache_lock:
+            return _cache.setdefault(key, client)
     if target is None:
         raise ConfigError(
             f"no Redis given for {what}: pass a redis-py client or a URL such as "
@@ -377,7 +393,14 @@ def client_from_setting(value: Any, *, setting: str = "fenced_redis_client") -> 
             ) from None
     if callable(target) and not hasattr(target, "evalsha"):
         made: Callable[[], Any] = target
-        target = made()
+        try:
+            target = made()
+        except Exception as exc:
+            from redis.exceptions import ConnectionError, RedisClusterException
+
+            if isinstance(exc, (ConnectionError, RedisClusterException, OSError)):
+                raise ClaimUnavailable(f"{setting}={value!r} could not reach Redis: {exc}") from exc
+            raise ConfigError(f"{setting}={value!r} failed: {type(exc).__name__}: {exc}") from exc
     try:
         return connect(target, what=setting)
     except ConfigError as exc:
@@ -442,7 +465,7 @@ def node_client(client: Any, key: str) -> Any:
     return client.get_redis_connection(client.get_node_from_key(key))
 
 
-_refreshed: dict[int, float] = {}
+_refreshed: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 _refresh_lock = threading.Lock()
 #: A cluster's slot map is read again at most this often on behalf of fenced.
 SLOT_REFRESH_INTERVAL = 0.5
@@ -458,9 +481,9 @@ def refresh_slots(client: Any) -> None:
         return
     now = time.monotonic()
     with _refresh_lock:
-        if now - _refreshed.get(id(client), -math.inf) < SLOT_REFRESH_INTERVAL:
+        if now - _refreshed.get(client, -math.inf) < SLOT_REFRESH_INTERVAL:
             return
-        _refreshed[id(client)] = now
+        _refreshed[client] = now
     try:
         client.nodes_manager.initialize()
     except Exception as exc:  # a cluster with no node answering: try again later

@@ -127,8 +127,11 @@ def _tell(what: Callable[..., None], *args: Any) -> None:
 class _Lane:
     """One server's renewals: a thread and a private client, so a stuck server waits alone."""
 
-    def __init__(self, client: Any, owner: weakref.ref[Any] | None, private: bool) -> None:
+    def __init__(
+        self, client: Any, owner: weakref.ref[Any] | None, private: bool, timeout: float = 5.0
+    ) -> None:
         self.client = client
+        self.timeout = timeout  # the socket timeout of its connections
         self.owner = owner  # the client this lane serves as it is, None for a server's lane
         self.private = private  # a clone of that pool, which the lane owns and closes
         self.last_used = time.monotonic()
@@ -190,11 +193,13 @@ class _Lane:
                 (REFRESH, [lease.key, *lease.lasting], [lease.token, lease.ttl_ms, lease.idle_ms])
                 for _c, lease in part
             ]
-            # One WAIT after the batch covers every write before it on this connection.
+            # One WAIT after the batch covers every write before it on this connection,
+            # for at most half the socket timeout: the replies before it stay readable.
             replicas = max(lease.replicas for _c, lease in part)
             wait = None
             if replicas:
-                wait = (replicas, max(lease.replica_timeout_ms for _c, lease in part))
+                longest = max(lease.replica_timeout_ms for _c, lease in part)
+                wait = (replicas, max(1, min(longest, int(self.timeout * 500))))
             sent = time.monotonic()
             try:
                 self.round_trips += 1
@@ -462,7 +467,7 @@ class Heartbeat:
                 return lane
             private = self._private_client(client, pool, bucket)
             if private is not client:
-                lane = _Lane(private, None, private=True)
+                lane = _Lane(private, None, private=True, timeout=bucket)
                 self._lanes[key] = lane
                 return lane
         # A client used as it is (Cluster, custom, or a pool that cannot be cloned): its
@@ -474,7 +479,8 @@ class Heartbeat:
             return lane
         if lane is not None:
             self._retire(lane)
-        lane = _Lane(client, weakref.ref(client), private=False)
+        own_timeout = getattr(pool, "connection_kwargs", {}).get("socket_timeout") or 5.0
+        lane = _Lane(client, weakref.ref(client), private=False, timeout=float(own_timeout))
         self._lanes[key] = lane
         return lane
 

@@ -484,7 +484,11 @@ class LeaseStore(LeaseCalls):
         wait = (self.replicas, self.replica_timeout_ms)
         for attempt in (1, 2):
             server = node_client(self.client, self.keys.lock)
-            reply, acked = run_pipeline(server, [(script, keys, args)], wait=wait)
+            try:
+                reply, acked = run_pipeline(server, [(script, keys, args)], wait=wait)
+            except UNREACHABLE:
+                refresh_slots(self.client)  # a cluster node gone: the next try finds its heir
+                raise
             if isinstance(reply, redis.exceptions.AskError) and attempt == 1:
                 refresh_slots(self.client)  # MOVED: the slot map was out of date
                 continue

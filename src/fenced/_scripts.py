@@ -91,7 +91,7 @@ def _packable(client: Any) -> bool:
 def _send_packed(client: Any, calls: Sequence[Call], wait: tuple[int, int] | None) -> list[Any]:
     """What a non-transactional pipeline does, on one connection: packed in one buffer,
     the replies read in order, an error reply in place of its result."""
-    from redis.exceptions import ResponseError
+    from redis.exceptions import ConnectionError, ResponseError, TimeoutError
 
     assert _pack is not None
     parts = [
@@ -104,10 +104,18 @@ def _send_packed(client: Any, calls: Sequence[Call], wait: tuple[int, int] | Non
     try:
         conn.send_packed_command([b"".join(parts)])
         replies: list[Any] = []
-        for _ in parts:
+        for _ in calls:
             try:
                 replies.append(conn.read_response())
             except ResponseError as exc:
+                replies.append(exc)
+        if wait is not None:
+            try:
+                replies.append(conn.read_response())
+            except (ConnectionError, TimeoutError, OSError, ResponseError) as exc:
+                # The scripts' replies are in; only the acknowledgement is missing.
+                if not isinstance(exc, ResponseError):
+                    conn.disconnect()
                 replies.append(exc)
         return replies
     except BaseException:

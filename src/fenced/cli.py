@@ -46,7 +46,7 @@ def _redis_url(url: str | None) -> str:
 def _client(url: str | None) -> Any:
     """The client of ``--redis``, else $FENCED_REDIS_CLIENT (a factory), else $FENCED_REDIS_URL."""
     from ._client import client_from_setting, connect
-    from ._errors import ConfigError
+    from ._errors import ClaimUnavailable, ConfigError
 
     try:
         if not url and os.environ.get("FENCED_REDIS_CLIENT"):
@@ -58,6 +58,9 @@ def _client(url: str | None) -> Any:
     except ConfigError as exc:
         _err(f"fenced: {exc.message}")
         raise SystemExit(EXIT_USAGE) from None
+    except ClaimUnavailable as exc:
+        _err(f"fenced: {exc.message}")
+        raise SystemExit(EXIT_UNAVAILABLE) from None
 
 
 @contextmanager

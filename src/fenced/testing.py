@@ -180,7 +180,9 @@ class RedisServer:
         )
 
     def start(self, timeout: float = 10.0) -> RedisServer:
-        """Start and wait until the server answers PING."""
+        """Start and wait until the server answers PING (a running server is left as is)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self
         self.launch()
         return self.wait_ready(timeout)
 
