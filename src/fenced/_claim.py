@@ -32,7 +32,7 @@ from . import records as _records
 from ._client import connect
 from ._errors import ClaimLost, ClaimUnavailable, ConfigError, FencedError, NotOwner
 from ._guard import SKIP_REASON, SKIP_RERUN_REASON, busy_error, finish
-from ._heartbeat import Renewal
+from ._heartbeat import RETRY_SHARE, Renewal
 from ._heartbeat import heartbeat as _heartbeat
 from ._lease import (
     IDLE_TTL,
@@ -267,7 +267,7 @@ class ClaimState:
         """No confirmed answer yet (a renewal on its way, or none came): look again soon."""
         with self._mutex:
             if self._state == _HELD:
-                self._next_refresh = self._clock() + self.refresh_every * 0.35
+                self._next_refresh = self._clock() + self.refresh_every * RETRY_SHARE
 
     def renewal_refused(self, token: str) -> None:
         """The lease of ``token`` is gone or held under another token."""

@@ -106,6 +106,9 @@ BATCH = 2500
 #: side, so they merge, and renewals settle into one round per interval (a claim is
 #: never renewed more than twice per interval).
 COALESCE = 0.5
+#: A renewal sent but not yet confirmed is looked at again after this share of its
+#: interval (``Claim.retry_soon``); the scheduler sleeps that long after a round.
+RETRY_SHARE = 0.35
 #: The longest the scheduler sleeps when nothing is due sooner.
 IDLE_WAIT = 30.0
 #: The shortest such sleep (claims with shorter intervals wake the thread themselves).
@@ -391,6 +394,9 @@ class Heartbeat:
                 # within its slack too. (Claims in their slack alone start no round, so
                 # a refresh that failed and is retried later does not spin the loop.)
                 any_due = False
+                # The soonest renewal among the claims in their slack: the wake when no
+                # round runs now (when one does, they go with it).
+                slack_wake = math.inf
                 for key, ref in list(self._claims.items()):
                     c = ref()
                     lease = c.renewal() if c is not None else None
@@ -402,14 +408,17 @@ class Heartbeat:
                         expired.append((c, lease.token))
                         del self._claims[key]
                         continue
+                    wake = min(wake, lease.deadline)
                     if lease.next_refresh <= now:
                         any_due = True
-                    else:
-                        wake = min(wake, lease.next_refresh, lease.deadline)
                     if lease.next_refresh - lease.refresh_every * COALESCE <= now:
                         due.append((c, lease))
+                        slack_wake = min(slack_wake, lease.next_refresh)
+                    else:
+                        wake = min(wake, lease.next_refresh)
                 if not any_due:
                     due = []
+                    wake = min(wake, slack_wake)
                 if not due and not expired:
                     self._prune(now)
                     self._wake_at = wake
@@ -420,6 +429,16 @@ class Heartbeat:
                 _tell(c.expired, token)
             if due:
                 self._dispatch(due)
+                # The claims just sent look again at their retry time at the soonest
+                # (``retry_soon``): until then only the claims seen waiting, or a new
+                # claim (add() wakes the thread), can be due. Sleeping till then spares a
+                # scan of every claim right after each round.
+                soonest = min(lease.refresh_every for _c, lease in due) * RETRY_SHARE
+                with self._cond:
+                    until = min(wake, time.monotonic() + soonest)
+                    self._wake_at = until
+                    self._cond.wait(max(0.0, until - time.monotonic()))
+                    self._wake_at = math.inf
             return
 
     def _dispatch(self, due: Batch) -> None:

@@ -46,7 +46,7 @@ import redis.lock
 from redis.exceptions import LockError, LockNotOwnedError
 
 from ._errors import ConfigError
-from ._heartbeat import Renewal
+from ._heartbeat import RETRY_SHARE, Renewal
 from ._heartbeat import heartbeat as _heartbeat
 from ._lease import IDLE_TTL, check_idle_ttl, check_namespace, check_timing, current_pid
 from ._scripts import LOCK_ACQUIRE, LOCK_RELEASE
@@ -250,7 +250,7 @@ class _Hold:
         """No confirmed answer yet: look again within the interval."""
         with self._mutex:
             if self.state == _HELD:
-                self.next_refresh = time.monotonic() + self.refresh_every * 0.35
+                self.next_refresh = time.monotonic() + self.refresh_every * RETRY_SHARE
 
     def renewal_refused(self, token: str) -> None:
         """The lock is gone or held under another token."""
