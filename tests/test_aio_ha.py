@@ -1,0 +1,69 @@
+"""fenced.aio on the topologies production runs: a 3-master Redis Cluster and a Sentinel
+group, with redis.asyncio clients; a Sentinel failover keeps fences increasing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fenced import ClaimUnavailable
+from fenced.aio import Claim
+from fenced.testing import RedisCluster, SentinelGroup
+
+
+def test_claims_over_every_master_are_renewed(ha_cluster: RedisCluster) -> None:
+    from redis.asyncio.cluster import ClusterNode
+    from redis.asyncio.cluster import RedisCluster as AsyncCluster
+
+    async def main() -> tuple[int, int, int]:
+        nodes = [ClusterNode("127.0.0.1", n.port) for n in ha_cluster.masters()]
+        r: Any = AsyncCluster(startup_nodes=nodes)
+        try:
+            claims = [Claim(r, f"aio:{i}", ttl=1.5, refresh_every=0.5) for i in range(300)]
+            for c in claims:
+                assert await c.acquire()
+            masters = {r.get_node_from_key(c.key).name for c in claims}
+            await asyncio.sleep(4.5)  # three ttls
+            held = sum(c.held for c in claims)
+            released = sum([await c.release() for c in claims])
+            return len(masters), held, released
+        finally:
+            await r.aclose()
+
+    assert asyncio.run(main()) == (3, 300, 300)
+
+
+def test_a_fence_after_a_sentinel_failover_is_above_every_fence_before(
+    sentinel_group: SentinelGroup,
+) -> None:
+    from redis.asyncio.sentinel import Sentinel
+
+    async def main() -> tuple[int, int]:
+        hosts = [("127.0.0.1", s.port) for s in sentinel_group.sentinels]
+        sentinel = Sentinel(  # type: ignore[no-untyped-call]
+            hosts, sentinel_kwargs={"socket_timeout": 1}, socket_timeout=1
+        )
+        r: Any = sentinel.master_for(sentinel_group.service)
+        before = Claim(r, "rebuild:roads", ttl=3)
+        assert await before.acquire()
+        first = before.fence or 0
+        await asyncio.to_thread(sentinel_group.kill_master)
+        await asyncio.to_thread(sentinel_group.wait_promoted)
+        deadline = time.monotonic() + 30
+        while True:
+            after = Claim(r, "rebuild:roads", ttl=3)
+            try:
+                if await after.acquire():
+                    break
+            except ClaimUnavailable:
+                pass
+            assert time.monotonic() < deadline, "no claim on the promoted replica"
+            await asyncio.sleep(0.2)
+        second = after.fence or 0
+        await after.release()
+        await r.aclose()
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert second > first > 0
