@@ -275,6 +275,51 @@ class _Hold:
                 log.exception("fenced: on_lost callback for lock %r failed", self.name)
 
 
+def check_lock_options(
+    redis: Any,
+    name: Any,
+    timeout: float | None,
+    auto_renew: bool,
+    refresh_every: float | None,
+    idle_ttl: float | None,
+    namespace: str,
+) -> tuple[float, float, int]:
+    """A lock's (ttl, refresh interval, fence idle expiry in ms), or ConfigError.
+
+    The checks of ``fenced.Lock`` and ``fenced.aio.Lock`` alike.
+    """
+    if not isinstance(name, str):
+        raise ConfigError(f"lock name {name!r} must be a str, e.g. 'report:daily'")
+    try:
+        check_namespace(namespace)
+        if auto_renew:
+            if not timeout:
+                raise ConfigError(
+                    "auto_renew=True needs a timeout: a lock without one never expires, "
+                    "so there is nothing to renew; pass e.g. timeout=30"
+                )
+            ttl, every = check_timing(timeout, refresh_every, names=("timeout", "refresh_every"))
+        elif refresh_every is not None:
+            raise ConfigError(
+                "refresh_every is only used with auto_renew=True: pass both, or neither"
+            )
+        else:
+            ttl, every = 0.0, 0.0
+        # The fence may expire while the lock is held: the TIME floor keeps it
+        # increasing, so no ttl bounds the idle expiry from below.
+        idle_ms = check_idle_ttl(idle_ttl, 0.0)
+    except ConfigError as exc:
+        raise ConfigError(exc.message, name=name) from None
+    if _on_cluster(redis) and not shares_slot(name):
+        raise ConfigError(
+            f"lock name {name!r} has no hash tag and contains '}}' (or is empty): on "
+            "Redis Cluster no fence key can share its slot; give it a hash tag, e.g. "
+            f"'{{{name.replace('{', '').replace('}', '') or 'lock'}}}'",
+            name=name,
+        )
+    return ttl, every, idle_ms
+
+
 class Lock(redis.lock.Lock):
     """redis-py's Lock with a fencing token (``fence``) and optional background renewal.
 
@@ -323,38 +368,10 @@ class Lock(redis.lock.Lock):
         idle_ttl: float | None = IDLE_TTL,
         namespace: str = "fenced",
     ) -> None:
-        if not isinstance(name, str):
-            raise ConfigError(f"lock name {name!r} must be a str, e.g. 'report:daily'")
-        try:
-            check_namespace(namespace)
-            if auto_renew:
-                if timeout is None or not timeout:
-                    raise ConfigError(
-                        "auto_renew=True needs a timeout: a lock without one never expires, "
-                        "so there is nothing to renew; pass e.g. timeout=30"
-                    )
-                self._ttl, self._refresh_every = check_timing(
-                    timeout, refresh_every, names=("timeout", "refresh_every")
-                )
-            elif refresh_every is not None:
-                raise ConfigError(
-                    "refresh_every is only used with auto_renew=True: pass both, or neither"
-                )
-            else:
-                self._ttl, self._refresh_every = 0.0, 0.0
-            # The fence may expire while the lock is held: the TIME floor keeps it
-            # increasing, so no ttl bounds the idle expiry from below.
-            self._idle_ms = check_idle_ttl(idle_ttl, 0.0)
-        except ConfigError as exc:
-            raise ConfigError(exc.message, name=name) from None
+        self._ttl, self._refresh_every, self._idle_ms = check_lock_options(
+            redis, name, timeout, auto_renew, refresh_every, idle_ttl, namespace
+        )
         self.fence_key = fence_key(name, namespace)
-        if isinstance(redis, _cluster_types()) and not shares_slot(name):
-            raise ConfigError(
-                f"lock name {name!r} has no hash tag and contains '}}' (or is empty): on "
-                "Redis Cluster no fence key can share its slot; give it a hash tag, e.g. "
-                f"'{{{name.replace('{', '').replace('}', '') or 'lock'}}}'",
-                name=name,
-            )
         self.auto_renew = auto_renew
         self.on_lost = on_lost
         self.namespace = namespace
@@ -520,9 +537,9 @@ class Lock(redis.lock.Lock):
             )
 
 
-def _cluster_types() -> tuple[type, ...]:
-    try:
-        from redis.cluster import RedisCluster
-    except ImportError:  # pragma: no cover - every supported redis-py has it
-        return ()
-    return (RedisCluster,)
+def _on_cluster(redis: Any) -> bool:
+    """A Redis Cluster client, thread or asyncio (their keys must share a slot)."""
+    from redis.asyncio.cluster import RedisCluster as AsyncCluster
+    from redis.cluster import RedisCluster
+
+    return isinstance(redis, (RedisCluster, AsyncCluster))

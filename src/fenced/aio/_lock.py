@@ -31,8 +31,8 @@ from redis.asyncio.lock import Lock as _RedisLock
 from redis.exceptions import LockError, LockNotOwnedError
 
 from .._errors import ConfigError
-from .._lease import IDLE_TTL, check_idle_ttl, check_namespace, check_timing
-from .._lock import _Hold, fence_key, new_token, shares_slot
+from .._lease import IDLE_TTL
+from .._lock import _Hold, check_lock_options, fence_key, new_token
 from .._scripts import LOCK_ACQUIRE, LOCK_RELEASE, Script
 from ._renewer import renewer
 from ._send import call, keep, run_to_end
@@ -71,35 +71,10 @@ class Lock:
         idle_ttl: float | None = IDLE_TTL,
         namespace: str = "fenced",
     ) -> None:
-        if not isinstance(name, str):
-            raise ConfigError(f"lock name {name!r} must be a str, e.g. 'report:daily'")
-        try:
-            check_namespace(namespace)
-            if auto_renew:
-                if not timeout:
-                    raise ConfigError(
-                        "auto_renew=True needs a timeout: a lock without one never expires, "
-                        "so there is nothing to renew; pass e.g. timeout=30"
-                    )
-                self._ttl, self._refresh_every = check_timing(
-                    timeout, refresh_every, names=("timeout", "refresh_every")
-                )
-            elif refresh_every is not None:
-                raise ConfigError(
-                    "refresh_every is only used with auto_renew=True: pass both, or neither"
-                )
-            else:
-                self._ttl, self._refresh_every = 0.0, 0.0
-            self._idle_ms = check_idle_ttl(idle_ttl, 0.0)
-        except ConfigError as exc:
-            raise ConfigError(exc.message, name=name) from None
+        self._ttl, self._refresh_every, self._idle_ms = check_lock_options(
+            redis, name, timeout, auto_renew, refresh_every, idle_ttl, namespace
+        )
         self.fence_key = fence_key(name, namespace)
-        if type(redis).__name__ == "RedisCluster" and not shares_slot(name):
-            raise ConfigError(
-                f"lock name {name!r} has no hash tag and contains '}}' (or is empty): on "
-                "Redis Cluster no fence key can share its slot; give it a hash tag",
-                name=name,
-            )
         self.redis = redis
         self.name = name
         self.timeout = timeout
