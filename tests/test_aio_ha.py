@@ -67,3 +67,49 @@ def test_a_fence_after_a_sentinel_failover_is_above_every_fence_before(
 
     first, second = asyncio.run(main())
     assert second > first > 0
+
+
+def test_exclusive_coroutines_on_cluster_and_sentinel_urls(
+    ha_cluster: RedisCluster, sentinel_group: SentinelGroup
+) -> None:
+    from fenced import exclusive
+
+    ran: list[tuple[str, int]] = []
+
+    def job_on(url: str) -> Any:
+        @exclusive(name="job:{n}", redis=url, ttl=2)
+        async def job(n: int) -> int:
+            await asyncio.sleep(0.2)
+            ran.append((url, n))
+            return n
+
+        return job
+
+    for url in (ha_cluster.startup_url, sentinel_group.url):
+        job = job_on(url)
+
+        async def main(job: Any = job) -> list[Any]:
+            return list(await asyncio.gather(job(1), job(1), job(2)))
+
+        results = asyncio.run(main())
+        # Of the two calls for 1, one ran and one was skipped; 2 ran.
+        assert sorted(n for u, n in ran if u == url) == [1, 2], (url, results)
+        assert sum(1 for r in results if r == 1) == 1
+
+
+def test_exclusive_on_an_unreachable_cluster_url_fails_when_called_not_when_defined() -> None:
+    from fenced import exclusive
+    from fenced.testing import free_port
+
+    url = f"redis+cluster://127.0.0.1:{free_port()}/?socket_connect_timeout=0.5"
+
+    @exclusive(name="job", redis=url)
+    def job() -> None:
+        raise AssertionError("ran without a claim")
+
+    try:
+        job()
+    except ClaimUnavailable:
+        pass
+    else:
+        raise AssertionError("no ClaimUnavailable")

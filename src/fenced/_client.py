@@ -41,6 +41,7 @@ __all__ = [
     "SCHEMES",
     "client_from_setting",
     "connect",
+    "connect_async",
     "describe_client",
     "is_cluster",
     "node_client",
@@ -274,8 +275,17 @@ def redact(url: str) -> str:
         return "<a Redis URL>"
 
 
-def _build(parsed: RedisURL, options: Mapping[str, Any]) -> Any:
-    import redis
+def _build(parsed: RedisURL, options: Mapping[str, Any], *, asyncio: bool = False) -> Any:
+    """The client a parsed URL names: redis-py's, or with ``asyncio`` redis.asyncio's."""
+    import redis.asyncio.cluster
+    import redis.asyncio.sentinel
+    import redis.cluster
+    import redis.sentinel
+
+    # The two families take the same arguments.
+    family: Any = redis.asyncio if asyncio else redis
+    cluster: Any = redis.asyncio.cluster if asyncio else redis.cluster
+    sentinels: Any = redis.asyncio.sentinel if asyncio else redis.sentinel
 
     kwargs: dict[str, Any] = dict(parsed.options)
     kwargs.update(options)
@@ -287,15 +297,13 @@ def _build(parsed: RedisURL, options: Mapping[str, Any]) -> Any:
     if parsed.password is not None:
         kwargs["password"] = parsed.password
     if parsed.scheme == "unix":
-        return redis.Redis(unix_socket_path=parsed.service, db=parsed.db, **kwargs)
+        return family.Redis(unix_socket_path=parsed.service, db=parsed.db, **kwargs)
     if parsed.tls:
         kwargs["ssl"] = True
     if parsed.topology == "standalone":
         host, port = parsed.hosts[0]
-        return redis.Redis(host=host, port=port, db=parsed.db, **kwargs)
+        return family.Redis(host=host, port=port, db=parsed.db, **kwargs)
     if parsed.topology == "sentinel":
-        from redis.sentinel import Sentinel
-
         # The sentinels get the TLS and timeout settings, and their own credentials.
         sentinel_kwargs = {
             k: v for k, v in kwargs.items() if k not in ("username", "password", "db")
@@ -304,15 +312,11 @@ def _build(parsed: RedisURL, options: Mapping[str, Any]) -> Any:
         sentinel_kwargs.setdefault("socket_timeout", 1.0)
         sentinel_kwargs.setdefault("socket_connect_timeout", 1.0)
         sentinel_kwargs.update(sentinel_auth)
-        sentinel = Sentinel(  # type: ignore[no-untyped-call]
-            parsed.hosts, sentinel_kwargs=sentinel_kwargs, **kwargs
-        )
-        return sentinel.master_for(parsed.service, db=parsed.db)  # type: ignore[no-untyped-call]
-    from redis.cluster import ClusterNode, RedisCluster
-
+        sentinel = sentinels.Sentinel(parsed.hosts, sentinel_kwargs=sentinel_kwargs, **kwargs)
+        return sentinel.master_for(parsed.service, db=parsed.db)
     kwargs.pop("max_connections", None)
-    nodes = [ClusterNode(h, p) for h, p in parsed.hosts]  # type: ignore[no-untyped-call]
-    return RedisCluster(startup_nodes=nodes, **kwargs)
+    nodes = [cluster.ClusterNode(h, p) for h, p in parsed.hosts]
+    return cluster.RedisCluster(startup_nodes=nodes, **kwargs)
 
 
 _cache: dict[tuple[str, tuple[tuple[str, Any], ...]], Any] = {}
@@ -366,6 +370,16 @@ def connect(target: Any, *, what: str = "claims", **options: Any) -> Any:
             "client here (redis.Redis), or use fenced.aio with redis.asyncio clients"
         )
     return target
+
+
+def connect_async(url: str, **options: Any) -> Any:
+    """A new ``redis.asyncio`` client for a URL of any form (one per event loop: its
+    connections belong to the loop that uses them)."""
+    parsed = parse_url(url)
+    try:
+        return _build(parsed, options, asyncio=True)
+    except (TypeError, ValueError) as exc:
+        raise _bad(url, str(exc)) from None
 
 
 def client_from_setting(value: Any, *, setting: str = "fenced_redis_client") -> Any:

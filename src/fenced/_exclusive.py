@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 from ._claim import Claim
-from ._client import connect
+from ._client import connect, connect_async, parse_url
 from ._errors import ConfigError
 from ._guard import Guard, Skipped, busy_error, check_on_busy
 from ._lease import check_namespace, check_replicas, check_timing
@@ -35,27 +35,30 @@ from ._naming import Namer, NameSource
 __all__ = ["ON_BUSY", "Skipped", "exclusive"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-#: URLs a redis.asyncio client is built from for coroutine functions.
-_PLAIN_URLS = ("redis://", "rediss://", "unix://")
 #: The busy policies a plain function can carry out (see fenced._guard).
 ON_BUSY = ("skip", "wait", "raise")
 
 
-def _client(redis: Any) -> Any:
-    return connect(redis, what="exclusive()")
+def _client(redis: Any) -> Callable[[], Any]:
+    """The synchronous client: checked now, and for a URL built at first use (a cluster
+    client asks its nodes when made, which must not happen when a module is imported)."""
+    if isinstance(redis, str):
+        parse_url(redis)
+        return lambda: connect(redis, what="exclusive()")
+    client = connect(redis, what="exclusive()")
+    return lambda: client
 
 
 def _async_client(redis: Any, replicas: int) -> Callable[[], Any] | None:
     """For a ``redis.asyncio`` client or a plain URL: the client of the running event loop.
 
-    A URL gets one ``redis.asyncio`` client per event loop (its connections belong to
-    that loop); a URL used by a plain function gets a ``redis.Redis`` client instead, and
-    so do Cluster and Sentinel URLs and ``replicas=`` (``fenced.aio`` has neither yet).
+    A URL (of any form, Cluster and Sentinel too) gets one ``redis.asyncio`` client per
+    event loop (its connections belong to that loop); a URL used by a plain function gets
+    a ``redis.Redis`` client instead, and so does ``replicas=`` (``fenced.aio`` does not
+    wait for replicas).
     """
-    if isinstance(redis, str) and not replicas and redis.startswith(_PLAIN_URLS):
+    if isinstance(redis, str) and not replicas:
         import weakref
-
-        import redis.asyncio as aredis
 
         url = redis
         by_loop: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -66,7 +69,7 @@ def _async_client(redis: Any, replicas: int) -> Callable[[], Any] | None:
             loop = asyncio.get_running_loop()
             found = by_loop.get(loop)
             if found is None:
-                found = by_loop[loop] = aredis.Redis.from_url(url)
+                found = by_loop[loop] = connect_async(url)
             return found
 
         return for_loop
@@ -118,8 +121,9 @@ def exclusive(
         extra = {"function": f"{fn.__module__}.{fn.__qualname__}"}
 
         def guard_for(args: Any, kwargs: Any) -> Guard:
+            assert client is not None
             claim = Claim(
-                client,
+                client(),
                 namer(args, kwargs)[0],
                 ttl=ttl,
                 refresh_every=refresh_every,
