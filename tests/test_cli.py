@@ -147,6 +147,23 @@ def test_unreachable_redis_exits_69_and_never_starts_the_command(tmp_path: Path)
     assert not marker.exists()
 
 
+def test_a_port_that_answers_http_is_one_line_and_exit_69(http_url: str, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    port = http_url.rsplit(":", 1)[1].split("/")[0]
+    for args in (
+        ["run", "--redis", http_url, "job:x", "--", "touch", str(marker)],
+        ["ls", "--redis", http_url],
+        ["show", "--redis", http_url, "job:x"],
+    ):
+        res = fenced(None, *args)
+        assert res.returncode == 69, (args, res.stderr)
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1, res.stderr  # no traceback
+        assert f"127.0.0.1:{port}" in lines[0]
+        assert "not in the Redis protocol" in lines[0] and "host and port" in lines[0]
+    assert not marker.exists()
+
+
 def test_no_redis_url_is_a_usage_error_naming_both_sources() -> None:
     res = fenced(None, "run", "job:x", "--", "true")
     assert res.returncode == 2

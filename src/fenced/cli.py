@@ -67,12 +67,12 @@ def _client(url: str | None) -> Any:
 def _talking_to(client: Any) -> Iterator[None]:
     """Turn an unreachable Redis and bad input into one-line messages and exit codes."""
     from . import ClaimUnavailable, ConfigError
-    from ._lease import UNREACHABLE, describe_client
+    from ._lease import UNREACHABLE, describe_client, why_unreachable
 
     try:
         yield
     except UNREACHABLE as exc:
-        _err(f"fenced: cannot reach Redis at {describe_client(client)}: {exc}")
+        _err(f"fenced: cannot reach Redis at {describe_client(client)}: {why_unreachable(exc)}")
         raise SystemExit(EXIT_UNAVAILABLE) from None
     except ClaimUnavailable as exc:
         _err(f"fenced: {exc}")
@@ -343,14 +343,14 @@ if app is not None:
         from rich.live import Live
         from rich.text import Text
 
-        from ._lease import UNREACHABLE
+        from ._lease import UNREACHABLE, why_unreachable
 
         def view() -> Any:
             try:
                 infos = read()
             except UNREACHABLE as exc:
                 # Watching outlives a Redis restart: say so and look again.
-                return Text(f"cannot reach Redis: {exc}", style="red")
+                return Text(f"cannot reach Redis: {why_unreachable(exc)}", style="red")
             return [i.as_dict() for i in infos] if as_json else _ls_view(infos, namespace)
 
         try:
