@@ -14,10 +14,14 @@ passed back (``read_holder``, ``fenced release``, run records, pointers).
 
 from __future__ import annotations
 
+import datetime
+import decimal
+import enum
 import hashlib
 import inspect
 import re
 import string
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -49,7 +53,65 @@ def hash_value(value: str | bytes) -> str:
     return HASH_PREFIX + hashlib.blake2b(data, digest_size=20).hexdigest()
 
 
-def render_value(value: Any) -> str:
+#: What a template value may be; anything else has no text that is the same in every process.
+PLAIN_VALUES = (
+    "str, int, float, bool, None, bytes, an Enum member, a date, time, datetime, "
+    "timedelta, UUID or Decimal, and lists, tuples and dicts of these"
+)
+_SCALARS = (
+    str,
+    int,
+    float,
+    bytes,
+    type(None),
+    datetime.date,
+    datetime.time,
+    datetime.timedelta,
+    uuid.UUID,
+    decimal.Decimal,
+)
+
+
+class _NotPlain(Exception):
+    def __init__(self, value: object) -> None:
+        super().__init__(value)
+        self.value = value
+
+
+def _hint(value: object) -> str:
+    if isinstance(value, (set, frozenset)):
+        return "pass sorted(...) of it"
+    if isinstance(value, Mapping):
+        return "pass dict(...) of it"
+    if isinstance(value, (list, tuple)):
+        return "pass list(...) or tuple(...) of it"
+    return (
+        "pass the plain values that name the resource (an id, a path), "
+        "or name the claim with a callable"
+    )
+
+
+def _canonical(value: object) -> object:
+    """The value with every dict's items in one order; _NotPlain when not a plain value."""
+    if isinstance(value, enum.Enum):
+        _canonical(value.value)  # its text shows its value
+        return value
+    if isinstance(value, _SCALARS):
+        return value
+    # Exact types only: a subclass's text is its own (a defaultdict shows its factory).
+    if isinstance(value, list) and type(value) is list:
+        return [_canonical(v) for v in value]
+    if isinstance(value, tuple) and type(value) is tuple:
+        return tuple(_canonical(v) for v in value)
+    if isinstance(value, dict) and type(value) is dict:
+        items = [(_canonical(k), _canonical(v)) for k, v in value.items()]
+        # Keys of mixed types do not compare; their type and text always do.
+        items.sort(key=lambda kv: (type(kv[0]).__name__, repr(kv[0])))
+        return dict(items)
+    raise _NotPlain(value)
+
+
+def render_value(value: Any, field: str | None = None) -> str:
     """Canonical text of one template value; hashed when long or unsafe."""
     if isinstance(value, bool) or value is None:
         text = repr(value)
@@ -58,7 +120,20 @@ def render_value(value: Any) -> str:
     elif isinstance(value, bytes):
         return hash_value(b"bytes:" + value)
     else:
-        text = f"{type(value).__qualname__}:{value!r}"
+        try:
+            canonical = _canonical(value)
+        except _NotPlain as exc:
+            bad = exc.value
+            where = f"{{{field}}}" if field else "a claim template value"
+            inner = "" if bad is value else f" holding a {type(bad).__qualname__}"
+            raise ConfigError(
+                f"{where} is a {type(value).__qualname__}{inner}, which has no text that "
+                f"stays the same from one process to the next, so it cannot name a claim; "
+                f"template values may be {PLAIN_VALUES}: {_hint(bad)}"
+            ) from None
+        # Lists and tuples of plain values keep the digest they always had; a dict's
+        # digest no longer depends on the order its items were inserted in.
+        text = f"{type(value).__qualname__}:{canonical!r}"
         return hash_value(text)
     # A value that already looks like a digest is hashed too, so "h1-..." typed by a
     # user can never collide with the digest of some other value.
@@ -115,7 +190,7 @@ def claim_name(template: str, /, **values: Any) -> str:
 
 def render(template: str, values: Mapping[str, Any]) -> tuple[str, dict[str, str]]:
     """The claim name for a template's values, and each value as the name shows it."""
-    rendered = {f: render_value(v) for f, v in values.items()}
+    rendered = {f: render_value(v, f) for f, v in values.items()}
     return validate_name(template.format(**rendered)), rendered
 
 
