@@ -185,3 +185,17 @@ def test_names_of_values_that_were_already_stable_do_not_change() -> None:
     assert claim_name("x:{v}", v=Decimal("1.50")) == "x:" + hash_value("Decimal:Decimal('1.50')")
     assert claim_name("x:{v}", v=b"k") == "x:" + hash_value(b"bytes:k")
     assert claim_name("x:{a}:{b}:{c}", a=7, b=True, c=None) == "x:7:True:None"
+
+
+def test_a_preview_shows_what_a_value_is_about_but_not_its_secrets() -> None:
+    from fenced._naming import preview
+
+    assert preview("https://u:pw@feeds.example.com:8443/a/b?token=x#f") == (
+        "https://feeds.example.com:8443/a/b?…"
+    )
+    assert preview("s3cr3tT0kenABCDEFGHIJKLMNOP") == "<a token, 27 characters>"
+    assert preview("the roads layer of " * 4) == ("the roads layer of " * 3)[:39] + "…"
+    assert preview(b"\x00" * 300) == "<300 bytes>"
+    assert preview({"region": "eu", "password": "pw"}) == "<dict of region, password>"
+    assert preview([1, 2, 3]) == "<list of 3>"
+    assert preview(datetime.date(2026, 1, 2)) == "2026-01-02"

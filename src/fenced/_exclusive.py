@@ -123,7 +123,11 @@ def exclusive(
             name, shown = namer(args, kwargs)
             if namer.template is None or shown is None:
                 return name, extra
-            return name, {**extra, "template": namer.template, "args": shown}
+            call_extra = {**extra, "template": namer.template, "args": shown}
+            readable = namer.readable(args, kwargs, shown)
+            if readable:
+                call_extra["arg_text"] = readable
+            return name, call_extra
 
         def guard_for(args: Any, kwargs: Any) -> Guard:
             name, call_extra = named(args, kwargs)

@@ -24,6 +24,7 @@ import string
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from ._errors import ConfigError
 
@@ -32,6 +33,7 @@ __all__ = [
     "check_fields",
     "claim_name",
     "hash_value",
+    "preview",
     "render",
     "template_fields",
     "validate_name",
@@ -140,6 +142,46 @@ def render_value(value: Any, field: str | None = None) -> str:
     if _SAFE_VALUE.fullmatch(text) and not text.startswith(HASH_PREFIX):
         return text
     return hash_value(text)
+
+
+#: Longest readable form a run record keeps of a hashed value.
+PREVIEW_CHARS = 40
+# One long run of token characters, no spaces: an API key or a password looks like this.
+_TOKEN = re.compile(r"[A-Za-z0-9+/=_\-.~]{20,}")
+
+
+def _cut(text: str, limit: int = PREVIEW_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def preview(value: Any) -> str:
+    """A short readable form of a value that a name shows only as a digest.
+
+    Run records keep it beside the digest, so an operator sees what a run was about.
+    It leaves out what may be secret: a URL keeps its scheme, host and path (no user,
+    password, query or fragment); a string that is one long token is shown by its length
+    only; bytes by their size; a mapping by its keys.
+    """
+    if isinstance(value, str):
+        if "://" in value:
+            try:
+                parts = urlsplit(value)
+                host = parts.hostname or ""
+                port = f":{parts.port}" if parts.port else ""
+            except ValueError:
+                return f"<a URL, {len(value)} characters>"
+            more = "?…" if parts.query or parts.fragment else ""
+            return _cut(f"{parts.scheme}://{host}{port}{parts.path}{more}")
+        if _TOKEN.fullmatch(value):
+            return f"<a token, {len(value)} characters>"
+        return _cut(value)
+    if isinstance(value, bytes):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, dict):
+        return _cut(f"<dict of {', '.join(map(str, value))}>")
+    if isinstance(value, (list, tuple)):
+        return f"<{type(value).__name__} of {len(value)}>"
+    return _cut(str(value))
 
 
 def template_fields(template: str) -> list[str]:
@@ -284,6 +326,16 @@ class Namer:
             return validate_name(name), None
         assert self.template is not None
         return render(self.template, self.values(args, kwargs))
+
+    def readable(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], shown: Mapping[str, str]
+    ) -> dict[str, str]:
+        """Beside each value ``shown`` as a digest, its :func:`preview` (for run records)."""
+        hashed = [f for f, v in shown.items() if v.startswith(HASH_PREFIX)]
+        if not hashed:
+            return {}
+        values = self.values(args, kwargs)
+        return {f: preview(values[f]) for f in hashed}
 
     def values(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """The template fields' values in one call's arguments (defaults applied)."""
