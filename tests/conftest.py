@@ -23,7 +23,9 @@ one): they test topology, not the server build.
 
 from __future__ import annotations
 
+import http.server
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -146,3 +148,16 @@ def r(request: pytest.FixtureRequest, server: RedisServer) -> Iterator[Any]:
     client = server.client(decode_responses=request.param)
     yield client
     client.close()
+
+
+@pytest.fixture
+def http_url() -> Iterator[str]:
+    """A redis:// URL whose port a real HTTP server answers (a wrong port in the URL)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"redis://127.0.0.1:{server.server_address[1]}/0"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -234,6 +234,8 @@ def test_long_argument_values_are_recorded_as_digests(app: Celery, r: Any) -> No
     name = ingest(long_path)
     run = records.last(r, name)
     assert run is not None and run.extra["args"]["path"].startswith("h1-")
+    # Beside the digest, a readable head of the value: what the run was about.
+    assert run.extra["arg_text"] == {"path": "s3://bucket/" + "x" * 27 + "…"}
 
 
 def test_skip_result_shape_and_alert(app: Celery, r: Any) -> None:

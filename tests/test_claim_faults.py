@@ -236,3 +236,15 @@ def test_a_release_answered_by_a_replica_ends_as_lost(own_server: RedisServer) -
     finally:
         own_server.client().execute_command("REPLICAOF", "NO", "ONE")
         other.stop()
+
+
+def test_an_address_that_is_not_redis_makes_acquire_raise_claim_unavailable(
+    http_url: str,
+) -> None:
+    claim = Claim(http_url, "job:x", ttl=5, heartbeat=False)
+    with pytest.raises(ClaimUnavailable) as info:
+        claim.acquire()
+    message = str(info.value)
+    assert "not in the Redis protocol" in message and "not started" in message
+    assert http_url.split("//")[1].split("/")[0] in message
+    assert not claim.held

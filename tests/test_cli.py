@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from _wait import wait_for
-from fenced import Claim
+from fenced import Claim, claim_name, exclusive, hash_value
 from fenced._lease import ClaimKeys
 from fenced.testing import RedisServer, free_port
 
@@ -144,6 +144,23 @@ def test_unreachable_redis_exits_69_and_never_starts_the_command(tmp_path: Path)
     res = fenced(None, "run", "--redis", dead, "job:x", "--", "touch", str(marker))
     assert res.returncode == 69
     assert "cannot reach Redis" in res.stderr and "not started" in res.stderr
+    assert not marker.exists()
+
+
+def test_a_port_that_answers_http_is_one_line_and_exit_69(http_url: str, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    port = http_url.rsplit(":", 1)[1].split("/")[0]
+    for args in (
+        ["run", "--redis", http_url, "job:x", "--", "touch", str(marker)],
+        ["ls", "--redis", http_url],
+        ["show", "--redis", http_url, "job:x"],
+    ):
+        res = fenced(None, *args)
+        assert res.returncode == 69, (args, res.stderr)
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1, res.stderr  # no traceback
+        assert f"127.0.0.1:{port}" in lines[0]
+        assert "not in the Redis protocol" in lines[0] and "host and port" in lines[0]
     assert not marker.exists()
 
 
@@ -308,6 +325,60 @@ def test_ls_watch_redraws_until_interrupted(url: str, r: Any) -> None:
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "watched" in out
+
+
+def at_columns(url: str, columns: int, *args: str) -> list[str]:
+    env = {**env_for(url), "COLUMNS": str(columns)}
+    res = subprocess.run([*FENCED, *args], capture_output=True, text=True, env=env, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return [line.rstrip() for line in res.stdout.splitlines()]
+
+
+def test_ls_and_show_read_well_at_80_columns(url: str, r: Any) -> None:
+    task = "5f0c2a9e-8d47-4b1e-9c3a-7e6f1d2b4a58"
+    name = "rebuild:tiles:europe-west-" + "x" * 30
+    held(r, name, records=True, task_id=task)
+    held(r, "report:acme", records=True, task_id="6a1d3b0f-2c58-4e7a-8b9d-0f1e2d3c4b5a")
+    command = "echo " + "building the europe tiles " * 3 + "; exit 3"
+    for _ in range(3):
+        fenced(url, "run", "nightly:tiles", "--", "sh", "-c", command)
+
+    lines = at_columns(url, 80, "ls")
+    assert max(map(len, lines)) <= 80, lines
+    assert len(lines) == 1 + 2 * 2  # the title, then two lines per claim
+    assert any(line.startswith(name + "  fence ") for line in lines)  # a line of its own
+    assert any(f"task {task[:8]}…" in line for line in lines)
+    assert all(task not in line for line in lines)  # the whole id: --json and --wide
+
+    lines = at_columns(url, 80, "show", "nightly:tiles")
+    assert max(map(len, lines)) <= 80, lines
+    assert len(lines) <= 2 + 3 * 3  # title and a blank, then at most 3 lines per run
+    assert sum("failed" in line for line in lines) == 3
+    assert "building the europe tiles" in "".join(lines)  # the detail is readable
+
+    wide = at_columns(url, 80, "ls", "--wide")
+    assert any(task in line and name in line for line in wide)  # one row per claim
+    wide = at_columns(url, 80, "show", "--wide", "nightly:tiles")
+    assert sum(command[:40] in line for line in wide) == 3
+
+
+def test_show_says_what_a_hashed_value_was_without_its_secrets(url: str, r: Any) -> None:
+    feed = "https://reader:s3cret@feeds.example.com/v2/incidents.xml?key=abc123"
+
+    @exclusive("feed:{url}", redis=r, ttl=10)
+    def fetch(url: str) -> None:
+        pass
+
+    fetch(feed)
+    name = claim_name("feed:{url}", url=feed)
+    (run,) = json.loads(fenced(url, "show", name, "--json").stdout)["runs"]
+    assert run["extra"]["args"] == {"url": hash_value(feed)}
+    readable = run["extra"]["arg_text"]["url"]
+    assert readable.startswith("https://feeds.example.com/v2/incidents") and len(readable) <= 40
+    text = "\n".join(at_columns(url, 80, "show", name))
+    assert f"url={readable} ({hash_value(feed)[:11]}…)" in text
+    for secret in ("s3cret", "reader", "abc123"):
+        assert secret not in text and secret not in json.dumps(run)
 
 
 # -- fenced show --------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from fenced.doctor import (
     format_text,
     load_records,
     lock_store_url,
+    name_shape,
     render,
     run_doctor,
     version_findings,
@@ -580,6 +581,52 @@ def test_records_are_read_from_redis(server: RedisServer) -> None:
     } in loaded
     report = run_doctor(client)
     assert {"naming.too-fine", "naming.too-coarse"} <= report.codes("warning")
+
+
+def test_names_with_a_time_in_them_are_too_fine_from_every_front_end(
+    server: RedisServer,
+) -> None:
+    from fenced import exclusive
+    from fenced._run import RunOptions, run_command
+
+    client = server.client(decode_responses=True)
+    for _ in range(21):  # as cron runs `fenced run "nightly:$(date +%s%N)" -- true`
+        opts = RunOptions(name=f"nightly:{time.time_ns()}", argv=["true"], quiet=True)
+        assert run_command(client, opts) == 0
+
+    @exclusive(lambda day: f"report:{day}", redis=client, ttl=10)
+    def report(day: str) -> None:
+        pass
+
+    @exclusive("export:{ts}", redis=client, ttl=10)
+    def export(ts: int) -> None:
+        pass
+
+    for i in range(21):
+        report(f"2026-01-{i + 1:02d}T03:00:00")
+        export(1764558000 + i)
+        # The same name every time: nothing to flag.
+        run_command(client, RunOptions(name="backup:db", argv=["true"], quiet=True))
+
+    found = {f.subject: f for f in check_naming(load_records(client))}
+    assert set(found) == {"nightly:{n}", "report:{date}", "export:{ts}"}
+    nightly = found["nightly:{n}"]
+    assert nightly.code == "naming.too-fine"
+    assert "21 different names in 21 runs" in nightly.what
+    assert "fenced run -- true" in nightly.what
+    assert "'nightly'" in nightly.fix
+    assert "test_doctor" in found["report:{date}"].what  # the function that ran it
+    assert "'report'" in found["report:{date}"].fix
+    assert "{ts}" in found["export:{ts}"].what
+
+
+def test_name_shapes_keep_resources_and_digests() -> None:
+    assert name_shape("nightly:1764558000123456789") == "nightly:{n}"
+    assert name_shape("run-20261201") == "run-{n}"
+    assert name_shape("job:0b7f3c1e-9a3b-4c1d-8e2f-1234567890ab") == "job:{id}"
+    assert name_shape("report:2026-01-02T03:00:00") == "report:{date}"
+    for kept in ("backup:db", "tile:12:34", "user:4711", "feed:h1-" + "1" * 40):
+        assert name_shape(kept) is None
 
 
 def test_contended_outcomes_are_outcomes_run_records_carry() -> None:

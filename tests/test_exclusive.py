@@ -41,6 +41,9 @@ def test_runs_the_function_under_a_claim_named_from_its_arguments(r: Any) -> Non
     (run,) = history(r, "report:acme:today")
     assert run.outcome == "ok"
     assert run.extra["function"].endswith("report")
+    # Like a Celery task's, the record names the template and the values the name shows.
+    assert run.extra["template"] == "report:{tenant}:{day}"
+    assert run.extra["args"] == {"tenant": "acme", "day": "today"}
     assert report.__name__ == "report"  # functools.wraps
 
 

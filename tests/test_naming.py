@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
+import enum
+import uuid
+from decimal import Decimal
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -123,3 +128,74 @@ def test_a_hashed_name_fed_back_addresses_the_same_keys() -> None:
     for given_name in (name, validate_name(unsafe)):
         assert validate_name(given_name) == given_name
     assert ClaimKeys.of(validate_name(unsafe)).lock == ClaimKeys.of(unsafe).lock
+
+
+# -- plain values only ----------------------------------------------------------------
+
+
+class Layer(enum.Enum):
+    ROADS = "roads"
+
+
+class Tenant:
+    def __init__(self, slug: str) -> None:
+        self.slug = slug
+
+
+@pytest.mark.parametrize(
+    ("value", "hint"),
+    [
+        (object(), "callable"),
+        (Tenant("acme"), "callable"),
+        ({"b", "a"}, "sorted"),
+        ([1, object()], "list holding a object"),
+        ({"k": Tenant("acme")}, "dict holding a Tenant"),
+        (Layer, "callable"),  # the class, not a member
+    ],
+)
+def test_values_without_a_stable_text_are_refused_naming_what_is_accepted(
+    value: object, hint: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        claim_name("sync:{tenant}", tenant=value)
+    message = str(info.value)
+    assert "{tenant}" in message and hint in message
+    assert "str, int, float, bool, None, bytes" in message and "dicts" in message
+
+
+def test_a_mapping_names_the_same_claim_in_any_order() -> None:
+    one = claim_name("sync:{opts}", opts={"region": "eu", "layers": ["roads", "rail"], "n": 2})
+    other = claim_name("sync:{opts}", opts={"n": 2, "layers": ["roads", "rail"], "region": "eu"})
+    assert one == other
+    nested = claim_name("x:{o}", o=[{"b": 1, "a": 2}])
+    assert nested == claim_name("x:{o}", o=[{"a": 2, "b": 1}])
+    assert one != claim_name("sync:{opts}", opts={"region": "us", "layers": [], "n": 2})
+
+
+def test_names_of_values_that_were_already_stable_do_not_change() -> None:
+    # Digests of the text these values always had: a change here re-keys users' claims.
+    assert claim_name("x:{v}", v=[1, "a", None]) == "x:" + hash_value("list:[1, 'a', None]")
+    assert claim_name("x:{v}", v=("a", 2.5)) == "x:" + hash_value("tuple:('a', 2.5)")
+    assert claim_name("x:{v}", v={"a": 1, "b": [2]}) == "x:" + hash_value("dict:{'a': 1, 'b': [2]}")
+    when = datetime.datetime(2026, 1, 2, 3, 4)
+    assert claim_name("x:{v}", v=when) == "x:" + hash_value(f"datetime:{when!r}")
+    assert claim_name("x:{v}", v=Layer.ROADS) == "x:" + hash_value("Layer:<Layer.ROADS: 'roads'>")
+    ident = uuid.UUID(int=7)
+    assert claim_name("x:{v}", v=ident) == "x:" + hash_value(f"UUID:{ident!r}")
+    assert claim_name("x:{v}", v=Decimal("1.50")) == "x:" + hash_value("Decimal:Decimal('1.50')")
+    assert claim_name("x:{v}", v=b"k") == "x:" + hash_value(b"bytes:k")
+    assert claim_name("x:{a}:{b}:{c}", a=7, b=True, c=None) == "x:7:True:None"
+
+
+def test_a_preview_shows_what_a_value_is_about_but_not_its_secrets() -> None:
+    from fenced._naming import preview
+
+    assert preview("https://u:pw@feeds.example.com:8443/a/b?token=x#f") == (
+        "https://feeds.example.com:8443/a/b?…"
+    )
+    assert preview("s3cr3tT0kenABCDEFGHIJKLMNOP") == "<a token, 27 characters>"
+    assert preview("the roads layer of " * 4) == ("the roads layer of " * 3)[:39] + "…"
+    assert preview(b"\x00" * 300) == "<300 bytes>"
+    assert preview({"region": "eu", "password": "pw"}) == "<dict of region, password>"
+    assert preview([1, 2, 3]) == "<list of 3>"
+    assert preview(datetime.date(2026, 1, 2)) == "2026-01-02"

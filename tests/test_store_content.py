@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
+import shutil
 import stat
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -232,6 +237,70 @@ def test_missing_root_is_a_config_error_naming_the_fix(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not a directory"):
         ContentStore(tmp_path / "file")
     assert ContentStore(missing, create=True).root == missing
+
+
+def test_a_file_where_the_store_or_pointer_goes_is_named_at_construction(tmp_path: Path) -> None:
+    in_the_way = tmp_path / "objects"
+    in_the_way.write_text("x")
+    with pytest.raises(ConfigError, match=f"{in_the_way} is a file, not a directory"):
+        ContentStore(in_the_way, create=True)
+    with pytest.raises(StoreError) as info:
+        ContentStore(in_the_way / "sub", create=True)
+    assert str(in_the_way) in str(info.value) and "a file stands where" in str(info.value)
+    with pytest.raises(ConfigError, match=f"{in_the_way} is a file"):
+        FilePointer(in_the_way / "dir" / "current")
+    assert in_the_way.read_text() == "x"
+
+
+# Run as an unprivileged user: root may write into any directory.
+_READ_ONLY_CHILD = """
+import json, os, sys
+from pathlib import Path
+from fenced import StoreError
+from fenced.store import ContentStore, FilePointer
+
+root = Path(sys.argv[1])
+if os.geteuid() == 0:
+    os.setgid(65534)
+    os.setuid(65534)
+out = {}
+for what, act in (
+    ("create", lambda: ContentStore(root, create=True)),
+    ("put", lambda: ContentStore(root).put(b"tile 0")),
+    ("swap", lambda: FilePointer(root / "current").swap(root / "target", fence=1)),
+):
+    try:
+        act()
+        out[what] = None
+    except StoreError as exc:
+        out[what] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_a_directory_this_user_cannot_write_is_a_store_error_naming_the_fix() -> None:
+    root = Path(tempfile.mkdtemp(prefix="fenced-ro-"))
+    try:
+        (root / "target").write_bytes(b"published")
+        root.chmod(0o555)
+        res = subprocess.run(
+            [sys.executable, "-c", _READ_ONLY_CHILD, str(root)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert res.returncode == 0, res.stderr
+        out = json.loads(res.stdout)
+        assert out["create"].startswith(f"store root {root} is not writable: let this user")
+        assert "chmod u+w" in out["create"]
+        assert out["put"].startswith(f"cannot store an object in {root}: cannot write {root}")
+        assert "Permission denied" in out["put"] and "chmod" in out["put"]
+        assert out["swap"].startswith(f"cannot swap pointer {root / 'current'}: cannot write")
+        assert "Permission denied" in out["swap"] and "chmod" in out["swap"]
+        assert sorted(p.name for p in root.iterdir()) == ["target"]  # nothing was left
+    finally:
+        root.chmod(0o755)
+        shutil.rmtree(root)
 
 
 @pytest.mark.parametrize(

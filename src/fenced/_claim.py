@@ -48,6 +48,7 @@ from ._lease import (
     current_pid,
     describe_client,
     new_token,
+    why_unreachable,
 )
 from ._scripts import as_text
 
@@ -351,7 +352,7 @@ class ClaimState:
             )
         return ClaimUnavailable(
             f"cannot reach Redis at {describe_client(self.redis)} to acquire claim "
-            f"{self.name!r} ({exc}); the work was not started (fail closed)",
+            f"{self.name!r} ({why_unreachable(exc)}); the work was not started (fail closed)",
             name=self.name,
         )
 

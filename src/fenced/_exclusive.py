@@ -120,16 +120,29 @@ def exclusive(
         namer = Namer(name, inspect.signature(fn), where)
         extra = {"function": f"{fn.__module__}.{fn.__qualname__}"}
 
+        def named(args: Any, kwargs: Any) -> tuple[str, dict[str, Any]]:
+            # The template and its values go in the run records, as Celery tasks' do: the
+            # doctor's naming checks read them.
+            name, shown = namer(args, kwargs)
+            if namer.template is None or shown is None:
+                return name, extra
+            call_extra = {**extra, "template": namer.template, "args": shown}
+            readable = namer.readable(args, kwargs, shown)
+            if readable:
+                call_extra["arg_text"] = readable
+            return name, call_extra
+
         def guard_for(args: Any, kwargs: Any) -> Guard:
             assert client is not None
+            name, call_extra = named(args, kwargs)
             claim = Claim(
                 client(),
-                namer(args, kwargs)[0],
+                name,
                 ttl=ttl,
                 refresh_every=refresh_every,
                 namespace=namespace,
                 records=records,
-                record_extra=extra,
+                record_extra=call_extra,
                 replicas=replicas,
                 replica_timeout=replica_timeout,
             )
@@ -140,14 +153,15 @@ def exclusive(
 
             @functools.wraps(fn)
             async def aio_wrapper(*args: Any, **kwargs: Any) -> Any:
+                name, call_extra = named(args, kwargs)
                 claim = aio.Claim(
                     async_client(),
-                    namer(args, kwargs)[0],
+                    name,
                     ttl=ttl,
                     refresh_every=refresh_every,
                     namespace=namespace,
                     records=records,
-                    record_extra=extra,
+                    record_extra=call_extra,
                 )
                 claim._what = "the function"
                 wait = on_busy == "wait"

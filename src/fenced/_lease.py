@@ -57,10 +57,18 @@ __all__ = [
     "reachable",
     "read_holder",
     "released",
+    "why_unreachable",
 ]
 
 #: Errors that mean "the store could not be reached" (the request may not have landed).
-UNREACHABLE: tuple[type[BaseException], ...] = (redis.ConnectionError, redis.TimeoutError, OSError)
+#: An answer that is not in the Redis protocol (another service on that port) is one
+#: of them: no Redis heard the request.
+UNREACHABLE: tuple[type[BaseException], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    OSError,
+    redis.exceptions.InvalidResponse,
+)
 #: Run records kept per claim (the stream is trimmed approximately).
 MAX_RECORDS = 1000
 #: How long the lasting keys of a name nobody uses (fence, run records, skip count,
@@ -306,6 +314,16 @@ def check_idle_ttl(idle_ttl: Any, ttl: float, name: str = "idle_ttl") -> int:
 # -- reaching the store -----------------------------------------------------------------
 
 
+def why_unreachable(exc: BaseException) -> str:
+    """Why a store was not reached, for a message: the error, or what a non-Redis answer means."""
+    if isinstance(exc, redis.exceptions.InvalidResponse):
+        return (
+            f"something answered, but not in the Redis protocol ({exc}); is another "
+            "service listening at that address? Check the host and port"
+        )
+    return str(exc)
+
+
 @contextmanager
 def reachable(client: Any, doing: str, name: str | None = None, **context: Any) -> Iterator[None]:
     """Turn "Redis could not be reached" into ClaimUnavailable, the one place that does."""
@@ -313,7 +331,7 @@ def reachable(client: Any, doing: str, name: str | None = None, **context: Any) 
         yield
     except UNREACHABLE as exc:
         raise ClaimUnavailable(
-            f"cannot reach Redis at {describe_client(client)} to {doing} ({exc})",
+            f"cannot reach Redis at {describe_client(client)} to {doing} ({why_unreachable(exc)})",
             name=name,
             **context,
         ) from exc

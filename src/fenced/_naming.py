@@ -14,12 +14,17 @@ passed back (``read_holder``, ``fenced release``, run records, pointers).
 
 from __future__ import annotations
 
+import datetime
+import decimal
+import enum
 import hashlib
 import inspect
 import re
 import string
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from ._errors import ConfigError
 
@@ -28,6 +33,7 @@ __all__ = [
     "check_fields",
     "claim_name",
     "hash_value",
+    "preview",
     "render",
     "template_fields",
     "validate_name",
@@ -49,7 +55,65 @@ def hash_value(value: str | bytes) -> str:
     return HASH_PREFIX + hashlib.blake2b(data, digest_size=20).hexdigest()
 
 
-def render_value(value: Any) -> str:
+#: What a template value may be; anything else has no text that is the same in every process.
+PLAIN_VALUES = (
+    "str, int, float, bool, None, bytes, an Enum member, a date, time, datetime, "
+    "timedelta, UUID or Decimal, and lists, tuples and dicts of these"
+)
+_SCALARS = (
+    str,
+    int,
+    float,
+    bytes,
+    type(None),
+    datetime.date,
+    datetime.time,
+    datetime.timedelta,
+    uuid.UUID,
+    decimal.Decimal,
+)
+
+
+class _NotPlain(Exception):
+    def __init__(self, value: object) -> None:
+        super().__init__(value)
+        self.value = value
+
+
+def _hint(value: object) -> str:
+    if isinstance(value, (set, frozenset)):
+        return "pass sorted(...) of it"
+    if isinstance(value, Mapping):
+        return "pass dict(...) of it"
+    if isinstance(value, (list, tuple)):
+        return "pass list(...) or tuple(...) of it"
+    return (
+        "pass the plain values that name the resource (an id, a path), "
+        "or name the claim with a callable"
+    )
+
+
+def _canonical(value: object) -> object:
+    """The value with every dict's items in one order; _NotPlain when not a plain value."""
+    if isinstance(value, enum.Enum):
+        _canonical(value.value)  # its text shows its value
+        return value
+    if isinstance(value, _SCALARS):
+        return value
+    # Exact types only: a subclass's text is its own (a defaultdict shows its factory).
+    if isinstance(value, list) and type(value) is list:
+        return [_canonical(v) for v in value]
+    if isinstance(value, tuple) and type(value) is tuple:
+        return tuple(_canonical(v) for v in value)
+    if isinstance(value, dict) and type(value) is dict:
+        items = [(_canonical(k), _canonical(v)) for k, v in value.items()]
+        # Keys of mixed types do not compare; their type and text always do.
+        items.sort(key=lambda kv: (type(kv[0]).__name__, repr(kv[0])))
+        return dict(items)
+    raise _NotPlain(value)
+
+
+def render_value(value: Any, field: str | None = None) -> str:
     """Canonical text of one template value; hashed when long or unsafe."""
     if isinstance(value, bool) or value is None:
         text = repr(value)
@@ -58,13 +122,66 @@ def render_value(value: Any) -> str:
     elif isinstance(value, bytes):
         return hash_value(b"bytes:" + value)
     else:
-        text = f"{type(value).__qualname__}:{value!r}"
+        try:
+            canonical = _canonical(value)
+        except _NotPlain as exc:
+            bad = exc.value
+            where = f"{{{field}}}" if field else "a claim template value"
+            inner = "" if bad is value else f" holding a {type(bad).__qualname__}"
+            raise ConfigError(
+                f"{where} is a {type(value).__qualname__}{inner}, which has no text that "
+                f"stays the same from one process to the next, so it cannot name a claim; "
+                f"template values may be {PLAIN_VALUES}: {_hint(bad)}"
+            ) from None
+        # Lists and tuples of plain values keep the digest they always had; a dict's
+        # digest no longer depends on the order its items were inserted in.
+        text = f"{type(value).__qualname__}:{canonical!r}"
         return hash_value(text)
     # A value that already looks like a digest is hashed too, so "h1-..." typed by a
     # user can never collide with the digest of some other value.
     if _SAFE_VALUE.fullmatch(text) and not text.startswith(HASH_PREFIX):
         return text
     return hash_value(text)
+
+
+#: Longest readable form a run record keeps of a hashed value.
+PREVIEW_CHARS = 40
+# One long run of token characters, no spaces: an API key or a password looks like this.
+_TOKEN = re.compile(r"[A-Za-z0-9+/=_\-.~]{20,}")
+
+
+def _cut(text: str, limit: int = PREVIEW_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def preview(value: Any) -> str:
+    """A short readable form of a value that a name shows only as a digest.
+
+    Run records keep it beside the digest, so an operator sees what a run was about.
+    It leaves out what may be secret: a URL keeps its scheme, host and path (no user,
+    password, query or fragment); a string that is one long token is shown by its length
+    only; bytes by their size; a mapping by its keys.
+    """
+    if isinstance(value, str):
+        if "://" in value:
+            try:
+                parts = urlsplit(value)
+                host = parts.hostname or ""
+                port = f":{parts.port}" if parts.port else ""
+            except ValueError:
+                return f"<a URL, {len(value)} characters>"
+            more = "?…" if parts.query or parts.fragment else ""
+            return _cut(f"{parts.scheme}://{host}{port}{parts.path}{more}")
+        if _TOKEN.fullmatch(value):
+            return f"<a token, {len(value)} characters>"
+        return _cut(value)
+    if isinstance(value, bytes):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, dict):
+        return _cut(f"<dict of {', '.join(map(str, value))}>")
+    if isinstance(value, (list, tuple)):
+        return f"<{type(value).__name__} of {len(value)}>"
+    return _cut(str(value))
 
 
 def template_fields(template: str) -> list[str]:
@@ -115,7 +232,7 @@ def claim_name(template: str, /, **values: Any) -> str:
 
 def render(template: str, values: Mapping[str, Any]) -> tuple[str, dict[str, str]]:
     """The claim name for a template's values, and each value as the name shows it."""
-    rendered = {f: render_value(v) for f, v in values.items()}
+    rendered = {f: render_value(v, f) for f, v in values.items()}
     return validate_name(template.format(**rendered)), rendered
 
 
@@ -209,6 +326,16 @@ class Namer:
             return validate_name(name), None
         assert self.template is not None
         return render(self.template, self.values(args, kwargs))
+
+    def readable(
+        self, args: Sequence[Any], kwargs: Mapping[str, Any], shown: Mapping[str, str]
+    ) -> dict[str, str]:
+        """Beside each value ``shown`` as a digest, its :func:`preview` (for run records)."""
+        hashed = [f for f, v in shown.items() if v.startswith(HASH_PREFIX)]
+        if not hashed:
+            return {}
+        values = self.values(args, kwargs)
+        return {f: preview(values[f]) for f in hashed}
 
     def values(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """The template fields' values in one call's arguments (defaults applied)."""

@@ -6,13 +6,30 @@ import time
 from typing import Any
 
 from rich import box
+from rich.console import Group
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
 from ._inspect import ClaimInfo, ClaimReport
 from ._lease import Holder
 
-__all__ = ["claims_table", "duration", "holder_text", "report_table", "when"]
+__all__ = [
+    "WIDE",
+    "claims_list",
+    "claims_table",
+    "duration",
+    "holder_text",
+    "report_list",
+    "report_table",
+    "when",
+]
+
+#: Terminals narrower than this get one stacked block per record instead of a table
+#: (a table of 7 columns leaves a few characters to its widest one at 80 columns).
+WIDE = 120
+#: Characters of a task id the stacked views show (``--json`` and ``--wide``: all).
+SHORT_ID = 8
 
 STYLES = {
     "ok": "green",
@@ -47,11 +64,15 @@ def when(at: float | None) -> str:
     return time.strftime("%m-%d %H:%M:%S", time.localtime(at))
 
 
-def holder_text(holder: Holder) -> str:
-    """host pid N [task T], without the time left."""
+def _short(text: str, keep: int = SHORT_ID) -> str:
+    return text if len(text) <= keep + 1 else text[:keep] + "…"
+
+
+def holder_text(holder: Holder, *, short: bool = False) -> str:
+    """host pid N [task T], without the time left; ``short``: the task id's head."""
     who = f"{holder.host} pid {holder.pid if holder.pid is not None else '?'}"
     if holder.task_id:
-        who += f" task {holder.task_id}"
+        who += f" task {_short(holder.task_id) if short else holder.task_id}"
     return who
 
 
@@ -82,6 +103,18 @@ def claims_table(infos: list[ClaimInfo], title: str) -> Table:
     return table
 
 
+def _args(args: Any, readable: Any) -> str:
+    """A run's template values; a hashed one as its readable form and the digest's head."""
+    if not isinstance(args, dict):
+        return f"args={args}"
+    texts = readable if isinstance(readable, dict) else {}
+    shown = []
+    for key, value in args.items():
+        text = texts.get(key)
+        shown.append(f"{key}={text} ({_short(str(value), 11)})" if text else f"{key}={value}")
+    return ", ".join(shown)
+
+
 def _detail(run: Any) -> str:
     parts = []
     if run.reason:
@@ -93,19 +126,78 @@ def _detail(run: Any) -> str:
         parts.append(f"by {extra.pop('by')}")
     if extra.get("command"):
         parts.append(f"$ {extra.pop('command')}")
+    readable = extra.pop("arg_text", None)
+    if "args" in extra:
+        parts.append(_args(extra.pop("args"), readable))
     parts += [f"{k}={v}" for k, v in extra.items()]
     return "; ".join(parts)
 
 
+def _line(*cells: str | Text) -> Text:
+    """One line of a stacked view: cells two spaces apart, cut at the terminal's edge."""
+    line = Text(no_wrap=True, overflow="ellipsis")
+    for cell in cells:
+        if cell:
+            if line:
+                line.append("  ")
+            line.append(cell)
+    return line
+
+
+def claims_list(infos: list[ClaimInfo], title: str) -> Group:
+    """The ``ls`` view for a narrow terminal: each claim's name and fence, then the rest."""
+    blocks: list[Any] = [Text(title)]
+    for info in infos:
+        left = duration(info.expires_in) if info.expires_in is not None else "no ttl"
+        head = Text(info.name, style="bold", overflow="fold")
+        head.append(f"  fence {info.fence if info.fence is not None else '?'}", style="dim")
+        blocks.append(head)
+        blocks.append(
+            Padding(
+                _line(
+                    Text("last ").append_text(_outcome(info.last_outcome)),
+                    Text(f"skips {info.skips}", style="yellow" if info.skips else ""),
+                    f"age {duration(info.age)}",
+                    f"left {left}",
+                    holder_text(info.holder, short=True),
+                ),
+                (0, 0, 0, 2),
+            )
+        )
+    return Group(*blocks)
+
+
+def _title(report: ClaimReport, *, short: bool = False) -> str:
+    if report.holder is None:
+        return f"{report.name}: not held"
+    h = report.holder
+    left = duration(h.expires_in) if h.expires_in is not None else "no ttl"
+    return f"{report.name}: held by {holder_text(h, short=short)}, fence {h.fence}, {left} left"
+
+
+def report_list(report: ClaimReport) -> Group:
+    """The ``show`` view for a narrow terminal: a line per run, its details below it."""
+    blocks: list[Any] = [Text(_title(report, short=True), overflow="fold"), Text("")]
+    for run in report.runs:
+        blocks.append(
+            _line(
+                when(run.started if run.started is not None else run.finished),
+                _outcome(run.outcome),
+                duration(run.duration) if run.duration is not None else "",
+                f"fence {run.fence}" if run.fence is not None else "",
+                run.worker or "",
+                f"task {_short(run.task_id)}" if run.task_id else "",
+            )
+        )
+        detail = _detail(run)
+        if detail:
+            blocks.append(Padding(Text(detail, overflow="fold"), (0, 0, 0, 4)))
+    return Group(*blocks)
+
+
 def report_table(report: ClaimReport) -> Table:
     """The ``show`` table: a claim's runs, newest first."""
-    if report.holder is not None:
-        h = report.holder
-        left = duration(h.expires_in) if h.expires_in is not None else "no ttl"
-        title = f"{report.name}: held by {holder_text(h)}, fence {h.fence}, {left} left"
-    else:
-        title = f"{report.name}: not held"
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
+    table = Table(title=_title(report), title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
     table.add_column("started", no_wrap=True)
     table.add_column("outcome", no_wrap=True)
     table.add_column("took", justify="right", no_wrap=True)

@@ -67,12 +67,12 @@ def _client(url: str | None) -> Any:
 def _talking_to(client: Any) -> Iterator[None]:
     """Turn an unreachable Redis and bad input into one-line messages and exit codes."""
     from . import ClaimUnavailable, ConfigError
-    from ._lease import UNREACHABLE, describe_client
+    from ._lease import UNREACHABLE, describe_client, why_unreachable
 
     try:
         yield
     except UNREACHABLE as exc:
-        _err(f"fenced: cannot reach Redis at {describe_client(client)}: {exc}")
+        _err(f"fenced: cannot reach Redis at {describe_client(client)}: {why_unreachable(exc)}")
         raise SystemExit(EXIT_UNAVAILABLE) from None
     except ClaimUnavailable as exc:
         _err(f"fenced: {exc}")
@@ -103,6 +103,14 @@ if app is not None:
     ]
     NamespaceOpt = Annotated[str, typer.Option("--namespace", help="Key prefix of the claims.")]
     JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+    WideOpt = Annotated[
+        bool,
+        typer.Option(
+            "--wide",
+            help="One table row per record, as wide as it needs (narrower terminals "
+            "than 120 columns get a line or two per record; --json has every value).",
+        ),
+    ]
     NameArg = Annotated[
         str, typer.Argument(metavar="NAME", help="Claim name: the resource two runs collide on.")
     ]
@@ -311,6 +319,7 @@ if app is not None:
         interval: Annotated[
             float, typer.Option(min=0.1, help="Seconds between draws with --watch.")
         ] = 1.0,
+        wide: WideOpt = False,
     ) -> None:
         """List every held claim: holder, age, time left, fence, skips, last outcome."""
         from ._inspect import list_claims
@@ -322,43 +331,55 @@ if app is not None:
             if as_json:
                 _print_json([i.as_dict() for i in infos])
             else:
-                _console().print(_ls_view(infos, namespace))
+                console = _console(wide)
+                console.print(_ls_view(infos, namespace, console))
             return
-        _watch(lambda: list_claims(client, namespace), namespace, as_json, interval)
+        _watch(lambda: list_claims(client, namespace), namespace, as_json, interval, wide)
 
-    def _console() -> Console:
+    def _console(wide: bool = False) -> Console:
+        from ._views import WIDE
+
         # Names, commands and reasons are data: never read them as markup or emoji codes.
-        return Console(markup=False, emoji=False, highlight=False)
+        console = Console(markup=False, emoji=False, highlight=False)
+        if wide and console.width < WIDE:
+            console = Console(markup=False, emoji=False, highlight=False, width=2 * WIDE)
+        return console
 
-    def _ls_view(infos: list[Any], namespace: str) -> Any:
+    def _ls_view(infos: list[Any], namespace: str, console: Console) -> Any:
         from rich.text import Text
 
-        from ._views import claims_table
+        from ._views import WIDE, claims_list, claims_table
 
         if not infos:
             return Text(f"no claims held in namespace {namespace!r}")
-        return claims_table(infos, f"{len(infos)} held in namespace {namespace!r}")
+        title = f"{len(infos)} held in namespace {namespace!r}"
+        if console.width < WIDE:
+            return claims_list(infos, title)
+        return claims_table(infos, title)
 
-    def _watch(read: Callable[[], list[Any]], namespace: str, as_json: bool, every: float) -> None:
+    def _watch(
+        read: Callable[[], list[Any]], namespace: str, as_json: bool, every: float, wide: bool
+    ) -> None:
         from rich.live import Live
         from rich.text import Text
 
-        from ._lease import UNREACHABLE
+        from ._lease import UNREACHABLE, why_unreachable
 
         def view() -> Any:
             try:
                 infos = read()
             except UNREACHABLE as exc:
                 # Watching outlives a Redis restart: say so and look again.
-                return Text(f"cannot reach Redis: {exc}", style="red")
-            return [i.as_dict() for i in infos] if as_json else _ls_view(infos, namespace)
+                return Text(f"cannot reach Redis: {why_unreachable(exc)}", style="red")
+            return [i.as_dict() for i in infos] if as_json else _ls_view(infos, namespace, console)
 
+        console = _console(wide)
         try:
             if as_json:
                 while True:  # one JSON document per line and draw
                     print(json.dumps(view(), default=str), flush=True)
                     time.sleep(every)
-            with Live(view(), console=_console(), auto_refresh=False) as live:
+            with Live(view(), console=console, auto_refresh=False) as live:
                 while True:
                     time.sleep(every)
                     live.update(view(), refresh=True)
@@ -372,10 +393,11 @@ if app is not None:
         redis_url: RedisOpt = None,
         namespace: NamespaceOpt = "fenced",
         as_json: JsonOpt = False,
+        wide: WideOpt = False,
     ) -> None:
         """Show a claim's holder and its run records, newest first."""
         from ._inspect import show_claim
-        from ._views import report_table
+        from ._views import WIDE, report_list, report_table
 
         client = _client(redis_url)
         with _talking_to(client):
@@ -383,8 +405,8 @@ if app is not None:
         if as_json:
             _print_json(report.as_dict())
             return
-        console = _console()
-        console.print(report_table(report))
+        console = _console(wide)
+        console.print(report_table(report) if console.width >= WIDE else report_list(report))
         if not report.runs:
             console.print(
                 "no run records (fenced run records every run; in Python: Claim(records=True))"

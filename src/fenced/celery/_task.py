@@ -275,6 +275,9 @@ class ClaimedTask(Task[Any, Any]):
         extra: dict[str, Any] = {"task": self.name, "template": namer.label}
         if shown is not None:
             extra["args"] = shown
+            readable = namer.readable(args, kwargs, shown)
+            if readable:
+                extra["arg_text"] = readable
         if request.hostname:
             extra["worker"] = request.hostname
         interrupter = (

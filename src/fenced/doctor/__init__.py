@@ -23,7 +23,7 @@ from typing import Any
 
 from ._celery import DEFAULT_VISIBILITY_TIMEOUT, check_celery, lock_store_url
 from ._finding import Finding, Report, Severity, format_text, render
-from ._naming import CONTENDED_OUTCOMES, check_naming, load_records
+from ._naming import CONTENDED_OUTCOMES, check_naming, load_records, name_shape
 from ._redis import MIN_REDIS, check_redis, version_findings
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "format_text",
     "load_records",
     "lock_store_url",
+    "name_shape",
     "render",
     "run_doctor",
     "version_findings",

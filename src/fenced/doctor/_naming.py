@@ -15,7 +15,7 @@ from .._nodes import scan_keys
 from ..records import OUTCOMES, history
 from ._finding import Finding
 
-__all__ = ["CONTENDED_OUTCOMES", "check_naming", "load_records"]
+__all__ = ["CONTENDED_OUTCOMES", "check_naming", "load_records", "name_shape"]
 
 #: Run-record outcomes that mean a run found the claim held by another: ``skipped`` is
 #: written whatever the caller does next (skip, retry later, ask for a rerun, raise).
@@ -65,23 +65,34 @@ def check_naming(
     """Flag claim names too fine to protect anything, and too coarse to run in parallel.
 
     Each record has ``name``, ``template`` (or None), ``args`` (a dict of argument
-    values, or a digest) and ``outcome``. Too fine: a template with at least
-    ``min_runs`` runs whose names are more than ``unique_ratio`` unique. Too coarse:
-    at least ``min_arg_sets`` different argument sets skipped on one name (a contended
-    outcome, :data:`CONTENDED_OUTCOMES`),
-    leaving out the template's fields and arguments that differ on nearly every one of
-    ``min_runs`` or more runs (dates, request ids: parameters of a run, not resources).
+    values, or a digest), ``outcome`` and, where known, ``source`` (the task, function
+    or command). Too fine: a template with at least ``min_runs`` runs whose names are
+    more than ``unique_ratio`` unique; for records without a template (``fenced run``,
+    callable names), the names of one shape (:func:`name_shape`) alike. Too coarse: at
+    least ``min_arg_sets`` different argument sets skipped on one name (a contended
+    outcome, :data:`CONTENDED_OUTCOMES`), leaving out the template's fields and
+    arguments that differ on nearly every one of ``min_runs`` or more runs (dates,
+    request ids: parameters of a run, not resources).
     """
     by_template: dict[str, list[Record]] = defaultdict(list)
+    by_shape: dict[str, list[Record]] = defaultdict(list)
     by_name: dict[str, list[Record]] = defaultdict(list)
     for rec in records:
         if rec.get("template"):
             by_template[str(rec["template"])].append(rec)
+        elif rec.get("name"):
+            # fenced run, @exclusive, a callable name: no template, but the name itself
+            # shows a timestamp or a unique id in it.
+            shape = name_shape(str(rec["name"]))
+            if shape is not None:
+                by_shape[shape].append(rec)
         if rec.get("name"):
             by_name[str(rec["name"])].append(rec)
     found: list[Finding] = []
     for template, runs in sorted(by_template.items()):
         found += _too_fine(template, runs, min_runs, unique_ratio)
+    for shape, runs in sorted(by_shape.items()):
+        found += _too_fine_names(shape, runs, min_runs, unique_ratio)
     for name, runs in sorted(by_name.items()):
         found += _too_coarse(name, runs, min_runs, unique_ratio, min_arg_sets)
     return found
@@ -117,6 +128,69 @@ def _too_fine(template: str, runs: list[Record], min_runs: int, ratio: float) ->
             "proceed together while it looks like locking works.",
             fix + ".",
             subject=template,
+        )
+    ]
+
+
+# A digest in a name (h1-..., a hashed value) is a value, not a time: left as it is.
+_DIGEST_PART = re.compile(r"h1-[0-9a-f]{40}")
+# Parts of a name that change on every run: a UUID, an ISO date (and time), a run of 8
+# or more digits (a date as 20261201, epoch seconds, milli- or nanoseconds). Shorter
+# numbers ("tile:12:34", "user:4711") name resources and are left alone.
+_VOLATILE = re.compile(
+    r"(?P<id>[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12})"
+    r"|(?P<date>\d{4}-\d{2}-\d{2}(?:[T_.]\d{2}[:.]?\d{2}(?:[:.]?\d{2}(?:[.,]\d+)?)?Z?)?)"
+    r"|(?P<n>(?<![0-9A-Za-z])\d{8,}(?![0-9A-Za-z]))"
+)
+
+
+def name_shape(name: str) -> str | None:
+    """A template-less name with its timestamps and unique ids as fields, else None.
+
+    ``"nightly:1764558000123456789"`` has the shape ``"nightly:{n}"``; a name with no
+    such part (``"backup:db"``) has none.
+    """
+    pieces: list[str] = []
+    changed = False
+    at = 0
+    for digest in [*_DIGEST_PART.finditer(name), None]:
+        end = digest.start() if digest is not None else len(name)
+        part, n = _VOLATILE.subn(lambda m: "{" + str(m.lastgroup) + "}", name[at:end])
+        pieces.append(part)
+        changed = changed or n > 0
+        if digest is not None:
+            pieces.append(digest.group())
+            at = digest.end()
+    return "".join(pieces) if changed else None
+
+
+def _too_fine_names(shape: str, runs: list[Record], min_runs: int, ratio: float) -> list[Finding]:
+    names = [str(r.get("name")) for r in runs]
+    if len(runs) < min_runs or _unique_share(names) <= ratio:
+        return []
+    sources = sorted({str(r["source"]) for r in runs if r.get("source")})
+    by = f" (from {', '.join(sources[:3])}{', ...' if len(sources) > 3 else ''})"
+    fields = _fields_of(shape)
+    better = _without(shape, fields)
+    fix = (
+        "Name the claim for the resource two runs would collide on (usually the output "
+        "path), without timestamps or unique ids"
+    )
+    if better and better != shape and not _fields_of(better):
+        fix += f": e.g. {better!r}"
+    return [
+        Finding(
+            "warning",
+            "naming.too-fine",
+            f"Claim names like {names[-1]!r}{by if sources else ''} gave {len(set(names))} "
+            f"different names in {len(runs)} runs; the "
+            + "/".join("{" + f + "}" for f in fields)
+            + f" part of {shape!r} changes on every run",
+            "A timestamp or unique id in the key protects nothing: every run gets a claim "
+            "of its own, never contends with anything, and two runs on the same resource "
+            "proceed together while it looks like locking works.",
+            fix + ".",
+            subject=shape,
         )
     ]
 
@@ -200,12 +274,17 @@ def load_records(
             break
     for name in sorted(names):
         for rec in history(client, name, limit=per_claim, namespace=namespace):
-            found.append(
-                {
-                    "name": name,
-                    "template": rec.extra.get("template"),
-                    "args": rec.extra.get("args"),
-                    "outcome": rec.outcome,
-                }
-            )
+            loaded: dict[str, Any] = {
+                "name": name,
+                "template": rec.extra.get("template"),
+                "args": rec.extra.get("args"),
+                "outcome": rec.outcome,
+            }
+            # Which front end ran it: a Celery task, an @exclusive function, a command.
+            source = rec.extra.get("task") or rec.extra.get("function")
+            if not source and rec.extra.get("command"):
+                source = f"fenced run -- {rec.extra['command']}"
+            if source:
+                loaded["source"] = str(source)[:80]
+            found.append(loaded)
     return found

@@ -87,9 +87,16 @@ class ContentStore:
     """Immutable objects named by the SHA-256 of their bytes, under one root directory."""
 
     def __init__(self, root: str | os.PathLike[str], *, create: bool = False) -> None:
+        """Open the store at ``root``; ``create=True`` makes it, and checks it is writable."""
         self.root = Path(root).absolute()
+        if self.root.exists() and not self.root.is_dir():
+            raise ConfigError(
+                f"store root {self.root} is a file, not a directory: choose a directory "
+                "(or move the file away)"
+            )
         if create:
-            _durable.ensure_dir(self.root)
+            with _durable.writing(f"cannot create store root {self.root}", self.root):
+                _durable.ensure_dir(self.root)
         if not self.root.exists():
             raise ConfigError(
                 f"store root {self.root} does not exist: create it (mkdir -p {self.root}) "
@@ -97,6 +104,9 @@ class ContentStore:
             )
         if not self.root.is_dir():
             raise ConfigError(f"store root {self.root} is not a directory: choose a directory")
+        if create:
+            # A store made to be written to: say now, not at the first put, when it cannot be.
+            _durable.check_writable(self.root, f"store root {self.root}")
         self._real_root = self.root.resolve()
         self._tmp = self.root / TMP_DIR
 
@@ -210,6 +220,10 @@ class ContentStore:
         return Ref(digest, path, size)
 
     def _write(self, digest: str | None, chunks: Iterable[bytes]) -> Ref:
+        with _durable.writing(f"cannot store an object in {self.root}", self.root):
+            return self._write_here(digest, chunks)
+
+    def _write_here(self, digest: str | None, chunks: Iterable[bytes]) -> Ref:
         if not self._tmp.is_dir():
             _durable.ensure_dir(self._tmp)
         tmp = _durable.temp_name(self._tmp, (digest or "stream")[:16])

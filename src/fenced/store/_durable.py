@@ -7,14 +7,27 @@ directory is fsynced afterwards so the new name itself survives a power cut.
 
 from __future__ import annotations
 
+import errno
 import operator
 import os
 import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from .._errors import ConfigError
+from .._errors import ConfigError, StoreError
 
-__all__ = ["check_fence", "checkpoint", "ensure_dir", "fsync_dir", "temp_name", "write_atomic"]
+__all__ = [
+    "check_fence",
+    "check_writable",
+    "checkpoint",
+    "ensure_dir",
+    "fsync_dir",
+    "temp_name",
+    "writable_fix",
+    "write_atomic",
+    "writing",
+]
 
 #: Largest fence a signed 64-bit (BIGINT) column holds.
 MAX_FENCE = 2**63 - 1
@@ -102,3 +115,53 @@ def write_atomic(path: Path, data: bytes, *, mode: int = 0o644, point: str = "wr
         raise
     checkpoint(f"{point}:replaced")
     fsync_dir(path.parent)
+
+
+def writable_fix(path: Path, err: int | None) -> str:
+    """What to do so that files can be written in the directory ``path``."""
+    if err == errno.EROFS:
+        return f"{path} is on a read-only filesystem: choose a directory on a writable one"
+    if err in (errno.ENOSPC, errno.EDQUOT):
+        return f"the filesystem of {path} is full (or its quota is): free space, or choose another"
+    if err in (errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+        return (
+            "a file stands where a directory is needed (or the reverse): move it, "
+            "or choose another path"
+        )
+    if err == errno.ENOENT:
+        return f"{path} (or a directory in it) was removed: create it again"
+    if err in (errno.EACCES, errno.EPERM):
+        return (
+            f"let this user (uid {os.geteuid()}) write there (chmod u+w, or chown), "
+            "or choose another directory"
+        )
+    return f"check that {path} is a writable directory with free space"
+
+
+@contextmanager
+def writing(what: str, directory: Path) -> Iterator[None]:
+    """Turn an OSError of a write under ``directory`` into a StoreError naming the fix."""
+    try:
+        yield
+    except OSError as exc:
+        where = exc.filename or directory
+        raise StoreError(
+            f"{what}: cannot write {where} ({exc.strerror or exc}); "
+            f"{writable_fix(directory, exc.errno)}"
+        ) from exc
+
+
+def check_writable(directory: Path, what: str) -> None:
+    """StoreError naming the fix when files cannot be made in ``directory``."""
+    read_only = False
+    try:
+        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        pass
+    if read_only:
+        err: int | None = errno.EROFS
+    elif not os.access(directory, os.W_OK | os.X_OK):
+        err = errno.EACCES
+    else:
+        return
+    raise StoreError(f"{what} is not writable: {writable_fix(directory, err)}")

@@ -98,6 +98,14 @@ class FilePointer:
                 f"pointer {self.path} is a directory: a pointer is a file; name a file in it, "
                 f"e.g. {self.path / 'current'}"
             )
+        for parent in self.path.parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise ConfigError(
+                        f"pointer {self.path} cannot be made: {parent} is a file, not a "
+                        "directory; move the file away, or choose another pointer path"
+                    )
+                break
         if lock_timeout <= 0:
             raise ConfigError(f"lock_timeout={lock_timeout!r} must be a positive number")
         self.lock_timeout = float(lock_timeout)
@@ -187,6 +195,10 @@ class FilePointer:
         fence = _durable.check_fence(fence)
         entry = self._entry(target)
         entry["fence"] = fence
+        with _durable.writing(f"cannot swap pointer {self.path}", self.path.parent):
+            return self._swap(entry, fence)
+
+    def _swap(self, entry: dict[str, Any], fence: int) -> Published:
         _durable.ensure_dir(self.path.parent)
         with self._locked():
             _durable.checkpoint("swap:locked")
