@@ -147,7 +147,7 @@ if app is not None:
         celery_app: Annotated[
             str | None,
             typer.Option(
-                "--app", metavar="MODULE:ATTR", help="Celery app to check, as for celery -A."
+                "--app", metavar="APP", help="Celery app to check, named as for celery -A."
             ),
         ] = None,
         namespace: NamespaceOpt = "fenced",
@@ -189,7 +189,7 @@ if app is not None:
         elif os.environ.get("FENCED_REDIS_URL") or os.environ.get("FENCED_REDIS_CLIENT"):
             client = _client(None)
         else:
-            _err("fenced doctor: nothing to check: pass --redis URL and/or --app MODULE:ATTR")
+            _err("fenced doctor: nothing to check: pass --redis URL and/or --app APP")
             raise typer.Exit(EXIT_USAGE)
         report = run_doctor(client, app_obj, namespace=namespace)
         if as_json:
@@ -199,23 +199,49 @@ if app is not None:
         raise typer.Exit(report.exit_code)
 
     def _load_app(spec: str) -> Any:
-        """Import a Celery app the way ``celery -A`` does (the current directory first)."""
-        import importlib
+        """A Celery app found as ``celery -A`` finds it, with its task modules imported.
 
+        ``module``, ``module:attr``, ``module.attr``, a module's ``app`` or ``celery``
+        attribute, or a package's ``celery`` submodule (Celery's own ``find_app``, with
+        the current directory first); then the modules a worker imports at start
+        (``imports``, ``include`` and ``autodiscover_tasks()``, Django apps included),
+        so the doctor sees the tasks the workers run.
+        """
+        from celery import Celery
+        from celery.app.utils import find_app
+
+        # The project's own packages (autodiscovered task modules too) come from here.
         sys.path.insert(0, os.getcwd())
-        module_name, _, attr = spec.partition(":")
         try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            _err(f"fenced doctor: cannot import {module_name!r}: {exc}; check --app")
+            found = find_app(spec)
+        except ModuleNotFoundError as exc:
+            _err(f"fenced doctor: cannot import {exc.name!r} (--app {spec}): {exc}; check --app")
             raise typer.Exit(EXIT_USAGE) from None
-        if attr:
-            found = getattr(module, attr, None)
-        else:
-            found = getattr(module, "app", None) or getattr(module, "celery", None)
-        if found is None:
-            _err(f"fenced doctor: {spec!r} names no Celery app; use --app module:attribute")
+        except AttributeError as exc:
+            _err(
+                f"fenced doctor: {spec!r} names no Celery app ({exc}); use --app module, "
+                "module:attribute or package (with a celery submodule), as for celery -A"
+            )
+            raise typer.Exit(EXIT_USAGE) from None
+        except Exception as exc:
+            _err(f"fenced doctor: importing --app {spec} failed: {type(exc).__name__}: {exc}")
+            raise typer.Exit(EXIT_USAGE) from None
+        if not isinstance(found, Celery):
+            _err(
+                f"fenced doctor: --app {spec} is a {type(found).__name__}, not a Celery app; "
+                "name the app itself, e.g. --app proj.celery:app"
+            )
             raise typer.Exit(EXIT_USAGE)
+        try:
+            # What a worker does at start: the import_modules signal runs the lazy
+            # autodiscover_tasks() (and the Django fixup's setup) before the modules load.
+            found.loader.import_default_modules()
+        except Exception as exc:
+            _err(
+                f"fenced doctor: importing the task modules of --app {spec} failed: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            raise typer.Exit(EXIT_USAGE) from None
         return found
 
     @app.command()
