@@ -382,3 +382,29 @@ def test_release_of_a_running_command_stops_it_and_both_are_recorded(
     runs = json.loads(fenced(url, "show", "job:rel", "--json").stdout)["runs"]
     assert [run["outcome"] for run in runs] == ["released", "lost"]
     assert runs[0]["reason"] == "hung"
+
+
+def test_release_takes_the_token_ls_json_prints_and_a_refusal_names_the_holder(
+    url: str, r: Any
+) -> None:
+    claim = held(r, "stale:tok", task_id="t-9")
+    (info,) = json.loads(fenced(url, "ls", "--json").stdout)
+    shown = info["holder"]["token"]
+    assert claim.token and claim.token.startswith(shown) and shown != claim.token
+    refused = fenced(
+        url, "release", "stale:tok", "--force", "--reason", "x", "--token", "0000", "--json"
+    )
+    assert refused.returncode == 1
+    answer = json.loads(refused.stdout)
+    assert answer["released"] is False
+    assert answer["holder"]["token"] == shown and answer["holder"]["task_id"] == "t-9"
+    assert r.exists(ClaimKeys.of("stale:tok").lock)
+    empty = fenced(url, "release", "stale:tok", "--force", "--reason", "x", "--token", "…")
+    assert empty.returncode == 2 and "names no prefix" in empty.stderr
+    assert r.exists(ClaimKeys.of("stale:tok").lock)  # not taken as "any holder"
+    res = fenced(
+        url, "release", "stale:tok", "--force", "--reason", "x", "--token", shown, "--json"
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["released"] is True
+    assert not r.exists(ClaimKeys.of("stale:tok").lock)

@@ -426,7 +426,11 @@ if app is not None:
             str | None, typer.Option(metavar="TEXT", help="Why; kept in the run records.")
         ] = None,
         token: Annotated[
-            str, typer.Option(metavar="PREFIX", help="Only if the holder's token starts so.")
+            str,
+            typer.Option(
+                metavar="PREFIX",
+                help="Only if the holder's token starts so (the token fenced ls --json prints).",
+            ),
         ] = "",
         redis_url: RedisOpt = None,
         namespace: NamespaceOpt = "fenced",
@@ -464,6 +468,15 @@ if app is not None:
         if not reason or not reason.strip():
             _err("fenced: add --reason TEXT: the run records keep why a claim was cleared")
             raise typer.Exit(EXIT_USAGE)
+        # Earlier versions printed the prefix with an ellipsis: take that text back too.
+        prefix = token.strip().rstrip("…")
+        if token and not prefix:
+            # "" means any holder: a --token that says nothing must not come to mean that.
+            _err(
+                f"fenced: --token {token!r} names no prefix; give the token fenced ls --json prints"
+            )
+            raise typer.Exit(EXIT_USAGE)
+        token = prefix
         by = operator()
         with _talking_to(client):
             holder = force_release(
@@ -472,10 +485,12 @@ if app is not None:
             current = (
                 read_holder(client, name, namespace=namespace) if holder is None and token else None
             )
+        # Refused: the holder named is the one that stays.
+        shown = holder or current
         result = {
             "name": name,
             "released": holder is not None,
-            "holder": holder.as_dict() if holder else None,
+            "holder": shown.as_dict() if shown else None,
             "by": by,
             "reason": reason,
         }
