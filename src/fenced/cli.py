@@ -18,7 +18,11 @@ except ImportError:  # pragma: no cover - exercised only without the extra
 
 from ._run import EXIT_UNAVAILABLE, EXIT_USAGE, ON_BUSY, ON_BUSY_ALIASES
 
-app = typer.Typer(no_args_is_help=True, add_completion=False) if typer else None
+app = (
+    typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
+    if typer
+    else None
+)
 
 #: Exit status when a command refuses to act (e.g. ``release`` without ``--force``).
 EXIT_REFUSED = 1
@@ -101,11 +105,48 @@ if app is not None:
             "--redis", metavar="URL", envvar="FENCED_REDIS_URL", help="Redis of the claims."
         ),
     ]
-    NamespaceOpt = Annotated[str, typer.Option("--namespace", help="Key prefix of the claims.")]
+
+    def _namespace(value: str) -> str:
+        """The rule a Claim applies (fenced._lease.check_namespace), as a usage error."""
+        from ._errors import ConfigError
+        from ._lease import check_namespace
+
+        try:
+            return check_namespace(value)
+        except ConfigError as exc:
+            raise typer.BadParameter(exc.message) from None
+
+    NamespaceOpt = Annotated[
+        str,
+        typer.Option(
+            "--namespace", metavar="NS", callback=_namespace, help="Key prefix of the claims."
+        ),
+    ]
     JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
     NameArg = Annotated[
         str, typer.Argument(metavar="NAME", help="Claim name: the resource two runs collide on.")
     ]
+
+    def _print_version(value: bool) -> None:
+        if value:
+            from . import __version__
+
+            print(__version__)
+            raise typer.Exit()
+
+    @app.callback()
+    def _fenced(
+        show_version: Annotated[
+            bool,
+            typer.Option(
+                "--version",
+                callback=_print_version,
+                is_eager=True,
+                help="Print the version and exit.",
+            ),
+        ] = False,
+    ) -> None:
+        """Exclusive Redis claims for cron commands and Celery tasks: run, list, release, check."""
 
     @app.command()
     def demo(
@@ -251,9 +292,46 @@ if app is not None:
 
         print(__version__)
 
+    from typer.core import TyperCommand
+
+    try:  # typer 0.2x parses with a click of its own: its exceptions are that click's
+        from typer._click.exceptions import NoSuchOption, UsageError
+    except ImportError:  # pragma: no cover - older typer, on click itself
+        from click.exceptions import NoSuchOption, UsageError  # type: ignore[assignment]
+
+    class _RunCommand(TyperCommand):
+        """``fenced run``: the mistakes of where ``--`` goes get a usage error that says so."""
+
+        def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+            if "--" in args:
+                before = args[: args.index("--")]
+                try:
+                    # Arguments are parsed into the values by name, as options are.
+                    values, _rest, _order = self.make_parser(ctx).parse_args(list(before))
+                    named = isinstance(values.get("name"), str)
+                except UsageError:
+                    named = True  # the full parse below names the mistake
+                if not named and "--help" not in before:
+                    raise UsageError(
+                        "a claim name is needed before '--': fenced run NAME -- CMD [ARGS]...",
+                        ctx,
+                    )
+            try:
+                return super().parse_args(ctx, args)
+            except NoSuchOption as exc:
+                if "--" not in args:
+                    # `fenced run NAME ls -la`: the command's options were read as ours.
+                    exc.message += (
+                        f"; if {exc.option_name} belongs to the command, put '--' before "
+                        "the command: fenced run NAME -- CMD [ARGS]..."
+                    )
+                raise
+
     @app.command(
         "run",
-        epilog="Example (crontab): */5 * * * * fenced run --quiet backup:db -- /opt/backup.sh",
+        cls=_RunCommand,
+        epilog="Example (crontab): */5 * * * * fenced run --redis redis://locks:6379/1 "
+        "--quiet backup:db -- /opt/backup.sh",
     )
     def run_cmd(
         name: NameArg,
@@ -263,7 +341,9 @@ if app is not None:
         ] = None,
         ttl: Annotated[
             float,
-            typer.Option(min=0.05, help="Lease in seconds; renewed every ttl/3 while it runs."),
+            typer.Option(
+                metavar="S", min=0.05, help="Lease in seconds; renewed every ttl/3 while it runs."
+            ),
         ] = 30.0,
         redis_url: RedisOpt = None,
         namespace: NamespaceOpt = "fenced",
@@ -291,6 +371,14 @@ if app is not None:
         replica_timeout: Annotated[
             float, typer.Option(metavar="S", help="How long to wait for --replicas.")
         ] = 1.0,
+        as_json: Annotated[
+            bool,
+            typer.Option(
+                "--json",
+                help="At the end, one JSON line on stdout: name, ran, outcome, reason, exit, "
+                "fence, holder.",
+            ),
+        ] = False,
     ) -> None:
         """Run a command while holding a claim: a distributed flock for cron.
 
@@ -324,8 +412,9 @@ if app is not None:
             replicas=replicas,
             replica_timeout=replica_timeout,
         )
+        on_result = (lambda result: print(json.dumps(result), flush=True)) if as_json else None
         with _talking_to(client):
-            code = run_command(client, opts)
+            code = run_command(client, opts, on_result=on_result)
         raise typer.Exit(code)
 
     @app.command("ls")
@@ -335,7 +424,7 @@ if app is not None:
         as_json: JsonOpt = False,
         watch: Annotated[bool, typer.Option("--watch", "-w", help="Redraw until Ctrl-C.")] = False,
         interval: Annotated[
-            float, typer.Option(min=0.1, help="Seconds between draws with --watch.")
+            float, typer.Option(metavar="S", min=0.1, help="Seconds between draws with --watch.")
         ] = 1.0,
     ) -> None:
         """List every held claim: holder, age, time left, fence, skips, last outcome."""
@@ -394,7 +483,9 @@ if app is not None:
     @app.command("show")
     def show_cmd(
         name: NameArg,
-        limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="Runs to show.")] = 20,
+        limit: Annotated[
+            int, typer.Option("--limit", "-n", metavar="N", min=1, help="Runs to show.")
+        ] = 20,
         redis_url: RedisOpt = None,
         namespace: NamespaceOpt = "fenced",
         as_json: JsonOpt = False,
