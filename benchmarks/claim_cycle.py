@@ -560,7 +560,9 @@ def render(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the report."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="about ten seconds instead of a minute")
+    ap.add_argument(
+        "--quick", action="store_true", help="about fifteen seconds instead of a minute"
+    )
     ap.add_argument("--rounds", type=int, help="interleaved rounds per contender")
     ap.add_argument("--seconds", type=float, help="length of one round")
     ap.add_argument("--held", type=int, default=10_000, help="claims held for the heartbeat cost")

@@ -229,7 +229,7 @@ def render(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the report."""
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="about five seconds")
+    ap.add_argument("--quick", action="store_true", help="a few seconds")
     ap.add_argument("--rounds", type=int, help="interleaved rounds per contender")
     ap.add_argument("--seconds", type=float, help="length of one round")
     ap.add_argument("--fresh", action="store_true", help="construct a new lock object per cycle")
