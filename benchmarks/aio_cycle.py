@@ -329,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
     print(json.dumps(result, indent=2) if args.json else render(result))
-    return 0
+    # A missed target is a failed run, for `make bench` and CI alike.
+    return 0 if all(t["met"] for t in result["targets"]) else 1
 
 
 if __name__ == "__main__":

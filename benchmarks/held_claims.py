@@ -281,7 +281,7 @@ def render(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the report; 1 when a check failed."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one phase per setup, about forty seconds")
+    ap.add_argument("--quick", action="store_true", help="one phase per setup, about half a minute")
     ap.add_argument("--claims", type=int, default=10_000, help="claims held at once")
     ap.add_argument("--phases", type=int, help="measured phases per setup (alternating)")
     ap.add_argument("--intervals", type=int, help="renewal intervals measured per phase")

@@ -453,3 +453,107 @@ def test_release_of_a_running_command_stops_it_and_both_are_recorded(
     runs = json.loads(fenced(url, "show", "job:rel", "--json").stdout)["runs"]
     assert [run["outcome"] for run in runs] == ["released", "lost"]
     assert runs[0]["reason"] == "hung"
+
+
+def test_release_takes_the_token_ls_json_prints_and_a_refusal_names_the_holder(
+    url: str, r: Any
+) -> None:
+    claim = held(r, "stale:tok", task_id="t-9")
+    (info,) = json.loads(fenced(url, "ls", "--json").stdout)
+    shown = info["holder"]["token"]
+    assert claim.token and claim.token.startswith(shown) and shown != claim.token
+    refused = fenced(
+        url, "release", "stale:tok", "--force", "--reason", "x", "--token", "0000", "--json"
+    )
+    assert refused.returncode == 1
+    answer = json.loads(refused.stdout)
+    assert answer["released"] is False
+    assert answer["holder"]["token"] == shown and answer["holder"]["task_id"] == "t-9"
+    assert r.exists(ClaimKeys.of("stale:tok").lock)
+    empty = fenced(url, "release", "stale:tok", "--force", "--reason", "x", "--token", "…")
+    assert empty.returncode == 2 and "names no prefix" in empty.stderr
+    assert r.exists(ClaimKeys.of("stale:tok").lock)  # not taken as "any holder"
+    res = fenced(
+        url, "release", "stale:tok", "--force", "--reason", "x", "--token", shown, "--json"
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["released"] is True
+    assert not r.exists(ClaimKeys.of("stale:tok").lock)
+
+
+def test_run_without_a_name_before_the_separator_is_a_usage_error(
+    url: str, r: Any, tmp_path: Path
+) -> None:
+    marker = tmp_path / "ran"
+    for args in (["--", "touch", str(marker)], ["--ttl", "5", "--", "touch", str(marker)]):
+        res = fenced(url, "run", *args)
+        assert res.returncode == 2, res.stdout + res.stderr
+        assert "a claim name is needed before '--'" in res.stderr
+    assert not marker.exists()
+    assert r.keys("*") == []  # no claim was taken under the command's name
+
+
+def test_run_with_command_options_and_no_separator_hints_at_it(url: str) -> None:
+    res = fenced(url, "run", "job:ls", "ls", "-la")
+    assert res.returncode == 2
+    assert "put '--' before the command" in res.stderr
+    assert "fenced run NAME -- CMD" in res.stderr
+
+
+def test_run_json_prints_one_line_of_what_happened(url: str, r: Any) -> None:
+    res = fenced(url, "run", "--json", "job:json", "--", "sh", "-c", "exit 3")
+    assert res.returncode == 3, res.stderr
+    ran = json.loads(res.stdout)
+    assert (ran["name"], ran["ran"], ran["outcome"], ran["exit"]) == (
+        "job:json", True, "failed", 3,
+    )  # fmt: skip
+    assert ran["reason"] == "exit status 3" and ran["fence"] > 0 and ran["holder"] is None
+    claim = held(r, "job:json", task_id="t-7")
+    res = fenced(url, "run", "--json", "--quiet", "job:json", "--", "true")
+    assert (res.returncode, res.stderr) == (0, "")
+    skipped = json.loads(res.stdout)
+    assert (skipped["ran"], skipped["outcome"], skipped["exit"]) == (False, "skipped", 0)
+    assert skipped["holder"]["task_id"] == "t-7"
+    assert claim.token and claim.token.startswith(skipped["holder"]["token"])
+    res = fenced(url, "run", "--json", "--on-busy", "raise", "job:json", "--", "true")
+    assert res.returncode == 75
+    assert json.loads(res.stdout)["outcome"] == "busy"
+
+
+def flat(text: str) -> str:
+    """Error text with the frame and line breaks of a boxed message taken out."""
+    return " ".join(text.replace("│", " ").split())
+
+
+def test_version_and_namespace_follow_one_rule(url: str) -> None:
+    from fenced import __version__
+
+    for args in (["--version"], ["version"]):
+        res = fenced(None, *args)
+        assert (res.returncode, res.stdout.strip()) == (0, __version__), res.stderr
+    top = fenced(None, "--help").stdout
+    assert "--version" in top
+    for sub in ("", "run", "ls", "show", "release", "doctor", "demo"):
+        text = fenced(None, *sub.split(), "--help").stdout
+        assert "Usage:" in text, sub
+        assert "<bool>" not in text and "--namespace <str>" not in text, text
+    for bad in ("", "a{b"):
+        for cmd in (["ls"], ["show", "x"], ["run", "x", "--", "true"]):
+            res = fenced(url, *cmd[:1], "--namespace", bad, *cmd[1:])
+            assert res.returncode == 2, (cmd, bad, res.stdout)
+            assert "non-empty prefix without braces" in flat(res.stderr), res.stderr
+
+
+def test_run_ttl_hints_name_only_options_the_command_has(url: str, tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    for ttl in ("inf", "1e400"):
+        res = fenced(url, "run", "--ttl", ttl, "job:ttl", "--", "touch", str(marker))
+        assert res.returncode == 2, res.stdout + res.stderr
+        text = flat(res.stderr)
+        assert "--ttl" in text and "e.g. --ttl 30" in text, text
+        for python_only in ("refresh_every", "idle_ttl", "records=", "ttl="):
+            assert python_only not in text, text
+    assert not marker.exists()
+    res = fenced(url, "run", "--ttl", "1e9", "job:ttl", "--", "touch", str(marker))
+    assert res.returncode == 0, res.stderr  # a long lease is a choice, not a mistake
+    assert marker.exists()

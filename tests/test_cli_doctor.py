@@ -131,3 +131,30 @@ def test_unimportable_app_names_the_fix(tmp_path: Path) -> None:
     res = doctor("--app", "no_such_module:app", cwd=tmp_path)
     assert res.returncode == 2
     assert "cannot import" in res.stderr
+
+
+DJANGOFEEDS = Path(__file__).resolve().parent.parent / "examples" / "djangofeeds"
+
+
+def test_app_is_found_as_celery_finds_it_with_autodiscovered_tasks(
+    own_server: RedisServer,
+) -> None:
+    # A Django project: the app lives in djangofeeds/celery.py and its one claimed task in
+    # feeds/tasks.py, which only autodiscovery (the Django app registry) imports.
+    for spec in ("djangofeeds", "djangofeeds.celery:app", "djangofeeds.celery"):
+        res = doctor("--app", spec, "--json", cwd=DJANGOFEEDS, lock_env=own_server.url)
+        assert res.returncode == 0, spec + res.stdout + res.stderr
+        findings = json.loads(res.stdout)["findings"]
+        found = {f["code"]: f for f in findings}
+        assert "celery.no-claimed-tasks" not in found, (spec, findings)
+        assert found["celery.claimed-tasks"]["subject"] == "feed.import", spec
+
+
+def test_app_module_without_an_app_names_the_forms(tmp_path: Path) -> None:
+    (tmp_path / "plain.py").write_text("VALUE = 1\n")
+    res = doctor("--app", "plain", cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "names no Celery app" in res.stderr and "celery -A" in res.stderr
+    res = doctor("--app", "plain:VALUE", cwd=tmp_path)
+    assert res.returncode == 2
+    assert "not a Celery app" in res.stderr

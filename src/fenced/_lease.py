@@ -154,8 +154,11 @@ class Holder:
 
 
 def short_token(token: str) -> str:
-    """A token as shown to people: the start of its random part only."""
-    return token.split(":", 1)[0][:8] + "…"
+    """A token as shown: the start of its random part only, a prefix of the token.
+
+    Printed as it is (no ellipsis), so that ``fenced release --token`` takes it back.
+    """
+    return token.split(":", 1)[0][:8]
 
 
 # -- the keys ---------------------------------------------------------------------------

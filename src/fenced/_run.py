@@ -38,6 +38,7 @@ command alone cannot give the terminal back, since the shell waits for the runne
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import signal
@@ -53,7 +54,7 @@ from typing import Any
 from ._claim import Claim
 from ._errors import ClaimHeld, ClaimUnavailable, ConfigError
 from ._guard import Guard, Skipped, check_on_busy
-from ._lease import check_replicas
+from ._lease import IDLE_TTL, check_replicas
 from ._watchdog import ENDED_AT_DEADLINE, Watchdog, dies_with_runner
 
 __all__ = [
@@ -115,6 +116,12 @@ class RunOptions:
         """Raise ConfigError for options that cannot work together."""
         if not self.argv:
             raise ConfigError("no command given: put it after '--', e.g. fenced run NAME -- CMD")
+        if not (isinstance(self.ttl, (int, float)) and 0 < self.ttl < math.inf):
+            # A lease must end by itself when its holder dies; renewals come every ttl/3.
+            raise ConfigError(
+                f"--ttl {self.ttl!r} must be a finite number of seconds above 0 (the lease "
+                "ends by itself this long after its holder dies), e.g. --ttl 30"
+            )
         self.on_busy = check_on_busy(
             self.on_busy, ON_BUSY, option="--on-busy", aliases=ON_BUSY_ALIASES
         )
@@ -171,6 +178,16 @@ class _Runner:
         # well before the margin ahead of the old deadline.
         self.poll = min(POLL, opts.ttl / 10)
         self.margin = min(WATCH_MARGIN, opts.ttl / 10)
+        #: What happened, for ``fenced run --json``: filled in as the run goes.
+        self.result: dict[str, Any] = {
+            "name": opts.name,
+            "ran": False,
+            "outcome": None,
+            "reason": None,
+            "exit": None,
+            "fence": None,
+            "holder": None,
+        }
         self.claim = Claim(
             client,
             opts.name,
@@ -178,6 +195,8 @@ class _Runner:
             namespace=opts.namespace,
             on_lost=lambda _claim: self.lost.set(),
             records=True,
+            # No option for it here: a long lease keeps its name's keys at least twice as long.
+            idle_ttl=max(IDLE_TTL, 2 * opts.ttl),
             record_extra={"command": shlex.join(opts.argv), **opts.extra},
             replicas=opts.replicas,
             replica_timeout=opts.replica_timeout,
@@ -240,28 +259,45 @@ class _Runner:
     # -- the run ----------------------------------------------------------------------
 
     def run(self) -> int:
+        code = self._run()
+        self.result["exit"] = code
+        return code
+
+    def _busy(self, outcome: str, reason: str) -> None:
+        holder = self.claim.holder
+        self.result.update(
+            outcome=outcome, reason=reason, holder=holder.as_dict() if holder else None
+        )
+
+    def _run(self) -> int:
         opts = self.opts
         guard = Guard(self.claim, opts.on_busy, opts.wait_timeout)
         try:
             skipped = guard.enter()
         except _Interrupted as stop:
             self.say(f"fenced: {_signame(stop.signum)} while waiting for {opts.name!r}; not run")
+            self.result.update(outcome="aborted", reason=f"{_signame(stop.signum)} while waiting")
             return 128 + stop.signum
         except ClaimUnavailable as exc:
             self.say(f"fenced: {exc}")
+            self.result.update(outcome="unavailable", reason=str(exc))
             return EXIT_UNAVAILABLE
         except ClaimHeld as busy:
             self.say(
                 f"fenced: gave up waiting: {busy}" if opts.on_busy == "wait" else f"fenced: {busy}"
             )
+            self._busy("busy", "gave up waiting" if opts.on_busy == "wait" else "already running")
             return EXIT_BUSY
         if skipped is not None:
+            self._busy("skipped", skipped.reason)
             return self._skipped(skipped)
+        self.result["fence"] = self.claim.fence
         outcome, reason, code = "failed", None, 1
         try:
             outcome, reason, code = self._run_child()
         finally:
             self.claim.release(outcome=outcome, reason=reason)
+            self.result.update(outcome=outcome, reason=reason)
         if self.claim.vanished and outcome == "ok":
             # It ended well, but the lease was gone (or unconfirmed) at the end: the
             # command may have run beside another.
@@ -269,6 +305,7 @@ class _Runner:
                 f"fenced: claim {opts.name!r} was not held when the command ended "
                 f"({self.claim.lost_reason})"
             )
+            self.result.update(outcome="lost", reason=self.claim.lost_reason)
             return EXIT_LOST
         return code
 
@@ -306,6 +343,7 @@ class _Runner:
             # fault, and not an unreachable Redis, which an OSError escaping would mean.
             self.say(f"fenced: cannot run {opts.argv[0]!r}: {exc.strerror or exc}")
             return "failed", f"command not executable: {opts.argv[0]}", EXIT_NOT_EXECUTABLE
+        self.result["ran"] = True
         self.watch.guard(self.proc.pid, self._watch_deadline())
         self.looked = time.monotonic()
         # Signals that came while the child was being started belong to it.
@@ -414,8 +452,15 @@ def run_command(
     *,
     say: Callable[[str], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    on_result: Callable[[dict[str, Any]], None] | None = None,
 ) -> int:
-    """Run ``opts.argv`` under the claim ``opts.name``; return the exit status to use."""
+    """Run ``opts.argv`` under the claim ``opts.name``; return the exit status to use.
+
+    ``on_result`` receives what happened, once it is over: ``name``, ``ran`` (the
+    command was started), ``outcome`` (``ok``, ``failed``, ``lost``, ``aborted``,
+    ``skipped``, ``busy`` or ``unavailable``), ``reason``, ``exit``, ``fence`` and
+    ``holder`` (the other holder, when busy).
+    """
     opts.check()
     if say is None:
         say = _stderr
@@ -427,10 +472,13 @@ def run_command(
             previous[sig] = signal.signal(sig, runner._on_signal)
         previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, runner._on_stop)
     try:
-        return runner.run()
+        code = runner.run()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    if on_result is not None:
+        on_result(runner.result)
+    return code
 
 
 def _stderr(line: str) -> None:

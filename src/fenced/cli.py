@@ -18,7 +18,11 @@ except ImportError:  # pragma: no cover - exercised only without the extra
 
 from ._run import EXIT_UNAVAILABLE, EXIT_USAGE, ON_BUSY, ON_BUSY_ALIASES
 
-app = typer.Typer(no_args_is_help=True, add_completion=False) if typer else None
+app = (
+    typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
+    if typer
+    else None
+)
 
 #: Exit status when a command refuses to act (e.g. ``release`` without ``--force``).
 EXIT_REFUSED = 1
@@ -101,7 +105,23 @@ if app is not None:
             "--redis", metavar="URL", envvar="FENCED_REDIS_URL", help="Redis of the claims."
         ),
     ]
-    NamespaceOpt = Annotated[str, typer.Option("--namespace", help="Key prefix of the claims.")]
+
+    def _namespace(value: str) -> str:
+        """The rule a Claim applies (fenced._lease.check_namespace), as a usage error."""
+        from ._errors import ConfigError
+        from ._lease import check_namespace
+
+        try:
+            return check_namespace(value)
+        except ConfigError as exc:
+            raise typer.BadParameter(exc.message) from None
+
+    NamespaceOpt = Annotated[
+        str,
+        typer.Option(
+            "--namespace", metavar="NS", callback=_namespace, help="Key prefix of the claims."
+        ),
+    ]
     JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
     WideOpt = Annotated[
         bool,
@@ -114,6 +134,27 @@ if app is not None:
     NameArg = Annotated[
         str, typer.Argument(metavar="NAME", help="Claim name: the resource two runs collide on.")
     ]
+
+    def _print_version(value: bool) -> None:
+        if value:
+            from . import __version__
+
+            print(__version__)
+            raise typer.Exit()
+
+    @app.callback()
+    def _fenced(
+        show_version: Annotated[
+            bool,
+            typer.Option(
+                "--version",
+                callback=_print_version,
+                is_eager=True,
+                help="Print the version and exit.",
+            ),
+        ] = False,
+    ) -> None:
+        """Exclusive Redis claims for cron commands and Celery tasks: run, list, release, check."""
 
     @app.command()
     def demo(
@@ -155,7 +196,7 @@ if app is not None:
         celery_app: Annotated[
             str | None,
             typer.Option(
-                "--app", metavar="MODULE:ATTR", help="Celery app to check, as for celery -A."
+                "--app", metavar="APP", help="Celery app to check, named as for celery -A."
             ),
         ] = None,
         namespace: NamespaceOpt = "fenced",
@@ -197,7 +238,7 @@ if app is not None:
         elif os.environ.get("FENCED_REDIS_URL") or os.environ.get("FENCED_REDIS_CLIENT"):
             client = _client(None)
         else:
-            _err("fenced doctor: nothing to check: pass --redis URL and/or --app MODULE:ATTR")
+            _err("fenced doctor: nothing to check: pass --redis URL and/or --app APP")
             raise typer.Exit(EXIT_USAGE)
         report = run_doctor(client, app_obj, namespace=namespace)
         if as_json:
@@ -207,23 +248,49 @@ if app is not None:
         raise typer.Exit(report.exit_code)
 
     def _load_app(spec: str) -> Any:
-        """Import a Celery app the way ``celery -A`` does (the current directory first)."""
-        import importlib
+        """A Celery app found as ``celery -A`` finds it, with its task modules imported.
 
+        ``module``, ``module:attr``, ``module.attr``, a module's ``app`` or ``celery``
+        attribute, or a package's ``celery`` submodule (Celery's own ``find_app``, with
+        the current directory first); then the modules a worker imports at start
+        (``imports``, ``include`` and ``autodiscover_tasks()``, Django apps included),
+        so the doctor sees the tasks the workers run.
+        """
+        from celery import Celery
+        from celery.app.utils import find_app
+
+        # The project's own packages (autodiscovered task modules too) come from here.
         sys.path.insert(0, os.getcwd())
-        module_name, _, attr = spec.partition(":")
         try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            _err(f"fenced doctor: cannot import {module_name!r}: {exc}; check --app")
+            found = find_app(spec)
+        except ModuleNotFoundError as exc:
+            _err(f"fenced doctor: cannot import {exc.name!r} (--app {spec}): {exc}; check --app")
             raise typer.Exit(EXIT_USAGE) from None
-        if attr:
-            found = getattr(module, attr, None)
-        else:
-            found = getattr(module, "app", None) or getattr(module, "celery", None)
-        if found is None:
-            _err(f"fenced doctor: {spec!r} names no Celery app; use --app module:attribute")
+        except AttributeError as exc:
+            _err(
+                f"fenced doctor: {spec!r} names no Celery app ({exc}); use --app module, "
+                "module:attribute or package (with a celery submodule), as for celery -A"
+            )
+            raise typer.Exit(EXIT_USAGE) from None
+        except Exception as exc:
+            _err(f"fenced doctor: importing --app {spec} failed: {type(exc).__name__}: {exc}")
+            raise typer.Exit(EXIT_USAGE) from None
+        if not isinstance(found, Celery):
+            _err(
+                f"fenced doctor: --app {spec} is a {type(found).__name__}, not a Celery app; "
+                "name the app itself, e.g. --app proj.celery:app"
+            )
             raise typer.Exit(EXIT_USAGE)
+        try:
+            # What a worker does at start: the import_modules signal runs the lazy
+            # autodiscover_tasks() (and the Django fixup's setup) before the modules load.
+            found.loader.import_default_modules()
+        except Exception as exc:
+            _err(
+                f"fenced doctor: importing the task modules of --app {spec} failed: "
+                f"{type(exc).__name__}: {exc}"
+            )
+            raise typer.Exit(EXIT_USAGE) from None
         return found
 
     @app.command()
@@ -233,9 +300,46 @@ if app is not None:
 
         print(__version__)
 
+    from typer.core import TyperCommand
+
+    try:  # typer 0.2x parses with a click of its own: its exceptions are that click's
+        from typer._click.exceptions import NoSuchOption, UsageError
+    except ImportError:  # pragma: no cover - older typer, on click itself
+        from click.exceptions import NoSuchOption, UsageError  # type: ignore[assignment]
+
+    class _RunCommand(TyperCommand):
+        """``fenced run``: the mistakes of where ``--`` goes get a usage error that says so."""
+
+        def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+            if "--" in args:
+                before = args[: args.index("--")]
+                try:
+                    # Arguments are parsed into the values by name, as options are.
+                    values, _rest, _order = self.make_parser(ctx).parse_args(list(before))
+                    named = isinstance(values.get("name"), str)
+                except UsageError:
+                    named = True  # the full parse below names the mistake
+                if not named and "--help" not in before:
+                    raise UsageError(
+                        "a claim name is needed before '--': fenced run NAME -- CMD [ARGS]...",
+                        ctx,
+                    )
+            try:
+                return super().parse_args(ctx, args)
+            except NoSuchOption as exc:
+                if "--" not in args:
+                    # `fenced run NAME ls -la`: the command's options were read as ours.
+                    exc.message += (
+                        f"; if {exc.option_name} belongs to the command, put '--' before "
+                        "the command: fenced run NAME -- CMD [ARGS]..."
+                    )
+                raise
+
     @app.command(
         "run",
-        epilog="Example (crontab): */5 * * * * fenced run --quiet backup:db -- /opt/backup.sh",
+        cls=_RunCommand,
+        epilog="Example (crontab): */5 * * * * fenced run --redis redis://locks:6379/1 "
+        "--quiet backup:db -- /opt/backup.sh",
     )
     def run_cmd(
         name: NameArg,
@@ -245,7 +349,9 @@ if app is not None:
         ] = None,
         ttl: Annotated[
             float,
-            typer.Option(min=0.05, help="Lease in seconds; renewed every ttl/3 while it runs."),
+            typer.Option(
+                metavar="S", min=0.05, help="Lease in seconds; renewed every ttl/3 while it runs."
+            ),
         ] = 30.0,
         redis_url: RedisOpt = None,
         namespace: NamespaceOpt = "fenced",
@@ -273,6 +379,14 @@ if app is not None:
         replica_timeout: Annotated[
             float, typer.Option(metavar="S", help="How long to wait for --replicas.")
         ] = 1.0,
+        as_json: Annotated[
+            bool,
+            typer.Option(
+                "--json",
+                help="At the end, one JSON line on stdout: name, ran, outcome, reason, exit, "
+                "fence, holder.",
+            ),
+        ] = False,
     ) -> None:
         """Run a command while holding a claim: a distributed flock for cron.
 
@@ -306,8 +420,9 @@ if app is not None:
             replicas=replicas,
             replica_timeout=replica_timeout,
         )
+        on_result = (lambda result: print(json.dumps(result), flush=True)) if as_json else None
         with _talking_to(client):
-            code = run_command(client, opts)
+            code = run_command(client, opts, on_result=on_result)
         raise typer.Exit(code)
 
     @app.command("ls")
@@ -317,7 +432,7 @@ if app is not None:
         as_json: JsonOpt = False,
         watch: Annotated[bool, typer.Option("--watch", "-w", help="Redraw until Ctrl-C.")] = False,
         interval: Annotated[
-            float, typer.Option(min=0.1, help="Seconds between draws with --watch.")
+            float, typer.Option(metavar="S", min=0.1, help="Seconds between draws with --watch.")
         ] = 1.0,
         wide: WideOpt = False,
     ) -> None:
@@ -389,7 +504,9 @@ if app is not None:
     @app.command("show")
     def show_cmd(
         name: NameArg,
-        limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="Runs to show.")] = 20,
+        limit: Annotated[
+            int, typer.Option("--limit", "-n", metavar="N", min=1, help="Runs to show.")
+        ] = 20,
         redis_url: RedisOpt = None,
         namespace: NamespaceOpt = "fenced",
         as_json: JsonOpt = False,
@@ -422,7 +539,11 @@ if app is not None:
             str | None, typer.Option(metavar="TEXT", help="Why; kept in the run records.")
         ] = None,
         token: Annotated[
-            str, typer.Option(metavar="PREFIX", help="Only if the holder's token starts so.")
+            str,
+            typer.Option(
+                metavar="PREFIX",
+                help="Only if the holder's token starts so (the token fenced ls --json prints).",
+            ),
         ] = "",
         redis_url: RedisOpt = None,
         namespace: NamespaceOpt = "fenced",
@@ -460,6 +581,15 @@ if app is not None:
         if not reason or not reason.strip():
             _err("fenced: add --reason TEXT: the run records keep why a claim was cleared")
             raise typer.Exit(EXIT_USAGE)
+        # Earlier versions printed the prefix with an ellipsis: take that text back too.
+        prefix = token.strip().rstrip("…")
+        if token and not prefix:
+            # "" means any holder: a --token that says nothing must not come to mean that.
+            _err(
+                f"fenced: --token {token!r} names no prefix; give the token fenced ls --json prints"
+            )
+            raise typer.Exit(EXIT_USAGE)
+        token = prefix
         by = operator()
         with _talking_to(client):
             holder = force_release(
@@ -468,10 +598,12 @@ if app is not None:
             current = (
                 read_holder(client, name, namespace=namespace) if holder is None and token else None
             )
+        # Refused: the holder named is the one that stays.
+        shown = holder or current
         result = {
             "name": name,
             "released": holder is not None,
-            "holder": holder.as_dict() if holder else None,
+            "holder": shown.as_dict() if shown else None,
             "by": by,
             "reason": reason,
         }

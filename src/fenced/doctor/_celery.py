@@ -133,7 +133,20 @@ def check_celery(
     broker = _first_url(conf.broker_url)
     redis_broker = _is_redis(broker)
 
-    if not claimed:
+    if claimed:
+        found.append(
+            Finding(
+                "info",
+                "celery.claimed-tasks",
+                f"{len(claimed)} of the {len(tasks)} registered tasks take a claim: "
+                f"{_names(claimed)}",
+                "These are the tasks whose settings were checked against their claims.",
+                "A claimed task missing here is not registered when the app is imported: "
+                "list its module in `imports`/`include`, or call `app.autodiscover_tasks()`.",
+                subject=_names(claimed),
+            )
+        )
+    else:
         found.append(
             Finding(
                 "info",
