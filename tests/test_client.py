@@ -359,3 +359,10 @@ def test_every_entry_point_fails_closed_when_no_cluster_node_answers() -> None:
         )  # fmt: skip
         assert done.returncode == 69, (args, done.stderr)
         assert done.stderr.count("\n") == 1, done.stderr  # one line, no traceback
+
+
+def test_a_claim_name_that_is_not_a_str_says_so(redis_server: RedisServer) -> None:
+    with pytest.raises(ConfigError, match=r"a claim name is a str, not int \(123\)"):
+        Claim(redis_server.url, 123)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="claim name is empty"):
+        Claim(redis_server.url, "")

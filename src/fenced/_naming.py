@@ -238,7 +238,12 @@ def render(template: str, values: Mapping[str, Any]) -> tuple[str, dict[str, str
 
 def validate_name(name: str) -> str:
     """Check a claim name; return it unchanged, or hashed if it carries unsafe characters."""
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str):
+        raise ConfigError(
+            f"a claim name is a str, not {type(name).__name__} ({name!r}): name the resource, "
+            f"e.g. 'rebuild:incidents', or build it with claim_name('job:{{id}}', id={name!r})"
+        )
+    if not name:
         raise ConfigError("claim name is empty: name the resource, e.g. 'rebuild:incidents'")
     if _SAFE_NAME.fullmatch(name) or _HASHED_NAME.fullmatch(name):
         return name
