@@ -47,3 +47,10 @@ def test_walkthrough() -> None:
     res = fenced("demo", "--walkthrough")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "all expectations held" in res.stdout
+    # The loss the tour provokes is said in the tour's words, not as a stray log line.
+    assert res.stderr == ""
+    lines = res.stdout.splitlines()
+    warned = [i for i, line in enumerate(lines) if "WARNING" in line or "lost:" in line]
+    assert len(warned) == 1, res.stdout
+    assert lines[warned[0]].startswith("          WARNING fenced: claim 'rebuild:incidents'")
+    assert "fenced logs the loss once" in lines[warned[0] - 1]

@@ -2,11 +2,45 @@
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from .. import Claim, ClaimLost
 from ..testing import RedisServer, available_binaries
+
+
+class _Records(logging.Handler):
+    """Keeps what fenced logs, so the tour can say it in its own words."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def take(self) -> list[str]:
+        taken = [f"{r.levelname} {r.getMessage()}" for r in self.records]
+        self.records.clear()
+        return taken
+
+
+@contextmanager
+def _fenced_log() -> Iterator[_Records]:
+    """Route the ``fenced`` logger here for the tour (not to stderr, where a loss the
+    tour provokes on purpose would read as a stray warning)."""
+    logger = logging.getLogger("fenced")
+    handler = _Records()
+    saved = logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = saved
 
 
 def run(say: Callable[[str], None] = print) -> int:
@@ -20,7 +54,7 @@ def run(say: Callable[[str], None] = print) -> int:
         say(("  ok    " if ok else "  FAIL  ") + what)
         failures += 0 if ok else 1
 
-    with RedisServer(binary, unix=True) as server:
+    with _fenced_log() as logged, RedisServer(binary, unix=True) as server:
         say(f"embedded redis-server {server.version()} at {server.url}")
         r = server.client()
         a = Claim(r, "rebuild:incidents", ttl=1.0)
@@ -33,6 +67,8 @@ def run(say: Callable[[str], None] = print) -> int:
         expect(a.release(), "A releases (compare-and-delete on its own token)")
         expect(b.acquire(), f"B acquires (fence {b.fence} > {a.fence})")
         expect((b.fence or 0) > (a.fence or 0), "the fence only goes up")
+        expect(logged.take() == [], "nothing logged so far")
+        say("  ..    an operator overwrites B's lease with another token")
         r.set(b.key, "someone-else", px=5000)
         try:
             b.refresh()
@@ -40,7 +76,14 @@ def run(say: Callable[[str], None] = print) -> int:
             expect(False, "B notices its lease was taken")
         except ClaimLost:
             expect(True, "B notices its lease was taken: ClaimLost")
+        lines = logged.take()
+        lost = [line for line in lines if line.startswith("WARNING") and "lost" in line]
+        expect(len(lost) == 1 == len(lines), "fenced logs the loss once, as a warning:")
+        for line in lines:
+            say(f"          {line}")
         expect(not b.release(), "B's release leaves the other holder's lease alone")
         expect(r.get(b.key) == b"someone-else", "the other holder still holds it")
+        for line in logged.take():
+            expect(False, f"nothing else logged: {line}")
     say("all expectations held" if failures == 0 else f"{failures} expectation(s) failed")
     return 0 if failures == 0 else 1
