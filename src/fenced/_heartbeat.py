@@ -443,8 +443,16 @@ class Heartbeat:
 
     def _dispatch(self, due: Batch) -> None:
         by_lane: dict[int, tuple[_Lane, Batch]] = {}
+        # The lane of a client (and interval) is looked up once per round, not per claim;
+        # a cluster client's lane depends on each claim's slot. The leases hold their
+        # clients, so no id is reused within the round.
+        known: dict[tuple[int, float], _Lane] = {}
         for c, lease in due:
-            lane = self._lane_for(lease.client, lease.refresh_every, lease.key)
+            lane = known.get((id(lease.client), lease.refresh_every))
+            if lane is None:
+                lane = self._lane_for(lease.client, lease.refresh_every, lease.key)
+                if not is_cluster(lease.client):
+                    known[id(lease.client), lease.refresh_every] = lane
             by_lane.setdefault(id(lane), (lane, []))[1].append((c, lease))
         self.rounds += 1
         for lane, batch in by_lane.values():
