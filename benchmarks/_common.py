@@ -168,6 +168,16 @@ def machine_info(server: RedisServer) -> dict[str, Any]:
     }
 
 
+def machine_line(benchmark: str, info: dict[str, Any]) -> str:
+    """The first line of a report: what the figures were measured on."""
+    return (
+        f"{benchmark}: redis-server {info['redis_server']} ({info['transport']}), "
+        f"redis-py {info['redis_py']} ({info['parser']} parser), Python {info['python']}, "
+        f"{info['cpus']} CPUs, load {info['loadavg_start'][0]:.2f} -> "
+        f"{info['loadavg_end'][0]:.2f}"
+    )
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
     """A plain text table; columns in ``right`` are right-aligned."""
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]

@@ -33,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import redis.asyncio as aredis
-from _common import Rates, machine_info, paired_ratio, start_server, table
+from _common import Rates, machine_info, machine_line, paired_ratio, start_server, table
 
 from fenced import aio
 
@@ -179,9 +179,7 @@ def render(result: dict[str, Any]) -> str:
     """The report as text."""
     info = result["info"]
     lines = [
-        f"python {info['python']}, redis-py {info['redis_py']} ({info['parser']} parser), "
-        f"redis-server {info['redis_server']}, {info['cpus']} cpus, "
-        f"load {info['loadavg_start'][0]:.1f} -> {info['loadavg_end'][0]:.1f}",
+        machine_line("aio_cycle", info),
         f"{result['settings']['rounds']} interleaved rounds of "
         f"{result['settings']['seconds']:g} s, one task, one event loop, "
         f"records {'on' if result['settings']['records'] else 'off'}",

@@ -42,6 +42,7 @@ from _common import (
     evalsha_calls,
     interleave,
     machine_info,
+    machine_line,
     paired_ratio,
     server_cpu,
     start_server,
@@ -475,9 +476,7 @@ def render(result: dict[str, Any]) -> str:
     """The human-readable report."""
     info, settings = result["info"], result["settings"]
     lines = [
-        f"claim_cycle: redis-server {info['redis_server']} ({info['transport']}), "
-        f"redis-py {info['redis_py']} ({info['parser']} parser), Python {info['python']}, "
-        f"{info['cpus']} CPUs, load {info['loadavg_start'][0]:.2f} -> {info['loadavg_end'][0]:.2f}",
+        machine_line("claim_cycle", info),
         f"{settings['rounds']} interleaved rounds x {settings['seconds']} s per contender, "
         f"medians shown; one client, one name per contender; ttl {TTL:g} s; "
         + ("a new lock object per cycle" if settings["fresh"] else "one lock object reused"),

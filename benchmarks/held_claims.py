@@ -35,6 +35,7 @@ from _common import (
     Rates,
     evalsha_calls,
     machine_info,
+    machine_line,
     paired_ratio,
     server_cpu,
     start_server,
@@ -225,9 +226,7 @@ def render(result: dict[str, Any]) -> str:
         f", {st['replicas']} replica(s) each" if st["replicas"] else ", no replicas"
     )
     lines = [
-        f"held_claims: redis-server {info['redis_server']} ({info['transport']}), "
-        f"redis-py {info['redis_py']} ({info['parser']} parser), Python {info['python']}, "
-        f"{info['cpus']} CPUs, load {info['loadavg_start'][0]:.2f} -> {info['loadavg_end'][0]:.2f}",
+        machine_line("held_claims", info),
         f"{st['claims']:,} claims held by one process, ttl {st['ttl_s']:g} s, renewed every "
         f"{st['refresh_every_s']:g} s; single redis-server vs Redis Cluster ({topology}); "
         f"{st['phases']} alternating phases per setup, each over {st['intervals']} intervals "

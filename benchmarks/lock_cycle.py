@@ -33,7 +33,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import redis
-from _common import Rates, interleave, machine_info, paired_ratio, start_server, table
+from _common import (
+    Rates,
+    interleave,
+    machine_info,
+    machine_line,
+    paired_ratio,
+    start_server,
+    table,
+)
 
 import fenced
 from fenced.testing import RedisServer
@@ -180,9 +188,7 @@ def render(result: dict[str, Any]) -> str:
     """The human-readable report."""
     info, settings = result["info"], result["settings"]
     lines = [
-        f"lock_cycle: redis-server {info['redis_server']} ({info['transport']}), "
-        f"redis-py {info['redis_py']} ({info['parser']} parser), Python {info['python']}, "
-        f"{info['cpus']} CPUs, load {info['loadavg_start'][0]:.2f} -> {info['loadavg_end'][0]:.2f}",
+        machine_line("lock_cycle", info),
         f"{settings['rounds']} interleaved rounds x {settings['seconds']} s per contender, "
         f"medians shown; one client, one name per contender; timeout {TIMEOUT:g} s; "
         + ("a new lock object per cycle" if settings["fresh"] else "one lock object reused"),
