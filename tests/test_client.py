@@ -366,3 +366,30 @@ def test_a_claim_name_that_is_not_a_str_says_so(redis_server: RedisServer) -> No
         Claim(redis_server.url, 123)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="claim name is empty"):
         Claim(redis_server.url, "")
+
+
+def test_a_client_made_from_a_url_serves_a_forked_child_and_the_parent_alike(
+    redis_server: RedisServer,
+) -> None:
+    """connect() keeps one client per URL in the process; a prefork worker's children
+    inherit it. The child must get connections of its own, and leave the parent's be."""
+    import os
+
+    client = connect(redis_server.url)
+    parent = Claim(redis_server.url, "parent", ttl=1.0, refresh_every=0.2)
+    assert parent.acquire()
+    pid = os.fork()
+    if pid == 0:  # the child: the same cached client, its own connections
+        code = 1
+        try:
+            child = Claim(redis_server.url, "child", ttl=5)
+            assert child.redis is client
+            assert child.acquire() and child.release()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    time.sleep(1.5)  # past the parent's ttl: still renewed over its own connections
+    assert parent.held and client.pttl(parent.key) > 0
+    assert parent.release()

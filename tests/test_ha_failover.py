@@ -163,6 +163,40 @@ def test_cluster_failover_after_unreplicated_writes_stays_fenced(
     print(f"cluster failover: {times}")
 
 
+def test_claims_live_through_a_sentinel_failover_of_a_paused_master(
+    sentinel_group: SentinelGroup,
+) -> None:
+    """A master that stops answering (SIGSTOP), not one that dies: the heartbeat's own
+    Sentinel connections time out instead of hanging, find the promoted replica, and go
+    on renewing the leases it has (they reached it before the pause)."""
+    client = connect(sentinel_group.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    lost: list[str] = []
+    claims = [
+        Claim(client, f"job:{i}", ttl=8.0, refresh_every=1.0, on_lost=lambda c: lost.append(c.name))
+        for i in range(50)
+    ]
+    for claim in claims:
+        assert claim.acquire()
+    old = sentinel_group.master()
+    replica = next(s for s in sentinel_group.servers if s is not old)
+    wait_for("the leases on the replica", lambda: replica.client().dbsize() >= 50, 5)
+    old.pause()
+    try:
+        _, port = sentinel_group.wait_promoted()
+        assert port == replica.port
+        time.sleep(10.0)  # past every deadline the paused master granted
+        assert not lost
+        assert all(c.held for c in claims)
+        assert all(replica.client().pttl(c.key) > 0 for c in claims)  # renewed there
+    finally:
+        old.resume()
+        for claim in claims:
+            try:
+                claim.release()
+            except ClaimUnavailable:
+                pass
+
+
 # -- the heartbeat on a cluster -----------------------------------------------------------
 
 

@@ -44,6 +44,28 @@ def test_two_hundred_claims_add_one_scheduler_and_one_lane(server: RedisServer) 
         c.release()
 
 
+def test_a_short_claim_taken_while_the_scheduler_rests_after_a_round_is_renewed(
+    server: RedisServer,
+) -> None:
+    """After a round the scheduler sleeps till the sent claims' retry time; a claim with a
+    shorter interval taken in that rest must wake it, or it would expire unrenewed."""
+    client = server.client()
+    hb = heartbeat()
+    slow = [Claim(client, f"slow:{i}", ttl=6.0) for i in range(50)]  # renewed every 2 s
+    for c in slow:
+        assert c.acquire()
+    rounds = hb.rounds
+    wait_for("a round of the slow claims", lambda: hb.rounds > rounds, 5, 0.001)
+    fast = Claim(client, "fast", ttl=0.6)  # renewed every 0.2 s, due within the rest
+    assert fast.acquire()
+    time.sleep(2.0)  # three times the rest after a round, and several fast ttls
+    assert fast.held
+    assert 0 < client.pttl(fast.key) <= 600
+    fast.release()
+    for c in slow:
+        c.release()
+
+
 def test_renewals_are_pipelined(server: RedisServer) -> None:
     client = server.client()
     hb = heartbeat()
