@@ -88,8 +88,10 @@ class Worker:
         visibility: float | None = None,
         lock_url: str | None = None,
         name: str = "w",
+        app: str = "tests.celery_app",
     ) -> None:
         self.services = services
+        self.app = app
         self.pool = pool
         self.concurrency = concurrency
         self.queues = queues or [services.queue]
@@ -117,7 +119,7 @@ class Worker:
         if self.visibility is not None:
             env["FENCED_TEST_VISIBILITY"] = str(self.visibility)
         self.worker = CeleryWorker(
-            "tests.celery_app",
+            self.app,
             name=self.node.split("@", 1)[0],
             log=self.log_path,
             queues=",".join(self.queues),

@@ -5,7 +5,8 @@ Everything that talks to Redis about a lease goes through here:
 - **process identity** — the host and the pid, the pid kept current across ``fork``;
 - **the token** — ``random:host:pid:task id``, defined once (``TOKEN_PATTERN``, read by
   the scripts and by :meth:`Holder.parse`);
-- **the keys** — every key of one name (lease, fence, runs, skips, rerun, pointer),
+- **the keys** — every key of one name (lease, fence, runs, skips, rerun, queued,
+  pointer),
   under one namespace and one Cluster hash tag;
 - **the store** — the scripts run through :class:`LeaseStore`, and the one mapping
   from "Redis could not be reached" to :class:`ClaimUnavailable`;
@@ -204,6 +205,11 @@ class ClaimKeys:
     def rerun(self) -> str:
         """Set when a conflicting trigger asked for one more run."""
         return self._key("rerun")
+
+    @property
+    def queued(self) -> str:
+        """The task id of the message queued for this name (``claim_enqueue``)."""
+        return self._key("queued")
 
     def released(self, token: str) -> str:
         """A short-lived note of how a token's release went, so a retry gets that answer."""

@@ -22,6 +22,8 @@ from .._client import client_from_setting, connect
 from .._errors import ConfigError
 from .._guard import check_on_busy
 from .._lease import IDLE_TTL, check_idle_ttl, check_namespace, check_replicas, check_timing
+from . import _enqueue
+from ._enqueue import ENQUEUE_TTL
 
 __all__ = ["DEFAULTS", "ON_BUSY", "SETTINGS", "TaskOptions", "lock_redis", "resolve", "validate"]
 
@@ -46,6 +48,9 @@ DEFAULTS: dict[str, Any] = {
     # Replicas that must acknowledge each acquire and renewal (WAIT), and for how long.
     "claim_replicas": 0,
     "claim_replica_timeout": 1.0,
+    # Deduplication at enqueue (fenced.celery._enqueue): off, or one of its MODES.
+    "claim_enqueue": None,
+    "claim_enqueue_ttl": ENQUEUE_TTL,
 }
 OPTIONS = tuple(DEFAULTS)
 #: The setting that gives each option its default.
@@ -168,6 +173,10 @@ def validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:
             out["claim_replicas"] = replicas
         if values.get("claim_replica_timeout") is not None:
             out["claim_replica_timeout"] = timeout_ms / 1000
+    if values.get("claim_enqueue") is not None:
+        out["claim_enqueue"] = _enqueue.check_mode(values["claim_enqueue"], where)
+    if values.get("claim_enqueue_ttl") is not None:
+        out["claim_enqueue_ttl"] = _enqueue.check_ttl(values["claim_enqueue_ttl"], where)
     if values.get("claim_unavailable_retries") is not None:
         out["claim_unavailable_retries"] = _check_positive(
             values["claim_unavailable_retries"], "claim_unavailable_retries", where, True
@@ -192,6 +201,8 @@ class TaskOptions:
     idle_ttl: float
     replicas: int
     replica_timeout: float
+    enqueue: str | None
+    enqueue_ttl: float
 
 
 def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
@@ -219,6 +230,8 @@ def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
         idle_ttl=float(merged["claim_idle_ttl"]),
         replicas=int(merged["claim_replicas"]),
         replica_timeout=float(merged["claim_replica_timeout"]),
+        enqueue=merged["claim_enqueue"],
+        enqueue_ttl=float(merged["claim_enqueue_ttl"]),
     )
 
 

@@ -55,6 +55,7 @@ from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import redis
+from kombu.utils.uuid import uuid
 
 try:
     from celery import Task
@@ -64,14 +65,15 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 if TYPE_CHECKING:
     from celery import Celery
+    from celery.result import AsyncResult
 
 from .. import _interrupt, records
 from .._claim import Claim
 from .._errors import ClaimHeld, ClaimInterrupted, ClaimUnavailable, ConfigError, NotOwner
 from .._guard import SKIP_RERUN_REASON, Skipped, finish, lost_error, outcome_of
-from .._lease import HOST, Holder, force_release
+from .._lease import HOST, ClaimKeys, Holder, force_release
 from .._naming import Namer
-from . import signals
+from . import _enqueue, signals
 from ._options import (
     OPTIONS,
     RENAMED,
@@ -97,8 +99,9 @@ RETRY_MARGIN = 0.25
 
 
 #: In-process counters: runs, ok, failed, lost, skipped, skips_exceeded, reruns,
-#: conflict_retries, redelivery_retries, unavailable, duplicates, aborted (per process:
-#: a prefork child counts its own runs, the main process counts ``aborted``).
+#: conflict_retries, redelivery_retries, unavailable, duplicates, aborted, enqueue_skipped
+#: (calls not sent: ``claim_enqueue``). Per process: a prefork child counts its own runs,
+#: the main process counts ``aborted``, the sending process ``enqueue_skipped``.
 metrics: Counter[str] = Counter()
 _metrics_lock = threading.Lock()
 
@@ -175,6 +178,8 @@ class ClaimedTask(Task[Any, Any]):
     claim_idle_ttl: float | None = None
     claim_replicas: int | None = None
     claim_replica_timeout: float | None = None
+    claim_enqueue: str | None = None
+    claim_enqueue_ttl: float | None = None
 
     _fenced_namer: Namer | None = None
     _fenced_options: TaskOptions | None = None
@@ -263,6 +268,94 @@ class ClaimedTask(Task[Any, Any]):
             )
             type(self)._fenced_options = options
         return options
+
+    # -- deduplication at enqueue (claim_enqueue) ---------------------------------------
+
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        *more: Any,
+        **options: Any,
+    ) -> AsyncResult[Any]:
+        """Send the task; with ``claim_enqueue``, not while a call of its claim is queued.
+
+        A call whose claim name already has a message queued publishes nothing and
+        returns that message's result (its task id). Marked and published in this
+        order: a publish that fails clears the mark it made, then raises.
+        """
+        opts = self._options()
+        if opts.enqueue is None or self.app.conf.task_always_eager:
+            return super().apply_async(args, kwargs, task_id, *more, **options)
+        name = self.claim_name_for(args or (), kwargs or {})
+        keys = ClaimKeys(opts.namespace, name)
+        task_id = task_id or uuid()
+        request = self.request
+        running = None if request.called_directly else request.id
+        client = lock_redis(self.app)
+        try:
+            expiry = _enqueue.expiry_ms(opts.enqueue_ttl, options)
+            queued = _enqueue.mark(client, keys, task_id, expiry, running)
+        except (redis.RedisError, OSError) as exc:
+            # The run's claim still keeps a second run out: sending beats dropping.
+            log.warning(
+                "fenced: could not mark %r as queued (%s): sending %s[%s] unmarked",
+                name,
+                exc,
+                self.name,
+                task_id,
+            )
+            return super().apply_async(args, kwargs, task_id, *more, **options)
+        if queued is not None and task_id != running:
+            count("enqueue_skipped")
+            log.info(
+                "fenced: %s not sent: %s[%s] is queued for claim %r (claim_enqueue=%s)",
+                self.name,
+                self.name,
+                queued,
+                name,
+                opts.enqueue,
+            )
+            return self.AsyncResult(queued)
+        # A retry of the running message is sent even when another call is queued.
+        try:
+            return super().apply_async(args, kwargs, task_id, *more, **options)
+        except BaseException:
+            if queued is None:
+                self._clear_queued(keys, task_id, "after a failed send")
+            raise
+
+    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+        """With ``claim_enqueue``: the message left the queue (see apply_async)."""
+        opts = self._options()
+        if opts.enqueue is None or task_id is None:
+            return
+        keys = ClaimKeys(opts.namespace, self.claim_name_for(args, kwargs))
+        if opts.enqueue == "until_started":
+            self._clear_queued(keys, task_id, "as its run starts")
+        else:  # the marker's expiry counts from the start of the run it now covers
+            expiry = _enqueue.expiry_ms(opts.enqueue_ttl, {})
+            self._clear_queued(keys, task_id, "as its run starts", expiry)
+
+    def after_return(
+        self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
+    ) -> None:
+        """With ``claim_enqueue="until_finished"``: the run ended (not by a retry)."""
+        opts = self._options()
+        if opts.enqueue == "until_finished" and task_id is not None:
+            keys = ClaimKeys(opts.namespace, self.claim_name_for(args, kwargs))
+            self._clear_queued(keys, task_id, "as its run ends")
+
+    def _clear_queued(
+        self, keys: ClaimKeys, task_id: str, when: str, expiry: int | None = None
+    ) -> None:
+        try:
+            _enqueue.clear(lock_redis(self.app), keys, task_id, expiry)
+        except Exception:  # it expires by itself; the run goes on
+            log.warning(
+                "fenced: could not clear the queued mark of %r %s", keys.name, when, exc_info=True
+            )
 
     # -- a run -------------------------------------------------------------------------
 
@@ -591,6 +684,8 @@ def _values(options: TaskOptions) -> tuple[Any, ...]:
         options.idle_ttl,
         options.replicas,
         options.replica_timeout,
+        options.enqueue,
+        options.enqueue_ttl,
     )
 
 

@@ -1,0 +1,107 @@
+"""Deduplication at enqueue: one marker per claim name while a message for it is queued.
+
+A claimed task with ``claim_enqueue`` set marks its claim name when ``apply_async``
+publishes (``{namespace}:{name}:queued``, the name's hash tag, so one Cluster slot), in
+the same script that decides whether to publish: a name already marked publishes
+nothing, and the caller gets the queued message's task id. The run clears the marker
+when it starts (``until_started``) or when it ends (``until_finished``), only while the
+marker still holds its own task id. The marker expires after ``claim_enqueue_ttl``
+(counted from the message's ``eta`` when it has one), so a message that is lost never
+blocks its name for longer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+from .._errors import ConfigError
+from .._lease import ClaimKeys
+from .._scripts import Script, as_text
+
+__all__ = ["ENQUEUE_TTL", "MODES", "check_mode", "check_ttl", "clear", "expiry_ms", "mark"]
+
+#: The modes: the marker lasts until the run starts, or until it ends.
+MODES = ("until_started", "until_finished")
+#: How long a marker lives by default: an hour (after the message's eta, if any).
+ENQUEUE_TTL = 3600.0
+
+# KEYS[1] marker; ARGV[1] the new message's task id, ARGV[2] expiry (ms), ARGV[3] the
+# task id of the run publishing ("" outside a run). A marker held by that run (a retry,
+# a rerun, a run sending its successor) hands over to the new message. Returns the
+# task id of the message already queued, or nil when the new one is to be published.
+MARK = Script(
+    "enqueue_mark",
+    """
+local current = redis.call('GET', KEYS[1])
+if current and current ~= ARGV[1] and current ~= ARGV[3] then
+  return current
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return false
+""",
+)
+
+# KEYS[1] marker; ARGV[1] task id; ARGV[2] new expiry (ms), or "" to delete. Only a
+# marker holding this task id is touched. Returns 1 if it was, else 0.
+CLEAR = Script(
+    "enqueue_clear",
+    """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return 0
+end
+if ARGV[2] == '' then
+  return redis.call('DEL', KEYS[1])
+end
+return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+""",
+)
+
+
+def check_mode(value: Any, where: str) -> str | None:
+    """A ``claim_enqueue`` value: one of MODES, or None (no deduplication at enqueue)."""
+    if value is None or value in MODES:
+        return value  # type: ignore[no-any-return]
+    raise ConfigError(
+        f"{where}: claim_enqueue={value!r} is not a mode: use 'until_started' (a message "
+        "per name while one is queued) or 'until_finished' (also while it runs), or None"
+    )
+
+
+def check_ttl(value: Any, where: str) -> float:
+    """A ``claim_enqueue_ttl``: seconds, more than zero."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(
+            f"{where}: claim_enqueue_ttl={value!r} must be a number of seconds > 0 (how long "
+            "a lost message may block its name), e.g. 3600"
+        )
+    return float(value)
+
+
+def expiry_ms(ttl: float, options: Mapping[str, Any]) -> int:
+    """The marker's lifetime: ``ttl`` after the message is due (its countdown or eta)."""
+    wait = 0.0
+    countdown, eta = options.get("countdown"), options.get("eta")
+    if countdown is not None:
+        wait = float(countdown)
+    elif eta is not None:
+        when = datetime.fromisoformat(eta) if isinstance(eta, str) else eta
+        if when.tzinfo is None:  # Celery reads a naive eta as UTC by default
+            when = when.replace(tzinfo=timezone.utc)
+        wait = when.timestamp() - time.time()
+    return max(1, int((max(0.0, wait) + ttl) * 1000))
+
+
+def mark(
+    client: Any, keys: ClaimKeys, task_id: str, expiry: int, running: str | None
+) -> str | None:
+    """Mark the name for ``task_id``; the task id already queued when it is marked."""
+    found = MARK(client, [keys.queued], [task_id, expiry, running or ""])
+    return as_text(found) if found else None
+
+
+def clear(client: Any, keys: ClaimKeys, task_id: str, expiry: int | None = None) -> bool:
+    """Delete the marker (or give it a new expiry) if it still holds ``task_id``."""
+    return bool(CLEAR(client, [keys.queued], [task_id, "" if expiry is None else expiry]))

@@ -1,0 +1,279 @@
+"""Deduplication at enqueue (``claim_enqueue``) with real brokers and real workers.
+
+The sending side runs here (tests/celery_enqueue_app.py's ``make_app``); the runs happen
+in a ``celery worker`` running the same module. The broker's queue is a Redis list, so
+its length (LLEN) is how many messages were published and not yet taken.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+
+from _wait import wait_for
+from celery_enqueue_app import make_app
+from celery_harness import WAIT, Services, Worker, key
+from fenced import ConfigError
+from fenced.celery import ClaimedTask, metrics
+from fenced.testing import RedisServer
+
+APP = "tests.celery_enqueue_app"
+
+
+def sender(services: Services) -> Celery:
+    """The app a test sends from: the tasks of the worker's module, on its servers."""
+    return make_app(
+        services.broker_url,
+        services.backend_url,
+        services.lock_url,
+        services.obs_url,
+        services.queue,
+    )
+
+
+def queued(services: Services) -> int:
+    """Messages waiting in the test's queue."""
+    return int(redis.Redis.from_url(services.broker_url).llen(services.queue))
+
+
+def marker(services: Services, k: str) -> str | None:
+    """The task id the name ``hold:<k>`` is marked with, or None."""
+    value = services.locks().get(f"fenced:{{hold:{k}}}:queued")
+    return None if value is None else str(value)
+
+
+def runs(services: Services, k: str) -> list[dict[str, Any]]:
+    """The runs of ``hold:<k>`` that started, oldest first."""
+    return [json.loads(x) for x in services.obs().lrange(f"runs:{k}", 0, -1)]
+
+
+def go(services: Services, k: str) -> None:
+    """Let the runs of ``hold:<k>`` end."""
+    services.obs().set(f"go:{k}", 1)
+
+
+@pytest.fixture
+def services(redis_server: RedisServer) -> Services:
+    """The module's server, a fresh queue."""
+    return Services.on(redis_server)
+
+
+# -- options -------------------------------------------------------------------------------
+
+
+def test_an_unknown_mode_fails_when_the_task_is_made_naming_the_modes() -> None:
+    app = Celery("enqueue_config", set_as_current=False, broker="memory://")
+    app.finalize()  # tasks are built (and checked) as they are defined
+    with pytest.raises(ConfigError, match="until_started.*until_finished"):
+
+        @app.task(base=ClaimedTask, claim="x:{a}", claim_enqueue="until_executed", shared=False)
+        def bad(a: int) -> None: ...
+
+    with pytest.raises(ConfigError, match="claim_enqueue_ttl=0"):
+
+        @app.task(base=ClaimedTask, claim="x:{a}", claim_enqueue_ttl=0, shared=False)
+        def bad_ttl(a: int) -> None: ...
+
+
+def test_the_setting_gives_the_mode_and_a_bad_setting_fails_at_bind() -> None:
+    app = Celery("enqueue_setting", set_as_current=False, broker="memory://")
+    app.conf.fenced_claim_enqueue = "until_finished"
+    app.finalize()
+
+    @app.task(base=ClaimedTask, claim="x:{a}", shared=False)
+    def job(a: int) -> None: ...
+
+    assert job._options().enqueue == "until_finished"
+    assert job._options().enqueue_ttl == 3600.0
+    other = Celery("enqueue_bad_setting", set_as_current=False, broker="memory://")
+    other.conf.fenced_claim_enqueue = "yes"
+    other.finalize()
+    with pytest.raises(ConfigError, match="claim_enqueue='yes'"):
+
+        @other.task(base=ClaimedTask, claim="x:{a}", shared=False)
+        def job2(a: int) -> None: ...
+
+
+# -- at enqueue, no worker -------------------------------------------------------------------
+
+
+def test_a_queued_name_publishes_nothing_and_returns_the_queued_task_id(
+    services: Services,
+) -> None:
+    app = sender(services)
+    task = app.tasks["e.finished"]
+    k = key()
+    before = metrics["enqueue_skipped"]
+    first = task.delay(k)
+    again = [task.delay(k), task.apply_async((k,)), task.apply_async(kwargs={"key": k})]
+    assert [r.id for r in again] == [first.id] * 3
+    assert queued(services) == 1
+    assert marker(services, k) == first.id
+    assert metrics["enqueue_skipped"] - before == 3
+
+
+def test_the_marker_never_blocks_another_name(services: Services) -> None:
+    app = sender(services)
+    task = app.tasks["e.finished"]
+    a, b = key(), key()
+    ra, rb = task.delay(a), task.delay(b)
+    assert ra.id != rb.id
+    assert queued(services) == 2
+    assert (marker(services, a), marker(services, b)) == (ra.id, rb.id)
+
+
+def test_signatures_go_through_the_marker(services: Services) -> None:
+    app = sender(services)
+    task = app.tasks["e.finished"]
+    k = key()
+    first = task.s(k).delay()
+    assert task.s(k).apply_async().id == first.id
+    assert task.s(key=k).delay().id == first.id
+    assert queued(services) == 1
+
+
+def test_concurrent_calls_publish_one_message(services: Services) -> None:
+    app = sender(services)
+    task = app.tasks["e.finished"]
+    k = key()
+    barrier = threading.Barrier(8)
+    ids: list[str] = []
+
+    def call() -> None:
+        barrier.wait()
+        ids.append(task.delay(k).id)
+
+    threads = [threading.Thread(target=call) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # And from other processes, each with its own app and connections.
+    children = []
+    for _ in range(2):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                child = sender(services)
+                code = 0 if child.tasks["e.finished"].delay(k).id == ids[0] else 3
+            finally:
+                os._exit(code)
+        children.append(pid)
+    assert [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children] == [0, 0]
+    assert len(ids) == 8 and len(set(ids)) == 1
+    assert queued(services) == 1
+
+
+def test_countdown_and_eta_keep_the_marker_until_the_message_is_due(
+    services: Services,
+) -> None:
+    app = sender(services)
+    task = app.tasks["e.short"]  # claim_enqueue_ttl=1
+    locks = services.locks()
+    a, b = key(), key()
+    first = task.apply_async((a,), countdown=30)
+    ttl_a = locks.pttl(f"fenced:{{hold:{a}}}:queued")
+    assert 29_000 < ttl_a <= 31_000
+    eta = datetime.now(timezone.utc) + timedelta(seconds=40)
+    second = task.apply_async((b,), eta=eta)
+    ttl_b = locks.pttl(f"fenced:{{hold:{b}}}:queued")
+    assert 39_000 < ttl_b <= 41_000
+    assert task.delay(a).id == first.id and task.delay(b).id == second.id
+    assert queued(services) == 2
+
+
+def test_a_lost_message_unblocks_its_name_when_the_marker_expires(services: Services) -> None:
+    app = sender(services)
+    task = app.tasks["e.short"]  # claim_enqueue_ttl=1
+    k = key()
+    lost = task.delay(k)
+    redis.Redis.from_url(services.broker_url).delete(services.queue)  # the message is gone
+    assert task.delay(k).id == lost.id  # still marked: nothing sent
+    assert queued(services) == 0
+    wait_for("the marker to expire", lambda: marker(services, k) is None)
+    fresh = task.delay(k)
+    assert fresh.id != lost.id
+    assert queued(services) == 1
+
+
+def test_a_failed_publish_leaves_no_marker(services: Services) -> None:
+    with RedisServer() as broker:
+        app = make_app(
+            broker.url, None, services.lock_url, services.obs_url, services.queue
+        )
+        task = app.tasks["e.finished"]
+        k = key()
+        task.delay(k)  # connected, the broker works
+        assert marker(services, k) is not None
+        services.locks().delete(f"fenced:{{hold:{k}}}:queued")
+        broker.stop()
+        with pytest.raises(Exception) as caught:
+            task.apply_async((k,), retry=False)
+        assert not isinstance(caught.value, ConfigError)
+        assert marker(services, k) is None
+
+
+# -- with a worker ---------------------------------------------------------------------------
+
+
+def test_until_finished_holds_while_the_run_runs_until_started_does_not(
+    services: Services,
+) -> None:
+    app = sender(services)
+    finished, started = app.tasks["e.finished"], app.tasks["e.started"]
+    f, s = key(), key()
+    with Worker(services, concurrency=1, app=APP):
+        first = finished.delay(f)
+        wait_for("the run to start", lambda: runs(services, f))
+        during = finished.delay(f)
+        assert during.id == first.id  # running: still marked
+        assert marker(services, f) == first.id
+        go(services, f)
+        assert first.get(timeout=WAIT) == first.id
+        wait_for("the marker to clear", lambda: marker(services, f) is None)
+        after = finished.delay(f)
+        assert after.id != first.id
+        assert after.get(timeout=WAIT) == after.id
+        assert [run["task_id"] for run in runs(services, f)] == [first.id, after.id]
+
+        one = started.delay(s)
+        wait_for("the run to start", lambda: runs(services, s))
+        assert marker(services, s) is None  # cleared as the run started
+        two = started.delay(s)
+        assert two.id != one.id and queued(services) == 1
+        assert started.delay(s).id == two.id  # the second is queued: marked
+        go(services, s)
+        assert one.get(timeout=WAIT) == one.id
+        assert two.get(timeout=WAIT) == two.id
+        assert [run["task_id"] for run in runs(services, s)] == [one.id, two.id]
+
+
+def test_a_killed_pool_child_leaves_its_name_blocked_only_until_the_redelivered_run_ends(
+    services: Services,
+) -> None:
+    app = sender(services)
+    task = app.tasks["e.finished"]
+    k = key()
+    with Worker(services, concurrency=1, app=APP):
+        first = task.delay(k)
+        doomed = wait_for("the run to start", lambda: runs(services, k))[0]
+        os.kill(doomed["pid"], signal.SIGKILL)
+        # reject_on_worker_lost: the message goes back to the queue and runs again.
+        again = wait_for("the redelivered run", lambda: runs(services, k)[1:])[0]
+        assert again["task_id"] == first.id and again["pid"] != doomed["pid"]
+        assert task.delay(k).id == first.id  # its message runs: still marked
+        go(services, k)
+        assert first.get(timeout=WAIT) == first.id
+        wait_for("the marker to clear", lambda: marker(services, k) is None)
+        after = task.delay(k)
+        assert after.id != first.id
+        assert after.get(timeout=WAIT) == after.id
