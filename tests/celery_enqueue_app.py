@@ -22,9 +22,7 @@ from fenced.celery import ClaimedTask
 RUN_LIMIT = 120.0
 
 
-def make_app(
-    broker: str, backend: str | None, lock_url: str, obs_url: str, queue: str
-) -> Celery:
+def make_app(broker: str, backend: str | None, lock_url: str, obs_url: str, queue: str) -> Celery:
     """An app with the enqueue tasks, on these servers."""
     app = Celery("fenced_enqueue_tests", broker=broker, backend=backend)
     app.conf.update(
@@ -84,6 +82,34 @@ def make_app(
     )
     def short(self: Any, key: str) -> str:
         """A marker that expires after a second."""
+        return body(self, key)
+
+    @app.task(
+        base=ClaimedTask,
+        bind=True,
+        shared=False,
+        name="e.retrying",
+        claim="hold:{key}",
+        claim_enqueue="until_finished",
+    )
+    def retrying(self: Any, key: str) -> int:
+        """Retries once: the retry is sent although the marker is held (by itself)."""
+        body(self, key)
+        if not self.request.retries:
+            raise self.retry(countdown=0.2)
+        return int(self.request.retries)
+
+    @app.task(
+        base=ClaimedTask,
+        bind=True,
+        shared=False,
+        name="e.rerun",
+        claim="hold:{key}",
+        claim_enqueue="until_finished",
+        claim_on_busy="rerun",
+    )
+    def rerun(self: Any, key: str) -> str:
+        """A call that reaches a run (send_task) asks for one more run after it."""
         return body(self, key)
 
     return app

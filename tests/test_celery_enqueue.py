@@ -72,7 +72,7 @@ def services(redis_server: RedisServer) -> Services:
 def test_an_unknown_mode_fails_when_the_task_is_made_naming_the_modes() -> None:
     app = Celery("enqueue_config", set_as_current=False, broker="memory://")
     app.finalize()  # tasks are built (and checked) as they are defined
-    with pytest.raises(ConfigError, match="until_started.*until_finished"):
+    with pytest.raises(ConfigError, match=r"until_started.*until_finished"):
 
         @app.task(base=ClaimedTask, claim="x:{a}", claim_enqueue="until_executed", shared=False)
         def bad(a: int) -> None: ...
@@ -207,9 +207,7 @@ def test_a_lost_message_unblocks_its_name_when_the_marker_expires(services: Serv
 
 def test_a_failed_publish_leaves_no_marker(services: Services) -> None:
     with RedisServer() as broker:
-        app = make_app(
-            broker.url, None, services.lock_url, services.obs_url, services.queue
-        )
+        app = make_app(broker.url, None, services.lock_url, services.obs_url, services.queue)
         task = app.tasks["e.finished"]
         k = key()
         task.delay(k)  # connected, the broker works
@@ -277,3 +275,36 @@ def test_a_killed_pool_child_leaves_its_name_blocked_only_until_the_redelivered_
         after = task.delay(k)
         assert after.id != first.id
         assert after.get(timeout=WAIT) == after.id
+
+
+def test_a_retry_is_sent_while_its_own_message_holds_the_marker(services: Services) -> None:
+    app = sender(services)
+    task = app.tasks["e.retrying"]
+    k = key()
+    go(services, k)
+    with Worker(services, concurrency=1, app=APP):
+        result = task.delay(k)
+        assert result.get(timeout=WAIT) == 1
+        assert [run["task_id"] for run in runs(services, k)] == [result.id] * 2
+        wait_for("the marker to clear", lambda: marker(services, k) is None)
+
+
+def test_send_task_bypasses_the_marker_and_the_claim_still_guards_the_run(
+    services: Services,
+) -> None:
+    app = sender(services)
+    task = app.tasks["e.rerun"]
+    k = key()
+    with Worker(services, concurrency=2, app=APP):
+        first = task.delay(k)
+        wait_for("the run to start", lambda: runs(services, k))
+        bypass = app.send_task("e.rerun", (k,))  # not deduplicated: the claim skips it
+        assert bypass.get(timeout=WAIT)["status"] == "skipped"
+        assert task.delay(k).id == first.id
+        go(services, k)
+        assert first.get(timeout=WAIT) == first.id
+        # The rerun the skipped call asked for is sent from the run itself, which holds
+        # the marker: the marker passes to the rerun's message.
+        rerun = wait_for("the rerun", lambda: runs(services, k)[1:])[0]
+        assert rerun["task_id"] not in (first.id, bypass.id)
+        wait_for("the marker to clear", lambda: marker(services, k) is None)
