@@ -11,6 +11,7 @@
             step.run(fence=self.claim.fence)
 
 - ``_options``: the task options, their settings and defaults, the lock Redis;
+- ``_enqueue``: deduplication at enqueue (``claim_enqueue``), the "queued" marker;
 - ``_task``: :class:`ClaimedTask`, what one run does;
 - ``_request``: :class:`ClaimedRequest`, the worker side (a pool child that died);
 - ``signals``: the signals fenced sends.

@@ -33,6 +33,10 @@ What one run does:
    also ends the run record), and if a rerun was asked meanwhile the task is sent once
    more with the same arguments.
 
+With ``claim_enqueue``, ``apply_async`` (and so ``delay``, signatures and beat) publishes
+nothing while a message for the call's claim name is queued (``until_started``) or
+queued or running (``until_finished``): see ``fenced.celery._enqueue``.
+
 Redis unreachable at acquire: the task retries with exponential backoff; it never runs
 unclaimed. A prefork child killed mid-run: the worker's main process releases that
 child's claim (``ClaimedRequest``), so the redelivered message runs at once instead of
