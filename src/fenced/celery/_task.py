@@ -63,7 +63,7 @@ from kombu.utils.uuid import uuid
 
 try:
     from celery import Task
-    from celery.exceptions import Ignore, SoftTimeLimitExceeded
+    from celery.exceptions import Ignore, Retry, SoftTimeLimitExceeded
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"fenced.celery needs Celery: pip install 'fenced[celery]' ({exc})") from exc
 
@@ -342,14 +342,31 @@ class ClaimedTask(Task[Any, Any]):
             expiry = _enqueue.expiry_ms(opts.enqueue_ttl, {})
             self._clear_queued(keys, task_id, "as its run starts", expiry)
 
+    def _unqueue_after(self, claim: Claim, exc: BaseException | None) -> None:
+        """With ``until_finished``: the run ended (not by a retry) and released its claim.
+
+        Cleared here, before Celery stores the result, so a caller that waited for the
+        result and sends again is not handed the finished run's result back.
+        """
+        request = self.request
+        if self._options().enqueue != "until_finished" or not request.id:
+            return
+        if isinstance(exc, Retry):  # its message is queued again, under the same id
+            return
+        setattr(request, "fenced_unqueued", True)  # noqa: B010 - Context takes any field
+        self._clear_queued(claim.keys, request.id, "as its run ends")
+
     def after_return(
         self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
     ) -> None:
-        """With ``claim_enqueue="until_finished"``: the run ended (not by a retry)."""
+        """With ``claim_enqueue="until_finished"``: a run that ended before its body ran."""
         opts = self._options()
-        if opts.enqueue == "until_finished" and task_id is not None:
-            keys = ClaimKeys(opts.namespace, self.claim_name_for(args, kwargs))
-            self._clear_queued(keys, task_id, "as its run ends")
+        if opts.enqueue != "until_finished" or task_id is None:
+            return
+        if getattr(self.request, "fenced_unqueued", False):
+            return  # cleared as the body's run ended
+        keys = ClaimKeys(opts.namespace, self.claim_name_for(args, kwargs))
+        self._clear_queued(keys, task_id, "as its run ends")
 
     def _clear_queued(
         self, keys: ClaimKeys, task_id: str, when: str, expiry: int | None = None
@@ -513,6 +530,7 @@ class ClaimedTask(Task[Any, Any]):
             if outcome == "ok":
                 outcome = "lost"
         count(outcome)
+        self._unqueue_after(claim, exc)
         if claim.rerun_triggers:
             self._send_reruns(claim, args, kwargs)
         return outcome
