@@ -95,8 +95,8 @@ def test_the_setting_gives_the_mode_and_a_bad_setting_fails_at_bind() -> None:
     assert job._options().enqueue_ttl == 3600.0
     other = Celery("enqueue_bad_setting", set_as_current=False, broker="memory://")
     other.conf.fenced_claim_enqueue = "yes"
-    other.finalize()
     with pytest.raises(ConfigError, match="claim_enqueue='yes'"):
+        other.finalize()  # binds the shared tasks other tests made, if any
 
         @other.task(base=ClaimedTask, claim="x:{a}", shared=False)
         def job2(a: int) -> None: ...
