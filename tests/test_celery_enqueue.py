@@ -327,3 +327,34 @@ def test_beat_sends_through_the_marker(services: Services) -> None:
     first = beat.apply_async(entry, advance=False)
     assert beat.apply_async(entry, advance=False).id == first.id
     assert queued(services) == 1
+
+
+def test_an_unreachable_claims_redis_sends_unmarked(services: Services) -> None:
+    with RedisServer() as gone:
+        lock_url = gone.url
+    app = make_app(services.broker_url, None, lock_url, services.obs_url, services.queue)
+    task = app.tasks["e.finished"]
+    k = key()
+    first, second = task.delay(k), task.delay(k)
+    assert first.id != second.id  # the claim keeps the second run out instead
+    assert queued(services) == 2
+
+
+def test_the_marker_sits_in_the_names_cluster_slot(cluster_server: RedisServer) -> None:
+    from redis.cluster import RedisCluster
+    from redis.crc import key_slot
+
+    from fenced._lease import ClaimKeys
+    from fenced.celery import _enqueue
+
+    keys = ClaimKeys.of("feed:acme")
+    assert key_slot(keys.queued.encode()) == key_slot(keys.lock.encode())
+    client = RedisCluster(host="127.0.0.1", port=cluster_server.port, decode_responses=True)
+    try:
+        assert _enqueue.mark(client, keys, "t1", 60_000, None) is None
+        assert _enqueue.mark(client, keys, "t2", 60_000, None) == "t1"
+        assert not _enqueue.clear(client, keys, "t2")  # not its marker
+        assert _enqueue.clear(client, keys, "t1")
+        assert _enqueue.mark(client, keys, "t2", 60_000, None) is None
+    finally:
+        client.close()
