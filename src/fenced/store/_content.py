@@ -171,7 +171,13 @@ class ContentStore:
     @contextlib.contextmanager
     def _fan(self, digest: str, *, create: bool = False) -> Iterator[int | None]:
         """The open fan-out directory of an object, None when it is missing."""
-        root = _durable.open_root(self.root)
+        try:
+            root = _durable.open_root(self.root)
+        except FileNotFoundError:
+            if create:
+                raise
+            yield None  # the store was removed: no object is in it
+            return
         try:
             fan = _durable.open_dir(root, self.root / digest[:2], create=create)
         finally:
@@ -256,7 +262,8 @@ class ContentStore:
         # Refresh the age gc judges by, so an old object reused by a build in progress
         # survives until that build publishes. Only metadata changes; no bytes are written.
         with contextlib.suppress(OSError), self._fan(digest) as fan:
-            os.utime(digest[2:], dir_fd=fan, follow_symlinks=False)
+            if fan is not None:
+                os.utime(digest[2:], dir_fd=fan, follow_symlinks=False)
         return Ref(digest, self.path_of(digest), size)
 
     def _write(self, digest: str | None, chunks: Iterable[bytes]) -> Ref:

@@ -159,12 +159,7 @@ class FilePointer:
         assert self.root is not None
         rel = PurePosixPath(stored)
         full = self.root / rel
-        if (
-            rel.is_absolute()
-            or ".." in rel.parts
-            or not rel.parts
-            or not self._inside(full, follow=True)
-        ):
+        if rel.is_absolute() or ".." in rel.parts or not self._inside(full, follow=True):
             raise StoreError(
                 f"pointer {self.path} names {stored!r}, which is outside the pointer's root "
                 f"{self.root}: the file was changed by something other than swap; swap a "
