@@ -26,6 +26,7 @@ from typing import Any
 
 import redis
 
+from . import _audit
 from ._client import describe_client, node_client, refresh_slots
 from ._errors import ClaimUnavailable, ConfigError
 from ._naming import validate_name
@@ -606,19 +607,37 @@ def force_release(
 
     keys = ClaimKeys.of(name, namespace)
     record = encode_release(reason, **data)
-    with reachable(client, f"release claim {keys.name!r}", keys.name):
-        token = FORCE_RELEASE(
-            client,
-            [keys.lock, keys.runs],
-            [
-                token_prefix,
-                record,
-                max_records,
-                task_id or "",
-                outcome or "",
-                holder_filter(host, pid),
-                int(idle_ttl * 1000) if idle_ttl else 0,
-            ],
+    answer: Any = None
+    outcome_seen = "error"
+    try:
+        with reachable(client, f"release claim {keys.name!r}", keys.name):
+            answer = FORCE_RELEASE(
+                client,
+                [keys.lock, keys.runs, keys.fence],
+                [
+                    token_prefix,
+                    record,
+                    max_records,
+                    task_id or "",
+                    outcome or "",
+                    holder_filter(host, pid),
+                    int(idle_ttl * 1000) if idle_ttl else 0,
+                ],
+            )
+        outcome_seen = "released" if answer[0] else "not_held"
+    except ClaimUnavailable:
+        outcome_seen = "unreachable"
+        raise
+    finally:
+        # Logged whatever happened: the run stream is capped and anyone with Redis
+        # access can rewrite it, so operators ship this line somewhere else.
+        text, fence = (as_text(v) for v in answer) if answer else ("", "")
+        _audit.force_released(
+            keys.name,
+            token_prefix=short_token(text or token_prefix) or None,
+            fence=int(fence) if text and fence else None,
+            by=data.get("by"),
+            reason=reason,
+            outcome=outcome_seen,
         )
-    text = as_text(token) if token else ""
     return Holder.parse(text) if text else None

@@ -337,26 +337,28 @@ return answer
 )
 
 # FORCE_RELEASE: clear a claim whatever its token, for an operator or a supervisor
-# KEYS[1] lock   KEYS[2] runs
+# KEYS[1] lock   KEYS[2] runs   KEYS[3] fence
 # ARGV[1] expected token prefix ("" = any holder)   ARGV[2] JSON record   ARGV[3] maxlen
 # ARGV[4] expected task id in the token ("" = any)
 # ARGV[5] outcome of the holder's run, "" for "released" (an operator's act); any other
 #         outcome (e.g. "aborted": its process died) ends that run's record
 # ARGV[6] expected "host:pid" in the token ("" = any)
 # ARGV[7] idle expiry of the name's lasting keys in ms (0 = never)
-# returns the token that was deleted, or "" when nothing matched
+# returns {token deleted, its fence (the fence key's value)}, or {"", ""} when nothing matched
 FORCE_RELEASE = Script(
     "force_release",
     _TOUCH
     + """
 local holder = redis.call('GET', KEYS[1])
-if not holder then return '' end
+if not holder then return {'', ''} end
 if ARGV[1] ~= '' and string.sub(holder, 1, string.len(ARGV[1])) ~= ARGV[1] then
-  return ''
+  return {'', ''}
 end
 local _, host, pid, task_id = string.match(holder, TOKEN_PATTERN)
-if ARGV[4] ~= '' and task_id ~= ARGV[4] then return '' end
-if ARGV[6] ~= '' and (host or '') .. ':' .. (pid or '') ~= ARGV[6] then return '' end
+if ARGV[4] ~= '' and task_id ~= ARGV[4] then return {'', ''} end
+if ARGV[6] ~= '' and (host or '') .. ':' .. (pid or '') ~= ARGV[6] then
+  return {'', ''}
+end
 redis.call('DEL', KEYS[1])
 if ARGV[2] ~= '' then
   local outcome = ARGV[5]
@@ -370,7 +372,7 @@ if ARGV[2] ~= '' then
   end
   touch(tonumber(ARGV[7]), KEYS[2])
 end
-return holder
+return {holder, redis.call('GET', KEYS[3]) or ''}
 """,
 )
 

@@ -591,6 +591,9 @@ if app is not None:
             raise typer.Exit(EXIT_USAGE)
         token = prefix
         by = operator()
+        from ._audit import echo_to_stderr
+
+        echo_to_stderr()  # the fenced.audit line of the act, with no logging set up here
         with _talking_to(client):
             holder = force_release(
                 client, name, reason=reason, namespace=namespace, by=by, token_prefix=token

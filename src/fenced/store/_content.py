@@ -4,6 +4,9 @@ Each object is stored once under the SHA-256 of its bytes, ``<root>/ab/cdef…``
 put streams into a temporary file under ``<root>/.tmp``, fsyncs it, renames it into
 place and fsyncs the directory, so a reader that finds an object finds all of it,
 and a crash leaves at most a stray temporary file (removed by :meth:`ContentStore.gc`).
+The fan-out directories, ``.tmp`` and the objects are never reached through a
+symbolic link (see ``_durable``): a link planted in the store is refused by name.
+Objects are read-only: the umask's read bits, no write bits.
 Reads check the digest, so a corrupted object raises :class:`~fenced.CorruptObject`
 instead of publishing bad bytes.
 
@@ -21,6 +24,7 @@ import io
 import json
 import os
 import re
+import stat
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -33,6 +37,7 @@ from ._published import Pointer, Published, Ref
 __all__ = ["MANIFEST_PREFIX", "ContentStore"]
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
+_FAN = re.compile(r"[0-9a-f]{2}")
 _CHUNK = 1 << 20
 #: First bytes of every manifest object; gc follows the digests a manifest lists.
 MANIFEST_PREFIX = b'{"fenced_manifest":1,'
@@ -152,16 +157,59 @@ class ContentStore:
     def ref(self, digest: str) -> Ref:
         """The Ref of a stored object; StoreError when it is not in the store."""
         digest = self._digest(digest)
-        path = self.path_of(digest)
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise StoreError(f"no object {digest} in {self.root}: put its bytes first") from None
-        return Ref(digest, path, size)
+        st = self._stat(digest)
+        if st is None:
+            raise StoreError(f"no object {digest} in {self.root}: put its bytes first")
+        return Ref(digest, self.path_of(digest), st.st_size)
 
     def exists(self, digest: str | Ref) -> bool:
         """True when the object is in the store (its bytes are not read)."""
-        return self.path_of(self._digest(digest)).is_file()
+        return self._stat(self._digest(digest)) is not None
+
+    # -- the fan-out directories, never through a link ----------------------------------
+
+    @contextlib.contextmanager
+    def _fan(self, digest: str, *, create: bool = False) -> Iterator[int | None]:
+        """The open fan-out directory of an object, None when it is missing."""
+        try:
+            root = _durable.open_root(self.root)
+        except FileNotFoundError:
+            if create:
+                raise
+            yield None  # the store was removed: no object is in it
+            return
+        try:
+            fan = _durable.open_dir(root, self.root / digest[:2], create=create)
+        finally:
+            os.close(root)
+        try:
+            yield fan
+        finally:
+            if fan is not None:
+                os.close(fan)
+
+    def _stat(self, digest: str) -> os.stat_result | None:
+        """An object's metadata, None when it is missing; a link or device is refused."""
+        with self._fan(digest) as fan:
+            if fan is None:
+                return None
+            try:
+                st = os.stat(digest[2:], dir_fd=fan, follow_symlinks=False)
+            except FileNotFoundError:
+                return None
+        if not stat.S_ISREG(st.st_mode):
+            raise _durable.not_followed(self.path_of(digest), "regular file")
+        return st
+
+    def _open_fd(self, digest: str) -> int | None:
+        """An object opened for reading, None when it is missing."""
+        with self._fan(digest) as fan:
+            if fan is None:
+                return None
+            try:
+                return _durable.open_regular(self.path_of(digest), os.O_RDONLY, dir_fd=fan)
+            except FileNotFoundError:
+                return None
 
     # -- writing ----------------------------------------------------------------------
 
@@ -206,30 +254,46 @@ class ContentStore:
         return self._write(digest, _chunks(f))
 
     def _existing(self, digest: str, size: int) -> Ref | None:
-        path = self.path_of(digest)
-        try:
-            st = path.stat()
-        except FileNotFoundError:
+        st = self._stat(digest)
+        if st is None:
             return None
         if st.st_size != size:
             return None  # a damaged copy: the caller writes the good bytes over it
         # Refresh the age gc judges by, so an old object reused by a build in progress
         # survives until that build publishes. Only metadata changes; no bytes are written.
-        with contextlib.suppress(OSError):
-            os.utime(path)
-        return Ref(digest, path, size)
+        with contextlib.suppress(OSError), self._fan(digest) as fan:
+            if fan is not None:
+                os.utime(digest[2:], dir_fd=fan, follow_symlinks=False)
+        return Ref(digest, self.path_of(digest), size)
 
     def _write(self, digest: str | None, chunks: Iterable[bytes]) -> Ref:
         with _durable.writing(f"cannot store an object in {self.root}", self.root):
             return self._write_here(digest, chunks)
 
     def _write_here(self, digest: str | None, chunks: Iterable[bytes]) -> Ref:
-        if not self._tmp.is_dir():
-            _durable.ensure_dir(self._tmp)
-        tmp = _durable.temp_name(self._tmp, (digest or "stream")[:16])
+        root = _durable.open_root(self.root)
+        try:
+            tmp_dir = _durable.open_dir(root, self._tmp, create=True)
+            assert tmp_dir is not None
+            try:
+                return self._write_in(root, tmp_dir, digest, chunks)
+            finally:
+                os.close(tmp_dir)
+        finally:
+            os.close(root)
+
+    def _write_in(
+        self, root: int, tmp_dir: int, digest: str | None, chunks: Iterable[bytes]
+    ) -> Ref:
+        name = _durable.temp_name(self._tmp, (digest or "stream")[:16]).name
         hasher, size = hashlib.sha256(), 0
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(
+                name,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | _durable.NOFOLLOW,
+                _durable.FILE_MODE,
+                dir_fd=tmp_dir,
+            )
             try:
                 for chunk in chunks:
                     hasher.update(chunk)
@@ -240,7 +304,7 @@ class ContentStore:
                 _durable.checkpoint("put:written")
                 os.fsync(fd)
                 # Objects are immutable: read-only makes an accidental in-place edit fail loudly.
-                os.fchmod(fd, 0o444)
+                _durable.read_only(fd)
             finally:
                 os.close(fd)
             actual = hasher.hexdigest()
@@ -252,17 +316,22 @@ class ContentStore:
             if digest is None:
                 existing = self._existing(actual, size)
                 if existing:
-                    tmp.unlink()
+                    os.unlink(name, dir_fd=tmp_dir)
                     return existing
             _durable.checkpoint("put:synced")
             final = self.path_of(actual)
-            _durable.ensure_dir(final.parent)
-            os.replace(tmp, final)
+            fan = _durable.open_dir(root, final.parent, create=True)
+            assert fan is not None
+            try:
+                os.replace(name, final.name, src_dir_fd=tmp_dir, dst_dir_fd=fan)
+                _durable.checkpoint("put:renamed")
+                os.fsync(fan)
+            finally:
+                os.close(fan)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=tmp_dir)
             raise
-        _durable.checkpoint("put:renamed")
-        _durable.fsync_dir(final.parent)
         return Ref(actual, final, size)
 
     def put_manifest(self, entries: Mapping[str, Ref | str]) -> Ref:
@@ -287,10 +356,10 @@ class ContentStore:
         """Open an object for reading; reading to the end raises CorruptObject on damage."""
         digest = self._digest(ref)
         path = self.path_of(digest)
-        try:
-            f = path.open("rb", buffering=0)
-        except FileNotFoundError:
-            raise StoreError(f"no object {digest} in {self.root}: put its bytes first") from None
+        fd = self._open_fd(digest)
+        if fd is None:
+            raise StoreError(f"no object {digest} in {self.root}: put its bytes first")
+        f = io.FileIO(fd, "rb")
         size = os.fstat(f.fileno()).st_size
         expected = ref.size if isinstance(ref, Ref) else size
         checked = Ref(digest, path, expected)
@@ -331,13 +400,18 @@ class ContentStore:
     def refs(self) -> Iterator[Ref]:
         """Every object in the store (its bytes are not read)."""
         for fan in sorted(self.root.iterdir()):
-            if len(fan.name) != 2 or not fan.is_dir():
+            if not _FAN.fullmatch(fan.name):
+                continue
+            if fan.is_symlink():
+                # gc would remove files wherever the link leads.
+                raise _durable.not_followed(fan, "directory")
+            if not fan.is_dir():
                 continue
             for entry in sorted(fan.iterdir()):
                 digest = fan.name + entry.name
                 if _DIGEST.fullmatch(digest):
                     try:
-                        yield Ref(digest, entry, entry.stat().st_size)
+                        yield Ref(digest, entry, entry.lstat().st_size)
                     except FileNotFoundError:
                         continue  # removed by a concurrent gc
 
@@ -360,14 +434,17 @@ class ContentStore:
             )
         if grace < 0:
             raise ConfigError(f"grace={grace!r} must be >= 0 seconds")
+        if self._tmp.is_symlink():
+            raise _durable.not_followed(self._tmp, "directory")
         live = self._live(keep)
         cutoff = time.time() - grace
         removed: list[Ref] = []
-        for ref in self.refs():
+        # Listed in full first: a planted link is refused before anything is removed.
+        for ref in list(self.refs()):
             if ref.digest in live:
                 continue
             try:
-                if ref.path.stat().st_mtime > cutoff:
+                if ref.path.lstat().st_mtime > cutoff:
                     continue
                 if not dry_run:
                     ref.path.unlink()
@@ -377,7 +454,7 @@ class ContentStore:
         if not dry_run and self._tmp.is_dir():
             for tmp in self._tmp.iterdir():
                 try:
-                    if tmp.stat().st_mtime <= cutoff:
+                    if tmp.lstat().st_mtime <= cutoff:
                         tmp.unlink()
                 except FileNotFoundError:
                     continue
@@ -404,12 +481,11 @@ class ContentStore:
             if digest in live:
                 continue
             live.add(digest)
-            path = self.path_of(digest)
-            try:
-                with path.open("rb") as f:
-                    head = f.read(len(MANIFEST_PREFIX))
-            except FileNotFoundError:
+            fd = self._open_fd(digest)
+            if fd is None:
                 continue
+            with io.FileIO(fd, "rb") as f:
+                head = f.read(len(MANIFEST_PREFIX))
             if head == MANIFEST_PREFIX:
                 # A damaged manifest raises here, before anything is removed.
                 todo.extend(ref.digest for ref in self.read_manifest(digest).values())

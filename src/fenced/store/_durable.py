@@ -3,6 +3,12 @@
 A file becomes visible under its final name only by ``os.replace`` of a complete,
 fsynced temporary file in the same directory (or the same filesystem), and the
 directory is fsynced afterwards so the new name itself survives a power cut.
+
+Inside a store, nothing fenced writes or creates follows a symbolic link: files are
+opened with ``O_NOFOLLOW`` (new ones with ``O_EXCL``), and the directories it makes
+are opened beside their parent (``dir_fd``) and refused when they are links, so a
+link planted in the tree cannot send a write, a create or a read elsewhere. New files
+and directories get ``0o666`` and ``0o777`` less the process umask, like any program's.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import errno
 import operator
 import os
 import secrets
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +30,11 @@ __all__ = [
     "checkpoint",
     "ensure_dir",
     "fsync_dir",
+    "not_followed",
+    "open_dir",
+    "open_regular",
+    "open_root",
+    "read_only",
     "temp_name",
     "writable_fix",
     "write_atomic",
@@ -31,6 +43,12 @@ __all__ = [
 
 #: Largest fence a signed 64-bit (BIGINT) column holds.
 MAX_FENCE = 2**63 - 1
+#: Flags that keep an open from following a link in the last component, or leaking.
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+#: Mode of a new file before the umask, as any program creates one.
+FILE_MODE = 0o666
+#: Mode of a new directory before the umask.
+DIR_MODE = 0o777
 
 
 def checkpoint(point: str) -> None:
@@ -91,15 +109,87 @@ def ensure_dir(path: Path) -> None:
         fsync_dir(d.parent)
 
 
+def not_followed(path: Path, kind: str) -> StoreError:
+    """The error for a symbolic link (or other non-regular entry) where ``kind`` belongs."""
+    return StoreError(
+        f"{path} is a symbolic link or not a {kind}: fenced does not follow links inside "
+        "a store, so a planted link cannot send its reads and writes elsewhere; replace "
+        f"it with a real {kind}, or remove it"
+    )
+
+
+def open_root(path: Path) -> int:
+    """Open a directory the caller chose, as given: a store's root may be a link."""
+    return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+
+
+def open_dir(parent: int, path: Path, *, create: bool) -> int | None:
+    """Open the directory ``path`` (a name in ``parent``) never through a link; None if missing.
+
+    With ``create`` it is made first (mode 0o777 less the umask).
+    """
+    if create:
+        try:
+            os.mkdir(path.name, DIR_MODE, dir_fd=parent)
+            os.fsync(parent)
+        except FileExistsError:
+            pass  # made by a concurrent writer, or a link: the open below tells which
+        except OSError as exc:
+            exc.filename = str(path)
+            raise
+    try:
+        return os.open(
+            path.name, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | NOFOLLOW, dir_fd=parent
+        )
+    except FileNotFoundError:
+        if create:
+            raise
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise not_followed(path, "directory") from None
+        raise
+
+
+def open_regular(
+    path: Path, flags: int, *, mode: int = FILE_MODE, dir_fd: int | None = None
+) -> int:
+    """Open a regular file without following a link (a FIFO or device is refused too)."""
+    name: str | Path = path.name if dir_fd is not None else path
+    try:
+        fd = os.open(name, flags | NOFOLLOW | os.O_NONBLOCK, mode, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise not_followed(path, "regular file") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StoreError(
+                f"{path} is not a regular file (a device, FIFO or socket): remove it, "
+                "or choose another path"
+            )
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_only(fd: int) -> None:
+    """Take the write bits off a file, keeping what the umask allowed it to be read by."""
+    os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) & ~0o222)
+
+
 def temp_name(directory: Path, stem: str) -> Path:
     """A fresh hidden name in ``directory`` that no other writer will choose."""
     return directory / f".{stem}.{secrets.token_hex(6)}.tmp"
 
 
-def write_atomic(path: Path, data: bytes, *, mode: int = 0o644, point: str = "write") -> None:
+def write_atomic(path: Path, data: bytes, *, point: str = "write") -> None:
     """Replace ``path`` with ``data`` in one step: temp file, fsync, os.replace, dir fsync."""
     tmp = temp_name(path.parent, path.name)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    # O_EXCL: a name that exists, a link included, is never opened.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, FILE_MODE)
     try:
         try:
             view = memoryview(data)
@@ -144,7 +234,8 @@ def writing(what: str, directory: Path) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        where = exc.filename or directory
+        # A name opened beside its directory (dir_fd) is relative: say the directory.
+        where = exc.filename if exc.filename and os.path.isabs(exc.filename) else directory
         raise StoreError(
             f"{what}: cannot write {where} ({exc.strerror or exc}); "
             f"{writable_fix(directory, exc.errno)}"

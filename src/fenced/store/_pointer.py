@@ -16,6 +16,12 @@ An equal fence is accepted: the same holder may publish again.
 never see a partial file) and serialises compare-and-replace with ``flock`` on a
 sidecar lock file, so two processes cannot interleave. :class:`RedisPointer` does the
 same in one Lua script.
+
+A FilePointer trusts nothing it reads from disk: the pointer file is read only when it
+is a regular file (not a link, device or FIFO) of at most :data:`MAX_POINTER_SIZE`
+bytes, and with a ``root`` a target it names must stay under the root (no ``..``, no
+absolute path, no link leading out), else :class:`~fenced.StoreError` names the file.
+Neither the pointer file nor its lock file is opened through a link.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .._client import connect
@@ -36,10 +42,13 @@ from .._scripts import Script, as_text
 from . import _durable
 from ._published import Published, Ref, Target
 
-__all__ = ["PUBLISH", "FilePointer", "RedisPointer"]
+__all__ = ["MAX_POINTER_SIZE", "PUBLISH", "FilePointer", "RedisPointer"]
 
 #: Publishes kept in a RedisPointer's log (trimmed approximately).
 HISTORY = 100
+#: Largest pointer file a FilePointer reads or writes, in bytes (a swap writes about
+#: 200 bytes plus the target's path).
+MAX_POINTER_SIZE = 64 * 1024
 
 
 def _parts(target: object) -> tuple[str | os.PathLike[str], str | None, int | None]:
@@ -116,9 +125,9 @@ class FilePointer:
     def __repr__(self) -> str:
         return f"<FilePointer {str(self.path)!r}>"
 
-    def _inside(self, path: Path) -> bool:
+    def _inside(self, path: Path, *, follow: bool = False) -> bool:
         assert self.root is not None
-        real = path.parent.resolve() / path.name
+        real = path.resolve() if follow else path.parent.resolve() / path.name
         return real == self.root or real.is_relative_to(self.root)
 
     def _entry(self, target: Target) -> dict[str, Any]:
@@ -130,7 +139,7 @@ class FilePointer:
             )
         stored = str(path)
         if self.root is not None:
-            if not self._inside(path):
+            if not (self._inside(path) and self._inside(path, follow=True)):
                 raise ConfigError(
                     f"target {path} is outside the pointer's root {self.root}: write the "
                     "output under the root, or pass a root that holds both"
@@ -141,14 +150,41 @@ class FilePointer:
 
     def _published(self, entry: dict[str, Any]) -> Published:
         target = str(entry["target"])
-        if self.root is not None and not os.path.isabs(target):
-            target = str(self.root / target)
+        if self.root is not None:
+            target = self._confined(target)
         return Published(target, int(entry["fence"]), entry.get("digest"), entry.get("size"))
 
-    def _load(self) -> dict[str, Any] | None:
+    def _confined(self, stored: str) -> str:
+        """The path of a stored target under the root; StoreError when it leads out."""
+        assert self.root is not None
+        rel = PurePosixPath(stored)
+        full = self.root / rel
+        if rel.is_absolute() or ".." in rel.parts or not self._inside(full, follow=True):
+            raise StoreError(
+                f"pointer {self.path} names {stored!r}, which is outside the pointer's root "
+                f"{self.root}: the file was changed by something other than swap; swap a "
+                "target under the root again, or remove the file"
+            )
+        return str(full)
+
+    def _read_bounded(self) -> bytes | None:
+        """The pointer file's bytes, at most MAX_POINTER_SIZE; None when there is none."""
         try:
-            data = self.path.read_bytes()
+            fd = _durable.open_regular(self.path, os.O_RDONLY)
         except FileNotFoundError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(MAX_POINTER_SIZE + 1)
+        if len(data) > MAX_POINTER_SIZE:
+            raise StoreError(
+                f"pointer {self.path} is larger than {MAX_POINTER_SIZE} bytes, so it is not "
+                "a fenced pointer file: remove it, or choose another pointer path"
+            )
+        return data
+
+    def _load(self) -> dict[str, Any] | None:
+        data = self._read_bounded()
+        if data is None:
             return None
         try:
             entry = json.loads(data)
@@ -169,7 +205,8 @@ class FilePointer:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Never through a link: a planted one would lock, or create, a file elsewhere.
+        fd = _durable.open_regular(self.lock_path, os.O_RDWR | os.O_CREAT)
         try:
             deadline = time.monotonic() + self.lock_timeout
             wait = 0.0005
@@ -209,6 +246,11 @@ class FilePointer:
                 if {k: current.get(k) for k in entry} == entry:
                     return self._published(current)  # already published: write nothing
             body = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+            if len(body) > MAX_POINTER_SIZE:
+                raise ConfigError(
+                    f"pointer {self.path}: the target's path is too long to publish (the "
+                    f"pointer file would exceed {MAX_POINTER_SIZE} bytes); use a shorter path"
+                )
             _durable.write_atomic(self.path, body, point="swap")
         return self._published(entry)
 

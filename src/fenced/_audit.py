@@ -1,0 +1,114 @@
+"""The audit trail of operator acts: one ``fenced.audit`` log line per force release.
+
+The run record of a force release lives in the claim's run stream, which is capped and
+writable by anyone who can reach Redis, and its ``by`` is whatever the caller claims.
+So every act that clears another holder's lease (``fenced release``,
+:func:`fenced.force_release`, a Celery worker releasing the claim of a killed pool
+child) is also logged on the ``fenced.audit`` logger at INFO, whether or not Redis
+answered, and goes wherever the process's logging sends it. Each line carries these
+``extra`` fields (every structured fenced log field is named ``fenced_*``):
+
+==================== ==================================================================
+fenced_action        what was done: ``"force_release"``
+fenced_name          the claim name
+fenced_token_prefix  the start of the cleared holder's token (never the whole token); when
+                     nothing was cleared, the prefix asked for, or None
+fenced_fence         the cleared holder's fence; None when nothing was cleared
+fenced_by            who the caller says it is (``by=``, else the login name): self-declared
+fenced_uid           the real uid of the acting process (``os.getuid()``)
+fenced_host          the host of the acting process
+fenced_pid           the pid of the acting process
+fenced_reason        why, as the caller gave it
+fenced_outcome       ``"released"``; ``"not_held"`` (nothing held, or not by the holder
+                     named); ``"unreachable"`` (Redis did not answer); ``"error"``
+==================== ==================================================================
+"""
+
+from __future__ import annotations
+
+import getpass
+import logging
+import os
+import socket
+import sys
+
+__all__ = ["FIELDS", "LOGGER", "claimed_user", "echo_to_stderr", "force_released"]
+
+#: The audit logger's name; its lines go wherever the process's logging goes.
+LOGGER = "fenced.audit"
+#: The ``extra`` fields of every audit line, in the order the table above gives them.
+FIELDS = (
+    "fenced_action",
+    "fenced_name",
+    "fenced_token_prefix",
+    "fenced_fence",
+    "fenced_by",
+    "fenced_uid",
+    "fenced_host",
+    "fenced_pid",
+    "fenced_reason",
+    "fenced_outcome",
+)
+
+log = logging.getLogger(LOGGER)
+
+
+def claimed_user() -> str:
+    """The login name this process claims (LOGNAME, USER, ... or the passwd entry)."""
+    try:
+        return getpass.getuser()
+    except Exception:  # no passwd entry in some containers
+        return str(os.getuid())
+
+
+def force_released(
+    name: str,
+    *,
+    token_prefix: str | None,
+    fence: int | None,
+    by: str | None,
+    reason: str | None,
+    outcome: str,
+) -> None:
+    """Log one force release on ``fenced.audit`` (at INFO, with the FIELDS as extra)."""
+    extra = dict(
+        zip(
+            FIELDS,
+            (
+                "force_release",
+                name,
+                token_prefix,
+                fence,
+                by or claimed_user(),
+                os.getuid(),
+                socket.gethostname(),
+                os.getpid(),
+                reason,
+                outcome,
+            ),
+            strict=True,
+        )
+    )
+    log.info(
+        "fenced: force release of %r: %s (holder %s, fence %s; by %s, uid %d, on %s "
+        "pid %d; reason: %s)",
+        name,
+        outcome,
+        token_prefix or "-",
+        "-" if fence is None else fence,
+        extra["fenced_by"],
+        extra["fenced_uid"],
+        extra["fenced_host"],
+        extra["fenced_pid"],
+        reason,
+        extra=extra,
+    )
+
+
+def echo_to_stderr() -> None:
+    """Print audit lines on stderr when nothing else handles them (the command line)."""
+    if not log.hasHandlers():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
