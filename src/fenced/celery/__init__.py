@@ -13,6 +13,7 @@
 - ``_options``: the task options, their settings and defaults, the lock Redis;
 - ``_task``: :class:`ClaimedTask`, what one run does;
 - ``_request``: :class:`ClaimedRequest`, the worker side (a pool child that died);
+- ``_disabled``: ``fenced_enabled = False``, :class:`LocalClaim` (tests without Redis);
 - ``signals``: the signals fenced sends.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from .._errors import ClaimInterrupted
 from . import signals
+from ._disabled import LocalClaim
 from ._options import DEFAULTS, ON_BUSY, lock_redis
 from ._request import ClaimedRequest
 from ._task import ClaimedTask, metrics
@@ -30,6 +32,7 @@ __all__ = [
     "ClaimInterrupted",
     "ClaimedRequest",
     "ClaimedTask",
+    "LocalClaim",
     "lock_redis",
     "metrics",
     "signals",

@@ -76,6 +76,7 @@ from .._guard import SKIP_RERUN_REASON, Skipped, finish, lost_error, outcome_of
 from .._lease import HOST, Holder, force_release
 from .._naming import Namer
 from . import signals
+from ._disabled import LocalClaim, enabled
 from ._options import (
     OPTIONS,
     RENAMED,
@@ -272,6 +273,8 @@ class ClaimedTask(Task[Any, Any]):
     # -- a run -------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not enabled(self.app):
+            return self._run_unclaimed(args, kwargs)
         opts = self._options()
         client = lock_redis(self.app)
         request = self.request
@@ -323,6 +326,24 @@ class ClaimedTask(Task[Any, Any]):
                 self._finish(claim, "failed", repr(exc)[:500], args, kwargs)
                 raise
         return self._run(claim, interrupter, args, kwargs)
+
+    def _run_unclaimed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """fenced switched off (tests without Redis): the body runs under a LocalClaim."""
+        opts = self._options()
+        claim = LocalClaim(
+            self._namer()(args, kwargs)[0],
+            ttl=opts.ttl,
+            namespace=opts.namespace,
+            task_id=self.request.id,
+        )
+        claim.acquire()
+        stack = _stack()
+        stack.append((self, claim))
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            stack.pop()
+            claim.release()
 
     def _settle_earlier_attempts(
         self, claim: Claim, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -626,6 +647,8 @@ class ClaimedTask(Task[Any, Any]):
         self, task_id: str, pid: int, args: Sequence[Any], kwargs: Mapping[str, Any], why: str
     ) -> Holder | None:
         """Release the claim that process ``pid`` held for ``task_id`` (it is dead)."""
+        if not enabled(self.app):
+            return None  # it held a local claim only
         opts = self._options()
         name = self.claim_name_for(args, kwargs)
         holder = force_release(
