@@ -294,3 +294,18 @@ def retry_elsewhere(self: Any, key: str, queue: str, countdown: float = 2.0) -> 
     """Retries into a queue no worker reads: the retried message never comes."""
     _attempt(self, key)
     raise self.retry(countdown=countdown, queue=queue)
+
+
+# -- groups and chords ---------------------------------------------------------------------
+
+
+@app.task(name="t.collect")
+def collect(results: list[Any]) -> Any:
+    """A chord body: what it received, and its members that ran (skips filtered out)."""
+    from fenced import is_skipped
+
+    return {
+        "results": results,
+        "ran": [r for r in results if not is_skipped(r)],
+        "skipped": [r["claim"] for r in results if is_skipped(r)],
+    }
