@@ -167,6 +167,10 @@ def test_a_running_attempt_of_the_same_task_id_is_never_taken_over(
     assert running.held
     # Another task id never takes over a kept lease.
     assert running.hand_over(30, "retrying in 27.0s") == "retried"
+    # Kept under a value of its own: a renewal of the ended run can no longer touch it.
+    assert running.token is not None
+    assert client.get(running.key) == f"retry-{running.token}".encode()
+    assert not running.refresh()
     other = Claim(client, running.name, ttl=30, task_id="task-2", heartbeat=False)
     assert not other.take_over()
     assert retry.take_over()

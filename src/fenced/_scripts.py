@@ -340,9 +340,11 @@ return answer
 
 # HANDOVER: a run that asked for a retry of its task ends, keeping its lease for the
 #           retried message of the same task id (which takes it over with TAKEOVER)
-# KEYS[1] lock   KEYS[2] runs   KEYS[3] handover (the token the lease is kept for)
-# ARGV[1] token  ARGV[2] how long the lease is kept, in ms (no renewal extends it after
-#         this: the caller stopped renewing before it sent this)
+# KEYS[1] lock   KEYS[2] runs   KEYS[3] handover (the value of the kept lease)
+# ARGV[1] token  ARGV[2] how long the lease is kept, in ms
+# The kept lease's value is "retry-" + token: host, pid and task id read as before, but
+# a renewal of the run still on its way (REFRESH compares the token) finds it gone and
+# cannot cut the kept time short.
 # ARGV[3] JSON of the finished run record, or "" to record nothing
 # ARGV[4] maximum length of the runs stream   ARGV[5] fence of the run being finished
 # ARGV[6] idle expiry of the name's lasting keys in ms (0 = never)
@@ -355,8 +357,9 @@ HANDOVER = Script(
 local kept = 0
 local outcome = 'lost'
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
+  local value = 'retry-' .. ARGV[1]
+  redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
+  redis.call('SET', KEYS[3], value, 'PX', ARGV[2])
   kept = 1
   outcome = 'retried'
 end
