@@ -191,3 +191,16 @@ def test_a_handover_of_a_lease_already_gone_records_lost(redis_server: RedisServ
     run = records.last(client, claim.name)
     assert run is not None and run.outcome == "lost"
     assert not client.exists(claim.keys.handover)
+
+
+def test_a_retrys_countdown_is_read_from_seconds_or_an_eta() -> None:
+    from datetime import datetime, timedelta, timezone
+
+    from fenced.celery._task import _seconds_until
+
+    app = Celery("eta", set_as_current=False)
+    assert _seconds_until(app, 2) == 2.0 and _seconds_until(app, None) == 0.0
+    eta = datetime.now(timezone.utc) + timedelta(seconds=30)
+    assert 0 < _seconds_until(app, eta) <= 30
+    assert 0 < _seconds_until(app, eta.replace(tzinfo=None)) <= 30
+    assert _seconds_until(app, eta - timedelta(seconds=60)) == 0.0

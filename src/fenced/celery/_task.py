@@ -103,8 +103,8 @@ RETRY_MARGIN = 0.25
 
 #: In-process counters: runs, ok, failed, lost, skipped, skips_exceeded, reruns,
 #: conflict_retries, redelivery_retries, unavailable, duplicates, retried, takeovers,
-#: aborted (per process:
-#: a prefork child counts its own runs, the main process counts ``aborted``).
+#: aborted (per process: a prefork child counts its own runs, the main process counts
+#: ``aborted``).
 metrics: Counter[str] = Counter()
 _metrics_lock = threading.Lock()
 
