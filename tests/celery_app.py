@@ -227,3 +227,85 @@ def soft(self: Any, key: str) -> str:
     note(f"sleeper:{key}", event="start")
     time.sleep(20)
     return "never"
+
+
+# -- retries keep the claim ----------------------------------------------------------------
+
+
+class Flaky(Exception):
+    """A failure autoretry_for retries."""
+
+
+def _attempt(task: Any, key: str) -> None:
+    note(
+        f"attempts:{key}",
+        task_id=task.request.id,
+        retries=task.request.retries,
+        fence=task.claim.fence,
+    )
+
+
+def _gate_after_retry(task: Any, key: str) -> None:
+    """A retried attempt holds its claim until the test opens the gate."""
+    while not obs().exists(f"gate:{key}"):
+        task.claim.check()
+        time.sleep(0.05)
+
+
+@app.task(base=ClaimedTask, bind=True, name="t.retry_once", claim="retry:{key}", max_retries=3)
+def retry_once(self: Any, key: str, countdown: float = 2.0, gated: bool = False) -> Any:
+    """Asks for one retry; the retried attempt finishes (after the gate, when gated)."""
+    _attempt(self, key)
+    if self.request.retries == 0:
+        raise self.retry(countdown=countdown)
+    if gated:
+        _gate_after_retry(self, key)
+    return {"status": "ok", "fence": self.claim.fence, "retries": self.request.retries}
+
+
+@app.task(
+    base=ClaimedTask,
+    bind=True,
+    name="t.autoretry",
+    claim="retry:{key}",
+    autoretry_for=(Flaky,),
+    default_retry_delay=2,
+    max_retries=3,
+)
+def autoretry(self: Any, key: str, gated: bool = False) -> Any:
+    """Fails once with Flaky (autoretry_for retries it); the retried attempt finishes."""
+    _attempt(self, key)
+    if self.request.retries == 0:
+        raise Flaky("the first attempt fails")
+    if gated:
+        _gate_after_retry(self, key)
+    return {"status": "ok", "fence": self.claim.fence, "retries": self.request.retries}
+
+
+@app.task(base=ClaimedTask, bind=True, name="t.retry_forever", claim="retry:{key}", max_retries=1)
+def retry_forever(self: Any, key: str) -> Any:
+    """Always asks for a retry, so its retries run out."""
+    _attempt(self, key)
+    raise self.retry(countdown=0.5)
+
+
+@app.task(base=ClaimedTask, bind=True, name="t.retry_elsewhere", claim="retry:{key}")
+def retry_elsewhere(self: Any, key: str, queue: str, countdown: float = 2.0) -> Any:
+    """Retries into a queue no worker reads: the retried message never comes."""
+    _attempt(self, key)
+    raise self.retry(countdown=countdown, queue=queue)
+
+
+# -- groups and chords ---------------------------------------------------------------------
+
+
+@app.task(name="t.collect")
+def collect(results: list[Any]) -> Any:
+    """A chord body: what it received, and its members that ran (skips filtered out)."""
+    from fenced import is_skipped
+
+    return {
+        "results": results,
+        "ran": [r for r in results if not is_skipped(r)],
+        "skipped": [r["claim"] for r in results if is_skipped(r)],
+    }

@@ -404,6 +404,12 @@ def test_a_skip_is_the_same_skipped_result_as_everywhere_else(app: Celery, r: An
     held = holder_view(r, "same:a").holder
     assert held is not None
     assert result["holder"]["pid"] == held.pid
+    # is_skipped() knows the result, the dict, and nothing that merely looks alike.
+    from fenced import is_skipped
+
+    assert is_skipped(result) and is_skipped(Skipped.of(holder_view(r, "same:a")))
+    assert task("b") == "b" and not is_skipped("b")
+    assert not is_skipped({"status": "skipped"}) and not is_skipped(None)
     holder.release()
 
 

@@ -401,3 +401,58 @@ def test_soft_time_limit_releases_the_claim(cel: Cel) -> None:
     last = records.last(cel.locks, f"soft:{k}")
     assert last is not None and last.outcome == "failed"
     assert last.reason == "soft time limit exceeded"
+
+
+# -- groups and chords ----------------------------------------------------------------------
+
+
+def _rebuilds(cel: Cel, k: str, layers: list[str]) -> list[Any]:
+    return [
+        cel.client.signature(
+            "t.rebuild",
+            args=(k, layer),
+            kwargs={"steps": 1, "step_time": 0.05, "run": k},
+            queue=cel.services.queue,
+        )
+        for layer in layers
+    ]
+
+
+def test_a_chord_body_receives_a_skipped_members_result_and_can_filter_it(cel: Cel) -> None:
+    from celery import chord
+
+    from fenced import Claim
+
+    k = key()
+    layers = ["roads", "rivers", "rails"]
+    holder = Claim(cel.locks, f"rebuild:{k}:roads", ttl=30)
+    assert holder.acquire()
+    try:
+        body = cel.client.signature("t.collect", queue=cel.services.queue)
+        out = chord(_rebuilds(cel, k, layers))(body).get(timeout=WAIT)
+    finally:
+        holder.release()
+    # The body runs (a skip is a result, not a failure), with the skip in its place.
+    results = out["results"]
+    assert len(results) == 3
+    assert results[0]["status"] == "skipped" and results[0]["claim"] == f"rebuild:{k}:roads"
+    assert results[0]["holder"]["pid"] == os.getpid()
+    assert out["skipped"] == [f"rebuild:{k}:roads"]
+    assert [r["layer"] for r in out["ran"]] == ["rivers", "rails"]
+    assert all(r["status"] == "ok" for r in out["ran"])
+
+
+def test_a_groups_results_carry_a_skipped_members_result(cel: Cel) -> None:
+    from celery import group
+
+    from fenced import Claim, is_skipped
+
+    k = key()
+    holder = Claim(cel.locks, f"rebuild:{k}:rivers", ttl=30)
+    assert holder.acquire()
+    try:
+        results = group(_rebuilds(cel, k, ["roads", "rivers"]))().get(timeout=WAIT)
+    finally:
+        holder.release()
+    assert [is_skipped(r) for r in results] == [False, True]
+    assert results[0]["status"] == "ok" and results[1]["claim"] == f"rebuild:{k}:rivers"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import http.server
 import importlib.util
+import json
 import os
 import shutil
 import sqlite3
@@ -406,3 +407,42 @@ def test_feed_rows_read_back_through_the_django_orm(feeds: dict[str, Any]) -> No
         f"tag:releases.example.org,2024:fenced/0.2.1 2024-05-21T06:45:00+00:00 {result['fence']}",
         f"tag:releases.example.org,2024:fenced/0.3.0 2024-06-10T12:00:00+00:00 {result['fence']}",
     ]
+
+
+DJANGO_SETTINGS_PROBE = """
+import json, os
+from django.conf import settings
+settings.CELERY_FENCED_REDIS_URL  # the settings are read now, the environment with them
+del os.environ["FENCED_REDIS_URL"]  # from here on only the setting can name the store
+from djangofeeds.celery import app
+from fenced.celery._options import lock_url
+from fenced.doctor import check_celery
+app.loader.import_default_modules()
+print(json.dumps({
+    "url": lock_url(app),
+    "ttl": app.tasks["feed.import"]._options().ttl,
+    "findings": sorted(f.code for f in check_celery(app) if f.severity != "info"),
+}))
+"""
+
+
+def test_feeds_settings_name_the_claim_store_as_celery_fenced_redis_url() -> None:
+    """The app reads CELERY_FENCED_* through Celery's CELERY_ namespace, and the doctor
+    finds nothing to warn about in its settings."""
+    store = "redis://127.0.0.1:1/7"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("FENCED_")},
+        "DJANGO_SETTINGS_MODULE": "djangofeeds.settings",
+        "FENCED_REDIS_URL": store,
+        "PYTHONPATH": os.pathsep.join([str(DJANGOFEEDS), str(ROOT / "src")]),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", DJANGO_SETTINGS_PROBE],
+        cwd=DJANGOFEEDS,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    probe = json.loads(out.strip().splitlines()[-1])
+    assert probe == {"url": store, "ttl": 60.0, "findings": []}

@@ -16,7 +16,7 @@ from ._errors import (
     StoreError,
 )
 from ._exclusive import exclusive
-from ._guard import Skipped
+from ._guard import Skipped, is_skipped
 from ._lease import Holder, force_release, read_holder
 from ._lock import Lock
 from ._naming import claim_name, hash_value
@@ -43,5 +43,6 @@ __all__ = [
     "exclusive",
     "force_release",
     "hash_value",
+    "is_skipped",
     "read_holder",
 ]

@@ -338,6 +338,17 @@ class ClaimState:
             self._idle_ms,
         )
 
+    def _takeover_args(self, token: str) -> tuple[str, int, str, int, str, int]:
+        """The arguments of the store's ``take_over`` for one try under ``token``."""
+        return (
+            token,
+            self._ttl_ms,
+            _records.encode_started(self.task_id, self.record_extra) if self.records else "",
+            self.max_records,
+            self.task_id or "",
+            self._idle_ms,
+        )
+
     def _unavailable(self, exc: BaseException) -> ClaimUnavailable:
         """ClaimUnavailable for an acquire that could not reach Redis, or that it refused."""
         if isinstance(exc, redis.ResponseError):
@@ -595,11 +606,16 @@ class Claim(ClaimState):
                 return False
             self._sleep(self._retry_wait(now, give_up))
 
-    def _try_acquire(self, record_skip: bool, mark_rerun: bool | str = False) -> bool:
+    def _try_acquire(
+        self, record_skip: bool, mark_rerun: bool | str = False, takeover: bool = False
+    ) -> bool:
         token = new_token(self.task_id)
         sent = self._clock()
         try:
-            res = self._store.acquire(*self._acquire_args(token, record_skip, mark_rerun))
+            if takeover:
+                res = self._store.take_over(*self._takeover_args(token))
+            else:
+                res = self._store.acquire(*self._acquire_args(token, record_skip, mark_rerun))
         except UNREACHABLE as exc:
             if isinstance(exc, redis.TimeoutError):
                 # Only a request that was sent can have landed; a refused connection
@@ -622,6 +638,60 @@ class Claim(ClaimState):
         if self.heartbeat:
             _heartbeat().add(self)
         return True
+
+    def take_over(self) -> bool:
+        """Take the lease an earlier attempt of this task id kept for it (``hand_over``).
+
+        A free name is taken too; a lease held by anyone else, or by an attempt of the
+        same task id that did not hand it over (it may still be running), is not:
+        then False, and ``holder`` says who has it. The fence is a new one.
+        """
+        self._check_acquire(None)
+        if not self.task_id:
+            raise ConfigError(
+                "take_over() needs the claim's task_id: only a lease kept for the same "
+                "task id can be taken over",
+                name=self.name,
+            )
+        return self._try_acquire(False, takeover=True)
+
+    def hand_over(self, keep_for: float, reason: str | None = None) -> str:
+        """End this run and keep the lease ``keep_for`` seconds for a later attempt of
+        the same task id to take over (``take_over``); no longer renewed from here on.
+
+        Returns the outcome recorded: ``retried`` when the lease was kept, ``lost`` when
+        it was gone (or Redis could not confirm it; it then expires within its ttl).
+        Not held (lost, released): nothing is done and ``""`` comes back.
+        """
+        if not self.held or self.token is None or not self.task_id:
+            return ""
+        if keep_for < 0:
+            raise ValueError(f"keep_for={keep_for!r} must be seconds >= 0")
+        if self.heartbeat:
+            _heartbeat().discard(self)
+        before, _outcome, record = self._begin_release("retried", reason)
+        try:
+            kept = self._store.hand_over(
+                self.token,
+                max(1, int(keep_for * 1000)),
+                record,
+                self.max_records,
+                self.fence or 0,
+                self._idle_ms,
+            )
+        except _UNCONFIRMABLE as exc:
+            self._release_unconfirmed(exc)
+            return "lost"
+        except BaseException:
+            self._release_undone(before)
+            if self.heartbeat and before == _HELD:
+                _heartbeat().add(self)
+            raise
+        if not kept:
+            self.vanished = True
+            self._lost_reason = _VANISHED
+            return "lost"
+        return "retried"
 
     def _give_back(self, token: str, fence: int, why: str, elapsed: float) -> None:
         """Remove a lease granted to us that we must not use (its run record says why)."""

@@ -39,6 +39,7 @@ __all__ = [
     "busy_error",
     "check_on_busy",
     "finish",
+    "is_skipped",
     "lost_error",
     "outcome_of",
     "settle",
@@ -119,6 +120,25 @@ class Skipped:
             "expires_in": self.expires_in,
             "skips": self.skips,
         }
+
+
+#: The keys of ``Skipped.as_dict()``: a dict with all of them and status "skipped" is one.
+_SKIPPED_KEYS = frozenset(("status", "reason", "claim", "holder", "expires_in", "skips"))
+
+
+def is_skipped(result: Any) -> bool:
+    """True for a skipped run's result: a Skipped, or its dict (what a Celery task returns).
+
+    For a chord's body or a group's results, where a skipped member's result arrives
+    among the others: ``[r for r in results if not fenced.is_skipped(r)]``.
+    """
+    if isinstance(result, Skipped):
+        return True
+    return (
+        isinstance(result, Mapping)
+        and result.get("status") == "skipped"
+        and result.keys() >= _SKIPPED_KEYS
+    )
 
 
 def busy_error(claim: ClaimState, waited: float | None = None) -> ClaimHeld:

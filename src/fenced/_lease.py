@@ -33,8 +33,10 @@ from ._naming import validate_name
 from ._scripts import (
     ACQUIRE,
     FORCE_RELEASE,
+    HANDOVER,
     REFRESH,
     RELEASE,
+    TAKEOVER,
     TOKEN_PATTERN,
     Call,
     Script,
@@ -211,6 +213,11 @@ class ClaimKeys:
     def queued(self) -> str:
         """The task id of the message queued for this name (``claim_enqueue``)."""
         return self._key("queued")
+
+    @property
+    def handover(self) -> str:
+        """The token a lease is kept for while its task's retried message is due."""
+        return self._key("handover")
 
     def released(self, token: str) -> str:
         """A short-lived note of how a token's release went, so a retry gets that answer."""
@@ -448,6 +455,20 @@ class LeaseCalls:
             ],
         )
 
+    def handover_call(
+        self, token: str, keep_ms: int, record: str, max_records: int, fence: int, idle_ms: int
+    ) -> Call:
+        """HANDOVER: end ``token``'s run, keeping its lease ``keep_ms`` for its task's retry."""
+        keys = (self.keys.lock, self.keys.runs, self.keys.handover)
+        return HANDOVER, keys, [token, keep_ms, record, max_records, fence, idle_ms]
+
+    def takeover_call(
+        self, token: str, ttl_ms: int, record: str, max_records: int, task_id: str, idle_ms: int
+    ) -> Call:
+        """TAKEOVER: take the lease kept for ``task_id`` (or a free name); read as ACQUIRE's."""
+        keys = (self.keys.lock, self.keys.fence, self.keys.runs, self.keys.handover)
+        return TAKEOVER, keys, [token, ttl_ms, record, max_records, task_id, idle_ms]
+
     def abandon_call(self, token: str) -> Call:
         """RELEASE of a lease a timed-out request may have left, recording nothing."""
         return (
@@ -552,6 +573,25 @@ class LeaseStore(LeaseCalls):
             token, record, max_records, outcome, fence, idle_ms, task_id, done_ms, take_reruns
         )
         return released(self._run(call))
+
+    def hand_over(
+        self, token: str, keep_ms: int, record: str, max_records: int, fence: int, idle_ms: int
+    ) -> bool:
+        """Run HANDOVER: True when ``token`` held the lease and it is now kept for the retry."""
+        return (
+            int(self._run(self.handover_call(token, keep_ms, record, max_records, fence, idle_ms)))
+            == 1
+        )
+
+    def take_over(
+        self, token: str, ttl_ms: int, record: str, max_records: int, task_id: str, idle_ms: int
+    ) -> list[Any]:
+        """Run TAKEOVER (see its contract); with replicas to wait for, as :meth:`acquire`."""
+        call = self.takeover_call(token, ttl_ms, record, max_records, task_id, idle_ms)
+        if self.replicas:
+            reply, acked = self.replicated(*call)
+            return [*reply, acked]
+        return list(self._run(call))
 
     def finished_ok(self, task_id: str) -> bool:
         """Whether a run of ``task_id`` ended ``ok`` within its redelivery window."""

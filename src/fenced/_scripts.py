@@ -23,11 +23,13 @@ from redis.exceptions import NoScriptError
 __all__ = [
     "ACQUIRE",
     "FORCE_RELEASE",
+    "HANDOVER",
     "LOCK_ACQUIRE",
     "LOCK_RELEASE",
     "RECORD",
     "REFRESH",
     "RELEASE",
+    "TAKEOVER",
     "TOKEN_PATTERN",
     "Script",
 ]
@@ -333,6 +335,92 @@ if released == 1 then
   redis.call('SET', KEYS[6], note, 'PX', 60000)
 end
 return answer
+""",
+)
+
+# HANDOVER: a run that asked for a retry of its task ends, keeping its lease for the
+#           retried message of the same task id (which takes it over with TAKEOVER)
+# KEYS[1] lock   KEYS[2] runs   KEYS[3] handover (the value of the kept lease)
+# ARGV[1] token  ARGV[2] how long the lease is kept, in ms
+# The kept lease's value is "retry-" + token: host, pid and task id read as before, but
+# a renewal of the run still on its way (REFRESH compares the token) finds it gone and
+# cannot cut the kept time short.
+# ARGV[3] JSON of the finished run record, or "" to record nothing
+# ARGV[4] maximum length of the runs stream   ARGV[5] fence of the run being finished
+# ARGV[6] idle expiry of the name's lasting keys in ms (0 = never)
+# returns 1 when our token held the lease (now kept, its run recorded "retried"), 0 when
+#         the lease was gone or another token's (its run recorded "lost")
+HANDOVER = Script(
+    "handover",
+    _TOUCH
+    + """
+local kept = 0
+local outcome = 'lost'
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  local value = 'retry-' .. ARGV[1]
+  redis.call('SET', KEYS[1], value, 'PX', ARGV[2])
+  redis.call('SET', KEYS[3], value, 'PX', ARGV[2])
+  kept = 1
+  outcome = 'retried'
+end
+if ARGV[3] ~= '' then
+  if kept == 1 then
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*',
+               'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
+               'outcome', outcome, 'r', ARGV[3])
+  else
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*',
+               'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
+               'outcome', outcome, 'r', ARGV[3], 'note', 'the lease was gone before release')
+  end
+  touch(tonumber(ARGV[6]), KEYS[2])
+end
+return kept
+""",
+)
+
+# TAKEOVER: a retried message takes the lease its earlier attempt kept for it (HANDOVER),
+#           or the name when it is free, minting a new fence as ACQUIRE does
+# KEYS[1] lock   KEYS[2] fence   KEYS[3] runs   KEYS[4] handover
+# ARGV[1] token  ARGV[2] ttl in ms
+# ARGV[3] JSON of the "started" run record, or "" to record nothing
+# ARGV[4] maximum length of the runs stream
+# ARGV[5] the caller's task id: only a lease kept for a token carrying this task id is
+#         taken over; a holder still running (no handover) is never taken from
+# ARGV[6] idle expiry of the name's lasting keys in ms (0 = never)
+# returns {1, fence}   when the claim is ours (also when ARGV[1] already holds it)
+#         {0, holder token, pttl ms, holder fence, 0, 0}   as ACQUIRE's busy answer
+TAKEOVER = Script(
+    "takeover",
+    _TOUCH
+    + """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then
+  return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
+end
+if holder then
+  local _, _, _, task_id = string.match(holder, TOKEN_PATTERN)
+  if ARGV[5] == '' or task_id ~= ARGV[5] or redis.call('GET', KEYS[4]) ~= holder then
+    return {0, holder, redis.call('PTTL', KEYS[1]),
+            tonumber(redis.call('GET', KEYS[2]) or '0'), 0, 0}
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+redis.call('DEL', KEYS[4])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local fence = redis.call('INCR', KEYS[2])
+if fence < now then
+  redis.call('SET', KEYS[2], string.format('%d', now))
+  fence = now
+end
+if ARGV[3] ~= '' then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*',
+             'event', 'started', 'token', ARGV[1], 'fence', string.format('%d', fence),
+             'r', ARGV[3])
+end
+touch(tonumber(ARGV[6]), KEYS[2], KEYS[3])
+return {1, fence}
 """,
 )
 

@@ -38,6 +38,7 @@ STYLES = {
     "aborted": "yellow",
     "skipped": "yellow",
     "released": "magenta",
+    "retried": "blue",
     "running": "cyan",
     "unfinished": "red",
 }

@@ -6,7 +6,9 @@ appends ``started`` (or ``skipped``), RELEASE appends ``finished`` with the outc
 A run is assembled from its ``started`` and ``finished`` entries by token.
 
 Outcomes: ``ok``, ``skipped``, ``failed``, ``lost``, ``aborted``, ``released`` (by an
-operator), and ``running`` for a run whose end was not (yet) recorded.
+operator), ``retried`` (a Celery run that asked for a retry of its task and kept its
+lease for the retried message: HANDOVER), and ``running`` for a run whose end was not
+(yet) recorded.
 
 This module owns the records' form both ways: the ``encode_*`` functions write the JSON
 the scripts append, and :func:`from_entries` reads it back.
@@ -37,7 +39,7 @@ __all__ = [
     "record",
 ]
 
-OUTCOMES = ("ok", "skipped", "failed", "lost", "aborted", "released", "running")
+OUTCOMES = ("ok", "skipped", "failed", "lost", "aborted", "released", "retried", "running")
 
 # One encoder for every record: json.dumps with options builds a new encoder per call.
 _encode = json.JSONEncoder(separators=(",", ":"), default=str).encode

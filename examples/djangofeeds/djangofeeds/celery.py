@@ -8,11 +8,9 @@ from celery import Celery
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "djangofeeds.settings")
 
-from django.conf import settings  # after DJANGO_SETTINGS_MODULE is set
-
 app = Celery("djangofeeds")
+# Every CELERY_* Django setting, fenced's included: CELERY_FENCED_REDIS_URL is read as
+# fenced_redis_url (the claim store, never the broker: claims belong in a Redis that
+# never evicts keys), CELERY_FENCED_CLAIM_TTL as fenced_claim_ttl, and so on.
 app.config_from_object("django.conf:settings", namespace="CELERY")
-# The claim store comes from settings.FENCED_REDIS_URL, not from the broker setting:
-# claims belong in a Redis that never evicts keys.
-app.conf.fenced_redis_url = settings.FENCED_REDIS_URL
 app.autodiscover_tasks()

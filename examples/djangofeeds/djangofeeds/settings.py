@@ -37,11 +37,17 @@ CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_SOFT_TIME_LIMIT = 5 * 60
 CELERY_TASK_TIME_LIMIT = 6 * 60
 CELERY_BROKER_TRANSPORT_OPTIONS = {"visibility_timeout": 60 * 60}
+# After a lost broker connection a running import could no longer acknowledge its
+# message, which would come back and wait out the claim to import the feed again:
+# cancel it instead (its message is redelivered and runs once).
+CELERY_WORKER_CANCEL_LONG_RUNNING_TASKS_ON_CONNECTION_LOSS = True
 
-# -- fenced -------------------------------------------------------------------------
+# -- fenced (read by Celery with the same CELERY_ namespace: CELERY_FENCED_<SETTING>) --
 # The claim store: its own Redis database (or instance), with maxmemory-policy
-# noeviction, separate from the broker. djangofeeds/celery.py hands it to Celery.
-FENCED_REDIS_URL = os.environ.get("FENCED_REDIS_URL", "redis://localhost:6379/1")
+# noeviction, separate from the broker.
+CELERY_FENCED_REDIS_URL = os.environ.get("FENCED_REDIS_URL", "redis://localhost:6379/1")
+# Every claimed task's options default from settings the same way: the import's lease.
+CELERY_FENCED_CLAIM_TTL = 60
 
 # -- feeds --------------------------------------------------------------------------
 FEEDS_FETCH_TIMEOUT = float(os.environ.get("FEEDS_FETCH_TIMEOUT", "20"))

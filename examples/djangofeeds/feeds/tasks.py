@@ -38,8 +38,8 @@ def engine() -> sa.Engine:
     bind=True,
     acks_late=True,
     # One import per feed at a time, named by the feed URL (hashed into the claim name).
+    # Its lease (claim_ttl) comes from settings.CELERY_FENCED_CLAIM_TTL.
     claim="feed:{feed_url}",
-    claim_ttl=60,
 )
 def import_feed(self: Any, feed_url: str) -> dict[str, Any]:
     """Fetch, parse and upsert one feed under its claim."""

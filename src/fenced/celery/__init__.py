@@ -14,6 +14,7 @@
 - ``_enqueue``: deduplication at enqueue (``claim_enqueue``), the "queued" marker;
 - ``_task``: :class:`ClaimedTask`, what one run does;
 - ``_request``: :class:`ClaimedRequest`, the worker side (a pool child that died);
+- ``_disabled``: ``fenced_enabled = False``, :class:`LocalClaim` (tests without Redis);
 - ``signals``: the signals fenced sends.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from .._errors import ClaimInterrupted
 from . import signals
+from ._disabled import LocalClaim
 from ._options import DEFAULTS, ON_BUSY, lock_redis
 from ._request import ClaimedRequest
 from ._task import ClaimedTask, metrics
@@ -31,6 +33,7 @@ __all__ = [
     "ClaimInterrupted",
     "ClaimedRequest",
     "ClaimedTask",
+    "LocalClaim",
     "lock_redis",
     "metrics",
     "signals",

@@ -5,6 +5,10 @@ Each option is given in the task decorator (``claim_ttl=60``), else by the app s
 ``fenced_namespace``), else by :data:`DEFAULTS`. They are checked when the task class
 is made and resolved when it is bound to its app, so a bad value fails when the worker
 starts, not at 02:00 on the first run.
+
+Settings that are not task options: ``fenced_redis_url``, ``fenced_redis_client``,
+``fenced_redis_options`` (the lock Redis, below) and ``fenced_enabled`` (claims switched
+off for tests without Redis: :mod:`fenced.celery._disabled`).
 """
 
 from __future__ import annotations

@@ -31,7 +31,10 @@ What one run does:
    holder's lease. (Under gevent or eventlet there is no interrupt; checks still raise.)
 4. In ``finally`` the claim is released with the run's outcome (one round trip, which
    also ends the run record), and if a rerun was asked meanwhile the task is sent once
-   more with the same arguments.
+   more with the same arguments. A run that asked for a retry (``self.retry()``,
+   ``autoretry_for``) instead keeps its lease, unrenewed, for the countdown plus the
+   claim's ttl (record ``retried``); the retried message takes it over with a new fence
+   (``TAKEOVER``), so a duplicate arriving during the countdown is skipped.
 
 With ``claim_enqueue``, ``apply_async`` (and so ``delay``, signatures and beat) publishes
 nothing while a message for the call's claim name is queued (``until_started``) or
@@ -56,6 +59,7 @@ import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import redis
@@ -78,6 +82,7 @@ from .._guard import SKIP_RERUN_REASON, Skipped, finish, lost_error, outcome_of
 from .._lease import HOST, ClaimKeys, Holder, force_release
 from .._naming import Namer
 from . import _enqueue, signals
+from ._disabled import LocalClaim, enabled
 from ._options import (
     OPTIONS,
     RENAMED,
@@ -103,9 +108,10 @@ RETRY_MARGIN = 0.25
 
 
 #: In-process counters: runs, ok, failed, lost, skipped, skips_exceeded, reruns,
-#: conflict_retries, redelivery_retries, unavailable, duplicates, aborted, enqueue_skipped
-#: (calls not sent: ``claim_enqueue``). Per process: a prefork child counts its own runs,
-#: the main process counts ``aborted``, the sending process ``enqueue_skipped``.
+#: conflict_retries, redelivery_retries, unavailable, duplicates, retried, takeovers,
+#: aborted, enqueue_skipped (calls not sent: ``claim_enqueue``). Per process: a prefork
+#: child counts its own runs, the main process counts ``aborted``, the sending process
+#: ``enqueue_skipped``.
 metrics: Counter[str] = Counter()
 _metrics_lock = threading.Lock()
 
@@ -381,6 +387,8 @@ class ClaimedTask(Task[Any, Any]):
     # -- a run -------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not enabled(self.app):
+            return self._run_unclaimed(args, kwargs)
         opts = self._options()
         client = lock_redis(self.app)
         request = self.request
@@ -421,7 +429,7 @@ class ClaimedTask(Task[Any, Any]):
         except BaseException as exc:  # e.g. a soft time limit: never leave a lease renewed
             claim.release(outcome="failed", reason=f"interrupted while acquiring: {exc!r}")
             raise
-        if not acquired:
+        if not acquired and not self._took_over(claim, opts):
             return self._busy(claim, opts)
         if request.id and (request.retries or (request.delivery_info or {}).get("redelivered")):
             try:
@@ -432,6 +440,24 @@ class ClaimedTask(Task[Any, Any]):
                 self._finish(claim, "failed", repr(exc)[:500], args, kwargs)
                 raise
         return self._run(claim, interrupter, args, kwargs)
+
+    def _run_unclaimed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """fenced switched off (tests without Redis): the body runs under a LocalClaim."""
+        opts = self._options()
+        claim = LocalClaim(
+            self._namer()(args, kwargs)[0],
+            ttl=opts.ttl,
+            namespace=opts.namespace,
+            task_id=self.request.id,
+        )
+        claim.acquire()
+        stack = _stack()
+        stack.append((self, claim))
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            stack.pop()
+            claim.release()
 
     def _settle_earlier_attempts(
         self, claim: Claim, task_id: str, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -521,6 +547,10 @@ class ClaimedTask(Task[Any, Any]):
         reason: str | None = None,
     ) -> str:
         """Release with the run's outcome, send the reruns asked for; the outcome."""
+        if isinstance(exc, Retry):
+            kept = self._keep_for_retry(claim, exc)
+            if kept:
+                return kept
         try:
             outcome = finish(claim, exc, "the task", reason=reason, raise_lost=False)
         except Exception:  # never hide the run's own outcome behind a release error
@@ -589,6 +619,67 @@ class ClaimedTask(Task[Any, Any]):
                 claim.name,
                 sent.id,
             )
+
+    # -- a retry keeps the claim ---------------------------------------------------------
+
+    def _keep_for_retry(self, claim: Claim, retry: Retry) -> str:
+        """The body asked for a retry (``self.retry()``, ``autoretry_for``): keep the lease.
+
+        The retried message (same task id, same claim name) takes it over with a new
+        fence (:meth:`_took_over`), so no duplicate runs during the countdown. The lease
+        is kept, unrenewed, for the countdown plus the claim's ttl: if the retried
+        message never comes, the name frees then. Returns the outcome recorded
+        (``retried``, or ``lost`` when the lease was already gone); ``""`` when the lease
+        is not kept (the claim was lost, an eager retry, a retry under another name):
+        then it is released as any run's.
+        """
+        # An eager retry runs at once, inside this run: there is nothing to keep it for.
+        if getattr(retry, "is_eager", False) or not claim.held:
+            return ""
+        sig: Any = getattr(retry, "sig", None)
+        if sig is not None:
+            try:
+                same = self.claim_name_for(sig.args or (), sig.kwargs or {}) == claim.name
+            except Exception:
+                same = False
+            if not same:
+                return ""  # retried with other arguments: another claim
+        countdown = _seconds_until(self.app, retry.when)
+        try:
+            outcome = claim.hand_over(
+                countdown + self._options().ttl, reason=f"retrying in {countdown:.1f}s"
+            )
+        except Exception:
+            log.exception("fenced: could not keep claim %r for the retry", claim.name)
+            return ""
+        if outcome:
+            count(outcome)
+        return outcome
+
+    def _took_over(self, claim: Claim, opts: TaskOptions) -> bool:
+        """Take over a lease an earlier attempt of this task id kept for it (it retried).
+
+        Only a lease handed over (:meth:`_keep_for_retry`) is taken: an earlier attempt
+        that is still running, or died holding the claim, keeps it until it ends or
+        expires (see :meth:`_busy`), so two attempts of one task never both hold it.
+        """
+        holder = claim.holder
+        if holder is None or not claim.task_id or holder.task_id != claim.task_id:
+            return False
+        try:
+            took = claim.take_over()
+        except ClaimUnavailable as exc:
+            raise self._unavailable(exc, opts) from None
+        if took:
+            count("takeovers")
+            log.info(
+                "fenced: %s[%s] took over claim %r from its earlier attempt (fence %s)",
+                self.name,
+                claim.task_id,
+                claim.name,
+                claim.fence,
+            )
+        return took
 
     # -- when the claim is not ours -----------------------------------------------------
 
@@ -671,6 +762,8 @@ class ClaimedTask(Task[Any, Any]):
         self, task_id: str, pid: int, args: Sequence[Any], kwargs: Mapping[str, Any], why: str
     ) -> Holder | None:
         """Release the claim that process ``pid`` held for ``task_id`` (it is dead)."""
+        if not enabled(self.app):
+            return None  # it held a local claim only
         opts = self._options()
         name = self.claim_name_for(args, kwargs)
         holder = force_release(
@@ -688,6 +781,19 @@ class ClaimedTask(Task[Any, Any]):
             count("aborted")
             log.warning("fenced: released claim %r of %s[%s]: %s", name, self.name, task_id, why)
         return holder
+
+
+def _seconds_until(app: Any, when: Any) -> float:
+    """A retry's countdown in seconds, from its ``when`` (seconds, or an eta datetime)."""
+    if isinstance(when, datetime):
+        now: datetime = app.now()
+        if when.tzinfo is None:
+            now = now.replace(tzinfo=None)
+        return max(0.0, (when - now).total_seconds())
+    try:
+        return max(0.0, float(when or 0))
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _values(options: TaskOptions) -> tuple[Any, ...]:

@@ -269,8 +269,43 @@ def check_celery(
             )
         )
 
-    found += _lock_store_findings(app, claimed, broker)
+    switched_off = _switched_off(app, claimed)
+    if switched_off is not None:
+        found.append(switched_off)
+    else:
+        found += _lock_store_findings(app, claimed, broker)
     return found
+
+
+def _switched_off(app: Any, claimed: list[Any]) -> Finding | None:
+    """A finding when the app's claims are switched off (``fenced_enabled``), else None."""
+    from .._errors import ConfigError
+    from ..celery._disabled import SETTING, enabled
+
+    try:
+        if enabled(app):
+            return None
+    except ConfigError as exc:
+        return Finding(
+            "error",
+            "celery.fenced-enabled-invalid",
+            f"The switch {SETTING} / FENCED_ENABLED cannot be read: {exc.message}",
+            "Every run of a claimed task fails with this ConfigError before its work starts.",
+            f"`{SETTING} = True` (or leave it unset), or `FENCED_ENABLED=1`.",
+        )
+    return Finding(
+        "warning",
+        "celery.fenced-disabled",
+        f"fenced is switched off for this app ({SETTING}=False or FENCED_ENABLED=0)"
+        + (f": claimed tasks {_names(claimed)} run without claims" if claimed else ""),
+        "With the switch off a claimed task runs its body under a local stand-in claim: "
+        "check() always passes and nothing is exclusive, so two runs on one resource "
+        "overlap and write over each other. The switch exists for test suites that run "
+        "tasks eagerly without Redis. (The doctor sees its own environment, not the "
+        "workers'.)",
+        f"Remove `{SETTING} = False` from the production settings, and `FENCED_ENABLED` "
+        "from the workers' environment.",
+    )
 
 
 def _visibility_findings(

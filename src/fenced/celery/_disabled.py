@@ -1,0 +1,144 @@
+"""fenced switched off, for test suites that run tasks eagerly with no Redis at all.
+
+``app.conf.fenced_enabled = False`` (or ``FENCED_ENABLED=0`` in the environment, when
+the setting is not given) makes every :class:`~fenced.celery.ClaimedTask` run its body
+under a :class:`LocalClaim`: ``self.claim`` works as in production (``check()`` and
+``steps()`` pass, a fence is issued, ``held`` is true), but nothing is exclusive and no
+Redis connection is made. Never the default; ``fenced doctor --app`` warns about an app
+that has it off (``celery.fenced-disabled``), and so does a worker when it starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from celery import signals as celery_signals
+
+from .._claim import _HELD, _RELEASED, Claim
+from .._errors import ConfigError
+
+__all__ = ["SETTING", "LocalClaim", "enabled"]
+
+log = logging.getLogger("fenced.celery")
+
+#: The Celery setting; ``FENCED_ENABLED`` is read when it is not given.
+SETTING = "fenced_enabled"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def enabled(app: Any) -> bool:
+    """Whether claimed tasks of ``app`` take real claims (True unless switched off)."""
+    value = app.conf.get(SETTING)
+    if value is None:
+        text = os.environ.get("FENCED_ENABLED")
+        if text is None or not text.strip():
+            return True
+        word = text.strip().lower()
+        if word in _TRUE:
+            return True
+        if word in _FALSE:
+            return False
+        raise ConfigError(
+            f"FENCED_ENABLED={text!r} is not a switch: use 0 (claims off, for tests "
+            "without Redis) or 1 (the default)"
+        )
+    if not isinstance(value, bool):
+        raise ConfigError(
+            f"{SETTING}={value!r} must be True or False (False: claims off, for tests "
+            "without Redis)"
+        )
+    return value
+
+
+_fence_lock = threading.Lock()
+_last_fence = 0
+
+
+def _next_fence() -> int:
+    """A fence above every one issued before in this process (µs since the epoch, or +1)."""
+    global _last_fence
+    with _fence_lock:
+        _last_fence = max(_last_fence + 1, time.time_ns() // 1000)
+        return _last_fence
+
+
+class LocalClaim(Claim):
+    """A claim that talks to no Redis: always granted, never lost, renewals do nothing.
+
+    What ``self.claim`` is in a task run with fenced switched off. Each acquire issues
+    a fence from a local increasing counter.
+    """
+
+    def __init__(self, name: str, **options: Any) -> None:
+        super().__init__(None, name, heartbeat=False, **options)
+
+    def _connect(self, redis: Any) -> Any:
+        return None
+
+    def _bind_store(self) -> None:
+        pass
+
+    def acquire(
+        self,
+        blocking: bool = False,
+        timeout: float | None = None,
+        *,
+        request_rerun: bool | str = False,
+    ) -> bool:
+        """Take the claim: always granted, with a new local fence."""
+        self._check_acquire(timeout)
+        with self._mutex:
+            self.token = f"local:{self.task_id or ''}"
+            self.fence = _next_fence()
+            self._state = _HELD
+            self._started_at = self._clock()
+            self._deadline = float("inf")
+        return True
+
+    def take_over(self) -> bool:
+        """As :meth:`acquire`."""
+        return self.acquire()
+
+    def refresh(self) -> bool:
+        """Nothing to renew: True while held."""
+        return self.held
+
+    def release(self, outcome: str | None = None, reason: str | None = None) -> bool:
+        """Give the claim back (nothing is sent anywhere)."""
+        with self._mutex:
+            was_held, self._state = self._state == _HELD, _RELEASED
+        return was_held
+
+    def hand_over(self, keep_for: float, reason: str | None = None) -> str:
+        """Nothing is kept: the retry takes a new local claim."""
+        self.release()
+        return ""
+
+    def finished_ok(self) -> bool:
+        """Nothing is remembered."""
+        return False
+
+
+@celery_signals.worker_ready.connect(weak=False)
+def _warn_when_disabled(sender: Any = None, **_: Any) -> None:
+    """A worker started with fenced switched off says so, loudly, once."""
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    try:
+        on = enabled(app)
+    except ConfigError as exc:
+        log.error("fenced: %s", exc)
+        return
+    if not on:
+        log.warning(
+            "fenced: claims are switched off for this worker (%s=False or FENCED_ENABLED=0): "
+            "claimed tasks run with a local stand-in claim, with no exclusion at all. "
+            "This setting is for test suites without Redis; remove it in production",
+            SETTING,
+        )

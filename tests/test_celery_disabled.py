@@ -1,0 +1,144 @@
+"""fenced switched off (``fenced_enabled = False``, ``FENCED_ENABLED=0``): claimed tasks run
+eagerly with no Redis at all, the doctor warns, and a worker says so when it starts."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_harness import WAIT, Services, Worker, key
+from fenced import ConfigError
+from fenced.celery import ClaimedTask
+from fenced.celery import _options as options_module
+from fenced.celery._disabled import LocalClaim, enabled
+from fenced.doctor import check_celery
+from fenced.testing import RedisServer
+
+
+def closed_port() -> int:
+    """A port nothing listens on (bound, then closed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+@pytest.fixture
+def no_switch(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv("FENCED_ENABLED", raising=False)
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    yield
+
+
+def eager_app(**conf: Any) -> tuple[Celery, Any]:
+    app = Celery("unit", broker="memory://", set_as_current=False)
+    app.conf.update(
+        task_always_eager=True,
+        fenced_redis_url=f"redis://127.0.0.1:{closed_port()}/1",
+        **conf,
+    )
+
+    @app.task(base=ClaimedTask, bind=True, shared=False, name="u.rebuild", claim="rb:{layer}")
+    def rebuild(self: Any, layer: str) -> dict[str, Any]:
+        claim = self.claim
+        claim.check()
+        steps = list(claim.steps(range(3)))
+        return {
+            "layer": layer,
+            "name": claim.name,
+            "fence": claim.fence,
+            "held": claim.held,
+            "lost": claim.lost,
+            "refreshed": claim.refresh(),
+            "steps": steps,
+            "local": isinstance(claim, LocalClaim),
+        }
+
+    return app, rebuild
+
+
+def test_switched_off_an_eager_task_runs_with_a_local_claim_and_no_redis(no_switch: None) -> None:
+    app, rebuild = eager_app(fenced_enabled=False)
+    first = rebuild.apply(args=("roads",)).get()
+    second = rebuild.delay("roads").get()
+    assert first["local"] and first["held"] and not first["lost"] and first["refreshed"]
+    assert first["name"] == "rb:roads" and first["steps"] == [0, 1, 2]
+    assert second["fence"] > first["fence"] > 0
+    # No client was made for the app, so no connection was tried.
+    assert app not in options_module._clients
+
+
+def test_the_environment_switches_it_off_when_the_setting_is_not_given(
+    no_switch: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FENCED_ENABLED", "0")
+    app, rebuild = eager_app()
+    assert rebuild.apply(args=("rivers",)).get()["local"]
+    assert app not in options_module._clients
+    # The setting wins over the environment.
+    app.conf.fenced_enabled = True
+    assert enabled(app)
+
+
+def test_on_by_default_and_bad_values_are_refused(
+    no_switch: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app, _rebuild = eager_app()
+    assert enabled(app)
+    app.conf.fenced_enabled = "no"
+    with pytest.raises(ConfigError, match="must be True or False"):
+        enabled(app)
+    app.conf.fenced_enabled = None
+    monkeypatch.setenv("FENCED_ENABLED", "maybe")
+    with pytest.raises(ConfigError, match="FENCED_ENABLED='maybe'"):
+        enabled(app)
+
+
+def test_the_doctor_warns_about_an_app_with_claims_switched_off(
+    no_switch: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app, _rebuild = eager_app()
+    assert "celery.fenced-disabled" not in {f.code for f in check_celery(app)}
+    app.conf.fenced_enabled = False
+    found = {f.code: f for f in check_celery(app)}
+    assert found["celery.fenced-disabled"].severity == "warning"
+    assert "u.rebuild" in found["celery.fenced-disabled"].what
+    app.conf.fenced_enabled = None
+    monkeypatch.setenv("FENCED_ENABLED", "0")
+    assert "celery.fenced-disabled" in {f.code for f in check_celery(app)}
+    monkeypatch.setenv("FENCED_ENABLED", "maybe")
+    found = {f.code: f for f in check_celery(app)}
+    assert found["celery.fenced-enabled-invalid"].severity == "error"
+
+
+def test_a_worker_switched_off_warns_at_start_and_runs_without_redis_for_claims(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FENCED_ENABLED", "0")
+    services = Services.on(redis_server)
+    client = services.client()
+    nowhere = f"redis://127.0.0.1:{closed_port()}/2"
+    try:
+        with Worker(services, concurrency=1, lock_url=nowhere, name="off") as worker:
+            k = key()
+            result = client.send_task(
+                "t.rebuild", args=(k, "roads"), kwargs={"steps": 1}, queue=services.queue
+            ).get(timeout=WAIT)
+            assert result["status"] == "ok" and result["fence"] > 0
+            log = worker.log()
+            assert "WARNING" in log and "claims are switched off for this worker" in log
+    finally:
+        client.close()
+
+
+def test_a_worker_switched_on_does_not_warn(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("FENCED_ENABLED", raising=False)
+    services = Services.on(redis_server)
+    with Worker(services, concurrency=1, name="on") as worker:
+        assert "claims are switched off" not in worker.log()

@@ -1,0 +1,207 @@
+"""A claim kept across a task's retries: HANDOVER and TAKEOVER, in a real prefork worker
+and on a test-owned Redis.
+
+A run that asks for a retry (``self.retry()``, ``autoretry_for``) keeps its lease for the
+retried message of the same task id, which takes it over under a new fence; a duplicate
+sent meanwhile is skipped; a retried message that never comes frees the name after the
+countdown plus the claim's ttl.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import redis
+from celery import Celery
+from celery.result import AsyncResult
+
+from _wait import wait_for
+from celery_harness import WAIT, Services, Worker, key, notes
+from fenced import Claim, records
+from fenced._lease import ClaimKeys, read_holder
+from fenced.testing import RedisServer
+
+
+@dataclass
+class Cel:
+    """A running worker and the handles a test needs."""
+
+    services: Services
+    client: Celery
+    obs: redis.Redis
+    locks: redis.Redis
+
+    def send(self, task: str, *args: Any, **kwargs: Any) -> AsyncResult[Any]:
+        """Send a task to the worker's queue."""
+        return self.client.send_task(task, args=args, kwargs=kwargs, queue=self.services.queue)
+
+    def history(self, name: str) -> list[records.RunRecord]:
+        """The claim's run records, newest first."""
+        return records.history(self.locks, name, limit=50)
+
+
+@pytest.fixture(scope="module")
+def cel(redis_server: RedisServer) -> Iterator[Cel]:
+    services = Services.on(redis_server)
+    client = services.client()
+    try:
+        with Worker(services, name="retry"):
+            yield Cel(services, client, services.obs(), services.locks())
+    finally:
+        client.close()
+
+
+def _outcomes(cel: Cel, name: str) -> list[tuple[str | None, str]]:
+    return [(run.task_id, run.outcome) for run in cel.history(name)]
+
+
+def _retried(cel: Cel, name: str) -> records.RunRecord:
+    """The run that asked for a retry, once its end is recorded."""
+
+    def found() -> records.RunRecord | None:
+        return next((r for r in cel.history(name) if r.outcome == "retried"), None)
+
+    return wait_for(f"a retried run of {name!r}", found, WAIT, 0.02)
+
+
+def _kept_then_taken_over(cel: Cel, task: str) -> None:
+    k = key()
+    name = f"retry:{k}"
+    first = cel.send(task, k, gated=True)
+    earlier = _retried(cel, name)
+    assert earlier.task_id == first.id and earlier.fence is not None
+    # The lease is kept for the retried message: a duplicate (another task id) is skipped.
+    holder = read_holder(cel.locks, name)
+    assert holder is not None and holder.task_id == first.id
+    duplicate = cel.send(task, k, gated=True)
+    skip = duplicate.get(timeout=WAIT)
+    assert skip["status"] == "skipped" and skip["holder"]["task_id"] == first.id
+    # The retried attempt runs (it waits at the gate), under a new and larger fence.
+    attempts = wait_for(
+        "the retried attempt",
+        lambda: [a for a in notes(cel.obs, f"attempts:{k}") if a["retries"] == 1],
+    )
+    assert attempts[0]["task_id"] == first.id
+    assert attempts[0]["fence"] > earlier.fence
+    cel.obs.set(f"gate:{k}", 1)
+    result = first.get(timeout=WAIT)
+    assert result["retries"] == 1 and result["fence"] == attempts[0]["fence"]
+    # The first attempt ran once, the duplicate never: only two attempts of the body.
+    assert [a["task_id"] for a in notes(cel.obs, f"attempts:{k}")] == [first.id, first.id]
+    runs = cel.history(name)
+    assert sorted((r.task_id, r.outcome) for r in runs) == sorted(
+        [(first.id, "ok"), (duplicate.id, "skipped"), (first.id, "retried")]
+    )
+    ok = next(r for r in runs if r.outcome == "ok")
+    assert ok.fence == result["fence"]
+    assert earlier.reason is not None and earlier.reason.startswith("retrying in ")
+    assert read_holder(cel.locks, name) is None
+    assert not cel.locks.exists(ClaimKeys.of(name).handover)
+
+
+def test_a_retry_keeps_the_claim_and_the_retried_message_takes_it_over(cel: Cel) -> None:
+    _kept_then_taken_over(cel, "t.retry_once")
+
+
+def test_autoretry_for_keeps_the_claim_likewise(cel: Cel) -> None:
+    _kept_then_taken_over(cel, "t.autoretry")
+
+
+def test_retries_exceeded_fail_and_release(cel: Cel) -> None:
+    k = key()
+    name = f"retry:{k}"
+    result = cel.send("t.retry_forever", k)
+    with pytest.raises(Exception) as failed:
+        result.get(timeout=WAIT)
+    assert "MaxRetriesExceeded" in type(failed.value).__name__
+    assert read_holder(cel.locks, name) is None
+    assert _outcomes(cel, name) == [(result.id, "failed"), (result.id, "retried")]
+    fences = [r.fence for r in cel.history(name)]
+    assert fences[0] is not None and fences[1] is not None and fences[0] > fences[1]
+
+
+def test_a_retried_message_that_never_comes_frees_the_name_after_countdown_and_ttl(
+    cel: Cel,
+) -> None:
+    k = key()
+    name = f"retry:{k}"
+    nowhere = f"nowhere-{k}"
+    first = cel.send("t.retry_elsewhere", k, nowhere, countdown=2.0)
+    _retried(cel, name)
+    # Kept for the countdown plus the ttl (3 s), not renewed: it only runs down.
+    keys = ClaimKeys.of(name)
+    kept = int(cel.locks.pttl(keys.lock))
+    assert 0 < kept <= (2.0 + cel.services.ttl) * 1000
+    assert cel.locks.get(keys.handover) == cel.locks.get(keys.lock)
+    with cel.client.connection_for_write() as conn:
+        channel: Any = conn.default_channel
+        purged = channel.queue_purge(nowhere)
+    assert purged == 1
+    wait_for("the kept lease to expire", lambda: read_holder(cel.locks, name) is None)
+    assert not cel.locks.exists(keys.handover)
+    # The name is free: a new call runs, under a larger fence.
+    again = cel.send("t.retry_once", k, countdown=0.1).get(timeout=WAIT)
+    assert again["status"] == "ok"
+    retried = [r for r in cel.history(name) if r.task_id == first.id]
+    assert [r.outcome for r in retried] == ["retried"]
+    assert retried[0].fence is not None and again["fence"] > retried[0].fence
+
+
+# -- the scripts, without a worker ----------------------------------------------------------
+
+
+def test_a_running_attempt_of_the_same_task_id_is_never_taken_over(
+    redis_server: RedisServer,
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    running = Claim(client, f"z-{key()}", ttl=5, task_id="task-1", heartbeat=False)
+    assert running.acquire()
+    retry = Claim(client, running.name, ttl=30, task_id="task-1", heartbeat=False)
+    # Still running (a zombie worker, or one slow to end): no handover, no takeover.
+    assert not retry.acquire()
+    assert not retry.take_over()
+    assert retry.holder is not None and retry.holder.token == running.token
+    assert running.held
+    # Another task id never takes over a kept lease.
+    assert running.hand_over(30, "retrying in 27.0s") == "retried"
+    # Kept under a value of its own: a renewal of the ended run can no longer touch it.
+    assert running.token is not None
+    assert client.get(running.key) == f"retry-{running.token}".encode()
+    assert int(client.pttl(running.key)) > 5000  # kept longer than its ttl
+    assert not running.refresh()
+    other = Claim(client, running.name, ttl=30, task_id="task-2", heartbeat=False)
+    assert not other.take_over()
+    assert retry.take_over()
+    assert retry.fence is not None and running.fence is not None and retry.fence > running.fence
+    # The earlier attempt's renewals are refused from here on; it never holds again.
+    assert not running.held and not running.refresh()
+    assert running.hand_over(30) == ""
+    assert retry.release(outcome="ok")
+
+
+def test_a_handover_of_a_lease_already_gone_records_lost(redis_server: RedisServer) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    claim = Claim(client, f"z-{key()}", ttl=30, task_id="task-1", heartbeat=False, records=True)
+    assert claim.acquire()
+    client.delete(claim.key)
+    assert claim.hand_over(10, "retrying in 7.0s") == "lost"
+    assert claim.vanished
+    run = records.last(client, claim.name)
+    assert run is not None and run.outcome == "lost"
+    assert not client.exists(claim.keys.handover)
+
+
+def test_a_retrys_countdown_is_read_from_seconds_or_an_eta() -> None:
+    from datetime import datetime, timedelta, timezone
+
+    from fenced.celery._task import _seconds_until
+
+    app = Celery("eta", set_as_current=False)
+    assert _seconds_until(app, 2) == 2.0 and _seconds_until(app, None) == 0.0
+    eta = datetime.now(timezone.utc) + timedelta(seconds=30)
+    assert 0 < _seconds_until(app, eta) <= 30
+    assert 0 < _seconds_until(app, eta.replace(tzinfo=None)) <= 30
+    assert _seconds_until(app, eta - timedelta(seconds=60)) == 0.0
