@@ -47,6 +47,8 @@ CELERY_FENCED_CLAIM_REDELIVERY_WINDOW = 120
 CELERY_FENCED_CLAIM_IDLE_TTL = 3600
 CELERY_FENCED_CLAIM_REPLICAS = 1
 CELERY_FENCED_CLAIM_REPLICA_TIMEOUT = 0.5
+CELERY_FENCED_CLAIM_ENQUEUE = "until_started"
+CELERY_FENCED_CLAIM_ENQUEUE_TTL = 600
 
 
 def alert(sender, name, skips, holder):
@@ -154,6 +156,8 @@ def test_every_fenced_setting_is_read_from_django_settings_with_the_celery_names
         "idle_ttl": 3600.0,
         "replicas": 1,
         "replica_timeout": 0.5,
+        "enqueue": "until_started",
+        "enqueue_ttl": 600.0,
     }
     # Every option's setting was given, with a value that is not its default.
     given = {
@@ -170,6 +174,8 @@ def test_every_fenced_setting_is_read_from_django_settings_with_the_celery_names
         "claim_idle_ttl": 3600,
         "claim_replicas": 1,
         "claim_replica_timeout": 0.5,
+        "claim_enqueue": "until_started",
+        "claim_enqueue_ttl": 600,
     }
     assert set(given) == set(SETTINGS)
     assert all(DEFAULTS[option] != value for option, value in given.items())
