@@ -26,8 +26,9 @@ from typing import Any
 import redis
 
 from ._client import describe_client, node_client, refresh_slots
-from ._errors import ClaimUnavailable, ConfigError
+from ._errors import ClaimUnavailable, ConfigError, CorruptKey
 from ._naming import validate_name
+from ._printable import printable, readable
 from ._scripts import (
     ACQUIRE,
     FORCE_RELEASE,
@@ -103,6 +104,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # -- the token --------------------------------------------------------------------------
 
 _TOKEN = re.compile(TOKEN_PATTERN, re.DOTALL)
+# A pid as new_token writes it (str.isdigit also accepts digits int() refuses, "²").
+_PID = re.compile("[0-9]{1,20}")
 
 
 def new_token(task_id: str | None = None) -> str:
@@ -125,18 +128,37 @@ class Holder:
     task_id: str | None
     fence: int | None
     expires_in: float | None
+    #: Why the stored value could not be read (the claim is held by someone unknown).
+    unreadable: str | None = None
 
     @classmethod
-    def parse(cls, token: str, pttl_ms: int | None = None, fence: int | None = None) -> Holder:
-        """Parse a token written by :func:`new_token` (foreign values parse as opaque)."""
+    def parse(
+        cls, token: str | bytes, pttl_ms: int | None = None, fence: int | None = None
+    ) -> Holder:
+        """Parse a token written by :func:`new_token` (foreign values parse as opaque).
+
+        Never fails: a value that is not UTF-8 gives a holder whose ``unreadable`` says
+        so (its ``token`` then shows the bytes as escapes).
+        """
+        expires = None if pttl_ms is None or pttl_ms < 0 else pttl_ms / 1000.0
+        if isinstance(token, bytes):
+            try:
+                token = token.decode()
+            except UnicodeDecodeError:
+                unreadable = "the lease's value is not UTF-8"
+                return cls(readable(token), "?", None, None, fence, expires, unreadable)
         match = _TOKEN.fullmatch(token)
         if match:
             _rand, host, pid, task_id = match.groups()
-            pid_int = int(pid) if pid.isdigit() else None
+            pid_int = int(pid) if _PID.fullmatch(pid) else None
         else:
             host, pid_int, task_id = "?", None, ""
-        expires = None if pttl_ms is None or pttl_ms < 0 else pttl_ms / 1000.0
         return cls(token, host, pid_int, task_id or None, fence, expires)
+
+    @classmethod
+    def unknown(cls, why: str) -> Holder:
+        """A holder whose lease was seen but could not be read at all."""
+        return cls("?", "?", None, None, None, None, why)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form, without the secret part of the token."""
@@ -145,9 +167,14 @@ class Holder:
         return data
 
     def __str__(self) -> str:
-        who = f"{self.host} pid {self.pid}"
-        if self.task_id:
-            who += f" task {self.task_id}"
+        # Host and task id are whatever the token says: escaped, so that a message
+        # naming the holder never carries terminal controls into a log or a terminal.
+        if self.unreadable:
+            who = f"someone unknown (unreadable: {self.unreadable})"
+        else:
+            who = f"{printable(self.host)} pid {self.pid}"
+            if self.task_id:
+                who += f" task {printable(self.task_id)}"
         if self.expires_in is not None:
             who += f", {self.expires_in:.1f}s left"
         return who
@@ -234,7 +261,7 @@ class ClaimKeys:
     @staticmethod
     def name_from_key(key: str | bytes, namespace: str = "fenced") -> str | None:
         """Recover the claim name from any of its keys (used by ``fenced ls``)."""
-        text = as_text(key)
+        text = readable(key)
         prefix = namespace + ":{"
         if not text.startswith(prefix):
             return None
@@ -449,10 +476,58 @@ class LeaseCalls:
             [token, "", MAX_RECORDS, "", 0, "0", 0, 0],
         )
 
+    def inspect_commands(self) -> list[tuple[str, str]]:
+        """Commands that read what the name's keys hold, for :meth:`corrupt_key`."""
+        k = self.keys
+        return [*(("TYPE", key) for key in _key_types(k)), ("GET", k.fence), ("GET", k.skips)]
+
+    def corrupt_key(self, replies: Sequence[Any]) -> tuple[str, str] | None:
+        """The key (and what is wrong with it) that keeps ACQUIRE from running, if any.
+
+        ``replies`` answer :meth:`inspect_commands`, errors in place of results.
+        """
+        expected = _key_types(self.keys)
+        for (key, kinds), kind in zip(expected.items(), replies, strict=False):
+            kind = readable(kind)
+            if kind != "none" and kind not in kinds:
+                return key, f"is a {kind}, where fenced keeps a {' or a '.join(kinds)}"
+        for key, value in zip((self.keys.fence, self.keys.skips), replies[len(expected) :]):
+            if value is not None and int_or_none(value) is None:
+                return key, f"holds {readable(value)[:40]!r}, not an integer"
+        return None
+
+
+def _key_types(keys: ClaimKeys) -> dict[str, tuple[str, ...]]:
+    """The Redis type each key of a name has when fenced wrote it."""
+    # The rerun key of fenced 0.1 was a counter, a string: ACQUIRE still replaces it.
+    return {
+        keys.lock: ("string",),
+        keys.fence: ("string",),
+        keys.runs: ("stream",),
+        keys.skips: ("string",),
+        keys.rerun: ("set", "string"),
+    }
+
+
+def corrupt_key_error(
+    name: str, key: str, problem: str, exc: BaseException, doing: str = "acquire"
+) -> CorruptKey:
+    """CorruptKey for a script that failed at a key it could not use; names the fix."""
+    safe = " (the next fence comes from the server's clock)" if key.endswith(":fence") else ""
+    started = "; the work was not started" if doing == "acquire" else ""
+    return CorruptKey(
+        f"cannot {doing} claim {name!r}: its key {printable(key)!r} {problem} ({exc}); "
+        f"fenced did not write that value. Delete the key (DEL {printable(key)}){safe} or "
+        f"restore what fenced keeps there{started}",
+        name=name,
+        key=key,
+    )
+
 
 def released(res: Any) -> tuple[bool, str, list[str]]:
     """A RELEASE answer: (our token held the lease, the outcome recorded, reruns taken)."""
-    return int(res[0]) == 1, as_text(res[1]), [as_text(t) for t in res[2]] if res[2] else []
+    # A trigger is whatever a caller stored: bytes that are not text still name no call.
+    return int(res[0]) == 1, as_text(res[1]), [readable(t) for t in res[2]] if res[2] else []
 
 
 class LeaseStore(LeaseCalls):
@@ -550,6 +625,16 @@ class LeaseStore(LeaseCalls):
         """Whether a run of ``task_id`` ended ``ok`` within its redelivery window."""
         return bool(self.client.exists(self.keys.done(task_id)))
 
+    def find_corrupt_key(self) -> tuple[str, str] | None:
+        """After a failed ACQUIRE: the key whose value stopped it, if one did."""
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for command in self.inspect_commands():
+                pipe.execute_command(*command)
+            return self.corrupt_key(pipe.execute(raise_on_error=False))
+        except Exception:  # a diagnosis only: the error it explains is raised anyway
+            return None
+
     def abandon(self, token: str) -> None:
         """A request that timed out may still have landed: drop that lease if we can."""
         try:
@@ -566,10 +651,23 @@ def read_holder(client: Any, name: str, *, namespace: str = "fenced") -> Holder 
     pipe.pttl(keys.lock)
     pipe.get(keys.fence)
     with reachable(client, f"read claim {keys.name!r}", keys.name):
-        token, pttl, fence = pipe.execute()
+        try:
+            token, pttl, fence = pipe.execute(raise_on_error=False)
+        except UnicodeDecodeError:  # a client that decodes replies, and bytes that are not text
+            return Holder.unknown("a value of the claim is not UTF-8")
     if token is None:
         return None
-    return Holder.parse(as_text(token), int(pttl), int(fence) if fence is not None else None)
+    if isinstance(token, Exception):  # e.g. WRONGTYPE: not a string, not a token
+        return Holder.unknown(f"{keys.lock}: {token}")
+    return Holder.parse(token, pttl if isinstance(pttl, int) else None, int_or_none(fence))
+
+
+def int_or_none(value: Any) -> int | None:
+    """A reply as an int; None when absent, an error, or not an integer (someone else's value)."""
+    try:
+        return int(value) if value is not None and not isinstance(value, Exception) else None
+    except ValueError:
+        return None
 
 
 def force_release(
@@ -614,5 +712,4 @@ def force_release(
                 int(idle_ttl * 1000) if idle_ttl else 0,
             ],
         )
-    text = as_text(token) if token else ""
-    return Holder.parse(text) if text else None
+    return Holder.parse(token) if token else None
