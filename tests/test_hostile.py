@@ -29,6 +29,7 @@ from rich.console import Console
 
 import fenced.aio
 from _wait import wait_for
+from celery_harness import WAIT, Services, Worker, key
 from fenced import Claim, ClaimUnavailable, CorruptKey, exclusive, records
 from fenced._inspect import ClaimInfo, ClaimReport, list_claims, show_claim
 from fenced._lease import ClaimKeys, Holder, read_holder
@@ -448,6 +449,39 @@ def test_a_redelivered_task_runs_past_garbage_records(redis_server: RedisServer)
     result = job.apply(("a",), task_id="first", retries=1)
     assert result.successful(), result.traceback
     assert ran == ["a"]
+
+
+def test_a_redelivered_task_in_a_real_worker_runs_past_garbage_records() -> None:
+    with RedisServer() as server:
+        services = Services.on(server)
+        client = services.client()
+        try:
+            with Worker(services, concurrency=1, name="hostile"):
+                k = key()
+                task_id = f"again-{k}"
+                locks = redis.Redis.from_url(services.lock_url)
+                runs = ClaimKeys("fenced", f"rebuild:{k}:roads").runs
+                # An earlier attempt of this task id that never ended, and garbage around it.
+                started = json.dumps({"task_id": task_id, "duration": {}})
+                locks.xadd(
+                    runs, {"event": "started", "token": "a:h:1:x", "fence": "?", "r": started}
+                )
+                for value in (b"\xff", "not json", "[1]", '{"task_id": [], "pid": "x"}'):
+                    locks.xadd(runs, {"event": "finished", "token": "b", "fence": "x", "r": value})
+                locks.xadd(runs, {"no": "event"})
+                result = client.send_task(
+                    "t.rebuild",
+                    args=(k, "roads"),
+                    kwargs={"steps": 1, "step_time": 0.01, "run": k},
+                    queue=services.queue,
+                    task_id=task_id,
+                    retries=1,  # as a redelivered message arrives
+                )
+                assert result.get(timeout=WAIT)["status"] == "ok"
+                outcomes = [run.outcome for run in records.history(locks, f"rebuild:{k}:roads")]
+                assert outcomes[0] == "ok" and "aborted" in outcomes
+        finally:
+            client.close()
 
 
 # -- properties ------------------------------------------------------------------------------
