@@ -27,12 +27,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
+import fenced
 import fenced.aio
 from _wait import wait_for
 from celery_harness import WAIT, Services, Worker, key
 from fenced import Claim, ClaimUnavailable, CorruptKey, exclusive, records
 from fenced._inspect import ClaimInfo, ClaimReport, list_claims, show_claim
 from fenced._lease import ClaimKeys, Holder, read_holder
+from fenced._lock import fence_key
 from fenced._printable import printable
 from fenced._views import claims_list, claims_table, report_list, report_table
 from fenced.celery import ClaimedTask
@@ -366,6 +368,31 @@ def test_aio_claim_acquire_honours_or_names_the_key(
 
     outcome, claim = asyncio.run(main())
     check_acquired(expect, outcome, claim, raw)
+
+
+def test_a_lock_whose_fence_is_not_an_integer_is_corrupt_and_left_free(
+    redis_server: RedisServer, raw: redis.Redis
+) -> None:
+    raw.flushall()
+    raw.set(fence_key("report"), "yesterday")
+    with pytest.raises(CorruptKey, match="DEL fenced:lock:\\{report\\}:fence"):
+        fenced.Lock(raw, "report", timeout=10).acquire(blocking=False)
+    assert raw.get("report") is None  # the lock the script set before it stopped is gone
+
+    async def main() -> None:
+        client = redis.asyncio.Redis.from_url(redis_server.url)
+        try:
+            with pytest.raises(CorruptKey):
+                await fenced.aio.Lock(client, "report", timeout=10).acquire(blocking=False)
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+    assert raw.get("report") is None
+    raw.delete(fence_key("report"))
+    lock = fenced.Lock(raw, "report", timeout=10)
+    assert lock.acquire(blocking=False)
+    lock.release()
 
 
 def test_exclusive_skips_an_unreadable_holder_and_names_a_corrupt_key(r: Any, server: Any) -> None:

@@ -280,7 +280,7 @@ def force_release(
         corrupt = _lease.LeaseStore(client, keys).find_corrupt_key()
         if corrupt is None:
             raise
-        raise _lease.corrupt_key_error(keys.name, *corrupt, exc, doing="release") from exc
+        raise _lease.corrupt_key_error(keys.name, *corrupt, exc, doing="release claim") from exc
     if cleared is None:
         return None
     if before is not None and before.token == cleared.token:

@@ -510,13 +510,19 @@ def _key_types(keys: ClaimKeys) -> dict[str, tuple[str, ...]]:
 
 
 def corrupt_key_error(
-    name: str, key: str, problem: str, exc: BaseException, doing: str = "acquire"
+    name: str,
+    key: str,
+    problem: str,
+    exc: BaseException,
+    doing: str = "acquire claim",
+    is_fence: bool | None = None,
 ) -> CorruptKey:
     """CorruptKey for a script that failed at a key it could not use; names the fix."""
-    safe = " (the next fence comes from the server's clock)" if key.endswith(":fence") else ""
-    started = "; the work was not started" if doing == "acquire" else ""
+    is_fence = key.endswith(":fence") if is_fence is None else is_fence
+    safe = " (the next fence comes from the server's clock)" if is_fence else ""
+    started = "; the work was not started" if doing.startswith("acquire") else ""
     return CorruptKey(
-        f"cannot {doing} claim {name!r}: its key {printable(key)!r} {problem} ({exc}); "
+        f"cannot {doing} {name!r}: its key {printable(key)!r} {problem} ({exc}); "
         f"fenced did not write that value. Delete the key (DEL {printable(key)}){safe} or "
         f"restore what fenced keeps there{started}",
         name=name,
