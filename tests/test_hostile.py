@@ -244,6 +244,14 @@ def test_release_of_hostile_claims(url: str, raw: redis.Redis) -> None:
     assert "'fenced:{bad}:lock' is a hash" in out and "DEL fenced:{bad}:lock" in out
 
     raw.delete(keys().lock)
+    both(held_by(), lambda r: r.set(keys().runs, "x"))(raw)
+    unrecorded = fenced_cli(url, "release", "bad", "--force", "--reason", "gone")
+    out = clean(unrecorded)
+    assert unrecorded.returncode == 69, out
+    assert "cannot record the release of claim 'bad'" in out and "DEL fenced:{bad}:runs" in out
+    assert raw.get(keys().lock) is None  # cleared, but not recorded: the message says so
+    raw.delete(keys().runs)
+
     raw.set(keys().lock, f"abcd:{EVIL_HOST}:1:".encode() + b"\xff", px=60_000)
     asked = fenced_cli(url, "release", "bad")
     assert asked.returncode == 1 and "unreadable" in clean(asked)

@@ -153,7 +153,7 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
         keys = ClaimKeys(namespace, name)
         problems: list[str] = []
         if isinstance(token, Exception):
-            holder = Holder.unknown(f"{readable(token)}")
+            holder = Holder.unknown(f"lock: {token}")
         else:
             holder = Holder.parse(token, int_or_none(pttl), _number(fence, "fence", problems))
         info = ClaimInfo(
@@ -280,7 +280,10 @@ def force_release(
         corrupt = _lease.LeaseStore(client, keys).find_corrupt_key()
         if corrupt is None:
             raise
-        raise _lease.corrupt_key_error(keys.name, *corrupt, exc, doing="release claim") from exc
+        # The script clears the lease before it writes the record: say which step failed.
+        gone = before is not None and not client.exists(keys.lock)
+        doing = "record the release of claim" if gone else "release claim"
+        raise _lease.corrupt_key_error(keys.name, *corrupt, exc, doing=doing) from exc
     if cleared is None:
         return None
     if before is not None and before.token == cleared.token:

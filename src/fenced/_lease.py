@@ -106,6 +106,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 _TOKEN = re.compile(TOKEN_PATTERN, re.DOTALL)
 # A pid as new_token writes it (str.isdigit also accepts digits int() refuses, "²").
 _PID = re.compile("[0-9]{1,20}")
+# An integer as Redis writes one (Python's int() also takes "1_000", " 7", "٣").
+_INTEGER = re.compile("-?[0-9]{1,19}")
 
 
 def new_token(task_id: str | None = None) -> str:
@@ -669,11 +671,15 @@ def read_holder(client: Any, name: str, *, namespace: str = "fenced") -> Holder 
 
 
 def int_or_none(value: Any) -> int | None:
-    """A reply as an int; None when absent, an error, or not an integer (someone else's value)."""
-    try:
-        return int(value) if value is not None and not isinstance(value, Exception) else None
-    except ValueError:
-        return None
+    """A reply as an int; None when absent, an error, or not an integer as Redis reads one
+    (``INCR``, Lua's ``tonumber``): someone else's value."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    if isinstance(value, str) and _INTEGER.fullmatch(value):
+        return int(value)
+    return None
 
 
 def force_release(

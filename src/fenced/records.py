@@ -132,10 +132,6 @@ def _entry_time(entry_id: str) -> float:
         return 0.0  # not a stream entry id: sorts last
 
 
-#: The events the scripts write; an entry with another (or none) is shown as unreadable.
-EVENTS = frozenset(("started", "skipped", "finished", "released"))
-
-
 @dataclass
 class _Entry:
     """One stream entry, read whatever it holds: what could not be read is in ``problems``."""
@@ -152,8 +148,10 @@ class _Entry:
         problems: list[str] = []
         fields: dict[str, str] = {}
         for key, value in (raw or {}).items():
-            text = fields[readable(key)] = readable(value)
-            if isinstance(value, bytes) and text.encode("utf-8", "surrogatepass") != value:
+            try:
+                fields[as_text(key)] = as_text(value)
+            except UnicodeDecodeError:
+                fields[readable(key)] = readable(value)
                 problems.append(f"field {readable(key)!r} is not UTF-8")
         return cls(eid, _entry_time(eid), fields, _data(fields.get("r"), problems), problems)
 
@@ -186,6 +184,7 @@ class _Entry:
             return None
 
     def holder(self, key: str) -> str | None:
+        """A token field, as the holder it names."""
         text = self.fields.get(key)
         return str(Holder.parse(text)) if text else None
 
