@@ -37,6 +37,7 @@ from ._scripts import RECORD, as_text
 
 __all__ = [
     "OUTCOMES",
+    "UNREADABLE",
     "RunRecord",
     "consecutive_skips",
     "encode_finished",
