@@ -45,12 +45,13 @@ from ._lease import (
     check_idle_ttl,
     check_replicas,
     check_timing,
+    corrupt_key_error,
     current_pid,
     describe_client,
+    int_or_none,
     new_token,
     why_unreachable,
 )
-from ._scripts import as_text
 
 __all__ = ["Claim", "ClaimState"]
 
@@ -367,6 +368,13 @@ class ClaimState:
             name=self.name,
         )
 
+    def _refused(self, exc: BaseException, corrupt: tuple[str, str] | None) -> ClaimUnavailable:
+        """The error for an ACQUIRE Redis answered with an error: CorruptKey when a key
+        of the name holds what fenced never writes, else :meth:`_unavailable`."""
+        if corrupt is None:
+            return self._unavailable(exc)
+        return corrupt_key_error(self.name, *corrupt, exc)
+
     def _late(self, res: list[Any], sent: float) -> float | None:
         """Seconds the grant took when it came after the lease's own local deadline."""
         # A stalled or paused Redis, a client retrying through an outage: another holder
@@ -431,9 +439,19 @@ class ClaimState:
                 self._deadline = sent + self.ttl - self._drift
                 self._next_refresh = sent + self.refresh_every
             return True
-        self.holder = Holder.parse(as_text(res[1]), int(res[2]), int(res[3]))
-        self.skips = int(res[4])
-        self.rerun_requested = int(res[5])
+        # ACQUIRE's reply ends at a value Lua could not read as a number (a fence or
+        # skip count someone else wrote): what is missing is unknown, the lease is held.
+        pttl, fence, skips, rerun = (*res[2:6], None, None, None, None)[:4]
+        self.holder = Holder.parse(res[1], int_or_none(pttl), int_or_none(fence))
+        self.skips = int_or_none(skips) or 0
+        self.rerun_requested = int_or_none(rerun) or 0
+        return False
+
+    def _held_unreadably(self) -> bool:
+        """ACQUIRE's reply named a holder that could not be decoded: busy, held by someone
+        unknown (a lease whose value we cannot read is never taken)."""
+        self.holder = Holder.unknown("the lease's value is not UTF-8")
+        self.skips = self.rerun_requested = 0
         return False
 
     def _refresh_unavailable(self, exc: BaseException) -> ClaimUnavailable:
@@ -624,7 +642,12 @@ class Claim(ClaimState):
                 self._store.abandon(token)
             raise self._unavailable(exc) from exc
         except redis.ResponseError as exc:
-            raise self._unavailable(exc) from exc
+            # A script stopped at a key holding what fenced never writes (a fence that
+            # is not an integer) may have set the lease first: give it back.
+            self._store.abandon(token)
+            raise self._refused(exc, self._store.find_corrupt_key()) from exc
+        except UnicodeDecodeError:  # a client that decodes replies: only a holder is text
+            return self._held_unreadably()
         acked = self._unreplicated(res)
         if acked is not None:
             self._give_back(token, int(res[1]), _UNREPLICATED, self._clock() - sent)

@@ -3,6 +3,7 @@
 FencedError                      root; carries .name, .token, .fence
  ├── ConfigError (ValueError)    bad input, raised at definition time; names the fix
  ├── ClaimUnavailable            the claim store could not be reached: fail closed
+ │    └── CorruptKey              a key of the claim holds a value fenced cannot use
  ├── ClaimHeld                   another live holder has the claim (the "raise" policy)
  ├── ClaimLost                   the claim expired or was taken while we worked
  │    └── ClaimInterrupted        raised inside work that never checked, when it was lost
@@ -33,6 +34,7 @@ __all__ = [
     "ClaimLost",
     "ClaimUnavailable",
     "ConfigError",
+    "CorruptKey",
     "CorruptObject",
     "FencedError",
     "NotOwner",
@@ -88,6 +90,14 @@ class ConfigError(FencedError, ValueError):
 
 class ClaimUnavailable(FencedError):
     """The claim store could not be reached, so the work must not run (fail closed)."""
+
+
+class CorruptKey(ClaimUnavailable):
+    """A key of the claim holds what fenced never writes there (a wrong type, a fence that
+    is not an integer): the claim cannot be granted until it is deleted or repaired."""
+
+    #: The Redis key at fault.
+    key: str | None = None
 
 
 class ClaimHeld(FencedError):

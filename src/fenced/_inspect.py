@@ -16,10 +16,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
+
 from . import _lease
-from ._lease import MAX_RECORDS, ClaimKeys, Holder, read_holder
+from ._lease import MAX_RECORDS, ClaimKeys, Holder, int_or_none, read_holder
 from ._nodes import is_cluster, node_of, scan_keys, server_times
-from ._scripts import as_text
+from ._printable import readable
 from .records import RunRecord, entries_for, from_entries, history
 
 __all__ = ["ClaimInfo", "ClaimReport", "force_release", "list_claims", "operator", "show_claim"]
@@ -43,6 +45,8 @@ class ClaimInfo:
     last_outcome: str | None
     last_finished: float | None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: What of the claim's keys could not be read (a fence that is not an integer...).
+    unreadable: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form (the secret part of the token shortened)."""
@@ -56,6 +60,7 @@ class ClaimInfo:
             "last_outcome": self.last_outcome,
             "last_finished": self.last_finished,
             "extra": self.extra,
+            "unreadable": self.unreadable,
         }
 
 
@@ -63,7 +68,7 @@ def _glob_escape(text: str) -> str:
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
-def _lock_keys(client: Any, namespace: str) -> Iterator[str]:
+def _lock_keys(client: Any, namespace: str) -> Iterator[str | bytes]:
     return scan_keys(client, _glob_escape(namespace) + ":{*}:lock")
 
 
@@ -92,17 +97,34 @@ def _clocks(client: Any, results: list[Any], timed: bool) -> Callable[[str], flo
 
 
 def list_claims(client: Any, namespace: str = "fenced") -> list[ClaimInfo]:
-    """Every claim held now under a namespace, sorted by name."""
-    names = sorted(
-        {n for k in _lock_keys(client, namespace) if (n := ClaimKeys.name_from_key(k, namespace))}
-    )
+    """Every claim held now under a namespace, sorted by name.
+
+    What cannot be read (a key name or a value that is not UTF-8, a key of the wrong
+    type, a fence that is not an integer) is listed with ``unreadable`` saying what,
+    after the rest has been read as usual.
+    """
+    names: set[str] = set()
+    foreign: list[ClaimInfo] = []
+    for key in _lock_keys(client, namespace):
+        name = ClaimKeys.name_from_key(key, namespace)
+        if name and isinstance(key, bytes):
+            # Its other keys cannot be named from the text: shown, not read.
+            foreign.append(_unread(name, "the key name is not UTF-8"))
+        elif name:
+            names.add(name)
+    ordered = sorted(names)
     infos: list[ClaimInfo] = []
-    for start in range(0, len(names), BATCH):
-        infos += _read_batch(client, names[start : start + BATCH], namespace)
-    missing = [i for i in infos if i.age is None]
+    for start in range(0, len(ordered), BATCH):
+        infos += _read_batch(client, ordered[start : start + BATCH], namespace)
+    missing = [i for i in infos if i.age is None and i.holder.unreadable is None]
     if missing:
         _find_starts(client, missing, namespace)
-    return infos
+    return sorted(infos + foreign, key=lambda info: info.name)
+
+
+def _unread(name: str, why: str) -> ClaimInfo:
+    """A claim found held whose lease could not be read at all."""
+    return ClaimInfo(name, Holder.unknown(why), None, None, None, 0, None, None, unreadable=why)
 
 
 def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo]:
@@ -114,30 +136,51 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
         pipe.get(keys.fence)
         pipe.get(keys.skips)
         pipe.xrevrange(keys.runs, count=entries_for(LS_RUNS))
-    results = pipe.execute()
+    try:
+        results = pipe.execute(raise_on_error=False)
+    except UnicodeDecodeError:
+        # A client that decodes replies met bytes that are not text, and the batch is
+        # lost with them: read claim by claim, to list all but the one at fault.
+        if len(names) == 1:
+            return [_unread(names[0], "a value of the claim is not UTF-8")]
+        return [info for name in names for info in _read_batch(client, [name], namespace)]
     clock = _clocks(client, results, timed)
     infos: list[ClaimInfo] = []
     for i, name in enumerate(names):
         token, pttl, fence, skips, entries = results[5 * i : 5 * i + 5]
         if token is None:
             continue  # released between the scan and the read
-        fence_int = int(fence) if fence is not None else None
-        holder = Holder.parse(as_text(token), int(pttl), fence_int)
+        keys = ClaimKeys(namespace, name)
+        problems: list[str] = []
+        if isinstance(token, Exception):
+            holder = Holder.unknown(f"lock: {token}")
+        else:
+            holder = Holder.parse(token, int_or_none(pttl), _number(fence, "fence", problems))
         info = ClaimInfo(
             name=name,
             holder=holder,
             age=None,
             expires_in=holder.expires_in,
-            fence=fence_int,
-            skips=int(skips) if skips is not None else 0,
+            fence=holder.fence,
+            skips=_number(skips, "skips", problems) or 0,
             last_outcome=None,
             last_finished=None,
         )
-        _apply_runs(
-            info, from_entries(name, entries, LS_RUNS), clock(ClaimKeys(namespace, name).runs)
-        )
+        if isinstance(entries, Exception):
+            problems.append(f"runs: {entries}")
+        else:
+            _apply_runs(info, from_entries(name, entries, LS_RUNS), clock(keys.runs))
+        info.unreadable = "; ".join(problems) or None
         infos.append(info)
     return infos
+
+
+def _number(value: Any, what: str, problems: list[str]) -> int | None:
+    """A counter's value; what it holds instead of an integer goes to ``problems``."""
+    number = int_or_none(value)
+    if number is None and value is not None:
+        problems.append(f"{what} {readable(value)[:40]!r} is not an integer")
+    return number
 
 
 def _apply_runs(info: ClaimInfo, runs: list[RunRecord], now: float) -> None:
@@ -160,10 +203,14 @@ def _find_starts(client: Any, infos: list[ClaimInfo], namespace: str) -> None:
     streams = [ClaimKeys(namespace, info.name).runs for info in infos]
     for stream in streams:
         pipe.xrevrange(stream, count=MAX_RECORDS)
-    results = pipe.execute()
+    try:
+        results = pipe.execute(raise_on_error=False)
+    except UnicodeDecodeError:  # a client that decodes replies: the first look stands
+        return
     clock = _clocks(client, results, timed)
     for info, stream, entries in zip(infos, streams, results, strict=True):
-        _apply_runs(info, from_entries(info.name, entries, MAX_RECORDS), clock(stream))
+        if not isinstance(entries, Exception):
+            _apply_runs(info, from_entries(info.name, entries, MAX_RECORDS), clock(stream))
 
 
 @dataclass
@@ -220,14 +267,23 @@ def force_release(
     keys = ClaimKeys.of(name, namespace)
     # Read first, so the answer can say how long the lease had left and its fence.
     before = read_holder(client, keys.name, namespace=namespace)
-    cleared = _lease.force_release(
-        client,
-        keys.name,
-        namespace=namespace,
-        token_prefix=token_prefix,
-        reason=reason,
-        by=by or operator(),
-    )
+    try:
+        cleared = _lease.force_release(
+            client,
+            keys.name,
+            namespace=namespace,
+            token_prefix=token_prefix,
+            reason=reason,
+            by=by or operator(),
+        )
+    except redis.ResponseError as exc:
+        corrupt = _lease.LeaseStore(client, keys).find_corrupt_key()
+        if corrupt is None:
+            raise
+        # The script clears the lease before it writes the record: say which step failed.
+        gone = before is not None and not client.exists(keys.lock)
+        doing = "record the release of claim" if gone else "release claim"
+        raise _lease.corrupt_key_error(keys.name, *corrupt, exc, doing=doing) from exc
     if cleared is None:
         return None
     if before is not None and before.token == cleared.token:

@@ -28,8 +28,9 @@ import redis
 
 from . import _audit
 from ._client import describe_client, node_client, refresh_slots
-from ._errors import ClaimUnavailable, ConfigError
+from ._errors import ClaimUnavailable, ConfigError, CorruptKey
 from ._naming import validate_name
+from ._printable import printable, readable
 from ._scripts import (
     ACQUIRE,
     FORCE_RELEASE,
@@ -107,6 +108,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # -- the token --------------------------------------------------------------------------
 
 _TOKEN = re.compile(TOKEN_PATTERN, re.DOTALL)
+# A pid as new_token writes it (str.isdigit also accepts digits int() refuses, "²").
+_PID = re.compile("[0-9]{1,20}")
+# An integer as Redis writes one (Python's int() also takes "1_000", " 7", "٣").
+_INTEGER = re.compile("-?[0-9]{1,19}")
 
 
 def new_token(task_id: str | None = None) -> str:
@@ -129,18 +134,37 @@ class Holder:
     task_id: str | None
     fence: int | None
     expires_in: float | None
+    #: Why the stored value could not be read (the claim is held by someone unknown).
+    unreadable: str | None = None
 
     @classmethod
-    def parse(cls, token: str, pttl_ms: int | None = None, fence: int | None = None) -> Holder:
-        """Parse a token written by :func:`new_token` (foreign values parse as opaque)."""
+    def parse(
+        cls, token: str | bytes, pttl_ms: int | None = None, fence: int | None = None
+    ) -> Holder:
+        """Parse a token written by :func:`new_token` (foreign values parse as opaque).
+
+        Never fails: a value that is not UTF-8 gives a holder whose ``unreadable`` says
+        so (its ``token`` then shows the bytes as escapes).
+        """
+        expires = None if pttl_ms is None or pttl_ms < 0 else pttl_ms / 1000.0
+        if isinstance(token, bytes):
+            try:
+                token = token.decode()
+            except UnicodeDecodeError:
+                unreadable = "the lease's value is not UTF-8"
+                return cls(readable(token), "?", None, None, fence, expires, unreadable)
         match = _TOKEN.fullmatch(token)
         if match:
             _rand, host, pid, task_id = match.groups()
-            pid_int = int(pid) if pid.isdigit() else None
+            pid_int = int(pid) if _PID.fullmatch(pid) else None
         else:
             host, pid_int, task_id = "?", None, ""
-        expires = None if pttl_ms is None or pttl_ms < 0 else pttl_ms / 1000.0
         return cls(token, host, pid_int, task_id or None, fence, expires)
+
+    @classmethod
+    def unknown(cls, why: str) -> Holder:
+        """A holder whose lease was seen but could not be read at all."""
+        return cls("?", "?", None, None, None, None, why)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form, without the secret part of the token."""
@@ -149,9 +173,14 @@ class Holder:
         return data
 
     def __str__(self) -> str:
-        who = f"{self.host} pid {self.pid}"
-        if self.task_id:
-            who += f" task {self.task_id}"
+        # Host and task id are whatever the token says: escaped, so that a message
+        # naming the holder never carries terminal controls into a log or a terminal.
+        if self.unreadable:
+            who = f"someone unknown (unreadable: {self.unreadable})"
+        else:
+            who = f"{printable(self.host)} pid {self.pid}"
+            if self.task_id:
+                who += f" task {printable(self.task_id)}"
         if self.expires_in is not None:
             who += f", {self.expires_in:.1f}s left"
         return who
@@ -248,7 +277,7 @@ class ClaimKeys:
     @staticmethod
     def name_from_key(key: str | bytes, namespace: str = "fenced") -> str | None:
         """Recover the claim name from any of its keys (used by ``fenced ls``)."""
-        text = as_text(key)
+        text = readable(key)
         prefix = namespace + ":{"
         if not text.startswith(prefix):
             return None
@@ -477,10 +506,64 @@ class LeaseCalls:
             [token, "", MAX_RECORDS, "", 0, "0", 0, 0],
         )
 
+    def inspect_commands(self) -> list[tuple[str, str]]:
+        """Commands that read what the name's keys hold, for :meth:`corrupt_key`."""
+        k = self.keys
+        return [*(("TYPE", key) for key in _key_types(k)), ("GET", k.fence), ("GET", k.skips)]
+
+    def corrupt_key(self, replies: Sequence[Any]) -> tuple[str, str] | None:
+        """The key (and what is wrong with it) that keeps ACQUIRE from running, if any.
+
+        ``replies`` answer :meth:`inspect_commands`, errors in place of results.
+        """
+        expected = _key_types(self.keys)
+        for (key, kinds), kind in zip(expected.items(), replies, strict=False):
+            kind = readable(kind)
+            if kind != "none" and kind not in kinds:
+                return key, f"is a {kind}, where fenced keeps a {' or a '.join(kinds)}"
+        for key, value in zip((self.keys.fence, self.keys.skips), replies[len(expected) :]):
+            if value is not None and int_or_none(value) is None:
+                return key, f"holds {readable(value)[:40]!r}, not an integer"
+        return None
+
+
+def _key_types(keys: ClaimKeys) -> dict[str, tuple[str, ...]]:
+    """The Redis type each key of a name has when fenced wrote it."""
+    # The rerun key of fenced 0.1 was a counter, a string: ACQUIRE still replaces it.
+    return {
+        keys.lock: ("string",),
+        keys.fence: ("string",),
+        keys.runs: ("stream",),
+        keys.skips: ("string",),
+        keys.rerun: ("set", "string"),
+    }
+
+
+def corrupt_key_error(
+    name: str,
+    key: str,
+    problem: str,
+    exc: BaseException,
+    doing: str = "acquire claim",
+    is_fence: bool | None = None,
+) -> CorruptKey:
+    """CorruptKey for a script that failed at a key it could not use; names the fix."""
+    is_fence = key.endswith(":fence") if is_fence is None else is_fence
+    safe = " (the next fence comes from the server's clock)" if is_fence else ""
+    started = "; the work was not started" if doing.startswith("acquire") else ""
+    return CorruptKey(
+        f"cannot {doing} {name!r}: its key {printable(key)!r} {problem} ({exc}); "
+        f"fenced did not write that value. Delete the key (DEL {printable(key)}){safe} or "
+        f"restore what fenced keeps there{started}",
+        name=name,
+        key=key,
+    )
+
 
 def released(res: Any) -> tuple[bool, str, list[str]]:
     """A RELEASE answer: (our token held the lease, the outcome recorded, reruns taken)."""
-    return int(res[0]) == 1, as_text(res[1]), [as_text(t) for t in res[2]] if res[2] else []
+    # A trigger is whatever a caller stored: bytes that are not text still name no call.
+    return int(res[0]) == 1, as_text(res[1]), [readable(t) for t in res[2]] if res[2] else []
 
 
 class LeaseStore(LeaseCalls):
@@ -597,6 +680,16 @@ class LeaseStore(LeaseCalls):
         """Whether a run of ``task_id`` ended ``ok`` within its redelivery window."""
         return bool(self.client.exists(self.keys.done(task_id)))
 
+    def find_corrupt_key(self) -> tuple[str, str] | None:
+        """After a failed ACQUIRE: the key whose value stopped it, if one did."""
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for command in self.inspect_commands():
+                pipe.execute_command(*command)
+            return self.corrupt_key(pipe.execute(raise_on_error=False))
+        except Exception:  # a diagnosis only: the error it explains is raised anyway
+            return None
+
     def abandon(self, token: str) -> None:
         """A request that timed out may still have landed: drop that lease if we can."""
         try:
@@ -613,10 +706,27 @@ def read_holder(client: Any, name: str, *, namespace: str = "fenced") -> Holder 
     pipe.pttl(keys.lock)
     pipe.get(keys.fence)
     with reachable(client, f"read claim {keys.name!r}", keys.name):
-        token, pttl, fence = pipe.execute()
+        try:
+            token, pttl, fence = pipe.execute(raise_on_error=False)
+        except UnicodeDecodeError:  # a client that decodes replies, and bytes that are not text
+            return Holder.unknown("a value of the claim is not UTF-8")
     if token is None:
         return None
-    return Holder.parse(as_text(token), int(pttl), int(fence) if fence is not None else None)
+    if isinstance(token, Exception):  # e.g. WRONGTYPE: not a string, not a token
+        return Holder.unknown(f"{keys.lock}: {token}")
+    return Holder.parse(token, pttl if isinstance(pttl, int) else None, int_or_none(fence))
+
+
+def int_or_none(value: Any) -> int | None:
+    """A reply as an int; None when absent, an error, or not an integer as Redis reads one
+    (``INCR``, Lua's ``tonumber``): someone else's value."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    if isinstance(value, str) and _INTEGER.fullmatch(value):
+        return int(value)
+    return None
 
 
 def force_release(
@@ -671,11 +781,12 @@ def force_release(
     finally:
         # Logged whatever happened: the run stream is capped and anyone with Redis
         # access can rewrite it, so operators ship this line somewhere else.
-        text, fence = (as_text(v) for v in answer) if answer else ("", "")
+        # Whatever the keys held: an audit line is written even for garbage.
+        text, fence = (readable(v) for v in answer) if answer else ("", "")
         _audit.force_released(
             keys.name,
             token_prefix=short_token(text or token_prefix) or None,
-            fence=int(fence) if text and fence else None,
+            fence=int(fence) if text and fence.isascii() and fence.isdigit() else None,
             by=data.get("by"),
             reason=reason,
             outcome=outcome_seen,

@@ -32,6 +32,7 @@ paused past its deadline anyway, ``lock.lost`` says so before A's next step.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -48,7 +49,16 @@ from redis.exceptions import LockError, LockNotOwnedError
 from ._errors import ConfigError
 from ._heartbeat import RETRY_SHARE, Renewal
 from ._heartbeat import heartbeat as _heartbeat
-from ._lease import IDLE_TTL, check_idle_ttl, check_namespace, check_timing, current_pid
+from ._lease import (
+    IDLE_TTL,
+    check_idle_ttl,
+    check_namespace,
+    check_timing,
+    corrupt_key_error,
+    current_pid,
+    int_or_none,
+)
+from ._printable import readable
 from ._scripts import LOCK_ACQUIRE, LOCK_RELEASE
 
 __all__ = ["Lock", "fence_key", "hash_tag", "shares_slot"]
@@ -113,6 +123,14 @@ def hash_tag(name: str) -> str | None:
     if end <= start + 1:
         return None  # no closing brace, or "{}": the whole key is hashed
     return name[start + 1 : end]
+
+
+def corrupt_fence(name: str, key: str, value: Any, exc: BaseException) -> BaseException:
+    """CorruptKey when a lock's fence key holds what is not an integer, else ``exc``."""
+    if value is None or int_or_none(value) is not None:
+        return exc
+    problem = f"holds {readable(value)[:40]!r}, not an integer"
+    return corrupt_key_error(name, key, problem, exc, doing="acquire lock", is_fence=True)
 
 
 def fence_key(name: str, namespace: str = "fenced") -> str:
@@ -463,13 +481,26 @@ class Lock(redis.lock.Lock):
         raw = token if isinstance(token, bytes) else self.redis.get_encoder().encode(token)
         ttl_ms = int(self.timeout * 1000) if self.timeout else ""
         sent = time.monotonic()
-        fence = int(
-            LOCK_ACQUIRE(
+        try:
+            reply = LOCK_ACQUIRE(
                 self.redis,
                 (self.name, self.fence_key),
                 (raw, ttl_ms, self._idle_ms, 1 if getattr(self.local, "generated", False) else 0),
             )
-        )
+            if reply is None:  # a fence Lua could not read as a number: no fence to give
+                raise redis.ResponseError("the fence is not a number")
+        except redis.ResponseError as exc:
+            # The script stops at a fence that is not an integer after it set the lock.
+            with contextlib.suppress(Exception):
+                LOCK_RELEASE(self.redis, (self.name,), (raw,))
+            value = None
+            with contextlib.suppress(Exception):
+                value = self.redis.get(self.fence_key)
+            error = corrupt_fence(self.name, self.fence_key, value, exc)
+            if error is exc:
+                raise
+            raise error from exc
+        fence = int(reply)
         if not fence:
             return False
         hold = None

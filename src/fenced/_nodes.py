@@ -39,15 +39,25 @@ def node_of(client: Any, key: str) -> str:
     return str(client.get_node_from_key(key).name)
 
 
-def scan_keys(client: Any, match: str, count: int = 1000) -> Iterator[str]:
-    """Every key matching the glob ``match``, on every primary, each once (SCAN, not KEYS)."""
-    seen: set[str] = set()
+def scan_keys(client: Any, match: str, count: int = 1000) -> Iterator[str | bytes]:
+    """Every key matching the glob ``match``, on every primary, each once (SCAN, not KEYS).
+
+    Keys come as text; a key whose name is not UTF-8 (someone else's) comes as bytes.
+    """
+    seen: set[str | bytes] = set()
     for _, node in primaries(client):
         for key in node.scan_iter(match=match, count=count):
-            text = as_text(key)
+            text = _text_or_bytes(key)
             if text not in seen:  # SCAN may return a key more than once
                 seen.add(text)
                 yield text
+
+
+def _text_or_bytes(key: Any) -> str | bytes:
+    try:
+        return as_text(key)
+    except UnicodeDecodeError:
+        return bytes(key)
 
 
 def server_times(client: Any) -> dict[str, float]:

@@ -1,4 +1,9 @@
-"""Rich tables for ``fenced ls`` and ``fenced show`` (needs the ``cli`` extra)."""
+"""Rich tables for ``fenced ls`` and ``fenced show`` (needs the ``cli`` extra).
+
+Everything shown that comes from Redis (names, holders, run records) is data someone
+else may have written: it goes through :func:`fenced._printable.printable`, and into
+rich as ``Text`` or through a console without markup, never as markup.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from rich.text import Text
 
 from ._inspect import ClaimInfo, ClaimReport
 from ._lease import Holder
+from ._printable import printable
 
 __all__ = [
     "WIDE",
@@ -41,6 +47,7 @@ STYLES = {
     "retried": "blue",
     "running": "cyan",
     "unfinished": "red",
+    "unreadable": "bold red",
 }
 
 
@@ -71,21 +78,34 @@ def _short(text: str, keep: int = SHORT_ID) -> str:
 
 def holder_text(holder: Holder, *, short: bool = False) -> str:
     """host pid N [task T], without the time left; ``short``: the task id's head."""
-    who = f"{holder.host} pid {holder.pid if holder.pid is not None else '?'}"
+    if holder.unreadable:
+        return f"(unreadable: {printable(holder.unreadable)})"
+    who = f"{printable(holder.host)} pid {holder.pid if holder.pid is not None else '?'}"
     if holder.task_id:
-        who += f" task {_short(holder.task_id) if short else holder.task_id}"
+        who += f" task {printable(_short(holder.task_id) if short else holder.task_id)}"
     return who
+
+
+def _unreadable(problem: str | None) -> str:
+    return f"(unreadable: {printable(problem)})" if problem else ""
+
+
+def _holder_cell(info: ClaimInfo, *, short: bool = False) -> str:
+    text = holder_text(info.holder, short=short)
+    if info.unreadable and info.unreadable != info.holder.unreadable:
+        text += f" {_unreadable(info.unreadable)}"
+    return text
 
 
 def _outcome(outcome: str | None) -> Text:
     if outcome is None:
         return Text("-", style="dim")
-    return Text(outcome, style=STYLES.get(outcome, ""))
+    return Text(printable(outcome), style=STYLES.get(outcome, ""))
 
 
 def claims_table(infos: list[ClaimInfo], title: str) -> Table:
     """The ``ls`` table: one row per held claim."""
-    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
+    table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
     table.add_column("name", style="bold", overflow="fold")
     table.add_column("holder", overflow="fold")
     for col in ("age", "left", "fence", "skips"):
@@ -93,8 +113,8 @@ def claims_table(infos: list[ClaimInfo], title: str) -> Table:
     table.add_column("last")
     for info in infos:
         table.add_row(
-            info.name,
-            holder_text(info.holder),
+            Text(printable(info.name)),
+            Text(_holder_cell(info)),
             duration(info.age),
             duration(info.expires_in) if info.expires_in is not None else "no ttl",
             str(info.fence) if info.fence is not None else "?",
@@ -117,7 +137,7 @@ def _args(args: Any, readable: Any) -> str:
 
 
 def _detail(run: Any) -> str:
-    parts = []
+    parts = [_unreadable(run.unreadable)] if run.unreadable else []
     if run.reason:
         parts.append(str(run.reason))
     if run.holder and run.outcome in ("skipped", "released"):
@@ -131,7 +151,7 @@ def _detail(run: Any) -> str:
     if "args" in extra:
         parts.append(_args(extra.pop("args"), readable))
     parts += [f"{k}={v}" for k, v in extra.items()]
-    return "; ".join(parts)
+    return printable("; ".join(parts))
 
 
 def _line(*cells: str | Text) -> Text:
@@ -150,7 +170,7 @@ def claims_list(infos: list[ClaimInfo], title: str) -> Group:
     blocks: list[Any] = [Text(title)]
     for info in infos:
         left = duration(info.expires_in) if info.expires_in is not None else "no ttl"
-        head = Text(info.name, style="bold", overflow="fold")
+        head = Text(printable(info.name), style="bold", overflow="fold")
         head.append(f"  fence {info.fence if info.fence is not None else '?'}", style="dim")
         blocks.append(head)
         blocks.append(
@@ -160,7 +180,7 @@ def claims_list(infos: list[ClaimInfo], title: str) -> Group:
                     Text(f"skips {info.skips}", style="yellow" if info.skips else ""),
                     f"age {duration(info.age)}",
                     f"left {left}",
-                    holder_text(info.holder, short=True),
+                    _holder_cell(info, short=True),
                 ),
                 (0, 0, 0, 2),
             )
@@ -169,11 +189,13 @@ def claims_list(infos: list[ClaimInfo], title: str) -> Group:
 
 
 def _title(report: ClaimReport, *, short: bool = False) -> str:
+    name = printable(report.name)
     if report.holder is None:
-        return f"{report.name}: not held"
+        return f"{name}: not held"
     h = report.holder
     left = duration(h.expires_in) if h.expires_in is not None else "no ttl"
-    return f"{report.name}: held by {holder_text(h, short=short)}, fence {h.fence}, {left} left"
+    fence = h.fence if h.fence is not None else "?"
+    return f"{name}: held by {holder_text(h, short=short)}, fence {fence}, {left} left"
 
 
 def report_list(report: ClaimReport) -> Group:
@@ -186,8 +208,8 @@ def report_list(report: ClaimReport) -> Group:
                 _outcome(run.outcome),
                 duration(run.duration) if run.duration is not None else "",
                 f"fence {run.fence}" if run.fence is not None else "",
-                run.worker or "",
-                f"task {_short(run.task_id)}" if run.task_id else "",
+                printable(run.worker or ""),
+                f"task {printable(_short(run.task_id))}" if run.task_id else "",
             )
         )
         detail = _detail(run)
@@ -198,7 +220,9 @@ def report_list(report: ClaimReport) -> Group:
 
 def report_table(report: ClaimReport) -> Table:
     """The ``show`` table: a claim's runs, newest first."""
-    table = Table(title=_title(report), title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
+    table = Table(
+        title=Text(_title(report)), title_justify="left", box=box.SIMPLE_HEAD, show_edge=False
+    )
     table.add_column("started", no_wrap=True)
     table.add_column("outcome", no_wrap=True)
     table.add_column("took", justify="right", no_wrap=True)
@@ -214,10 +238,10 @@ def report_table(report: ClaimReport) -> Table:
             _outcome(run.outcome),
             duration(run.duration) if run.duration is not None else "",
             str(run.fence) if run.fence is not None else "",
-            run.worker or "",
+            Text(printable(run.worker or "")),
         ]
         if with_tasks:
-            row.append(run.task_id or "")
-        row.append(_detail(run))
+            row.append(Text(printable(run.task_id or "")))
+        row.append(Text(_detail(run)))
         table.add_row(*row)
     return table

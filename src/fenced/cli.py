@@ -36,7 +36,10 @@ def main() -> None:
 
 
 def _err(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    from ._printable import printable
+
+    # Messages quote names and holders read from Redis: never a terminal control.
+    print(printable(line), file=sys.stderr, flush=True)
 
 
 def _redis_url(url: str | None) -> str:
@@ -70,6 +73,8 @@ def _client(url: str | None) -> Any:
 @contextmanager
 def _talking_to(client: Any) -> Iterator[None]:
     """Turn an unreachable Redis and bad input into one-line messages and exit codes."""
+    import redis
+
     from . import ClaimUnavailable, ConfigError
     from ._lease import UNREACHABLE, describe_client, why_unreachable
 
@@ -77,6 +82,10 @@ def _talking_to(client: Any) -> Iterator[None]:
         yield
     except UNREACHABLE as exc:
         _err(f"fenced: cannot reach Redis at {describe_client(client)}: {why_unreachable(exc)}")
+        raise SystemExit(EXIT_UNAVAILABLE) from None
+    except redis.ResponseError as exc:
+        # An error reply (a key of the wrong type, a replica, a full server): one line.
+        _err(f"fenced: Redis at {describe_client(client)} answered with an error: {exc}")
         raise SystemExit(EXIT_UNAVAILABLE) from None
     except ClaimUnavailable as exc:
         _err(f"fenced: {exc}")
@@ -622,7 +631,9 @@ if app is not None:
         if as_json:
             _print_json(result)
         else:
-            print(msg, flush=True)
+            from ._printable import printable
+
+            print(printable(msg), flush=True)
         if code:
             if as_json:
                 _err(msg)

@@ -22,11 +22,24 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ._lease import HOST, IDLE_TTL, MAX_RECORDS, ClaimKeys, Holder, current_pid, short_token
+import redis
+
+from ._lease import (
+    HOST,
+    IDLE_TTL,
+    MAX_RECORDS,
+    ClaimKeys,
+    Holder,
+    current_pid,
+    int_or_none,
+    short_token,
+)
+from ._printable import readable
 from ._scripts import RECORD, as_text
 
 __all__ = [
     "OUTCOMES",
+    "UNREADABLE",
     "RunRecord",
     "consecutive_skips",
     "encode_finished",
@@ -40,6 +53,8 @@ __all__ = [
 ]
 
 OUTCOMES = ("ok", "skipped", "failed", "lost", "aborted", "released", "retried", "running")
+#: The outcome of a stored entry that says none of the above (its ``unreadable`` says why).
+UNREADABLE = "unreadable"
 
 # One encoder for every record: json.dumps with options builds a new encoder per call.
 _encode = json.JSONEncoder(separators=(",", ":"), default=str).encode
@@ -102,6 +117,8 @@ class RunRecord:
     reason: str | None = None
     holder: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: What in the stored record could not be read (it is shown, never skipped).
+    unreadable: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form (the secret part of the token shortened)."""
@@ -112,19 +129,95 @@ class RunRecord:
 
 
 def _entry_time(entry_id: str) -> float:
-    return int(entry_id.split("-", 1)[0]) / 1000.0
+    try:
+        return int(entry_id.split("-", 1)[0]) / 1000.0
+    except ValueError:
+        return 0.0  # not a stream entry id: sorts last
 
 
-def _fields(raw: Any) -> dict[str, str]:
-    return {as_text(k): as_text(v) for k, v in raw.items()}
+@dataclass
+class _Entry:
+    """One stream entry, read whatever it holds: what could not be read is in ``problems``."""
+
+    id: str
+    at: float
+    fields: dict[str, str]
+    data: dict[str, Any]
+    problems: list[str]
+
+    @classmethod
+    def read(cls, entry_id: Any, raw: Any) -> _Entry:
+        eid = readable(entry_id)
+        problems: list[str] = []
+        fields: dict[str, str] = {}
+        for key, value in (raw or {}).items():
+            try:
+                fields[as_text(key)] = as_text(value)
+            except UnicodeDecodeError:
+                fields[readable(key)] = readable(value)
+                problems.append(f"field {readable(key)!r} is not UTF-8")
+        return cls(eid, _entry_time(eid), fields, _data(fields.get("r"), problems), problems)
+
+    def text(self, key: str) -> str | None:
+        """A field of the record's JSON as text (a value of another type, as its JSON)."""
+        value = self.data.get(key)
+        if value is None or isinstance(value, str):
+            return value
+        return _encode(value)
+
+    def number(self, key: str) -> float | None:
+        """A numeric field of the record's JSON; None (and a problem noted) otherwise."""
+        value = self.data.get(key)
+        if value is None:
+            return None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        self.problems.append(f"{key} is {_encode(value)[:40]}, not a number")
+        return None
+
+    def fence(self) -> int | None:
+        """The entry's fence field; None when absent, 0, or not an integer (noted)."""
+        text = self.fields.get("fence", "")
+        if text in ("", "0"):
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            self.problems.append(f"fence {text[:40]!r} is not an integer")
+            return None
+
+    def holder(self, key: str) -> str | None:
+        """A token field, as the holder it names."""
+        text = self.fields.get(key)
+        return str(Holder.parse(text)) if text else None
+
+    def worker(self) -> str | None:
+        if self.data.get("worker"):
+            return self.text("worker")
+        if self.data.get("host"):
+            return f"{self.text('host')}:{self.text('pid')}"
+        return None
+
+    def extra(self) -> dict[str, Any]:
+        return {k: v for k, v in self.data.items() if k not in _CORE}
+
+    def unreadable(self) -> str | None:
+        return "; ".join(dict.fromkeys(self.problems)) or None
 
 
-def _worker(data: dict[str, Any]) -> str | None:
-    if data.get("worker"):
-        return str(data["worker"])
-    if data.get("host"):
-        return f"{data['host']}:{data.get('pid')}"
-    return None
+def _data(text: str | None, problems: list[str]) -> dict[str, Any]:
+    """The record's JSON object ({} for none); anything else is noted as a problem."""
+    if not text:
+        return {}
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        problems.append(f"r is not JSON: {text[:40]!r}")
+        return {}
+    if not isinstance(data, dict):
+        problems.append(f"r is a JSON {type(data).__name__}, not an object")
+        return {}
+    return data
 
 
 def history(
@@ -132,7 +225,14 @@ def history(
 ) -> list[RunRecord]:
     """The most recent runs of a claim, newest first (one round trip)."""
     keys = ClaimKeys.of(name, namespace)
-    entries = client.xrevrange(keys.runs, count=entries_for(limit))
+    try:
+        entries = client.xrevrange(keys.runs, count=entries_for(limit))
+    except UnicodeDecodeError:
+        # A client that decodes replies cannot read the window at all: say so, once.
+        why = "a run record is not UTF-8; a client without decode_responses reads the rest"
+        return [RunRecord(name=keys.name, outcome=UNREADABLE, unreadable=why)]
+    except redis.ResponseError as exc:  # not a stream (WRONGTYPE): someone else's key
+        return [RunRecord(name=keys.name, outcome=UNREADABLE, unreadable=f"{keys.runs}: {exc}")]
     return from_entries(name, entries, limit)
 
 
@@ -142,45 +242,44 @@ def entries_for(limit: int) -> int:
 
 
 def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
-    """Assemble runs, newest first, from XREVRANGE entries (for callers that pipeline)."""
-    finished: dict[str, tuple[str, dict[str, str]]] = {}
+    """Assemble runs, newest first, from XREVRANGE entries (for callers that pipeline).
+
+    Entries that cannot be read (not JSON, fields of the wrong type, not UTF-8) give
+    runs with ``unreadable`` saying what is wrong, and the rest is read as usual.
+    """
+    finished: dict[str, _Entry] = {}
     runs: list[tuple[float, RunRecord]] = []
     # An operator's release, listed on its own unless it turns out to be the only end
     # of a run in the window: then it is that run's end, not a second entry.
     releases: dict[str, tuple[float, RunRecord]] = {}
     for entry_id, raw in entries:
-        eid = as_text(entry_id)
-        f = _fields(raw)
-        data = json.loads(f.get("r") or "{}")
+        e = _Entry.read(entry_id, raw)
+        f, at = e.fields, e.at
         event = f.get("event")
-        at = _entry_time(eid)
         if event in ("finished", "released"):
             # Newest first: a run cleared by an operator and then finished by its holder
             # (as lost) ends with the holder's own record, not the release.
-            finished.setdefault(f.get("token", ""), (eid, f))
+            finished.setdefault(f.get("token", ""), e)
             if event == "released":
-                act = (at, _released(name, f, data, at))
+                act = (at, _released(name, e))
                 releases.setdefault(f.get("token", ""), act)
                 runs.append(act)
             continue
         if event == "skipped":
-            runs.append(
-                (
-                    at,
-                    RunRecord(
-                        name=name,
-                        outcome="skipped",
-                        task_id=data.get("task_id"),
-                        worker=_worker(data),
-                        started=at,
-                        finished=at,
-                        duration=0.0,
-                        reason=f.get("reason") or data.get("reason", "already running"),
-                        holder=str(Holder.parse(f["holder"])) if f.get("holder") else None,
-                        extra=_extra(data),
-                    ),
-                )
+            rec = RunRecord(
+                name=name,
+                outcome="skipped",
+                task_id=e.text("task_id"),
+                worker=e.worker(),
+                started=at,
+                finished=at,
+                duration=0.0,
+                reason=f.get("reason") or e.text("reason") or "already running",
+                holder=e.holder("holder"),
+                extra=e.extra(),
             )
+            rec.unreadable = e.unreadable()
+            runs.append((at, rec))
             continue
         if event == "started":
             token = f.get("token", "")
@@ -188,49 +287,47 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
             rec = RunRecord(
                 name=name,
                 outcome="running",
-                task_id=data.get("task_id"),
-                worker=_worker(data),
+                task_id=e.text("task_id"),
+                worker=e.worker(),
                 token=token,
-                fence=int(f["fence"]) if f.get("fence") else None,
+                fence=e.fence(),
                 started=at,
-                extra=_extra(data),
+                extra=e.extra(),
             )
             if end is not None:
-                end_id, end_f = end
-                end_data = json.loads(end_f.get("r") or "{}")
-                rec.outcome = end_f.get("outcome", "ok")
-                rec.finished = _entry_time(end_id)
-                rec.duration = end_data.get("duration", rec.finished - at)
-                rec.reason = end_data.get("reason") or end_f.get("note")
-                rec.extra.update(_extra(end_data))
-                if end_f.get("event") == "released":
+                rec.outcome = _outcome(end)
+                rec.finished = end.at
+                duration = end.number("duration")
+                rec.duration = duration if duration is not None else rec.finished - at
+                rec.reason = end.text("reason") or end.fields.get("note")
+                rec.extra.update(end.extra())
+                e.problems += end.problems
+                if end.fields.get("event") == "released":
                     cleared = releases.get(token)
                     if cleared is not None and cleared in runs:
                         runs.remove(cleared)
+            rec.unreadable = e.unreadable()
             runs.append((at, rec))
-    # Finished entries whose start fell outside the window still tell an outcome.
-    for token, (eid, f) in finished.items():
-        if f.get("event") != "finished":
             continue
-        data = json.loads(f.get("r") or "{}")
-        at = _entry_time(eid)
-        runs.append(
-            (
-                at,
-                RunRecord(
-                    name=name,
-                    outcome=f.get("outcome", "ok"),
-                    task_id=data.get("task_id"),
-                    worker=_worker(data),
-                    token=token,
-                    fence=int(f["fence"]) if f.get("fence", "0") not in ("", "0") else None,
-                    finished=at,
-                    duration=data.get("duration"),
-                    reason=data.get("reason") or f.get("note"),
-                    extra=_extra(data),
-                ),
-            )
+        runs.append((at, _unknown(name, e, event)))
+    # Finished entries whose start fell outside the window still tell an outcome.
+    for token, e in finished.items():
+        if e.fields.get("event") != "finished":
+            continue
+        rec = RunRecord(
+            name=name,
+            outcome=_outcome(e),
+            task_id=e.text("task_id"),
+            worker=e.worker(),
+            token=token,
+            fence=e.fence(),
+            finished=e.at,
+            duration=e.number("duration"),
+            reason=e.text("reason") or e.fields.get("note"),
+            extra=e.extra(),
         )
+        rec.unreadable = e.unreadable()
+        runs.append((e.at, rec))
     runs.sort(key=lambda pair: pair[0], reverse=True)
     return [rec for _at, rec in runs[:limit]]
 
@@ -238,20 +335,38 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
 _CORE = {"task_id", "host", "pid", "at", "worker", "reason", "duration", "outcome"}
 
 
-def _extra(data: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in data.items() if k not in _CORE}
+def _outcome(end: _Entry) -> str:
+    outcome = end.fields.get("outcome", "ok")
+    if outcome in OUTCOMES:
+        return outcome
+    end.problems.append(f"outcome {outcome[:40]!r} is not one fenced writes")
+    return UNREADABLE
 
 
-def _released(name: str, f: dict[str, str], data: dict[str, Any], at: float) -> RunRecord:
-    return RunRecord(
+def _released(name: str, e: _Entry) -> RunRecord:
+    rec = RunRecord(
         name=name,
         outcome="released",
-        worker=_worker(data),
-        token=f.get("token"),
-        finished=at,
-        reason=data.get("reason"),
-        holder=str(Holder.parse(f["token"])) if f.get("token") else None,
-        extra=_extra(data),
+        worker=e.worker(),
+        token=e.fields.get("token"),
+        finished=e.at,
+        reason=e.text("reason"),
+        holder=e.holder("token"),
+        extra=e.extra(),
+    )
+    rec.unreadable = e.unreadable()
+    return rec
+
+
+def _unknown(name: str, e: _Entry, event: str | None) -> RunRecord:
+    """An entry no script writes (no event, or another one): shown, never skipped."""
+    what = f"event {event[:40]!r} is not one fenced writes" if event else "no event field"
+    return RunRecord(
+        name=name,
+        outcome=UNREADABLE,
+        token=e.fields.get("token"),
+        finished=e.at,
+        unreadable="; ".join(dict.fromkeys([what, *e.problems])),
     )
 
 
@@ -262,9 +377,9 @@ def last(client: Any, name: str, *, namespace: str = "fenced") -> RunRecord | No
 
 
 def consecutive_skips(client: Any, name: str, *, namespace: str = "fenced") -> int:
-    """Skips since the last successful run of a claim."""
+    """Skips since the last successful run of a claim (0 when the counter is unreadable)."""
     value = client.get(ClaimKeys.of(name, namespace).skips)
-    return int(value) if value is not None else 0
+    return int_or_none(value) or 0
 
 
 def record(

@@ -22,6 +22,7 @@ front end; this class only awaits the scripts. What it adds is asyncio's:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import sys
@@ -117,7 +118,12 @@ class Claim(ClaimState):
                 keep(asyncio.ensure_future(self._give_back(token)))
             raise self._unavailable(exc) from exc
         except redis.ResponseError as exc:
-            raise self._unavailable(exc) from exc
+            # A script stopped at a key it could not use may have set the lease first.
+            with contextlib.suppress(Exception):  # best effort: it expires with its ttl
+                await call(self.redis, self._store.abandon_call(token))
+            raise self._refused(exc, await self._corrupt_key()) from exc
+        except UnicodeDecodeError:  # a client that decodes replies: only a holder is text
+            return self._held_unreadably()
         late = self._late(res, sent)
         if late is not None:
             args = self._give_back_args(token, int(res[1]), _LATE, late)
@@ -142,6 +148,16 @@ class Claim(ClaimState):
         exc = request.exception()
         if (exc is None and int(request.result()[0]) == 1) or isinstance(exc, redis.TimeoutError):
             await self._give_back(token)
+
+    async def _corrupt_key(self) -> tuple[str, str] | None:
+        """After a failed ACQUIRE: the key whose value stopped it, if one did."""
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for command in self._store.inspect_commands():
+                pipe.execute_command(*command)
+            return self._store.corrupt_key(await pipe.execute(raise_on_error=False))
+        except Exception:  # a diagnosis only: the error it explains is raised anyway
+            return None
 
     async def _give_back(self, token: str) -> None:
         try:

@@ -20,6 +20,7 @@ that is given back); a release cut short is sent again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -27,12 +28,13 @@ from collections.abc import Awaitable, Callable
 from types import SimpleNamespace, TracebackType
 from typing import Any, Literal, cast
 
+import redis
 from redis.asyncio.lock import Lock as _RedisLock
 from redis.exceptions import LockError, LockNotOwnedError
 
 from .._errors import ConfigError
 from .._lease import IDLE_TTL
-from .._lock import _Hold, check_lock_options, fence_key, new_token
+from .._lock import _Hold, check_lock_options, corrupt_fence, fence_key, new_token
 from .._scripts import LOCK_ACQUIRE, LOCK_RELEASE, Script
 from ._renewer import renewer
 from ._send import call, keep, run_to_end
@@ -185,7 +187,21 @@ class Lock:
             (raw, ttl_ms, self._idle_ms, generated),
         )
         sent = time.monotonic()
-        fence = int(await run_to_end(call(self.redis, request), lambda f: self._abandon(f, raw)))
+        try:
+            reply = await run_to_end(call(self.redis, request), lambda f: self._abandon(f, raw))
+            if reply is None:  # a fence Lua could not read as a number: no fence to give
+                raise redis.ResponseError("the fence is not a number")
+        except redis.ResponseError as exc:
+            # The script stops at a fence that is not an integer after it set the lock.
+            value = None
+            with contextlib.suppress(Exception):
+                await call(self.redis, (LOCK_RELEASE, (self.name,), (raw,)))
+                value = await self.redis.get(self.fence_key)
+            error = corrupt_fence(self.name, self.fence_key, value, exc)
+            if error is exc:
+                raise
+            raise error from exc
+        fence = int(reply)
         if not fence:
             return False
         hold = None

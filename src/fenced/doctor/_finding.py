@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from .._printable import printable
+
 __all__ = ["Finding", "Report", "Severity", "format_text", "render"]
 
 Severity = Literal["error", "warning", "info"]
@@ -81,9 +83,10 @@ def format_text(report: Report) -> str:
         return "fenced doctor: no findings.\n"
     lines: list[str] = []
     for f in report.findings:
-        lines.append(f"{f.severity.upper():8} {f.code}: {f.what}")
-        lines.append(f"         why: {f.why}")
-        lines.append(f"         fix: {f.fix}")
+        # Findings quote claim names and templates read from Redis: escaped.
+        lines.append(f"{f.severity.upper():8} {f.code}: {printable(f.what)}")
+        lines.append(f"         why: {printable(f.why)}")
+        lines.append(f"         fix: {printable(f.fix)}")
         lines.append("")
     counts = report.as_dict()["counts"]
     lines.append(
@@ -110,11 +113,11 @@ def render(report: Report, console: Any = None) -> None:
         return
     for f in report.findings:
         body = Text()
-        body.append(f.what + "\n", style="bold")
+        body.append(printable(f.what) + "\n", style="bold")
         body.append("why  ", style="dim")
-        body.append(f.why + "\n")
+        body.append(printable(f.why) + "\n")
         body.append("fix  ", style="dim")
-        body.append(f.fix, style="green")
+        body.append(printable(f.fix), style="green")
         title = Text(f"{f.severity} · {f.code}", style=_STYLE[f.severity])
         console.print(Panel(body, title=title, title_align="left", border_style=_STYLE[f.severity]))
     counts = report.as_dict()["counts"]
