@@ -227,3 +227,13 @@ def soft(self: Any, key: str) -> str:
     note(f"sleeper:{key}", event="start")
     time.sleep(20)
     return "never"
+
+
+@app.task(base=ClaimedTask, bind=True, name="t.cooled", claim="cooled:{key}", claim_cooldown=60.0)
+def cooled(self: Any, key: str, seconds: float = 0.0, fail: bool = False) -> Any:
+    """At most one run ending ok per minute: notes each run that starts."""
+    note(f"runs:{key}", task_id=self.request.id, fence=self.claim.fence)
+    time.sleep(seconds)
+    if fail:
+        raise ValueError("failed on purpose")
+    return {"status": "ok", "fence": self.claim.fence}

@@ -31,7 +31,7 @@ import redis
 from . import records as _records
 from ._client import connect
 from ._errors import ClaimLost, ClaimUnavailable, ConfigError, FencedError, NotOwner
-from ._guard import SKIP_REASON, SKIP_RERUN_REASON, busy_error, finish
+from ._guard import COOLDOWN_REASON, SKIP_REASON, SKIP_RERUN_REASON, busy_error, finish
 from ._heartbeat import RETRY_SHARE, Renewal
 from ._heartbeat import heartbeat as _heartbeat
 from ._lease import (
@@ -42,6 +42,7 @@ from ._lease import (
     Holder,
     LeaseStore,
     NotReplicated,
+    check_cooldown,
     check_idle_ttl,
     check_replicas,
     check_timing,
@@ -98,12 +99,14 @@ class ClaimState:
         redelivery_window: float = 0.0,
         replicas: int = 0,
         replica_timeout: float = 1.0,
+        cooldown: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Any] = time.sleep,
     ) -> None:
         try:
             self.ttl, self.refresh_every = check_timing(ttl, refresh_every)
             self._idle_ms = check_idle_ttl(idle_ttl, self.ttl)
+            self._cooldown_ms = check_cooldown(cooldown, self._idle_ms)
             self.replicas, self._replica_ms = check_replicas(replicas, replica_timeout, self.ttl)
             if not isinstance(redelivery_window, (int, float)) or redelivery_window < 0:
                 raise ConfigError(
@@ -128,6 +131,8 @@ class ClaimState:
         # Written into every run record of this claim (e.g. the command a run executes).
         self.record_extra = dict(record_extra or {})
         self.max_records = max_records
+        #: Seconds after a run that ended ``ok`` during which triggers skip (None: none).
+        self.cooldown = self._cooldown_ms / 1000 if self._cooldown_ms else None
         self._done_ms = int(redelivery_window * 1000)
         self._clock = clock
         self._sleep = sleep
@@ -146,6 +151,9 @@ class ClaimState:
         self.holder: Holder | None = None
         self._lost_reason: str | None = None
         self.skips = 0
+        #: Seconds left of the cooldown window when the last acquire found the name ran
+        #: recently (it is then not held by anyone), else None.
+        self.ran_recently: float | None = None
         #: Distinct triggers that asked for one more run: seen by a loser after its
         #: acquire (how many are waiting), taken by the holder at release.
         self.rerun_requested = 0
@@ -321,7 +329,7 @@ class ClaimState:
 
     def _acquire_args(
         self, token: str, record_skip: bool, mark_rerun: bool | str
-    ) -> tuple[str, int, str, str, int, str, str | None, int]:
+    ) -> tuple[str, int, str, str, int, str, str | None, int, str]:
         """The arguments of the store's ``acquire`` for one try under ``token``."""
         trigger = mark_rerun if isinstance(mark_rerun, str) else ("*" if mark_rerun else "")
         return (
@@ -336,6 +344,7 @@ class ClaimState:
             # task (a redelivery), not a competitor: no skip, no rerun request.
             self.task_id,
             self._idle_ms,
+            COOLDOWN_REASON if self._cooldown_ms else "",
         )
 
     def _unavailable(self, exc: BaseException) -> ClaimUnavailable:
@@ -411,6 +420,7 @@ class ClaimState:
                 self.token = token
                 self.fence = int(res[1])
                 self.holder = None
+                self.ran_recently = None
                 self._lost_reason = None
                 self.vanished = False
                 self.rerun_triggers = []
@@ -420,9 +430,14 @@ class ClaimState:
                 self._deadline = sent + self.ttl - self._drift
                 self._next_refresh = sent + self.refresh_every
             return True
-        self.holder = Holder.parse(as_text(res[1]), int(res[2]), int(res[3]))
         self.skips = int(res[4])
         self.rerun_requested = int(res[5])
+        if int(res[0]) == 2:  # nobody holds it: a run ended ok within the window
+            self.holder = None
+            self.ran_recently = int(res[2]) / 1000
+            return False
+        self.ran_recently = None
+        self.holder = Holder.parse(as_text(res[1]), int(res[2]), int(res[3]))
         return False
 
     def _refresh_unavailable(self, exc: BaseException) -> ClaimUnavailable:
@@ -464,7 +479,7 @@ class ClaimState:
 
     def _release_args(
         self, outcome: str, record: str
-    ) -> tuple[str, str, int, str, int | None, int, str | None, int]:
+    ) -> tuple[str, str, int, str, int | None, int, str | None, int, bool, int]:
         """The arguments of the store's ``release`` for this claim's lease."""
         assert self.token is not None
         return (
@@ -476,6 +491,8 @@ class ClaimState:
             self._idle_ms,
             self.task_id,
             self._done_ms,
+            True,
+            self._cooldown_ms,
         )
 
     def _release_unconfirmed(self, exc: BaseException) -> None:
@@ -555,6 +572,11 @@ class Claim(ClaimState):
             acknowledge removes its lease and raises ClaimUnavailable; a renewal they do
             not acknowledge is not confirmed (the claim is lost at its deadline unless a
             later one is). Narrows the window in which a failover forgets a fresh lease.
+        cooldown: seconds after a run that ended ``ok`` during which every acquire is a
+            skip ("ran recently", whatever the busy policy: a window is not waited
+            out), timed by Redis's own expiry, so hosts with skewed clocks agree. A
+            failed or lost run, and an operator's release, start no window. At most
+            ``idle_ttl``.
         clock, sleep: time seams for tests (``time.monotonic``, ``time.sleep``).
     """
 
@@ -588,8 +610,8 @@ class Claim(ClaimState):
         while True:
             if self._try_acquire(record_skip, mark_rerun=request_rerun):
                 return True
-            if not blocking:
-                return False
+            if not blocking or self.ran_recently is not None:
+                return False  # a window is not waited out: it is a skip
             now = self._clock()
             if give_up is not None and now >= give_up:
                 return False

@@ -32,10 +32,11 @@ BATCH = 500
 
 @dataclass
 class ClaimInfo:
-    """One held claim: who holds it, for how long, and how its previous run ended."""
+    """One held claim (or one in its cooldown window): who holds it, for how long, and
+    how its previous run ended."""
 
     name: str
-    holder: Holder
+    holder: Holder | None
     age: float | None
     expires_in: float | None
     fence: int | None
@@ -43,12 +44,14 @@ class ClaimInfo:
     last_outcome: str | None
     last_finished: float | None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Seconds left of the cooldown window a run that ended ok started (None: none).
+    cooldown_left: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form (the secret part of the token shortened)."""
         return {
             "name": self.name,
-            "holder": self.holder.as_dict(),
+            "holder": self.holder.as_dict() if self.holder else None,
             "age": self.age,
             "expires_in": self.expires_in,
             "fence": self.fence,
@@ -56,6 +59,7 @@ class ClaimInfo:
             "last_outcome": self.last_outcome,
             "last_finished": self.last_finished,
             "extra": self.extra,
+            "cooldown_left": self.cooldown_left,
         }
 
 
@@ -63,8 +67,13 @@ def _glob_escape(text: str) -> str:
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
-def _lock_keys(client: Any, namespace: str) -> Iterator[str]:
-    return scan_keys(client, _glob_escape(namespace) + ":{*}:lock")
+def _lock_keys(client: Any, namespace: str, part: str = "lock") -> Iterator[str]:
+    return scan_keys(client, _glob_escape(namespace) + ":{*}:" + part)
+
+
+def _left(pttl: Any) -> float | None:
+    """A PTTL answer as seconds left, None for a key that is gone (or never expires)."""
+    return int(pttl) / 1000 if pttl is not None and int(pttl) > 0 else None
 
 
 def _pipeline(client: Any) -> tuple[Any, bool]:
@@ -92,14 +101,14 @@ def _clocks(client: Any, results: list[Any], timed: bool) -> Callable[[str], flo
 
 
 def list_claims(client: Any, namespace: str = "fenced") -> list[ClaimInfo]:
-    """Every claim held now under a namespace, sorted by name."""
-    names = sorted(
-        {n for k in _lock_keys(client, namespace) if (n := ClaimKeys.name_from_key(k, namespace))}
-    )
+    """Every claim held now under a namespace, and every one in its cooldown window,
+    sorted by name."""
+    keys = [*_lock_keys(client, namespace), *_lock_keys(client, namespace, "cooldown")]
+    names = sorted({n for k in keys if (n := ClaimKeys.name_from_key(k, namespace))})
     infos: list[ClaimInfo] = []
     for start in range(0, len(names), BATCH):
         infos += _read_batch(client, names[start : start + BATCH], namespace)
-    missing = [i for i in infos if i.age is None]
+    missing = [i for i in infos if i.age is None and i.holder is not None]
     if missing:
         _find_starts(client, missing, namespace)
     return infos
@@ -114,24 +123,27 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
         pipe.get(keys.fence)
         pipe.get(keys.skips)
         pipe.xrevrange(keys.runs, count=entries_for(LS_RUNS))
+        pipe.pttl(keys.cooldown)
     results = pipe.execute()
     clock = _clocks(client, results, timed)
     infos: list[ClaimInfo] = []
     for i, name in enumerate(names):
-        token, pttl, fence, skips, entries = results[5 * i : 5 * i + 5]
-        if token is None:
-            continue  # released between the scan and the read
+        token, pttl, fence, skips, entries, cooldown = results[6 * i : 6 * i + 6]
+        window = _left(cooldown)
+        if token is None and window is None:
+            continue  # released (or its window ended) between the scan and the read
         fence_int = int(fence) if fence is not None else None
-        holder = Holder.parse(as_text(token), int(pttl), fence_int)
+        holder = Holder.parse(as_text(token), int(pttl), fence_int) if token else None
         info = ClaimInfo(
             name=name,
             holder=holder,
             age=None,
-            expires_in=holder.expires_in,
+            expires_in=holder.expires_in if holder else None,
             fence=fence_int,
             skips=int(skips) if skips is not None else 0,
             last_outcome=None,
             last_finished=None,
+            cooldown_left=window,
         )
         _apply_runs(
             info, from_entries(name, entries, LS_RUNS), clock(ClaimKeys(namespace, name).runs)
@@ -141,7 +153,7 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
 
 
 def _apply_runs(info: ClaimInfo, runs: list[RunRecord], now: float) -> None:
-    token = info.holder.token
+    token = info.holder.token if info.holder else None
     for run in runs:
         if run.token == token:
             if run.started is not None and info.age is None:
@@ -174,6 +186,8 @@ class ClaimReport:
     namespace: str
     holder: Holder | None
     runs: list[RunRecord]
+    #: Seconds left of the cooldown window a run that ended ok started (None: none).
+    cooldown_left: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -182,6 +196,7 @@ class ClaimReport:
             "namespace": self.namespace,
             "holder": self.holder.as_dict() if self.holder else None,
             "runs": [run.as_dict() for run in self.runs],
+            "cooldown_left": self.cooldown_left,
         }
 
 
@@ -195,6 +210,7 @@ def show_claim(
         namespace,
         read_holder(client, keys.name, namespace=namespace),
         history(client, keys.name, limit=limit, namespace=namespace),
+        _left(client.pttl(keys.cooldown)),
     )
 
 

@@ -14,6 +14,7 @@ Everything that talks to Redis about a lease goes through here:
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import secrets
@@ -205,6 +206,11 @@ class ClaimKeys:
         """Set when a conflicting trigger asked for one more run."""
         return self._key("rerun")
 
+    @property
+    def cooldown(self) -> str:
+        """Lives for the cooldown window after a run that ended ``ok`` (value: its fence)."""
+        return self._key("cooldown")
+
     def released(self, token: str) -> str:
         """A short-lived note of how a token's release went, so a retry gets that answer."""
         return f"{self._key('released:')}{token.split(':', 1)[0]}"
@@ -229,7 +235,7 @@ class ClaimKeys:
 
     def all(self) -> list[str]:
         """The keys the ACQUIRE script receives, in KEYS order."""
-        return [self.lock, self.fence, self.runs, self.skips, self.rerun]
+        return [self.lock, self.fence, self.runs, self.skips, self.rerun, self.cooldown]
 
     @staticmethod
     def name_from_key(key: str | bytes, namespace: str = "fenced") -> str | None:
@@ -314,6 +320,36 @@ def check_idle_ttl(idle_ttl: Any, ttl: float, name: str = "idle_ttl") -> int:
     return int(idle_ttl * 1000)
 
 
+def check_cooldown(cooldown: Any, idle_ms: int, name: str = "cooldown") -> int:
+    """Check a cooldown window (seconds; None or 0: none); return it in ms (0: none).
+
+    ``idle_ms`` is the name's idle expiry (0: never): a window may not outlast it, since
+    nothing of an idle name is kept longer than that.
+    """
+    if cooldown is None or (
+        not isinstance(cooldown, bool) and isinstance(cooldown, (int, float)) and cooldown == 0
+    ):
+        return 0
+    if (
+        isinstance(cooldown, bool)
+        or not isinstance(cooldown, (int, float))
+        or not 0.001 <= cooldown < math.inf
+    ):
+        raise ConfigError(
+            f"{name}={cooldown!r} is not a window in seconds: after a run that ended ok, "
+            f"triggers within this long are skipped; give at least 0.001, e.g. {name}=300 "
+            "(0 or None: no window)"
+        )
+    ms = int(cooldown * 1000)
+    if idle_ms and ms > idle_ms:
+        raise ConfigError(
+            f"{name}={cooldown!r} is longer than the idle expiry of the name's keys "
+            f"({idle_ms / 1000:g} s): shorten the window, or raise the idle expiry "
+            "(idle_ttl, claim_idle_ttl) to at least the window"
+        )
+    return ms
+
+
 # -- reaching the store -----------------------------------------------------------------
 
 
@@ -377,7 +413,7 @@ class LeaseCalls:
     ``fenced.aio`` on a ``redis.asyncio`` one.
     """
 
-    __slots__ = ("_acquire_keys", "_no_done", "_note_prefix", "_release_keys", "keys")
+    __slots__ = ("_acquire_keys", "_cooldown", "_no_done", "_note_prefix", "_release_keys", "keys")
 
     def __init__(self, keys: ClaimKeys) -> None:
         self.keys = keys
@@ -386,6 +422,7 @@ class LeaseCalls:
         self._release_keys = (keys.lock, keys.runs, keys.skips, keys.rerun)
         self._no_done = keys.done("")
         self._note_prefix = keys.released("")
+        self._cooldown = keys.cooldown
 
     def acquire_call(
         self,
@@ -397,12 +434,23 @@ class LeaseCalls:
         rerun: str,
         task_id: str | None,
         idle_ms: int,
+        cooldown_reason: str = "",
     ) -> Call:
         """ACQUIRE (see its contract); the answer is read by ``Claim``."""
         return (
             ACQUIRE,
             self._acquire_keys,
-            [token, ttl_ms, record, skip_reason, max_records, rerun, task_id or "", idle_ms],
+            [
+                token,
+                ttl_ms,
+                record,
+                skip_reason,
+                max_records,
+                rerun,
+                task_id or "",
+                idle_ms,
+                cooldown_reason,
+            ],
         )
 
     def refresh_call(self, token: str, ttl_ms: int, idle_ms: int = 0) -> Call:
@@ -421,6 +469,7 @@ class LeaseCalls:
         task_id: str | None = None,
         done_ms: int = 0,
         take_reruns: bool = True,
+        cooldown_ms: int = 0,
     ) -> Call:
         """RELEASE of ``token``'s lease; its answer is read by :func:`released`."""
         # Without a task id there is no marker to set; the key still names this slot.
@@ -428,7 +477,7 @@ class LeaseCalls:
         return (
             RELEASE,
             # The note's key: the token's random part (new_token's 32 hex digits).
-            (*self._release_keys, done, self._note_prefix + token[:32]),
+            (*self._release_keys, done, self._note_prefix + token[:32], self._cooldown),
             [
                 token,
                 record,
@@ -438,6 +487,7 @@ class LeaseCalls:
                 "1" if take_reruns else "0",
                 idle_ms,
                 done_ms if task_id else 0,
+                cooldown_ms,
             ],
         )
 
@@ -482,13 +532,22 @@ class LeaseStore(LeaseCalls):
         rerun: str,
         task_id: str | None,
         idle_ms: int,
+        cooldown_reason: str = "",
     ) -> list[Any]:
         """Run ACQUIRE (see its contract); unreachable errors propagate to the caller.
 
         With replicas to wait for, the answer has one more item: how many acknowledged.
         """
         call = self.acquire_call(
-            token, ttl_ms, record, skip_reason, max_records, rerun, task_id, idle_ms
+            token,
+            ttl_ms,
+            record,
+            skip_reason,
+            max_records,
+            rerun,
+            task_id,
+            idle_ms,
+            cooldown_reason,
         )
         if self.replicas:
             reply, acked = self.replicated(*call)
@@ -539,10 +598,20 @@ class LeaseStore(LeaseCalls):
         task_id: str | None = None,
         done_ms: int = 0,
         take_reruns: bool = True,
+        cooldown_ms: int = 0,
     ) -> tuple[bool, str, list[str]]:
         """Delete the lease if ``token`` holds it: (released, outcome recorded, reruns)."""
         call = self.release_call(
-            token, record, max_records, outcome, fence, idle_ms, task_id, done_ms, take_reruns
+            token,
+            record,
+            max_records,
+            outcome,
+            fence,
+            idle_ms,
+            task_id,
+            done_ms,
+            take_reruns,
+            cooldown_ms,
         )
         return released(self._run(call))
 

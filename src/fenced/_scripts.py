@@ -167,6 +167,7 @@ end
 
 # ACQUIRE
 # KEYS[1] lock   KEYS[2] fence   KEYS[3] runs   KEYS[4] skips   KEYS[5] rerun (a set)
+# KEYS[6] cooldown (set by RELEASE after a run that ended "ok", expires with PX)
 # ARGV[1] token  ARGV[2] ttl in ms
 # ARGV[3] JSON of the run record (who, where, when), or "" to record nothing; written
 #         as the "started" entry, or with the skip reason as the "skipped" entry
@@ -179,15 +180,30 @@ end
 #         an earlier attempt of the same task (a redelivery), not a competitor, so no
 #         skip is counted or recorded and no rerun is asked
 # ARGV[8] idle expiry of the name's lasting keys in ms (0 = never)
+# ARGV[9] (optional) the skip reason to record while the cooldown key lives, or "" for
+#         a claim without a cooldown: checked first, whatever the lease; such a skip is
+#         always counted and recorded, and asks no rerun
 # returns {1, fence}                                    when the claim is ours (also
 #                                                       when ARGV[1] already holds it:
 #                                                       a retried request is idempotent)
 #         {0, holder token, pttl ms, holder fence, consecutive skips, distinct triggers}
+#         {2, "", cooldown pttl ms, fence, consecutive skips, 0}   the name ran recently
 ACQUIRE = Script(
     "acquire",
     _TOUCH
     + """
 local idle = tonumber(ARGV[8])
+if ARGV[9] and ARGV[9] ~= '' then
+  -- Redis's own expiry times the window: the hosts' clocks play no part
+  local left = redis.call('PTTL', KEYS[6])
+  if left > 0 then
+    local skips = redis.call('INCR', KEYS[4])
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
+               'event', 'skipped', 'reason', ARGV[9], 'r', ARGV[3])
+    touch(idle, KEYS[3], KEYS[4])
+    return {2, '', left, tonumber(redis.call('GET', KEYS[2]) or '0'), skips, 0}
+  end
+end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -263,6 +279,7 @@ return 0
 #          answer back, from a short-lived note of it, and records nothing twice)
 # KEYS[1] lock   KEYS[2] runs   KEYS[3] skips   KEYS[4] rerun   KEYS[5] done marker
 # KEYS[6] the note of this token's release
+# KEYS[7] (optional) cooldown: set to the fence with PX = ARGV[9] after an "ok" run
 # ARGV[1] token
 # ARGV[2] JSON of the finished run record, or "" to record nothing
 # ARGV[3] maximum length of the runs stream
@@ -272,6 +289,8 @@ return 0
 # ARGV[6] "1" to take (read and clear) the rerun triggers, else "0"
 # ARGV[7] idle expiry of the name's lasting keys in ms (0 = never)
 # ARGV[8] how long to remember that this task id finished "ok", in ms (0 = not at all)
+# ARGV[9] (optional) the cooldown window in ms that a run ending "ok" starts (0 = none);
+#         a failed or lost run starts none
 # returns {1 if our token held the lease and it is now deleted else 0, the outcome
 #          recorded, {the rerun triggers taken}}
 RELEASE = Script(
@@ -314,6 +333,9 @@ if ARGV[2] ~= '' then
 end
 if outcome == 'ok' and tonumber(ARGV[8]) > 0 then
   redis.call('SET', KEYS[5], '1', 'PX', ARGV[8])
+end
+if outcome == 'ok' and tonumber(ARGV[9] or '0') > 0 then
+  redis.call('SET', KEYS[7], ARGV[5], 'PX', ARGV[9])
 end
 local reruns = {}
 if ARGV[6] == '1' and released == 1 then

@@ -76,6 +76,17 @@ def holder_text(holder: Holder, *, short: bool = False) -> str:
     return who
 
 
+def _window(left: float | None) -> str:
+    return f"ran recently: window ends in {duration(left)}" if left is not None else ""
+
+
+def _who(info: ClaimInfo, *, short: bool = False) -> str:
+    """The holder of a listed claim, and its cooldown window when it has one."""
+    who = holder_text(info.holder, short=short) if info.holder else "-"
+    window = _window(info.cooldown_left)
+    return f"{who}; {window}" if info.holder and window else window or who
+
+
 def _outcome(outcome: str | None) -> Text:
     if outcome is None:
         return Text("-", style="dim")
@@ -93,9 +104,9 @@ def claims_table(infos: list[ClaimInfo], title: str) -> Table:
     for info in infos:
         table.add_row(
             info.name,
-            holder_text(info.holder),
-            duration(info.age),
-            duration(info.expires_in) if info.expires_in is not None else "no ttl",
+            _who(info),
+            duration(info.age) if info.holder else "-",
+            _lease_left(info),
             str(info.fence) if info.fence is not None else "?",
             Text(str(info.skips), style="yellow" if info.skips else ""),
             _outcome(info.last_outcome),
@@ -144,11 +155,17 @@ def _line(*cells: str | Text) -> Text:
     return line
 
 
+def _lease_left(info: ClaimInfo) -> str:
+    if info.holder is None:
+        return "-"
+    return duration(info.expires_in) if info.expires_in is not None else "no ttl"
+
+
 def claims_list(infos: list[ClaimInfo], title: str) -> Group:
     """The ``ls`` view for a narrow terminal: each claim's name and fence, then the rest."""
     blocks: list[Any] = [Text(title)]
     for info in infos:
-        left = duration(info.expires_in) if info.expires_in is not None else "no ttl"
+        left = _lease_left(info)
         head = Text(info.name, style="bold", overflow="fold")
         head.append(f"  fence {info.fence if info.fence is not None else '?'}", style="dim")
         blocks.append(head)
@@ -157,9 +174,9 @@ def claims_list(infos: list[ClaimInfo], title: str) -> Group:
                 _line(
                     Text("last ").append_text(_outcome(info.last_outcome)),
                     Text(f"skips {info.skips}", style="yellow" if info.skips else ""),
-                    f"age {duration(info.age)}",
-                    f"left {left}",
-                    holder_text(info.holder, short=True),
+                    f"age {duration(info.age)}" if info.holder else "",
+                    f"left {left}" if info.holder else "",
+                    _who(info, short=True),
                 ),
                 (0, 0, 0, 2),
             )
@@ -168,11 +185,13 @@ def claims_list(infos: list[ClaimInfo], title: str) -> Group:
 
 
 def _title(report: ClaimReport, *, short: bool = False) -> str:
+    window = _window(report.cooldown_left)
     if report.holder is None:
-        return f"{report.name}: not held"
+        return f"{report.name}: not held" + (f"; {window}" if window else "")
     h = report.holder
     left = duration(h.expires_in) if h.expires_in is not None else "no ttl"
-    return f"{report.name}: held by {holder_text(h, short=short)}, fence {h.fence}, {left} left"
+    title = f"{report.name}: held by {holder_text(h, short=short)}, fence {h.fence}, {left} left"
+    return title + (f"; {window}" if window else "")
 
 
 def report_list(report: ClaimReport) -> Group:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import os
 import sys
 import time
@@ -33,6 +34,25 @@ def main() -> None:
     if app is None:
         sys.exit("the fenced command needs its extra: pip install 'fenced[cli]'")
     app()
+
+
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``90``, ``1.5``, ``30s``, ``5m``, ``1h`` or ``2d`` (a CLI option's value)."""
+    raw = text.strip().lower()
+    unit = raw[-1:] if raw[-1:] in "smhd" else ""
+    try:
+        value = float(raw[: len(raw) - len(unit)])
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise typer.BadParameter(
+            f"{text!r} is not a duration: give seconds or a number with s, m, h or d, "
+            "e.g. 90, 30s, 5m, 1h"
+        )
+    return value * _UNITS[unit]
 
 
 def _err(line: str) -> None:
@@ -379,6 +399,15 @@ if app is not None:
         replica_timeout: Annotated[
             float, typer.Option(metavar="S", help="How long to wait for --replicas.")
         ] = 1.0,
+        cooldown: Annotated[
+            float | None,
+            typer.Option(
+                metavar="DURATION",
+                parser=parse_duration,
+                help="After a run that ended ok, skip runs within this long (30s, 5m, 1h, "
+                "or seconds): one run per window, timed by Redis, whatever the hosts' clocks.",
+            ),
+        ] = None,
         as_json: Annotated[
             bool,
             typer.Option(
@@ -400,6 +429,7 @@ if app is not None:
           CMD's  the command's own status; killed by signal N: 128+N
           0      busy with --on-busy skip (the default)
           75     busy with --on-busy raise (or fail), or waited past --wait-timeout
+          0/75   ran recently (--cooldown): as busy; a window is never waited out
           76     claim lost while the command ran: SIGTERM, then SIGKILL
           69     Redis unreachable: the command was not started
           2      usage: no --redis and no FENCED_REDIS_URL, bad option
@@ -419,6 +449,7 @@ if app is not None:
             quiet=quiet,
             replicas=replicas,
             replica_timeout=replica_timeout,
+            cooldown=cooldown,
         )
         on_result = (lambda result: print(json.dumps(result), flush=True)) if as_json else None
         with _talking_to(client):
@@ -436,7 +467,11 @@ if app is not None:
         ] = 1.0,
         wide: WideOpt = False,
     ) -> None:
-        """List every held claim: holder, age, time left, fence, skips, last outcome."""
+        """List every held claim: holder, age, time left, fence, skips, last outcome.
+
+        A name in its cooldown window (a run ended ok within --cooldown) is listed
+        too, with the time left of its window.
+        """
         from ._inspect import list_claims
 
         client = _client(redis_url)
@@ -467,7 +502,10 @@ if app is not None:
 
         if not infos:
             return Text(f"no claims held in namespace {namespace!r}")
-        title = f"{len(infos)} held in namespace {namespace!r}"
+        held = sum(1 for i in infos if i.holder is not None)
+        title = f"{held} held in namespace {namespace!r}"
+        if held < len(infos):
+            title += f", {len(infos) - held} in a cooldown window"
         if console.width < WIDE:
             return claims_list(infos, title)
         return claims_table(infos, title)

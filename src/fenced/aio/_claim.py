@@ -96,8 +96,8 @@ class Claim(ClaimState):
         while True:
             if await self._try_acquire(record_skip, request_rerun):
                 return True
-            if not blocking:
-                return False
+            if not blocking or self.ran_recently is not None:
+                return False  # a window is not waited out: it is a skip
             now = self._clock()
             if give_up is not None and now >= give_up:
                 return False

@@ -21,7 +21,14 @@ from typing import Any
 from .._client import client_from_setting, connect
 from .._errors import ConfigError
 from .._guard import check_on_busy
-from .._lease import IDLE_TTL, check_idle_ttl, check_namespace, check_replicas, check_timing
+from .._lease import (
+    IDLE_TTL,
+    check_cooldown,
+    check_idle_ttl,
+    check_namespace,
+    check_replicas,
+    check_timing,
+)
 
 __all__ = ["DEFAULTS", "ON_BUSY", "SETTINGS", "TaskOptions", "lock_redis", "resolve", "validate"]
 
@@ -46,6 +53,8 @@ DEFAULTS: dict[str, Any] = {
     # Replicas that must acknowledge each acquire and renewal (WAIT), and for how long.
     "claim_replicas": 0,
     "claim_replica_timeout": 1.0,
+    # Seconds after a run that ended ok during which the name's triggers skip (None: none).
+    "claim_cooldown": None,
 }
 OPTIONS = tuple(DEFAULTS)
 #: The setting that gives each option its default.
@@ -172,7 +181,25 @@ def validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:
         out["claim_unavailable_retries"] = _check_positive(
             values["claim_unavailable_retries"], "claim_unavailable_retries", where, True
         )
+    if values.get("claim_cooldown") is not None:
+        out["claim_cooldown"] = _check_cooldown(values, where)
     return out
+
+
+def _check_cooldown(values: Mapping[str, Any], where: str) -> float | None:
+    idle = values.get("claim_idle_ttl")
+    idle_ms = int(idle * 1000) if isinstance(idle, (int, float)) and idle > 0 else 0
+    try:
+        ms = check_cooldown(values["claim_cooldown"], idle_ms, "claim_cooldown")
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc.message}") from None
+    if ms and values.get("claim_on_busy") == "rerun":
+        # The rerun would be sent when the run ends ok: inside the window it just opened.
+        raise ConfigError(
+            f"{where}: claim_on_busy='rerun' asks for a run right after the holder's, which "
+            "claim_cooldown then skips: use claim_on_busy='skip' with a cooldown"
+        )
+    return ms / 1000 if ms else None
 
 
 @dataclass(frozen=True)
@@ -192,6 +219,7 @@ class TaskOptions:
     idle_ttl: float
     replicas: int
     replica_timeout: float
+    cooldown: float | None = None
 
 
 def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
@@ -219,6 +247,7 @@ def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
         idle_ttl=float(merged["claim_idle_ttl"]),
         replicas=int(merged["claim_replicas"]),
         replica_timeout=float(merged["claim_replica_timeout"]),
+        cooldown=merged["claim_cooldown"] or None,
     )
 
 

@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 from .. import _interrupt, records
 from .._claim import Claim
 from .._errors import ClaimHeld, ClaimInterrupted, ClaimUnavailable, ConfigError, NotOwner
-from .._guard import SKIP_RERUN_REASON, Skipped, finish, lost_error, outcome_of
+from .._guard import SKIP_RERUN_REASON, Skipped, busy_error, finish, lost_error, outcome_of
 from .._lease import HOST, Holder, force_release
 from .._naming import Namer
 from . import signals
@@ -175,6 +175,7 @@ class ClaimedTask(Task[Any, Any]):
     claim_idle_ttl: float | None = None
     claim_replicas: int | None = None
     claim_replica_timeout: float | None = None
+    claim_cooldown: float | None = None
 
     _fenced_namer: Namer | None = None
     _fenced_options: TaskOptions | None = None
@@ -297,6 +298,7 @@ class ClaimedTask(Task[Any, Any]):
             redelivery_window=opts.redelivery_window,
             replicas=opts.replicas,
             replica_timeout=opts.replica_timeout,
+            cooldown=opts.cooldown,
         )
         try:
             acquired = claim.acquire(
@@ -478,6 +480,15 @@ class ClaimedTask(Task[Any, Any]):
     # -- when the claim is not ours -----------------------------------------------------
 
     def _busy(self, claim: Claim, opts: TaskOptions) -> Any:
+        if claim.ran_recently is not None:
+            # A window is not waited out (a retry would run twice in it), and its skips
+            # are expected: they raise no alert.
+            if opts.on_busy == "raise":
+                raise busy_error(claim)
+            count("skipped")
+            skipped = Skipped.of(claim)
+            log.info("fenced: %s skipped: %r %s", self.name, claim.name, skipped)
+            return skipped.as_dict()
         holder = claim.holder
         left = (holder.expires_in if holder else None) or 0.0
         task_id = self.request.id
@@ -591,6 +602,7 @@ def _values(options: TaskOptions) -> tuple[Any, ...]:
         options.idle_ttl,
         options.replicas,
         options.replica_timeout,
+        options.cooldown,
     )
 
 
