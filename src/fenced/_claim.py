@@ -40,10 +40,12 @@ from ._lease import (
     UNREACHABLE,
     ClaimKeys,
     Holder,
+    LeaseCalls,
     LeaseStore,
     NotReplicated,
     check_cooldown,
     check_idle_ttl,
+    check_limit,
     check_replicas,
     check_timing,
     current_pid,
@@ -100,6 +102,7 @@ class ClaimState:
         replicas: int = 0,
         replica_timeout: float = 1.0,
         cooldown: float | None = None,
+        limit: int = 1,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Any] = time.sleep,
     ) -> None:
@@ -107,6 +110,8 @@ class ClaimState:
             self.ttl, self.refresh_every = check_timing(ttl, refresh_every)
             self._idle_ms = check_idle_ttl(idle_ttl, self.ttl)
             self._cooldown_ms = check_cooldown(cooldown, self._idle_ms)
+            #: How many holders the name may have at once, each in a slot of its own.
+            self.limit = check_limit(limit)
             self.replicas, self._replica_ms = check_replicas(replicas, replica_timeout, self.ttl)
             if not isinstance(redelivery_window, (int, float)) or redelivery_window < 0:
                 raise ConfigError(
@@ -148,6 +153,9 @@ class ClaimState:
         self._started_at = 0.0
         self.token: str | None = None
         self.fence: int | None = None
+        #: The slot held (0 .. limit-1; always 0 for a limit of 1), None before a grant.
+        self.slot: int | None = None
+        self._lease_key = self.key
         self.holder: Holder | None = None
         self._lost_reason: str | None = None
         self.skips = 0
@@ -167,6 +175,8 @@ class ClaimState:
     def _connect(self, redis: Any) -> Any:
         """The client this front end talks through (a URL becomes one)."""
         raise NotImplementedError
+
+    _store: LeaseCalls
 
     def _bind_store(self) -> None:
         """Make the store this claim sends its scripts through."""
@@ -245,13 +255,13 @@ class ClaimState:
                 return None
             return Renewal(
                 self.redis,
-                self.key,
+                self._lease_key,
                 self.token,
                 self._ttl_ms,
                 self.refresh_every,
                 self._next_refresh,
                 self._deadline,
-                self.keys.lasting() if self._idle_ms else (),
+                self._store.lasting() if self._idle_ms else (),
                 self._idle_ms,
                 self.replicas,
                 self._replica_ms,  # the heartbeat keeps it below its socket timeout
@@ -373,6 +383,10 @@ class ClaimState:
             return self._clock() - sent
         return None
 
+    def _granted_slot(self, res: list[Any]) -> int:
+        """The slot an ACQUIRE that granted the claim gave (0 for a limit of 1)."""
+        return int(res[2]) if self.limit > 1 else 0
+
     def _give_back_args(
         self, token: str, fence: int, why: str, elapsed: float
     ) -> tuple[str, str, int, str, int, int]:
@@ -416,9 +430,12 @@ class ClaimState:
     def _took(self, token: str, res: list[Any], sent: float) -> bool:
         """Take in the answer of an ACQUIRE sent at ``sent``: True if the claim is ours."""
         if int(res[0]) == 1:
+            slot = self._granted_slot(res)
             with self._mutex:
                 self.token = token
                 self.fence = int(res[1])
+                self.slot = slot
+                self._lease_key = self.keys.slot(slot)
                 self.holder = None
                 self.ran_recently = None
                 self._lost_reason = None
@@ -479,7 +496,7 @@ class ClaimState:
 
     def _release_args(
         self, outcome: str, record: str
-    ) -> tuple[str, str, int, str, int | None, int, str | None, int, bool, int]:
+    ) -> tuple[str, str, int, str, int | None, int, str | None, int, bool, int, int]:
         """The arguments of the store's ``release`` for this claim's lease."""
         assert self.token is not None
         return (
@@ -493,6 +510,7 @@ class ClaimState:
             self._done_ms,
             True,
             self._cooldown_ms,
+            self.slot or 0,
         )
 
     def _release_unconfirmed(self, exc: BaseException) -> None:
@@ -572,6 +590,9 @@ class Claim(ClaimState):
             acknowledge removes its lease and raises ClaimUnavailable; a renewal they do
             not acknowledge is not confirmed (the claim is lost at its deadline unless a
             later one is). Narrows the window in which a failover forgets a fresh lease.
+        limit: how many holders the name may have at once (1 to 64), each with a lease
+            and a fence of its own (one fence counter: fences increase across every
+            slot); busy when all are held. Limit 1 is the plain claim, on the same key.
         cooldown: seconds after a run that ended ``ok`` during which every acquire is a
             skip ("ran recently", whatever the busy policy: a window is not waited
             out), timed by Redis's own expiry, so hosts with skewed clocks agree. A
@@ -586,7 +607,7 @@ class Claim(ClaimState):
         return connect(redis)
 
     def _bind_store(self) -> None:
-        self._store = LeaseStore(self.redis, self.keys, self.replicas, self._replica_ms)
+        self._store = LeaseStore(self.redis, self.keys, self.replicas, self._replica_ms, self.limit)
 
     # -- acquire ----------------------------------------------------------------------
 
@@ -633,11 +654,11 @@ class Claim(ClaimState):
             raise self._unavailable(exc) from exc
         acked = self._unreplicated(res)
         if acked is not None:
-            self._give_back(token, int(res[1]), _UNREPLICATED, self._clock() - sent)
+            self._give_back(token, res, _UNREPLICATED, self._clock() - sent)
             raise self._unreplicated_error(acked)
         late = self._late(res, sent)
         if late is not None:
-            self._give_back(token, int(res[1]), _LATE, late)
+            self._give_back(token, res, _LATE, late)
             raise self._late_error(late)
         if not self._took(token, res, sent):
             return False
@@ -645,12 +666,13 @@ class Claim(ClaimState):
             _heartbeat().add(self)
         return True
 
-    def _give_back(self, token: str, fence: int, why: str, elapsed: float) -> None:
+    def _give_back(self, token: str, res: list[Any], why: str, elapsed: float) -> None:
         """Remove a lease granted to us that we must not use (its run record says why)."""
         try:
             self._store.release(
-                *self._give_back_args(token, fence, why, elapsed),
+                *self._give_back_args(token, int(res[1]), why, elapsed),
                 take_reruns=False,  # the triggers are for whoever holds it next
+                slot=self._granted_slot(res),
             )
         except Exception:  # best effort: the lease expires within its ttl anyway
             log.warning("fenced: could not give back the grant of %r (%s)", self.name, why)
@@ -664,7 +686,7 @@ class Claim(ClaimState):
         token = self.token
         sent = self._clock()
         try:
-            ok = self._store.refresh(token, self._ttl_ms, self._idle_ms)
+            ok = self._store.refresh(token, self._ttl_ms, self._idle_ms, self.slot or 0)
         except NotReplicated as exc:
             self.retry_soon()
             raise ClaimUnavailable.about(

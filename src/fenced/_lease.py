@@ -57,6 +57,7 @@ __all__ = [
     "new_token",
     "reachable",
     "read_holder",
+    "read_slots",
     "released",
     "why_unreachable",
 ]
@@ -76,6 +77,8 @@ MAX_RECORDS = 1000
 #: rerun triggers) are kept: a week. Names built from arguments (per user, per feed)
 #: would otherwise fill a Redis that must not evict.
 IDLE_TTL = 7 * 24 * 3600.0
+#: The most holders a name may have at once (``limit``): every acquire reads each slot.
+MAX_LIMIT = 64
 #: The shortest idle expiry (and never below twice the ttl): long enough that a name in
 #: use keeps its skip count and records between runs.
 MIN_IDLE_TTL = 1.0
@@ -206,6 +209,16 @@ class ClaimKeys:
         """Set when a conflicting trigger asked for one more run."""
         return self._key("rerun")
 
+    def slot(self, index: int) -> str:
+        """The lease of one slot of a name held by up to ``limit`` at once; slot 0 is
+        :attr:`lock`, so a claim of limit 1 is the plain claim."""
+        return self.lock if index == 0 else self._key(f"slot:{index}")
+
+    @property
+    def slots(self) -> str:
+        """A hash of each slot's fence, and the limit the name was last acquired with."""
+        return self._key("slots")
+
     @property
     def cooldown(self) -> str:
         """Lives for the cooldown window after a run that ended ``ok`` (value: its fence)."""
@@ -320,6 +333,16 @@ def check_idle_ttl(idle_ttl: Any, ttl: float, name: str = "idle_ttl") -> int:
     return int(idle_ttl * 1000)
 
 
+def check_limit(limit: Any, name: str = "limit") -> int:
+    """Check how many holders a name may have at once: a whole number 1..MAX_LIMIT."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise ConfigError(
+            f"{name}={limit!r} is not a number of holders: give a whole number from 1 "
+            f"(one at a time, the default) to {MAX_LIMIT}, e.g. {name}=3"
+        )
+    return limit
+
+
 def check_cooldown(cooldown: Any, idle_ms: int, name: str = "cooldown") -> int:
     """Check a cooldown window (seconds; None or 0: none); return it in ms (0: none).
 
@@ -413,12 +436,27 @@ class LeaseCalls:
     ``fenced.aio`` on a ``redis.asyncio`` one.
     """
 
-    __slots__ = ("_acquire_keys", "_cooldown", "_no_done", "_note_prefix", "_release_keys", "keys")
+    __slots__ = (
+        "_acquire_keys",
+        "_cooldown",
+        "_lasting",
+        "_no_done",
+        "_note_prefix",
+        "_release_keys",
+        "keys",
+        "limit",
+    )
 
-    def __init__(self, keys: ClaimKeys) -> None:
+    def __init__(self, keys: ClaimKeys, limit: int = 1) -> None:
         self.keys = keys
+        #: How many holders the name may have at once (slots 0 .. limit-1).
+        self.limit = limit
         # Built once: every acquire and release sends them.
         self._acquire_keys = tuple(keys.all())
+        self._lasting = keys.lasting()
+        if limit > 1:
+            self._acquire_keys += (keys.slots, *(keys.slot(i) for i in range(1, limit)))
+            self._lasting += (keys.slots,)
         self._release_keys = (keys.lock, keys.runs, keys.skips, keys.rerun)
         self._no_done = keys.done("")
         self._note_prefix = keys.released("")
@@ -450,12 +488,18 @@ class LeaseCalls:
                 task_id or "",
                 idle_ms,
                 cooldown_reason,
+                *((self.limit,) if self.limit > 1 else ()),
             ],
         )
 
-    def refresh_call(self, token: str, ttl_ms: int, idle_ms: int = 0) -> Call:
+    def lasting(self) -> tuple[str, ...]:
+        """The keys a renewal keeps while the name is held (with its slots' hash)."""
+        return self._lasting
+
+    def refresh_call(self, token: str, ttl_ms: int, idle_ms: int = 0, slot: int = 0) -> Call:
         """REFRESH of ``token``'s lease (and the name's lasting keys); 1 when extended."""
-        keys = [self.keys.lock, *self.keys.lasting()] if idle_ms else [self.keys.lock]
+        lease = self.keys.slot(slot)
+        keys = [lease, *self._lasting] if idle_ms else [lease]
         return REFRESH, keys, [token, ttl_ms, idle_ms]
 
     def release_call(
@@ -470,14 +514,16 @@ class LeaseCalls:
         done_ms: int = 0,
         take_reruns: bool = True,
         cooldown_ms: int = 0,
+        slot: int = 0,
     ) -> Call:
-        """RELEASE of ``token``'s lease; its answer is read by :func:`released`."""
+        """RELEASE of ``token``'s lease (in ``slot``); its answer is read by :func:`released`."""
         # Without a task id there is no marker to set; the key still names this slot.
         done = self.keys.done(task_id) if task_id else self._no_done
+        lease = self._release_keys if slot == 0 else (self.keys.slot(slot), *self._release_keys[1:])
         return (
             RELEASE,
             # The note's key: the token's random part (new_token's 32 hex digits).
-            (*self._release_keys, done, self._note_prefix + token[:32], self._cooldown),
+            (*lease, done, self._note_prefix + token[:32], self._cooldown),
             [
                 token,
                 record,
@@ -491,13 +537,14 @@ class LeaseCalls:
             ],
         )
 
-    def abandon_call(self, token: str) -> Call:
-        """RELEASE of a lease a timed-out request may have left, recording nothing."""
-        return (
-            RELEASE,
-            (*self._release_keys, self._no_done, self._note_prefix + token[:32]),
-            [token, "", MAX_RECORDS, "", 0, "0", 0, 0],
-        )
+    def abandon_calls(self, token: str) -> list[Call]:
+        """RELEASE of a lease a timed-out request may have left (in any slot), recording
+        nothing."""
+        rest = (*self._release_keys[1:], self._no_done, self._note_prefix + token[:32])
+        return [
+            (RELEASE, (self.keys.slot(i), *rest), [token, "", MAX_RECORDS, "", 0, "0", 0, 0])
+            for i in range(self.limit)
+        ]
 
 
 def released(res: Any) -> tuple[bool, str, list[str]]:
@@ -511,9 +558,14 @@ class LeaseStore(LeaseCalls):
     __slots__ = ("client", "replica_timeout_ms", "replicas")
 
     def __init__(
-        self, client: Any, keys: ClaimKeys, replicas: int = 0, replica_timeout_ms: int = 0
+        self,
+        client: Any,
+        keys: ClaimKeys,
+        replicas: int = 0,
+        replica_timeout_ms: int = 0,
+        limit: int = 1,
     ) -> None:
-        super().__init__(keys)
+        super().__init__(keys, limit)
         self.client = client
         self.replicas = replicas
         self.replica_timeout_ms = replica_timeout_ms
@@ -577,9 +629,9 @@ class LeaseStore(LeaseCalls):
             return reply, 0 if isinstance(acked, Exception) else int(acked)
         raise AssertionError("unreachable")
 
-    def refresh(self, token: str, ttl_ms: int, idle_ms: int = 0) -> bool:
+    def refresh(self, token: str, ttl_ms: int, idle_ms: int = 0, slot: int = 0) -> bool:
         """Extend the lease if ``token`` still holds it (and keep the name's lasting keys)."""
-        call = self.refresh_call(token, ttl_ms, idle_ms)
+        call = self.refresh_call(token, ttl_ms, idle_ms, slot)
         if self.replicas:
             reply, acked = self.replicated(*call)
             if int(reply) == 1 and acked < self.replicas:
@@ -599,6 +651,7 @@ class LeaseStore(LeaseCalls):
         done_ms: int = 0,
         take_reruns: bool = True,
         cooldown_ms: int = 0,
+        slot: int = 0,
     ) -> tuple[bool, str, list[str]]:
         """Delete the lease if ``token`` holds it: (released, outcome recorded, reruns)."""
         call = self.release_call(
@@ -612,6 +665,7 @@ class LeaseStore(LeaseCalls):
             done_ms,
             take_reruns,
             cooldown_ms,
+            slot,
         )
         return released(self._run(call))
 
@@ -622,7 +676,8 @@ class LeaseStore(LeaseCalls):
     def abandon(self, token: str) -> None:
         """A request that timed out may still have landed: drop that lease if we can."""
         try:
-            self._run(self.abandon_call(token))
+            for call in self.abandon_calls(token):
+                self._run(call)
         except Exception:  # best effort; the lease expires within its ttl anyway
             pass
 
@@ -641,6 +696,38 @@ def read_holder(client: Any, name: str, *, namespace: str = "fenced") -> Holder 
     return Holder.parse(as_text(token), int(pttl), int(fence) if fence is not None else None)
 
 
+def read_slots(
+    client: Any, name: str, *, namespace: str = "fenced", limit: int = MAX_LIMIT
+) -> list[tuple[int, Holder]]:
+    """Every holder of a name, by slot (a name held by up to ``limit`` at once), in slot
+    order; one round trip. ``limit`` defaults to the most a name may have."""
+    keys = ClaimKeys.of(name, namespace)
+    pipe = client.pipeline(transaction=False)
+    for i in range(limit):
+        pipe.get(keys.slot(i))
+        pipe.pttl(keys.slot(i))
+    pipe.get(keys.fence)
+    pipe.hgetall(keys.slots)
+    with reachable(client, f"read claim {keys.name!r}", keys.name):
+        *leases, fence, fences = pipe.execute()
+    return slot_holders(leases, fence, fences)
+
+
+def slot_holders(leases: Sequence[Any], fence: Any, fences: Any) -> list[tuple[int, Holder]]:
+    """Holders from the GET and PTTL answers of each slot, the fence counter and the
+    slots' hash (a slot's fence; slot 0 without one holds the counter's)."""
+    by_slot = {as_text(k): as_text(v) for k, v in (fences or {}).items()}
+    found = []
+    for i in range(len(leases) // 2):
+        token, pttl = leases[2 * i], leases[2 * i + 1]
+        if token is None:
+            continue
+        minted = by_slot.get(str(i)) or (as_text(fence) if i == 0 and fence is not None else None)
+        fence_int = int(minted) if minted is not None and minted.isdigit() else None
+        found.append((i, Holder.parse(as_text(token), int(pttl), fence_int)))
+    return found
+
+
 def force_release(
     client: Any,
     name: str,
@@ -654,9 +741,12 @@ def force_release(
     reason: str | None = None,
     max_records: int = MAX_RECORDS,
     idle_ttl: float | None = IDLE_TTL,
+    slot: int = 0,
     **data: Any,
 ) -> Holder | None:
     """Clear a claim whatever its token; with ``task_id``/``pid``, only such a holder's.
+
+    ``slot`` names the lease of a name held by several at once (0: the plain claim's).
 
     For a supervisor that knows the holder is gone (a killed process) or an operator
     (``by=`` names them in the record). ``pid`` matches a holder process on ``host``
@@ -672,7 +762,7 @@ def force_release(
     with reachable(client, f"release claim {keys.name!r}", keys.name):
         token = FORCE_RELEASE(
             client,
-            [keys.lock, keys.runs],
+            [keys.slot(slot), keys.runs],
             [
                 token_prefix,
                 record,

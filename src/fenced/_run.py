@@ -56,7 +56,7 @@ from typing import Any
 from ._claim import Claim
 from ._errors import ClaimHeld, ClaimUnavailable, ConfigError
 from ._guard import COOLDOWN_REASON, Guard, Skipped, check_on_busy
-from ._lease import IDLE_TTL, check_cooldown, check_replicas
+from ._lease import IDLE_TTL, check_cooldown, check_limit, check_replicas
 from ._watchdog import ENDED_AT_DEADLINE, Watchdog, dies_with_runner
 
 __all__ = [
@@ -115,6 +115,8 @@ class RunOptions:
     extra: dict[str, Any] = field(default_factory=dict)
     #: Seconds after a run that ended ok during which runs are skipped (None: none).
     cooldown: float | None = None
+    #: How many runs of the name may go at once.
+    limit: int = 1
 
     def check(self) -> None:
         """Raise ConfigError for options that cannot work together."""
@@ -143,6 +145,7 @@ class RunOptions:
             self.replicas, self.replica_timeout, self.ttl, names=("--replicas", "--replica-timeout")
         )
         check_cooldown(self.cooldown, int(idle_ttl(self.ttl) * 1000), "--cooldown")
+        check_limit(self.limit, "--limit")
 
 
 def idle_ttl(ttl: float) -> float:
@@ -211,6 +214,7 @@ class _Runner:
             replicas=opts.replicas,
             replica_timeout=opts.replica_timeout,
             cooldown=opts.cooldown,
+            limit=opts.limit,
             sleep=self._sleep,
         )
 

@@ -408,6 +408,15 @@ if app is not None:
                 "or seconds): one run per window, timed by Redis, whatever the hosts' clocks.",
             ),
         ] = None,
+        limit: Annotated[
+            int,
+            typer.Option(
+                "--limit",
+                metavar="N",
+                help="Up to N runs of NAME at once (1 to 64), each with its own lease and "
+                "fence; busy when all N are held.",
+            ),
+        ] = 1,
         as_json: Annotated[
             bool,
             typer.Option(
@@ -450,6 +459,7 @@ if app is not None:
             replicas=replicas,
             replica_timeout=replica_timeout,
             cooldown=cooldown,
+            limit=limit,
         )
         on_result = (lambda result: print(json.dumps(result), flush=True)) if as_json else None
         with _talking_to(client):

@@ -75,7 +75,7 @@ class Claim(ClaimState):
                 "fenced.Claim for claims that must be acknowledged by replicas",
                 name=self.name,
             )
-        self._store = LeaseCalls(self.keys)
+        self._store = LeaseCalls(self.keys, self.limit)
         self._block: asyncio.Task[Any] | None = None
         self._block_cancelling = 0
         self._cancelled_block = False
@@ -121,10 +121,11 @@ class Claim(ClaimState):
         late = self._late(res, sent)
         if late is not None:
             args = self._give_back_args(token, int(res[1]), _LATE, late)
+            slot = self._granted_slot(res)
             try:
                 # The triggers are for whoever holds it next: none are taken.
                 await run_to_end(
-                    call(self.redis, self._store.release_call(*args, take_reruns=False))
+                    call(self.redis, self._store.release_call(*args, take_reruns=False, slot=slot))
                 )
             except Exception:  # best effort: the lease expires within its ttl anyway
                 log.warning("fenced: could not give back the late grant of %r", self.name)
@@ -145,7 +146,8 @@ class Claim(ClaimState):
 
     async def _give_back(self, token: str) -> None:
         try:
-            await call(self.redis, self._store.abandon_call(token))
+            for request in self._store.abandon_calls(token):
+                await call(self.redis, request)
         except Exception:  # best effort; the lease expires within its ttl anyway
             log.warning("fenced: could not give back an abandoned grant of %r", self.name)
 
@@ -159,7 +161,8 @@ class Claim(ClaimState):
         sent = self._clock()
         try:
             ok = await call(
-                self.redis, self._store.refresh_call(token, self._ttl_ms, self._idle_ms)
+                self.redis,
+                self._store.refresh_call(token, self._ttl_ms, self._idle_ms, self.slot or 0),
             )
         except UNREACHABLE as exc:
             self.retry_soon()

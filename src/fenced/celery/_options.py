@@ -25,6 +25,7 @@ from .._lease import (
     IDLE_TTL,
     check_cooldown,
     check_idle_ttl,
+    check_limit,
     check_namespace,
     check_replicas,
     check_timing,
@@ -55,6 +56,8 @@ DEFAULTS: dict[str, Any] = {
     "claim_replica_timeout": 1.0,
     # Seconds after a run that ended ok during which the name's triggers skip (None: none).
     "claim_cooldown": None,
+    # How many runs of one name may go at once, each in a slot with its own fence.
+    "claim_limit": 1,
 }
 OPTIONS = tuple(DEFAULTS)
 #: The setting that gives each option its default.
@@ -183,6 +186,11 @@ def validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:
         )
     if values.get("claim_cooldown") is not None:
         out["claim_cooldown"] = _check_cooldown(values, where)
+    if values.get("claim_limit") is not None:
+        try:
+            out["claim_limit"] = check_limit(values["claim_limit"], "claim_limit")
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc.message}") from None
     return out
 
 
@@ -220,6 +228,7 @@ class TaskOptions:
     replicas: int
     replica_timeout: float
     cooldown: float | None = None
+    limit: int = 1
 
 
 def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
@@ -248,6 +257,7 @@ def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
         replicas=int(merged["claim_replicas"]),
         replica_timeout=float(merged["claim_replica_timeout"]),
         cooldown=merged["claim_cooldown"] or None,
+        limit=merged["claim_limit"],
     )
 
 

@@ -176,6 +176,7 @@ class ClaimedTask(Task[Any, Any]):
     claim_replicas: int | None = None
     claim_replica_timeout: float | None = None
     claim_cooldown: float | None = None
+    claim_limit: int | None = None
 
     _fenced_namer: Namer | None = None
     _fenced_options: TaskOptions | None = None
@@ -299,6 +300,7 @@ class ClaimedTask(Task[Any, Any]):
             replicas=opts.replicas,
             replica_timeout=opts.replica_timeout,
             cooldown=opts.cooldown,
+            limit=opts.limit,
         )
         try:
             acquired = claim.acquire(
@@ -569,17 +571,22 @@ class ClaimedTask(Task[Any, Any]):
         """Release the claim that process ``pid`` held for ``task_id`` (it is dead)."""
         opts = self._options()
         name = self.claim_name_for(args, kwargs)
-        holder = force_release(
-            lock_redis(self.app),
-            name,
-            namespace=opts.namespace,
-            task_id=task_id,
-            pid=pid,
-            host=HOST,
-            outcome="aborted",
-            reason=why,
-            task=self.name,
-        )
+        holder = None
+        for slot in range(opts.limit):  # the dead process's slot: its task id and pid say
+            holder = force_release(
+                lock_redis(self.app),
+                name,
+                namespace=opts.namespace,
+                task_id=task_id,
+                pid=pid,
+                host=HOST,
+                outcome="aborted",
+                reason=why,
+                task=self.name,
+                slot=slot,
+            )
+            if holder is not None:
+                break
         if holder is not None:
             count("aborted")
             log.warning("fenced: released claim %r of %s[%s]: %s", name, self.name, task_id, why)
@@ -603,6 +610,7 @@ def _values(options: TaskOptions) -> tuple[Any, ...]:
         options.replicas,
         options.replica_timeout,
         options.cooldown,
+        options.limit,
     )
 
 
