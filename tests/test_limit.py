@@ -314,3 +314,50 @@ def test_celery_and_run_options_check_the_limit() -> None:
         validate({"claim_limit": 0}, "task t")
     with pytest.raises(ConfigError, match="--limit=65"):
         RunOptions("x", ["true"], limit=65).check()
+
+
+# -- seen from outside: ls, show, release -----------------------------------------------
+
+
+def _cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fenced.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**_env(), "FENCED_REDIS_URL": url, "COLUMNS": "200"},
+        timeout=WAIT,
+    )
+
+
+def test_ls_show_and_release_see_every_slot(server: RedisServer) -> None:
+    import json
+
+    client = server.client()
+    name = f"cli:{key()}"
+    claims = [Claim(client, name, ttl=30, limit=3, records=True) for _ in range(3)]
+    assert all(c.acquire() for c in claims)
+    assert claims[0].release()  # slot 0 free: the name is still listed by its slots
+    ls = _cli(server.url, "ls", "--json")
+    (info,) = [i for i in json.loads(ls.stdout) if i["name"] == name]
+    assert info["limit"] == 3 and [s["slot"] for s in info["slots"]] == [1, 2]
+    assert [s["fence"] for s in info["slots"]] == [claims[1].fence, claims[2].fence]
+    assert info["last_outcome"] == "ok"  # the runs of the other holders are not "unfinished"
+    assert "2/3 held" in _cli(server.url, "ls").stdout
+    show = _cli(server.url, "show", name)
+    assert "2/3 held" in show.stdout and "slot 2" in show.stdout
+    # Two holders: release names one (a token prefix) or --all; by itself it refuses.
+    refused = _cli(server.url, "release", "--force", "--reason", "test", name)
+    assert refused.returncode == 1 and "--all" in refused.stderr
+    assert claims[1].held and claims[2].held
+    assert claims[2].token is not None
+    one = _cli(
+        server.url, "release", "--force", "--reason", "test", "--token", claims[2].token[:8], name
+    )
+    assert one.returncode == 0, one.stderr
+    assert [i for i, _h in read_slots(client, name)] == [1]
+    claims.append(Claim(client, name, ttl=30, limit=3))
+    assert claims[3].acquire()
+    every = _cli(server.url, "release", "--force", "--reason", "test", "--all", "--json", name)
+    assert every.returncode == 0, every.stderr
+    assert len(json.loads(every.stdout)["holders"]) == 2
+    assert read_slots(client, name) == []

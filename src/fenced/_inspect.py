@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _lease
-from ._lease import MAX_RECORDS, ClaimKeys, Holder, read_holder
+from ._lease import (
+    MAX_LIMIT,
+    MAX_RECORDS,
+    ClaimKeys,
+    Holder,
+    read_holder,
+    read_slots,
+    slot_holders,
+)
 from ._nodes import is_cluster, node_of, scan_keys, server_times
 from ._scripts import as_text
 from .records import RunRecord, entries_for, from_entries, history
@@ -46,12 +54,18 @@ class ClaimInfo:
     extra: dict[str, Any] = field(default_factory=dict)
     #: Seconds left of the cooldown window a run that ended ok started (None: none).
     cooldown_left: float | None = None
+    #: How many holders the name may have at once (as last acquired), and each holder
+    #: by slot; ``holder`` is the first of them.
+    limit: int = 1
+    slots: list[tuple[int, Holder]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form (the secret part of the token shortened)."""
         return {
             "name": self.name,
             "holder": self.holder.as_dict() if self.holder else None,
+            "limit": self.limit,
+            "slots": [{"slot": i, **h.as_dict()} for i, h in self.slots],
             "age": self.age,
             "expires_in": self.expires_in,
             "fence": self.fence,
@@ -103,7 +117,11 @@ def _clocks(client: Any, results: list[Any], timed: bool) -> Callable[[str], flo
 def list_claims(client: Any, namespace: str = "fenced") -> list[ClaimInfo]:
     """Every claim held now under a namespace, and every one in its cooldown window,
     sorted by name."""
-    keys = [*_lock_keys(client, namespace), *_lock_keys(client, namespace, "cooldown")]
+    keys = [
+        *_lock_keys(client, namespace),
+        *_lock_keys(client, namespace, "cooldown"),
+        *_lock_keys(client, namespace, "slot:*"),
+    ]
     names = sorted({n for k in keys if (n := ClaimKeys.name_from_key(k, namespace))})
     infos: list[ClaimInfo] = []
     for start in range(0, len(names), BATCH):
@@ -124,16 +142,25 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
         pipe.get(keys.skips)
         pipe.xrevrange(keys.runs, count=entries_for(LS_RUNS))
         pipe.pttl(keys.cooldown)
+        pipe.hgetall(keys.slots)
     results = pipe.execute()
     clock = _clocks(client, results, timed)
+    per = 7
+    slotted = _read_slots(client, names, results, namespace, per)
     infos: list[ClaimInfo] = []
     for i, name in enumerate(names):
-        token, pttl, fence, skips, entries, cooldown = results[6 * i : 6 * i + 6]
+        token, pttl, fence, skips, entries, cooldown, _slots = results[per * i : per * i + per]
         window = _left(cooldown)
-        if token is None and window is None:
+        limit, slots = slotted.get(name, (1, []))
+        if token is None and window is None and not slots:
             continue  # released (or its window ended) between the scan and the read
         fence_int = int(fence) if fence is not None else None
         holder = Holder.parse(as_text(token), int(pttl), fence_int) if token else None
+        if limit > 1:
+            holder = slots[0][1] if slots else None
+            fence_int = holder.fence if holder else fence_int
+        elif holder is not None:
+            slots = [(0, holder)]
         info = ClaimInfo(
             name=name,
             holder=holder,
@@ -144,6 +171,8 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
             last_outcome=None,
             last_finished=None,
             cooldown_left=window,
+            limit=limit,
+            slots=slots,
         )
         _apply_runs(
             info, from_entries(name, entries, LS_RUNS), clock(ClaimKeys(namespace, name).runs)
@@ -152,13 +181,52 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
     return infos
 
 
+def _limit_of(fences: Any) -> int:
+    """The limit a name was last acquired with, from its slots' hash (1 without one)."""
+    for k, v in (fences or {}).items():
+        if as_text(k) == "limit" and as_text(v).isdigit():
+            return max(1, min(int(as_text(v)), MAX_LIMIT))
+    return 1
+
+
+def _read_slots(
+    client: Any, names: list[str], results: list[Any], namespace: str, per: int
+) -> dict[str, tuple[int, list[tuple[int, Holder]]]]:
+    """The limit and the holders by slot of each name acquired with a limit above 1 (one
+    more round trip, only when there are such names)."""
+    limits = {}
+    for i, name in enumerate(names):
+        limit = _limit_of(results[per * i + per - 1])
+        if limit > 1:
+            limits[name] = (limit, results[per * i + 2], results[per * i + per - 1])
+    if not limits:
+        return {}
+    pipe = client.pipeline(transaction=False)
+    for name, (limit, _f, _h) in limits.items():
+        keys = ClaimKeys(namespace, name)
+        for slot in range(limit):
+            pipe.get(keys.slot(slot))
+            pipe.pttl(keys.slot(slot))
+    answers = pipe.execute()
+    out = {}
+    at = 0
+    for name, (limit, fence, fences) in limits.items():
+        out[name] = (limit, slot_holders(answers[at : at + 2 * limit], fence, fences))
+        at += 2 * limit
+    return out
+
+
 def _apply_runs(info: ClaimInfo, runs: list[RunRecord], now: float) -> None:
     token = info.holder.token if info.holder else None
+    # The runs of a name's other holders (slots) are running, not unfinished.
+    holding = {h.token for _i, h in info.slots}
     for run in runs:
         if run.token == token:
             if run.started is not None and info.age is None:
                 info.age = max(0.0, now - run.started)
                 info.extra = run.extra
+            continue
+        if run.token in holding:
             continue
         if info.last_outcome is None and run.outcome != "skipped":
             # A run of another token that never recorded its end did not finish.
@@ -188,6 +256,10 @@ class ClaimReport:
     runs: list[RunRecord]
     #: Seconds left of the cooldown window a run that ended ok started (None: none).
     cooldown_left: float | None = None
+    #: How many holders the name may have at once (as last acquired), and each holder
+    #: by slot; ``holder`` is the first of them.
+    limit: int = 1
+    slots: list[tuple[int, Holder]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -195,6 +267,8 @@ class ClaimReport:
             "name": self.name,
             "namespace": self.namespace,
             "holder": self.holder.as_dict() if self.holder else None,
+            "limit": self.limit,
+            "slots": [{"slot": i, **h.as_dict()} for i, h in self.slots],
             "runs": [run.as_dict() for run in self.runs],
             "cooldown_left": self.cooldown_left,
         }
@@ -205,12 +279,20 @@ def show_claim(
 ) -> ClaimReport:
     """The holder and the run records of one claim."""
     keys = ClaimKeys.of(name, namespace)
+    slots = read_slots(client, keys.name, namespace=namespace)
+    most = _limit_of(client.hgetall(keys.slots))
+    if most == 1:
+        # The plain claim: its holder's fence is the counter's.
+        holder = read_holder(client, keys.name, namespace=namespace)
+        slots = [(0, holder)] if holder else [s for s in slots if s[0]]
     return ClaimReport(
         keys.name,
         namespace,
-        read_holder(client, keys.name, namespace=namespace),
+        slots[0][1] if slots else None,
         history(client, keys.name, limit=limit, namespace=namespace),
         _left(client.pttl(keys.cooldown)),
+        max(most, max((i + 1 for i, _h in slots), default=1)),
+        slots,
     )
 
 
@@ -231,11 +313,18 @@ def force_release(
     namespace: str = "fenced",
     by: str | None = None,
     token_prefix: str = "",
+    slot: int = 0,
 ) -> Holder | None:
-    """Delete a claim whatever its token; record who did it and why. The holder, or None."""
+    """Delete a claim whatever its token; record who did it and why. The holder, or None.
+
+    ``slot`` names one holder of a name held by several at once (see ``read_slots``).
+    """
     keys = ClaimKeys.of(name, namespace)
     # Read first, so the answer can say how long the lease had left and its fence.
-    before = read_holder(client, keys.name, namespace=namespace)
+    if slot == 0:
+        before = read_holder(client, keys.name, namespace=namespace)
+    else:
+        before = dict(read_slots(client, keys.name, namespace=namespace)).get(slot)
     cleared = _lease.force_release(
         client,
         keys.name,
@@ -243,6 +332,7 @@ def force_release(
         token_prefix=token_prefix,
         reason=reason,
         by=by or operator(),
+        slot=slot,
     )
     if cleared is None:
         return None

@@ -80,11 +80,20 @@ def _window(left: float | None) -> str:
     return f"ran recently: window ends in {duration(left)}" if left is not None else ""
 
 
+def _held(limit: int, slots: list[tuple[int, Holder]], short: bool = False) -> str:
+    """``2/3 held: host pid 1, host pid 2`` for a name held by several at once."""
+    who = ", ".join(holder_text(h, short=short) for _i, h in slots)
+    return f"{len(slots)}/{limit} held" + (f": {who}" if who else "")
+
+
 def _who(info: ClaimInfo, *, short: bool = False) -> str:
     """The holder of a listed claim, and its cooldown window when it has one."""
-    who = holder_text(info.holder, short=short) if info.holder else "-"
+    if info.limit > 1:
+        who = _held(info.limit, info.slots, short)
+    else:
+        who = holder_text(info.holder, short=short) if info.holder else "-"
     window = _window(info.cooldown_left)
-    return f"{who}; {window}" if info.holder and window else window or who
+    return f"{who}; {window}" if (info.holder or info.limit > 1) and window else window or who
 
 
 def _outcome(outcome: str | None) -> Text:
@@ -186,6 +195,12 @@ def claims_list(infos: list[ClaimInfo], title: str) -> Group:
 
 def _title(report: ClaimReport, *, short: bool = False) -> str:
     window = _window(report.cooldown_left)
+    if report.limit > 1:
+        parts = [f"{report.name}: {len(report.slots)}/{report.limit} held"]
+        for i, h in report.slots:
+            left = duration(h.expires_in) if h.expires_in is not None else "no ttl"
+            parts.append(f"slot {i}: {holder_text(h, short=short)}, fence {h.fence}, {left} left")
+        return "; ".join(parts + ([window] if window else []))
     if report.holder is None:
         return f"{report.name}: not held" + (f"; {window}" if window else "")
     h = report.holder

@@ -590,9 +590,14 @@ if app is not None:
             str,
             typer.Option(
                 metavar="PREFIX",
-                help="Only if the holder's token starts so (the token fenced ls --json prints).",
+                help="Only if the holder's token starts so (the token fenced ls --json prints); "
+                "with several holders (--limit), the one to clear.",
             ),
         ] = "",
+        every: Annotated[
+            bool,
+            typer.Option("--all", help="With several holders (--limit): clear every one."),
+        ] = False,
         redis_url: RedisOpt = None,
         namespace: NamespaceOpt = "fenced",
         as_json: JsonOpt = False,
@@ -601,17 +606,19 @@ if app is not None:
 
         A claim whose holder died is freed by its ttl anyway: use this when the
         ttl is long and the holder is known to be gone. Clearing a live claim
-        lets a second run start beside the first.
+        lets a second run start beside the first. A name held by several at once
+        (--limit) needs --token PREFIX for the one to clear, or --all.
 
         \b
         Exit status:
           0   released, or nothing was held
-          1   refused: no --force, or --token names another holder
+          1   refused: no --force, --token names another holder, or several hold
+              the name and neither --token nor --all says which
           2   usage: no --reason, no --redis
           69  Redis unreachable
         """
         from ._inspect import force_release, operator
-        from ._lease import read_holder
+        from ._lease import read_holder, read_slots, short_token
 
         client = _client(redis_url)
         if not force:
@@ -640,18 +647,50 @@ if app is not None:
         token = prefix
         by = operator()
         with _talking_to(client):
-            holder = force_release(
-                client, name, reason=reason, namespace=namespace, by=by, token_prefix=token
+            slots = read_slots(client, name, namespace=namespace)
+        if len(slots) > 1 and not token and not every:
+            held = "; ".join(f"slot {i}: {short_token(h.token)} {h}" for i, h in slots)
+            _err(
+                f"fenced: {name!r} has {len(slots)} holders ({held}); name the one to clear "
+                "with --token PREFIX, or clear every one with --all"
             )
+            raise typer.Exit(EXIT_REFUSED)
+        if every:
+            targets = [i for i, _h in slots]
+        elif len(slots) > 1:
+            targets = [i for i, h in slots if h.token.startswith(token)][:1] or [0]
+        else:
+            targets = [slots[0][0]] if slots else [0]
+        with _talking_to(client):
+            cleared = [
+                h
+                for i in targets
+                if (
+                    h := force_release(
+                        client,
+                        name,
+                        reason=reason,
+                        namespace=namespace,
+                        by=by,
+                        token_prefix="" if every else token,
+                        slot=i,
+                    )
+                )
+                is not None
+            ]
+            holder = cleared[0] if cleared else None
             current = (
                 read_holder(client, name, namespace=namespace) if holder is None and token else None
             )
+            if current is None and holder is None and token and slots:
+                current = slots[0][1]
         # Refused: the holder named is the one that stays.
         shown = holder or current
         result = {
             "name": name,
             "released": holder is not None,
             "holder": shown.as_dict() if shown else None,
+            "holders": [h.as_dict() for h in cleared],
             "by": by,
             "reason": reason,
         }
@@ -662,7 +701,8 @@ if app is not None:
             msg = f"fenced: nothing held under {name!r} in namespace {namespace!r}"
             code = 0
         else:
-            msg = f"fenced: released {name!r}, was held by {holder}; recorded by {by}: {reason}"
+            was = "; ".join(str(h) for h in cleared)
+            msg = f"fenced: released {name!r}, was held by {was}; recorded by {by}: {reason}"
             code = 0
         if as_json:
             _print_json(result)
