@@ -237,3 +237,9 @@ def cooled(self: Any, key: str, seconds: float = 0.0, fail: bool = False) -> Any
     if fail:
         raise ValueError("failed on purpose")
     return {"status": "ok", "fence": self.claim.fence}
+
+
+@app.task(base=ClaimedTask, bind=True, name="t.limited", claim="limited:{key}", claim_limit=2)
+def limited(self: Any, key: str) -> Any:
+    """Two at a time: holds its slot until the test lets it finish."""
+    return _gated(self, key, fence=self.claim.fence, slot=self.claim.slot)

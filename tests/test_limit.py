@@ -361,3 +361,37 @@ def test_ls_show_and_release_see_every_slot(server: RedisServer) -> None:
     assert every.returncode == 0, every.stderr
     assert len(json.loads(every.stdout)["holders"]) == 2
     assert read_slots(client, name) == []
+
+
+# -- Celery: claim_limit on a threads pool ----------------------------------------------
+
+
+def test_a_task_with_a_limit_runs_that_many_at_once(redis_server: RedisServer) -> None:
+    from celery_harness import Services, Worker, notes
+
+    services = Services.on(redis_server)
+    client = services.client()
+    obs = services.obs()
+    k = key()
+    try:
+        with Worker(services, pool="threads", concurrency=3, name="limit"):
+            sent = [
+                client.send_task("t.limited", args=(k,), queue=services.queue) for _ in range(3)
+            ]
+            skipped = wait_for(
+                "one of three to be skipped",
+                lambda: [r for r in sent if r.ready()],
+            )
+            (result,) = [r.get(timeout=WAIT) for r in skipped]
+            assert result["status"] == "skipped" and result["reason"] == "already running"
+            runs = wait_for("two runs to start", lambda: len(notes(obs, f"runs:{k}")) == 2)
+            assert runs
+            started = notes(obs, f"runs:{k}")
+            assert sorted(s["slot"] for s in started) == [0, 1]
+            assert len({s["fence"] for s in started}) == 2
+            for n in range(2):
+                obs.set(f"gate:{k}:{n}", 1)
+            done = [r.get(timeout=WAIT) for r in sent if r.id != skipped[0].id]
+            assert [d["status"] for d in done] == ["ok", "ok"]
+    finally:
+        client.close()
