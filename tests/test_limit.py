@@ -139,12 +139,23 @@ def test_each_holder_has_its_own_slot_lease_and_fence(server: RedisServer) -> No
 
 
 def test_a_limit_of_one_is_the_plain_claim(server: RedisServer) -> None:
+    # The scripts are sent the keys and arguments a plain claim always sent.
+    keys = ClaimKeys.of("plain")
+    _script, sent_keys, args = LeaseStore(None, keys, limit=1).acquire_call(
+        "t", 1000, "", "", 10, "", None, 0
+    )
+    assert tuple(sent_keys) == (keys.lock, keys.fence, keys.runs, keys.skips, keys.rerun)
+    assert len(args) == 8
+    _script, release_keys, release_args = LeaseStore(None, keys).release_call(
+        "t", "", 10, "ok", 1, 0
+    )
+    assert release_keys[0] == keys.lock and len(release_keys) == 6 and len(release_args) == 8
     client = server.client(decode_responses=True)
     name = f"one:{key()}"
     with Claim(client, name, ttl=5, limit=1) as claim:
         assert claim.slot == 0
-        keys = set(client.keys(f"*{name}*"))
-        assert keys == {
+        present = set(client.keys(f"*{name}*"))
+        assert present == {
             ClaimKeys.of(name).lock,
             ClaimKeys.of(name).fence,
         }

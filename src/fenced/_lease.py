@@ -442,6 +442,7 @@ class LeaseCalls:
         "_lasting",
         "_no_done",
         "_note_prefix",
+        "_plain_keys",
         "_release_keys",
         "keys",
         "limit",
@@ -453,6 +454,7 @@ class LeaseCalls:
         self.limit = limit
         # Built once: every acquire and release sends them.
         self._acquire_keys = tuple(keys.all())
+        self._plain_keys = self._acquire_keys[:5]
         self._lasting = keys.lasting()
         if limit > 1:
             self._acquire_keys += (keys.slots, *(keys.slot(i) for i in range(1, limit)))
@@ -475,22 +477,14 @@ class LeaseCalls:
         cooldown_reason: str = "",
     ) -> Call:
         """ACQUIRE (see its contract); the answer is read by ``Claim``."""
-        return (
-            ACQUIRE,
-            self._acquire_keys,
-            [
-                token,
-                ttl_ms,
-                record,
-                skip_reason,
-                max_records,
-                rerun,
-                task_id or "",
-                idle_ms,
-                cooldown_reason,
-                *((self.limit,) if self.limit > 1 else ()),
-            ],
-        )
+        args = [token, ttl_ms, record, skip_reason, max_records, rerun, task_id or "", idle_ms]
+        if self.limit == 1 and not cooldown_reason:
+            # The plain claim sends what it always sent: no cooldown key, no slots.
+            return ACQUIRE, self._plain_keys, args
+        args.append(cooldown_reason)
+        if self.limit > 1:
+            args.append(self.limit)
+        return ACQUIRE, self._acquire_keys, args
 
     def lasting(self) -> tuple[str, ...]:
         """The keys a renewal keeps while the name is held (with its slots' hash)."""
@@ -520,22 +514,22 @@ class LeaseCalls:
         # Without a task id there is no marker to set; the key still names this slot.
         done = self.keys.done(task_id) if task_id else self._no_done
         lease = self._release_keys if slot == 0 else (self.keys.slot(slot), *self._release_keys[1:])
-        return (
-            RELEASE,
-            # The note's key: the token's random part (new_token's 32 hex digits).
-            (*lease, done, self._note_prefix + token[:32], self._cooldown),
-            [
-                token,
-                record,
-                max_records,
-                outcome,
-                fence or 0,
-                "1" if take_reruns else "0",
-                idle_ms,
-                done_ms if task_id else 0,
-                cooldown_ms,
-            ],
-        )
+        # The note's key: the token's random part (new_token's 32 hex digits).
+        keys: tuple[str, ...] = (*lease, done, self._note_prefix + token[:32])
+        args = [
+            token,
+            record,
+            max_records,
+            outcome,
+            fence or 0,
+            "1" if take_reruns else "0",
+            idle_ms,
+            done_ms if task_id else 0,
+        ]
+        if cooldown_ms:
+            keys += (self._cooldown,)
+            args.append(cooldown_ms)
+        return RELEASE, keys, args
 
     def abandon_calls(self, token: str) -> list[Call]:
         """RELEASE of a lease a timed-out request may have left (in any slot), recording

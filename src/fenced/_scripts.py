@@ -168,7 +168,8 @@ end
 # ACQUIRE
 # KEYS[1] lock (slot 0)   KEYS[2] fence   KEYS[3] runs   KEYS[4] skips   KEYS[5] rerun
 #         (a set)
-# KEYS[6] cooldown (set by RELEASE after a run that ended "ok", expires with PX)
+# KEYS[6] (with ARGV[9] or ARGV[10]) cooldown (set by RELEASE after a run that ended
+#         "ok", expires with PX)
 # KEYS[7] (with ARGV[10] > 1) slots: a hash of each slot's fence ("0", "1", ...) and
 #         the limit it was last acquired with ("limit")
 # KEYS[8..] (with ARGV[10] > 1) slots 1 .. ARGV[10]-1, each a lease like KEYS[1]
