@@ -435,7 +435,7 @@ class ClaimState:
                 self.token = token
                 self.fence = int(res[1])
                 self.slot = slot
-                self._lease_key = self.keys.slot(slot)
+                self._lease_key = self.key if slot == 0 else self.keys.slot(slot)
                 self.holder = None
                 self.ran_recently = None
                 self._lost_reason = None
