@@ -5,11 +5,13 @@ Everything that talks to Redis about a lease goes through here:
 - **process identity** — the host and the pid, the pid kept current across ``fork``;
 - **the token** — ``random:host:pid:task id``, defined once (``TOKEN_PATTERN``, read by
   the scripts and by :meth:`Holder.parse`);
-- **the keys** — every key of one name (lease, fence, runs, skips, rerun, pointer),
-  under one namespace and one Cluster hash tag;
+- **the keys** — every key of one name (lease, fence, runs, skips, rerun, cooldown,
+  the slots of a name held by several at once, pointer), under one namespace and one
+  Cluster hash tag;
 - **the store** — the scripts run through :class:`LeaseStore`, and the one mapping
   from "Redis could not be reached" to :class:`ClaimUnavailable`;
-- **timing** — the one check of a ttl and a refresh interval, for every front end.
+- **timing** — the one check of a ttl and a refresh interval (and of a cooldown window
+  and a limit of holders), for every front end.
 """
 
 from __future__ import annotations
