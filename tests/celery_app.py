@@ -309,3 +309,19 @@ def collect(results: list[Any]) -> Any:
         "ran": [r for r in results if not is_skipped(r)],
         "skipped": [r["claim"] for r in results if is_skipped(r)],
     }
+
+
+@app.task(base=ClaimedTask, bind=True, name="t.cooled", claim="cooled:{key}", claim_cooldown=60.0)
+def cooled(self: Any, key: str, seconds: float = 0.0, fail: bool = False) -> Any:
+    """At most one run ending ok per minute: notes each run that starts."""
+    note(f"runs:{key}", task_id=self.request.id, fence=self.claim.fence)
+    time.sleep(seconds)
+    if fail:
+        raise ValueError("failed on purpose")
+    return {"status": "ok", "fence": self.claim.fence}
+
+
+@app.task(base=ClaimedTask, bind=True, name="t.limited", claim="limited:{key}", claim_limit=2)
+def limited(self: Any, key: str) -> Any:
+    """Two at a time: holds its slot until the test lets it finish."""
+    return _gated(self, key, fence=self.claim.fence, slot=self.claim.slot)

@@ -61,6 +61,7 @@ def test_ls_lists_the_claims_of_every_primary(ha_cluster: RedisCluster, client: 
     assert [i.name for i in infos] == sorted(names)
     for info in infos:
         claim = claims[info.name]
+        assert info.holder is not None
         assert info.holder.token == claim.token and info.fence == claim.fence
         # Measured on the clock of the claim's own node: a fresh claim is seconds old.
         assert info.age is not None and 0 <= info.age < 30
@@ -133,6 +134,7 @@ def test_ls_and_show_through_a_sentinel_managed_client(sentinel_group: SentinelG
     try:
         claim = hold(client, "backup:db")
         (info,) = list_claims(client)
+        assert info.holder is not None
         assert info.name == "backup:db" and info.holder.token == claim.token
         assert show_claim(client, "backup:db").runs[0].outcome == "running"
         assert claim.release("ok")

@@ -31,7 +31,7 @@ import redis
 from . import records as _records
 from ._client import connect
 from ._errors import ClaimLost, ClaimUnavailable, ConfigError, FencedError, NotOwner
-from ._guard import SKIP_REASON, SKIP_RERUN_REASON, busy_error, finish
+from ._guard import COOLDOWN_REASON, SKIP_REASON, SKIP_RERUN_REASON, busy_error, finish
 from ._heartbeat import RETRY_SHARE, Renewal
 from ._heartbeat import heartbeat as _heartbeat
 from ._lease import (
@@ -40,9 +40,12 @@ from ._lease import (
     UNREACHABLE,
     ClaimKeys,
     Holder,
+    LeaseCalls,
     LeaseStore,
     NotReplicated,
+    check_cooldown,
     check_idle_ttl,
+    check_limit,
     check_replicas,
     check_timing,
     corrupt_key_error,
@@ -99,12 +102,17 @@ class ClaimState:
         redelivery_window: float = 0.0,
         replicas: int = 0,
         replica_timeout: float = 1.0,
+        cooldown: float | None = None,
+        limit: int = 1,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Any] = time.sleep,
     ) -> None:
         try:
             self.ttl, self.refresh_every = check_timing(ttl, refresh_every)
             self._idle_ms = check_idle_ttl(idle_ttl, self.ttl)
+            self._cooldown_ms = check_cooldown(cooldown, self._idle_ms)
+            #: How many holders the name may have at once, each in a slot of its own.
+            self.limit = check_limit(limit)
             self.replicas, self._replica_ms = check_replicas(replicas, replica_timeout, self.ttl)
             if not isinstance(redelivery_window, (int, float)) or redelivery_window < 0:
                 raise ConfigError(
@@ -129,6 +137,8 @@ class ClaimState:
         # Written into every run record of this claim (e.g. the command a run executes).
         self.record_extra = dict(record_extra or {})
         self.max_records = max_records
+        #: Seconds after a run that ended ``ok`` during which triggers skip (None: none).
+        self.cooldown = self._cooldown_ms / 1000 if self._cooldown_ms else None
         self._done_ms = int(redelivery_window * 1000)
         self._clock = clock
         self._sleep = sleep
@@ -144,9 +154,15 @@ class ClaimState:
         self._started_at = 0.0
         self.token: str | None = None
         self.fence: int | None = None
+        #: The slot held (0 .. limit-1; always 0 for a limit of 1), None before a grant.
+        self.slot: int | None = None
+        self._lease_key = self.key
         self.holder: Holder | None = None
         self._lost_reason: str | None = None
         self.skips = 0
+        #: Seconds left of the cooldown window when the last acquire found the name ran
+        #: recently (it is then not held by anyone), else None.
+        self.ran_recently: float | None = None
         #: Distinct triggers that asked for one more run: seen by a loser after its
         #: acquire (how many are waiting), taken by the holder at release.
         self.rerun_requested = 0
@@ -160,6 +176,8 @@ class ClaimState:
     def _connect(self, redis: Any) -> Any:
         """The client this front end talks through (a URL becomes one)."""
         raise NotImplementedError
+
+    _store: LeaseCalls
 
     def _bind_store(self) -> None:
         """Make the store this claim sends its scripts through."""
@@ -238,13 +256,13 @@ class ClaimState:
                 return None
             return Renewal(
                 self.redis,
-                self.key,
+                self._lease_key,
                 self.token,
                 self._ttl_ms,
                 self.refresh_every,
                 self._next_refresh,
                 self._deadline,
-                self.keys.lasting() if self._idle_ms else (),
+                self._store.lasting() if self._idle_ms else (),
                 self._idle_ms,
                 self.replicas,
                 self._replica_ms,  # the heartbeat keeps it below its socket timeout
@@ -322,7 +340,7 @@ class ClaimState:
 
     def _acquire_args(
         self, token: str, record_skip: bool, mark_rerun: bool | str
-    ) -> tuple[str, int, str, str, int, str, str | None, int]:
+    ) -> tuple[str, int, str, str, int, str, str | None, int, str]:
         """The arguments of the store's ``acquire`` for one try under ``token``."""
         trigger = mark_rerun if isinstance(mark_rerun, str) else ("*" if mark_rerun else "")
         return (
@@ -337,6 +355,7 @@ class ClaimState:
             # task (a redelivery), not a competitor: no skip, no rerun request.
             self.task_id,
             self._idle_ms,
+            COOLDOWN_REASON if self._cooldown_ms else "",
         )
 
     def _takeover_args(self, token: str) -> tuple[str, int, str, int, str, int]:
@@ -383,6 +402,10 @@ class ClaimState:
             return self._clock() - sent
         return None
 
+    def _granted_slot(self, res: list[Any]) -> int:
+        """The slot an ACQUIRE that granted the claim gave (0 for a limit of 1)."""
+        return int(res[2]) if self.limit > 1 else 0
+
     def _give_back_args(
         self, token: str, fence: int, why: str, elapsed: float
     ) -> tuple[str, str, int, str, int, int]:
@@ -426,10 +449,14 @@ class ClaimState:
     def _took(self, token: str, res: list[Any], sent: float) -> bool:
         """Take in the answer of an ACQUIRE sent at ``sent``: True if the claim is ours."""
         if int(res[0]) == 1:
+            slot = self._granted_slot(res)
             with self._mutex:
                 self.token = token
                 self.fence = int(res[1])
+                self.slot = slot
+                self._lease_key = self.key if slot == 0 else self.keys.slot(slot)
                 self.holder = None
+                self.ran_recently = None
                 self._lost_reason = None
                 self.vanished = False
                 self.rerun_triggers = []
@@ -442,15 +469,21 @@ class ClaimState:
         # ACQUIRE's reply ends at a value Lua could not read as a number (a fence or
         # skip count someone else wrote): what is missing is unknown, the lease is held.
         pttl, fence, skips, rerun = (*res[2:6], None, None, None, None)[:4]
-        self.holder = Holder.parse(res[1], int_or_none(pttl), int_or_none(fence))
         self.skips = int_or_none(skips) or 0
         self.rerun_requested = int_or_none(rerun) or 0
+        if int_or_none(res[0]) == 2:  # nobody holds it: a run ended ok within the window
+            self.holder = None
+            self.ran_recently = (int_or_none(pttl) or 0) / 1000
+            return False
+        self.ran_recently = None
+        self.holder = Holder.parse(res[1], int_or_none(pttl), int_or_none(fence))
         return False
 
     def _held_unreadably(self) -> bool:
         """ACQUIRE's reply named a holder that could not be decoded: busy, held by someone
         unknown (a lease whose value we cannot read is never taken)."""
         self.holder = Holder.unknown("the lease's value is not UTF-8")
+        self.ran_recently = None
         self.skips = self.rerun_requested = 0
         return False
 
@@ -493,7 +526,7 @@ class ClaimState:
 
     def _release_args(
         self, outcome: str, record: str
-    ) -> tuple[str, str, int, str, int | None, int, str | None, int]:
+    ) -> tuple[str, str, int, str, int | None, int, str | None, int, bool, int, int]:
         """The arguments of the store's ``release`` for this claim's lease."""
         assert self.token is not None
         return (
@@ -505,6 +538,9 @@ class ClaimState:
             self._idle_ms,
             self.task_id,
             self._done_ms,
+            True,
+            self._cooldown_ms,
+            self.slot or 0,
         )
 
     def _release_unconfirmed(self, exc: BaseException) -> None:
@@ -584,6 +620,14 @@ class Claim(ClaimState):
             acknowledge removes its lease and raises ClaimUnavailable; a renewal they do
             not acknowledge is not confirmed (the claim is lost at its deadline unless a
             later one is). Narrows the window in which a failover forgets a fresh lease.
+        limit: how many holders the name may have at once (1 to 64), each with a lease
+            and a fence of its own (one fence counter: fences increase across every
+            slot); busy when all are held. Limit 1 is the plain claim, on the same key.
+        cooldown: seconds after a run that ended ``ok`` during which every acquire is a
+            skip ("ran recently", whatever the busy policy: a window is not waited
+            out), timed by Redis's own expiry, so hosts with skewed clocks agree. A
+            failed or lost run, and an operator's release, start no window. At most
+            ``idle_ttl``.
         clock, sleep: time seams for tests (``time.monotonic``, ``time.sleep``).
     """
 
@@ -593,7 +637,7 @@ class Claim(ClaimState):
         return connect(redis)
 
     def _bind_store(self) -> None:
-        self._store = LeaseStore(self.redis, self.keys, self.replicas, self._replica_ms)
+        self._store = LeaseStore(self.redis, self.keys, self.replicas, self._replica_ms, self.limit)
 
     # -- acquire ----------------------------------------------------------------------
 
@@ -617,8 +661,8 @@ class Claim(ClaimState):
         while True:
             if self._try_acquire(record_skip, mark_rerun=request_rerun):
                 return True
-            if not blocking:
-                return False
+            if not blocking or self.ran_recently is not None:
+                return False  # a window is not waited out: it is a skip
             now = self._clock()
             if give_up is not None and now >= give_up:
                 return False
@@ -650,11 +694,11 @@ class Claim(ClaimState):
             return self._held_unreadably()
         acked = self._unreplicated(res)
         if acked is not None:
-            self._give_back(token, int(res[1]), _UNREPLICATED, self._clock() - sent)
+            self._give_back(token, res, _UNREPLICATED, self._clock() - sent)
             raise self._unreplicated_error(acked)
         late = self._late(res, sent)
         if late is not None:
-            self._give_back(token, int(res[1]), _LATE, late)
+            self._give_back(token, res, _LATE, late)
             raise self._late_error(late)
         if not self._took(token, res, sent):
             return False
@@ -716,12 +760,13 @@ class Claim(ClaimState):
             return "lost"
         return "retried"
 
-    def _give_back(self, token: str, fence: int, why: str, elapsed: float) -> None:
+    def _give_back(self, token: str, res: list[Any], why: str, elapsed: float) -> None:
         """Remove a lease granted to us that we must not use (its run record says why)."""
         try:
             self._store.release(
-                *self._give_back_args(token, fence, why, elapsed),
+                *self._give_back_args(token, int(res[1]), why, elapsed),
                 take_reruns=False,  # the triggers are for whoever holds it next
+                slot=self._granted_slot(res),
             )
         except Exception:  # best effort: the lease expires within its ttl anyway
             log.warning("fenced: could not give back the grant of %r (%s)", self.name, why)
@@ -735,7 +780,7 @@ class Claim(ClaimState):
         token = self.token
         sent = self._clock()
         try:
-            ok = self._store.refresh(token, self._ttl_ms, self._idle_ms)
+            ok = self._store.refresh(token, self._ttl_ms, self._idle_ms, self.slot or 0)
         except NotReplicated as exc:
             self.retry_soon()
             raise ClaimUnavailable.about(

@@ -28,8 +28,15 @@ from typing import Any, TypeVar, cast
 from ._claim import Claim
 from ._client import connect, connect_async, parse_url
 from ._errors import ConfigError
-from ._guard import Guard, Skipped, busy_error, check_on_busy
-from ._lease import check_namespace, check_replicas, check_timing
+from ._guard import Guard, Skipped, busy_error, check_on_busy, skips
+from ._lease import (
+    IDLE_TTL,
+    check_cooldown,
+    check_limit,
+    check_namespace,
+    check_replicas,
+    check_timing,
+)
 from ._naming import Namer, NameSource
 
 __all__ = ["ON_BUSY", "Skipped", "exclusive"]
@@ -95,8 +102,15 @@ def exclusive(
     records: bool = True,
     replicas: int = 0,
     replica_timeout: float = 1.0,
+    cooldown: float | None = None,
+    limit: int = 1,
 ) -> Callable[[F], F]:
-    """Hold a claim named from the arguments while the function runs; skip, wait or raise."""
+    """Hold a claim named from the arguments while the function runs; skip, wait or raise.
+
+    With ``cooldown`` (seconds), calls within that long after a run that returned are
+    skipped ("ran recently"), whatever ``on_busy`` says but ``raise``. With ``limit``,
+    up to that many calls of one name run at once (each with a fence of its own).
+    """
     on_busy = check_on_busy(on_busy, ON_BUSY)
     if wait_timeout is not None and (on_busy != "wait" or wait_timeout < 0):
         raise ConfigError(
@@ -106,6 +120,8 @@ def exclusive(
     ttl, refresh_every = check_timing(ttl, refresh_every)
     check_namespace(namespace)
     check_replicas(replicas, replica_timeout, ttl)
+    check_cooldown(cooldown, int(IDLE_TTL * 1000))
+    check_limit(limit)
     async_client = _async_client(redis, replicas)
     # A URL serves both kinds of function; a redis.asyncio client only coroutines.
     client = None if async_client is not None and not isinstance(redis, str) else _client(redis)
@@ -145,6 +161,8 @@ def exclusive(
                 record_extra=call_extra,
                 replicas=replicas,
                 replica_timeout=replica_timeout,
+                cooldown=cooldown,
+                limit=limit,
             )
             return Guard(claim, on_busy, wait_timeout)
 
@@ -162,11 +180,13 @@ def exclusive(
                     namespace=namespace,
                     records=records,
                     record_extra=call_extra,
+                    cooldown=cooldown,
+                    limit=limit,
                 )
                 claim._what = "the function"
                 wait = on_busy == "wait"
                 if not await claim.acquire(blocking=wait, timeout=wait_timeout if wait else None):
-                    if on_busy == "skip":
+                    if skips(claim, on_busy):
                         return Skipped.of(claim)
                     raise busy_error(claim, wait_timeout if wait else None)
                 # Entered already acquired; a loss cancels the function and ends in ClaimLost.

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ._claim import Claim, ClaimState
 
 __all__ = [
+    "COOLDOWN_REASON",
     "ON_BUSY",
     "Guard",
     "Skipped",
@@ -43,6 +44,7 @@ __all__ = [
     "lost_error",
     "outcome_of",
     "settle",
+    "skips",
 ]
 
 #: Every busy policy, and what it does.
@@ -56,6 +58,8 @@ ON_BUSY: Mapping[str, str] = {
 #: Reason recorded for a skip.
 SKIP_REASON = "already running"
 SKIP_RERUN_REASON = "already running; rerun requested"
+#: Reason recorded for a trigger within a cooldown window after a run that ended ok.
+COOLDOWN_REASON = "ran recently"
 #: The longest reason kept in a run record.
 REASON_MAX = 500
 
@@ -101,12 +105,17 @@ class Skipped:
         return False
 
     def __str__(self) -> str:
+        if self.reason == COOLDOWN_REASON:
+            return f"skipped {self.claim!r}: {_ran_recently(self.expires_in)}"
         held_by = f"held by {self.holder}" if self.holder else "held by another holder"
         return f"skipped {self.claim!r}: {held_by}"
 
     @classmethod
     def of(cls, claim: ClaimState, reason: str = SKIP_REASON) -> Skipped:
-        """What a busy claim's last acquire saw."""
+        """What a busy claim's last acquire saw (``expires_in``: of the holder's lease, or
+        of the cooldown window when the name ran recently)."""
+        if claim.ran_recently is not None:
+            return cls(claim.name, None, claim.ran_recently, COOLDOWN_REASON, claim.skips)
         holder = claim.holder
         return cls(claim.name, holder, holder.expires_in if holder else None, reason, claim.skips)
 
@@ -141,8 +150,26 @@ def is_skipped(result: Any) -> bool:
     )
 
 
+def skips(claim: ClaimState, on_busy: str) -> bool:
+    """Whether a busy ``claim`` is skipped under ``on_busy`` (else it waits, retries or
+    raises): a name that ran recently is skipped under every policy but ``raise``, since
+    waiting out its cooldown window would run the work twice in one window."""
+    return on_busy == "skip" or (claim.ran_recently is not None and on_busy != "raise")
+
+
+def _ran_recently(left: float | None) -> str:
+    ends = f"; its cooldown window ends in {left:.1f}s" if left is not None else ""
+    return f"{COOLDOWN_REASON}{ends}"
+
+
 def busy_error(claim: ClaimState, waited: float | None = None) -> ClaimHeld:
-    """ClaimHeld for a claim whose last acquire found another holder."""
+    """ClaimHeld for a claim whose last acquire found another holder (or a window)."""
+    if claim.ran_recently is not None:
+        return ClaimHeld(
+            f"claim {claim.name!r} {_ran_recently(claim.ran_recently)}",
+            name=claim.name,
+            expires_in=claim.ran_recently,
+        )
     holder = claim.holder
     held_by = f"held by {holder}" if holder else "held by another holder"
     after = f" after waiting {waited:g}s" if waited is not None else ""
@@ -234,8 +261,9 @@ class Guard:
         return self.busy()
 
     def busy(self) -> Skipped:
-        """The claim is busy: a Skipped result, or ClaimHeld under ``raise`` and ``wait``."""
-        if self.on_busy == "skip":
+        """The claim is busy: a Skipped result, or ClaimHeld under ``raise`` and ``wait``
+        (see :func:`skips`)."""
+        if skips(self.claim, self.on_busy):
             return Skipped.of(self.claim)
         raise busy_error(self.claim, self.wait_timeout if self.on_busy == "wait" else None)
 

@@ -19,7 +19,16 @@ from typing import Any
 import redis
 
 from . import _lease
-from ._lease import MAX_RECORDS, ClaimKeys, Holder, int_or_none, read_holder
+from ._lease import (
+    MAX_LIMIT,
+    MAX_RECORDS,
+    ClaimKeys,
+    Holder,
+    int_or_none,
+    read_holder,
+    read_slots,
+    slot_holders,
+)
 from ._nodes import is_cluster, node_of, scan_keys, server_times
 from ._printable import readable
 from .records import RunRecord, entries_for, from_entries, history
@@ -34,10 +43,11 @@ BATCH = 500
 
 @dataclass
 class ClaimInfo:
-    """One held claim: who holds it, for how long, and how its previous run ended."""
+    """One held claim (or one in its cooldown window): who holds it, for how long, and
+    how its previous run ended."""
 
     name: str
-    holder: Holder
+    holder: Holder | None
     age: float | None
     expires_in: float | None
     fence: int | None
@@ -47,12 +57,20 @@ class ClaimInfo:
     extra: dict[str, Any] = field(default_factory=dict)
     #: What of the claim's keys could not be read (a fence that is not an integer...).
     unreadable: str | None = None
+    #: Seconds left of the cooldown window a run that ended ok started (None: none).
+    cooldown_left: float | None = None
+    #: How many holders the name may have at once (as last acquired), and each holder
+    #: by slot; ``holder`` is the first of them.
+    limit: int = 1
+    slots: list[tuple[int, Holder]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form (the secret part of the token shortened)."""
         return {
             "name": self.name,
-            "holder": self.holder.as_dict(),
+            "holder": self.holder.as_dict() if self.holder else None,
+            "limit": self.limit,
+            "slots": [{"slot": i, **h.as_dict()} for i, h in self.slots],
             "age": self.age,
             "expires_in": self.expires_in,
             "fence": self.fence,
@@ -61,6 +79,7 @@ class ClaimInfo:
             "last_finished": self.last_finished,
             "extra": self.extra,
             "unreadable": self.unreadable,
+            "cooldown_left": self.cooldown_left,
         }
 
 
@@ -68,8 +87,14 @@ def _glob_escape(text: str) -> str:
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
-def _lock_keys(client: Any, namespace: str) -> Iterator[str | bytes]:
-    return scan_keys(client, _glob_escape(namespace) + ":{*}:lock")
+def _lock_keys(client: Any, namespace: str, part: str = "lock") -> Iterator[str | bytes]:
+    return scan_keys(client, _glob_escape(namespace) + ":{*}:" + part)
+
+
+def _left(pttl: Any) -> float | None:
+    """A PTTL answer as seconds left, None for a key that is gone (or never expires)."""
+    left = int_or_none(pttl)
+    return left / 1000 if left is not None and left > 0 else None
 
 
 def _pipeline(client: Any) -> tuple[Any, bool]:
@@ -97,29 +122,33 @@ def _clocks(client: Any, results: list[Any], timed: bool) -> Callable[[str], flo
 
 
 def list_claims(client: Any, namespace: str = "fenced") -> list[ClaimInfo]:
-    """Every claim held now under a namespace, sorted by name.
+    """Every claim held now under a namespace, and every one in its cooldown window,
+    sorted by name.
 
     What cannot be read (a key name or a value that is not UTF-8, a key of the wrong
     type, a fence that is not an integer) is listed with ``unreadable`` saying what,
     after the rest has been read as usual.
     """
     names: set[str] = set()
-    foreign: list[ClaimInfo] = []
-    for key in _lock_keys(client, namespace):
-        name = ClaimKeys.name_from_key(key, namespace)
-        if name and isinstance(key, bytes):
-            # Its other keys cannot be named from the text: shown, not read.
-            foreign.append(_unread(name, "the key name is not UTF-8"))
-        elif name:
-            names.add(name)
+    foreign: dict[str, ClaimInfo] = {}
+    for part in ("lock", "cooldown", "slot:*"):
+        for key in _lock_keys(client, namespace, part):
+            name = ClaimKeys.name_from_key(key, namespace)
+            if name and isinstance(key, bytes):
+                # Its other keys cannot be named from the text: shown, not read.
+                foreign[name] = _unread(name, "the key name is not UTF-8")
+            elif name:
+                names.add(name)
     ordered = sorted(names)
     infos: list[ClaimInfo] = []
     for start in range(0, len(ordered), BATCH):
         infos += _read_batch(client, ordered[start : start + BATCH], namespace)
-    missing = [i for i in infos if i.age is None and i.holder.unreadable is None]
+    missing = [
+        i for i in infos if i.age is None and i.holder is not None and i.holder.unreadable is None
+    ]
     if missing:
         _find_starts(client, missing, namespace)
-    return sorted(infos + foreign, key=lambda info: info.name)
+    return sorted(infos + list(foreign.values()), key=lambda info: info.name)
 
 
 def _unread(name: str, why: str) -> ClaimInfo:
@@ -136,6 +165,8 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
         pipe.get(keys.fence)
         pipe.get(keys.skips)
         pipe.xrevrange(keys.runs, count=entries_for(LS_RUNS))
+        pipe.pttl(keys.cooldown)
+        pipe.hgetall(keys.slots)
     try:
         results = pipe.execute(raise_on_error=False)
     except UnicodeDecodeError:
@@ -145,26 +176,40 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
             return [_unread(names[0], "a value of the claim is not UTF-8")]
         return [info for name in names for info in _read_batch(client, [name], namespace)]
     clock = _clocks(client, results, timed)
+    per = 7
+    slotted = _read_slots(client, names, results, namespace, per)
     infos: list[ClaimInfo] = []
     for i, name in enumerate(names):
-        token, pttl, fence, skips, entries = results[5 * i : 5 * i + 5]
-        if token is None:
-            continue  # released between the scan and the read
+        token, pttl, fence, skips, entries, cooldown, _slots = results[per * i : per * i + per]
+        window = _left(cooldown)
+        limit, slots = slotted.get(name, (1, []))
+        if token is None and window is None and not slots:
+            continue  # released (or its window ended) between the scan and the read
         keys = ClaimKeys(namespace, name)
         problems: list[str] = []
+        fence_int = _number(fence, "fence", problems)
+        holder: Holder | None = None
         if isinstance(token, Exception):
             holder = Holder.unknown(f"lock: {token}")
-        else:
-            holder = Holder.parse(token, int_or_none(pttl), _number(fence, "fence", problems))
+        elif token is not None:
+            holder = Holder.parse(token, int_or_none(pttl), fence_int)
+        if limit > 1:
+            holder = slots[0][1] if slots else None
+            fence_int = holder.fence if holder else fence_int
+        elif holder is not None:
+            slots = [(0, holder)]
         info = ClaimInfo(
             name=name,
             holder=holder,
             age=None,
-            expires_in=holder.expires_in,
-            fence=holder.fence,
+            expires_in=holder.expires_in if holder else None,
+            fence=fence_int,
             skips=_number(skips, "skips", problems) or 0,
             last_outcome=None,
             last_finished=None,
+            cooldown_left=window,
+            limit=limit,
+            slots=slots,
         )
         if isinstance(entries, Exception):
             problems.append(f"runs: {entries}")
@@ -183,13 +228,56 @@ def _number(value: Any, what: str, problems: list[str]) -> int | None:
     return number
 
 
+def _limit_of(fences: Any) -> int:
+    """The limit a name was last acquired with, from its slots' hash (1 without one, or
+    when the hash is not what fenced writes)."""
+    if not isinstance(fences, dict):
+        return 1
+    for k, v in fences.items():
+        limit = int_or_none(v) if readable(k) == "limit" else None
+        if limit is not None:
+            return max(1, min(limit, MAX_LIMIT))
+    return 1
+
+
+def _read_slots(
+    client: Any, names: list[str], results: list[Any], namespace: str, per: int
+) -> dict[str, tuple[int, list[tuple[int, Holder]]]]:
+    """The limit and the holders by slot of each name acquired with a limit above 1 (one
+    more round trip, only when there are such names)."""
+    limits = {}
+    for i, name in enumerate(names):
+        limit = _limit_of(results[per * i + per - 1])
+        if limit > 1:
+            limits[name] = (limit, results[per * i + 2], results[per * i + per - 1])
+    if not limits:
+        return {}
+    pipe = client.pipeline(transaction=False)
+    for name, (limit, _f, _h) in limits.items():
+        keys = ClaimKeys(namespace, name)
+        for slot in range(limit):
+            pipe.get(keys.slot(slot))
+            pipe.pttl(keys.slot(slot))
+    answers = pipe.execute(raise_on_error=False)
+    out = {}
+    at = 0
+    for name, (limit, fence, fences) in limits.items():
+        out[name] = (limit, slot_holders(answers[at : at + 2 * limit], fence, fences))
+        at += 2 * limit
+    return out
+
+
 def _apply_runs(info: ClaimInfo, runs: list[RunRecord], now: float) -> None:
-    token = info.holder.token
+    token = info.holder.token if info.holder else None
+    # The runs of a name's other holders (slots) are running, not unfinished.
+    holding = {h.token for _i, h in info.slots}
     for run in runs:
         if run.token == token:
             if run.started is not None and info.age is None:
                 info.age = max(0.0, now - run.started)
                 info.extra = run.extra
+            continue
+        if run.token in holding:
             continue
         if info.last_outcome is None and run.outcome != "skipped":
             # A run of another token that never recorded its end did not finish.
@@ -221,6 +309,12 @@ class ClaimReport:
     namespace: str
     holder: Holder | None
     runs: list[RunRecord]
+    #: Seconds left of the cooldown window a run that ended ok started (None: none).
+    cooldown_left: float | None = None
+    #: How many holders the name may have at once (as last acquired), and each holder
+    #: by slot; ``holder`` is the first of them.
+    limit: int = 1
+    slots: list[tuple[int, Holder]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -228,8 +322,19 @@ class ClaimReport:
             "name": self.name,
             "namespace": self.namespace,
             "holder": self.holder.as_dict() if self.holder else None,
+            "limit": self.limit,
+            "slots": [{"slot": i, **h.as_dict()} for i, h in self.slots],
             "runs": [run.as_dict() for run in self.runs],
+            "cooldown_left": self.cooldown_left,
         }
+
+
+def _slots_hash(client: Any, keys: ClaimKeys) -> Any:
+    """The name's slots hash, or None when its key holds something else."""
+    try:
+        return client.hgetall(keys.slots)
+    except redis.ResponseError:  # WRONGTYPE: not fenced's; read as a plain claim
+        return None
 
 
 def show_claim(
@@ -237,11 +342,20 @@ def show_claim(
 ) -> ClaimReport:
     """The holder and the run records of one claim."""
     keys = ClaimKeys.of(name, namespace)
+    slots = read_slots(client, keys.name, namespace=namespace)
+    most = _limit_of(_slots_hash(client, keys))
+    if most == 1:
+        # The plain claim: its holder's fence is the counter's.
+        holder = read_holder(client, keys.name, namespace=namespace)
+        slots = [(0, holder)] if holder else [s for s in slots if s[0]]
     return ClaimReport(
         keys.name,
         namespace,
-        read_holder(client, keys.name, namespace=namespace),
+        slots[0][1] if slots else None,
         history(client, keys.name, limit=limit, namespace=namespace),
+        _left(client.pttl(keys.cooldown)),
+        max(most, max((i + 1 for i, _h in slots), default=1)),
+        slots,
     )
 
 
@@ -262,11 +376,18 @@ def force_release(
     namespace: str = "fenced",
     by: str | None = None,
     token_prefix: str = "",
+    slot: int = 0,
 ) -> Holder | None:
-    """Delete a claim whatever its token; record who did it and why. The holder, or None."""
+    """Delete a claim whatever its token; record who did it and why. The holder, or None.
+
+    ``slot`` names one holder of a name held by several at once (see ``read_slots``).
+    """
     keys = ClaimKeys.of(name, namespace)
     # Read first, so the answer can say how long the lease had left and its fence.
-    before = read_holder(client, keys.name, namespace=namespace)
+    if slot == 0:
+        before = read_holder(client, keys.name, namespace=namespace)
+    else:
+        before = dict(read_slots(client, keys.name, namespace=namespace)).get(slot)
     try:
         cleared = _lease.force_release(
             client,
@@ -275,13 +396,14 @@ def force_release(
             token_prefix=token_prefix,
             reason=reason,
             by=by or operator(),
+            slot=slot,
         )
     except redis.ResponseError as exc:
         corrupt = _lease.LeaseStore(client, keys).find_corrupt_key()
         if corrupt is None:
             raise
         # The script clears the lease before it writes the record: say which step failed.
-        gone = before is not None and not client.exists(keys.lock)
+        gone = before is not None and not client.exists(keys.slot(slot))
         doing = "record the release of claim" if gone else "release claim"
         raise _lease.corrupt_key_error(keys.name, *corrupt, exc, doing=doing) from exc
     if cleared is None:

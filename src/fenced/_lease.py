@@ -6,15 +6,17 @@ Everything that talks to Redis about a lease goes through here:
 - **the token** — ``random:host:pid:task id``, defined once (``TOKEN_PATTERN``, read by
   the scripts and by :meth:`Holder.parse`);
 - **the keys** — every key of one name (lease, fence, runs, skips, rerun, queued,
-  pointer),
-  under one namespace and one Cluster hash tag;
+  handover, cooldown, the slots of a name held by several at once, pointer), under one
+  namespace and one Cluster hash tag;
 - **the store** — the scripts run through :class:`LeaseStore`, and the one mapping
   from "Redis could not be reached" to :class:`ClaimUnavailable`;
-- **timing** — the one check of a ttl and a refresh interval, for every front end.
+- **timing** — the one check of a ttl and a refresh interval (and of a cooldown window
+  and a limit of holders), for every front end.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import secrets
@@ -61,6 +63,7 @@ __all__ = [
     "new_token",
     "reachable",
     "read_holder",
+    "read_slots",
     "released",
     "why_unreachable",
 ]
@@ -80,6 +83,8 @@ MAX_RECORDS = 1000
 #: rerun triggers) are kept: a week. Names built from arguments (per user, per feed)
 #: would otherwise fill a Redis that must not evict.
 IDLE_TTL = 7 * 24 * 3600.0
+#: The most holders a name may have at once (``limit``): every acquire reads each slot.
+MAX_LIMIT = 64
 #: The shortest idle expiry (and never below twice the ttl): long enough that a name in
 #: use keeps its skip count and records between runs.
 MIN_IDLE_TTL = 1.0
@@ -248,6 +253,21 @@ class ClaimKeys:
         """The token a lease is kept for while its task's retried message is due."""
         return self._key("handover")
 
+    def slot(self, index: int) -> str:
+        """The lease of one slot of a name held by up to ``limit`` at once; slot 0 is
+        :attr:`lock`, so a claim of limit 1 is the plain claim."""
+        return self.lock if index == 0 else self._key(f"slot:{index}")
+
+    @property
+    def slots(self) -> str:
+        """A hash of each slot's fence, and the limit the name was last acquired with."""
+        return self._key("slots")
+
+    @property
+    def cooldown(self) -> str:
+        """Lives for the cooldown window after a run that ended ``ok`` (value: its fence)."""
+        return self._key("cooldown")
+
     def released(self, token: str) -> str:
         """A short-lived note of how a token's release went, so a retry gets that answer."""
         return f"{self._key('released:')}{token.split(':', 1)[0]}"
@@ -272,7 +292,7 @@ class ClaimKeys:
 
     def all(self) -> list[str]:
         """The keys the ACQUIRE script receives, in KEYS order."""
-        return [self.lock, self.fence, self.runs, self.skips, self.rerun]
+        return [self.lock, self.fence, self.runs, self.skips, self.rerun, self.cooldown]
 
     @staticmethod
     def name_from_key(key: str | bytes, namespace: str = "fenced") -> str | None:
@@ -357,6 +377,46 @@ def check_idle_ttl(idle_ttl: Any, ttl: float, name: str = "idle_ttl") -> int:
     return int(idle_ttl * 1000)
 
 
+def check_limit(limit: Any, name: str = "limit") -> int:
+    """Check how many holders a name may have at once: a whole number 1..MAX_LIMIT."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise ConfigError(
+            f"{name}={limit!r} is not a number of holders: give a whole number from 1 "
+            f"(one at a time, the default) to {MAX_LIMIT}, e.g. {name}=3"
+        )
+    return limit
+
+
+def check_cooldown(cooldown: Any, idle_ms: int, name: str = "cooldown") -> int:
+    """Check a cooldown window (seconds; None or 0: none); return it in ms (0: none).
+
+    ``idle_ms`` is the name's idle expiry (0: never): a window may not outlast it, since
+    nothing of an idle name is kept longer than that.
+    """
+    if cooldown is None or (
+        not isinstance(cooldown, bool) and isinstance(cooldown, (int, float)) and cooldown == 0
+    ):
+        return 0
+    if (
+        isinstance(cooldown, bool)
+        or not isinstance(cooldown, (int, float))
+        or not 0.001 <= cooldown < math.inf
+    ):
+        raise ConfigError(
+            f"{name}={cooldown!r} is not a window in seconds: after a run that ended ok, "
+            f"triggers within this long are skipped; give at least 0.001, e.g. {name}=300 "
+            "(0 or None: no window)"
+        )
+    ms = int(cooldown * 1000)
+    if idle_ms and ms > idle_ms:
+        raise ConfigError(
+            f"{name}={cooldown!r} is longer than the idle expiry of the name's keys "
+            f"({idle_ms / 1000:g} s): shorten the window, or raise the idle expiry "
+            "(idle_ttl, claim_idle_ttl) to at least the window"
+        )
+    return ms
+
+
 # -- reaching the store -----------------------------------------------------------------
 
 
@@ -420,15 +480,33 @@ class LeaseCalls:
     ``fenced.aio`` on a ``redis.asyncio`` one.
     """
 
-    __slots__ = ("_acquire_keys", "_no_done", "_note_prefix", "_release_keys", "keys")
+    __slots__ = (
+        "_acquire_keys",
+        "_cooldown",
+        "_lasting",
+        "_no_done",
+        "_note_prefix",
+        "_plain_keys",
+        "_release_keys",
+        "keys",
+        "limit",
+    )
 
-    def __init__(self, keys: ClaimKeys) -> None:
+    def __init__(self, keys: ClaimKeys, limit: int = 1) -> None:
         self.keys = keys
+        #: How many holders the name may have at once (slots 0 .. limit-1).
+        self.limit = limit
         # Built once: every acquire and release sends them.
         self._acquire_keys = tuple(keys.all())
+        self._plain_keys = self._acquire_keys[:5]
+        self._lasting = keys.lasting()
+        if limit > 1:
+            self._acquire_keys += (keys.slots, *(keys.slot(i) for i in range(1, limit)))
+            self._lasting += (keys.slots,)
         self._release_keys = (keys.lock, keys.runs, keys.skips, keys.rerun)
         self._no_done = keys.done("")
         self._note_prefix = keys.released("")
+        self._cooldown = keys.cooldown
 
     def acquire_call(
         self,
@@ -440,17 +518,26 @@ class LeaseCalls:
         rerun: str,
         task_id: str | None,
         idle_ms: int,
+        cooldown_reason: str = "",
     ) -> Call:
         """ACQUIRE (see its contract); the answer is read by ``Claim``."""
-        return (
-            ACQUIRE,
-            self._acquire_keys,
-            [token, ttl_ms, record, skip_reason, max_records, rerun, task_id or "", idle_ms],
-        )
+        args = [token, ttl_ms, record, skip_reason, max_records, rerun, task_id or "", idle_ms]
+        if self.limit == 1 and not cooldown_reason:
+            # The plain claim sends what it always sent: no cooldown key, no slots.
+            return ACQUIRE, self._plain_keys, args
+        args.append(cooldown_reason)
+        if self.limit > 1:
+            args.append(self.limit)
+        return ACQUIRE, self._acquire_keys, args
 
-    def refresh_call(self, token: str, ttl_ms: int, idle_ms: int = 0) -> Call:
+    def lasting(self) -> tuple[str, ...]:
+        """The keys a renewal keeps while the name is held (with its slots' hash)."""
+        return self._lasting
+
+    def refresh_call(self, token: str, ttl_ms: int, idle_ms: int = 0, slot: int = 0) -> Call:
         """REFRESH of ``token``'s lease (and the name's lasting keys); 1 when extended."""
-        keys = [self.keys.lock, *self.keys.lasting()] if idle_ms else [self.keys.lock]
+        lease = self.keys.slot(slot)
+        keys = [lease, *self._lasting] if idle_ms else [lease]
         return REFRESH, keys, [token, ttl_ms, idle_ms]
 
     def release_call(
@@ -464,25 +551,29 @@ class LeaseCalls:
         task_id: str | None = None,
         done_ms: int = 0,
         take_reruns: bool = True,
+        cooldown_ms: int = 0,
+        slot: int = 0,
     ) -> Call:
-        """RELEASE of ``token``'s lease; its answer is read by :func:`released`."""
+        """RELEASE of ``token``'s lease (in ``slot``); its answer is read by :func:`released`."""
         # Without a task id there is no marker to set; the key still names this slot.
         done = self.keys.done(task_id) if task_id else self._no_done
-        return (
-            RELEASE,
-            # The note's key: the token's random part (new_token's 32 hex digits).
-            (*self._release_keys, done, self._note_prefix + token[:32]),
-            [
-                token,
-                record,
-                max_records,
-                outcome,
-                fence or 0,
-                "1" if take_reruns else "0",
-                idle_ms,
-                done_ms if task_id else 0,
-            ],
-        )
+        lease = self._release_keys if slot == 0 else (self.keys.slot(slot), *self._release_keys[1:])
+        # The note's key: the token's random part (new_token's 32 hex digits).
+        keys: tuple[str, ...] = (*lease, done, self._note_prefix + token[:32])
+        args = [
+            token,
+            record,
+            max_records,
+            outcome,
+            fence or 0,
+            "1" if take_reruns else "0",
+            idle_ms,
+            done_ms if task_id else 0,
+        ]
+        if cooldown_ms:
+            keys += (self._cooldown,)
+            args.append(cooldown_ms)
+        return RELEASE, keys, args
 
     def handover_call(
         self, token: str, keep_ms: int, record: str, max_records: int, fence: int, idle_ms: int
@@ -498,13 +589,14 @@ class LeaseCalls:
         keys = (self.keys.lock, self.keys.fence, self.keys.runs, self.keys.handover)
         return TAKEOVER, keys, [token, ttl_ms, record, max_records, task_id, idle_ms]
 
-    def abandon_call(self, token: str) -> Call:
-        """RELEASE of a lease a timed-out request may have left, recording nothing."""
-        return (
-            RELEASE,
-            (*self._release_keys, self._no_done, self._note_prefix + token[:32]),
-            [token, "", MAX_RECORDS, "", 0, "0", 0, 0],
-        )
+    def abandon_calls(self, token: str) -> list[Call]:
+        """RELEASE of a lease a timed-out request may have left (in any slot), recording
+        nothing."""
+        rest = (*self._release_keys[1:], self._no_done, self._note_prefix + token[:32])
+        return [
+            (RELEASE, (self.keys.slot(i), *rest), [token, "", MAX_RECORDS, "", 0, "0", 0, 0])
+            for i in range(self.limit)
+        ]
 
     def inspect_commands(self) -> list[tuple[str, str]]:
         """Commands that read what the name's keys hold, for :meth:`corrupt_key`."""
@@ -536,6 +628,8 @@ def _key_types(keys: ClaimKeys) -> dict[str, tuple[str, ...]]:
         keys.runs: ("stream",),
         keys.skips: ("string",),
         keys.rerun: ("set", "string"),
+        keys.slots: ("hash",),
+        keys.cooldown: ("string",),
     }
 
 
@@ -572,9 +666,14 @@ class LeaseStore(LeaseCalls):
     __slots__ = ("client", "replica_timeout_ms", "replicas")
 
     def __init__(
-        self, client: Any, keys: ClaimKeys, replicas: int = 0, replica_timeout_ms: int = 0
+        self,
+        client: Any,
+        keys: ClaimKeys,
+        replicas: int = 0,
+        replica_timeout_ms: int = 0,
+        limit: int = 1,
     ) -> None:
-        super().__init__(keys)
+        super().__init__(keys, limit)
         self.client = client
         self.replicas = replicas
         self.replica_timeout_ms = replica_timeout_ms
@@ -593,13 +692,22 @@ class LeaseStore(LeaseCalls):
         rerun: str,
         task_id: str | None,
         idle_ms: int,
+        cooldown_reason: str = "",
     ) -> list[Any]:
         """Run ACQUIRE (see its contract); unreachable errors propagate to the caller.
 
         With replicas to wait for, the answer has one more item: how many acknowledged.
         """
         call = self.acquire_call(
-            token, ttl_ms, record, skip_reason, max_records, rerun, task_id, idle_ms
+            token,
+            ttl_ms,
+            record,
+            skip_reason,
+            max_records,
+            rerun,
+            task_id,
+            idle_ms,
+            cooldown_reason,
         )
         if self.replicas:
             reply, acked = self.replicated(*call)
@@ -629,9 +737,9 @@ class LeaseStore(LeaseCalls):
             return reply, 0 if isinstance(acked, Exception) else int(acked)
         raise AssertionError("unreachable")
 
-    def refresh(self, token: str, ttl_ms: int, idle_ms: int = 0) -> bool:
+    def refresh(self, token: str, ttl_ms: int, idle_ms: int = 0, slot: int = 0) -> bool:
         """Extend the lease if ``token`` still holds it (and keep the name's lasting keys)."""
-        call = self.refresh_call(token, ttl_ms, idle_ms)
+        call = self.refresh_call(token, ttl_ms, idle_ms, slot)
         if self.replicas:
             reply, acked = self.replicated(*call)
             if int(reply) == 1 and acked < self.replicas:
@@ -650,10 +758,22 @@ class LeaseStore(LeaseCalls):
         task_id: str | None = None,
         done_ms: int = 0,
         take_reruns: bool = True,
+        cooldown_ms: int = 0,
+        slot: int = 0,
     ) -> tuple[bool, str, list[str]]:
         """Delete the lease if ``token`` holds it: (released, outcome recorded, reruns)."""
         call = self.release_call(
-            token, record, max_records, outcome, fence, idle_ms, task_id, done_ms, take_reruns
+            token,
+            record,
+            max_records,
+            outcome,
+            fence,
+            idle_ms,
+            task_id,
+            done_ms,
+            take_reruns,
+            cooldown_ms,
+            slot,
         )
         return released(self._run(call))
 
@@ -693,7 +813,8 @@ class LeaseStore(LeaseCalls):
     def abandon(self, token: str) -> None:
         """A request that timed out may still have landed: drop that lease if we can."""
         try:
-            self._run(self.abandon_call(token))
+            for call in self.abandon_calls(token):
+                self._run(call)
         except Exception:  # best effort; the lease expires within its ttl anyway
             pass
 
@@ -729,6 +850,44 @@ def int_or_none(value: Any) -> int | None:
     return None
 
 
+def read_slots(
+    client: Any, name: str, *, namespace: str = "fenced", limit: int = MAX_LIMIT
+) -> list[tuple[int, Holder]]:
+    """Every holder of a name, by slot (a name held by up to ``limit`` at once), in slot
+    order; one round trip. ``limit`` defaults to the most a name may have."""
+    keys = ClaimKeys.of(name, namespace)
+    pipe = client.pipeline(transaction=False)
+    for i in range(limit):
+        pipe.get(keys.slot(i))
+        pipe.pttl(keys.slot(i))
+    pipe.get(keys.fence)
+    pipe.hgetall(keys.slots)
+    with reachable(client, f"read claim {keys.name!r}", keys.name):
+        *leases, fence, fences = pipe.execute(raise_on_error=False)
+    return slot_holders(leases, fence, fences)
+
+
+def slot_holders(leases: Sequence[Any], fence: Any, fences: Any) -> list[tuple[int, Holder]]:
+    """Holders from the GET and PTTL answers of each slot, the fence counter and the
+    slots' hash (a slot's fence; slot 0 without one holds the counter's)."""
+    # Any of them may hold what fenced never wrote there: read, never fail.
+    by_slot = fences if isinstance(fences, dict) else {}
+    slot_fences = {readable(k): int_or_none(v) for k, v in by_slot.items()}
+    found = []
+    for i in range(len(leases) // 2):
+        token, pttl = leases[2 * i], leases[2 * i + 1]
+        if token is None:
+            continue
+        minted = slot_fences.get(str(i))
+        if minted is None and i == 0:
+            minted = int_or_none(fence)
+        if isinstance(token, Exception):  # e.g. WRONGTYPE: not a string, not a token
+            found.append((i, Holder.unknown(f"slot {i}: {token}")))
+            continue
+        found.append((i, Holder.parse(token, int_or_none(pttl), minted)))
+    return found
+
+
 def force_release(
     client: Any,
     name: str,
@@ -742,9 +901,12 @@ def force_release(
     reason: str | None = None,
     max_records: int = MAX_RECORDS,
     idle_ttl: float | None = IDLE_TTL,
+    slot: int = 0,
     **data: Any,
 ) -> Holder | None:
     """Clear a claim whatever its token; with ``task_id``/``pid``, only such a holder's.
+
+    ``slot`` names the lease of a name held by several at once (0: the plain claim's).
 
     For a supervisor that knows the holder is gone (a killed process) or an operator
     (``by=`` names them in the record). ``pid`` matches a holder process on ``host``
@@ -763,7 +925,7 @@ def force_release(
         with reachable(client, f"release claim {keys.name!r}", keys.name):
             answer = FORCE_RELEASE(
                 client,
-                [keys.lock, keys.runs, keys.fence],
+                [keys.slot(slot), keys.runs, keys.fence],
                 [
                     token_prefix,
                     record,

@@ -7,6 +7,8 @@ and renewed by the heartbeat. What can happen, and the exit status of each::
     busy, on_busy="skip"            0 and one line naming the holder (cron: not an error)
     busy, on_busy="raise"           75  (EX_TEMPFAIL; "fail" is accepted as another name)
     busy, waited past wait_timeout  75
+    ran recently (--cooldown)       as busy: 0 with a line saying when the window ends; 75
+                                    with on_busy="raise" (a window is never waited out)
     claim lost while it ran         76  the group got SIGTERM, then SIGKILL after grace
     (or ran out while fenced run was stopped: the watchdog ended the command)
     Redis unreachable               69  (EX_UNAVAILABLE), the command never started
@@ -53,8 +55,8 @@ from typing import Any
 
 from ._claim import Claim
 from ._errors import ClaimHeld, ClaimUnavailable, ConfigError
-from ._guard import Guard, Skipped, check_on_busy
-from ._lease import IDLE_TTL, check_replicas
+from ._guard import COOLDOWN_REASON, Guard, Skipped, check_on_busy
+from ._lease import IDLE_TTL, check_cooldown, check_limit, check_replicas
 from ._watchdog import ENDED_AT_DEADLINE, Watchdog, dies_with_runner
 
 __all__ = [
@@ -111,6 +113,10 @@ class RunOptions:
     replicas: int = 0
     replica_timeout: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Seconds after a run that ended ok during which runs are skipped (None: none).
+    cooldown: float | None = None
+    #: How many runs of the name may go at once.
+    limit: int = 1
 
     def check(self) -> None:
         """Raise ConfigError for options that cannot work together."""
@@ -138,6 +144,14 @@ class RunOptions:
         check_replicas(
             self.replicas, self.replica_timeout, self.ttl, names=("--replicas", "--replica-timeout")
         )
+        check_cooldown(self.cooldown, int(idle_ttl(self.ttl) * 1000), "--cooldown")
+        check_limit(self.limit, "--limit")
+
+
+def idle_ttl(ttl: float) -> float:
+    """The idle expiry of a run's name: no option for it here, and a long lease keeps its
+    name's keys at least twice as long."""
+    return max(IDLE_TTL, 2 * ttl)
 
 
 class _Interrupted(Exception):
@@ -195,11 +209,12 @@ class _Runner:
             namespace=opts.namespace,
             on_lost=lambda _claim: self.lost.set(),
             records=True,
-            # No option for it here: a long lease keeps its name's keys at least twice as long.
-            idle_ttl=max(IDLE_TTL, 2 * opts.ttl),
+            idle_ttl=idle_ttl(opts.ttl),
             record_extra={"command": shlex.join(opts.argv), **opts.extra},
             replicas=opts.replicas,
             replica_timeout=opts.replica_timeout,
+            cooldown=opts.cooldown,
+            limit=opts.limit,
             sleep=self._sleep,
         )
 
@@ -286,7 +301,12 @@ class _Runner:
             self.say(
                 f"fenced: gave up waiting: {busy}" if opts.on_busy == "wait" else f"fenced: {busy}"
             )
-            self._busy("busy", "gave up waiting" if opts.on_busy == "wait" else "already running")
+            if self.claim.ran_recently is not None:
+                self._busy("busy", COOLDOWN_REASON)
+            else:
+                self._busy(
+                    "busy", "gave up waiting" if opts.on_busy == "wait" else "already running"
+                )
             return EXIT_BUSY
         if skipped is not None:
             self._busy("skipped", skipped.reason)

@@ -168,7 +168,13 @@ end
 """
 
 # ACQUIRE
-# KEYS[1] lock   KEYS[2] fence   KEYS[3] runs   KEYS[4] skips   KEYS[5] rerun (a set)
+# KEYS[1] lock (slot 0)   KEYS[2] fence   KEYS[3] runs   KEYS[4] skips   KEYS[5] rerun
+#         (a set)
+# KEYS[6] (with ARGV[9] or ARGV[10]) cooldown (set by RELEASE after a run that ended
+#         "ok", expires with PX)
+# KEYS[7] (with ARGV[10] > 1) slots: a hash of each slot's fence ("0", "1", ...) and
+#         the limit it was last acquired with ("limit")
+# KEYS[8..] (with ARGV[10] > 1) slots 1 .. ARGV[10]-1, each a lease like KEYS[1]
 # ARGV[1] token  ARGV[2] ttl in ms
 # ARGV[3] JSON of the run record (who, where, when), or "" to record nothing; written
 #         as the "started" entry, or with the skip reason as the "skipped" entry
@@ -179,18 +185,42 @@ end
 #         each distinct trigger after its own run; equal triggers coalesce), or ""
 # ARGV[7] the caller's task id, or "": a holder whose token carries the same task id is
 #         an earlier attempt of the same task (a redelivery), not a competitor, so no
-#         skip is counted or recorded and no rerun is asked
+#         skip is counted or recorded and no rerun is asked; with slots, such a holder
+#         in any slot is reported, and no other slot is taken
 # ARGV[8] idle expiry of the name's lasting keys in ms (0 = never)
+# ARGV[9] (optional) the skip reason to record while the cooldown key lives, or "" for
+#         a claim without a cooldown: checked first, whatever the lease; such a skip is
+#         always counted and recorded, and asks no rerun
+# ARGV[10] (optional) the limit: how many holders the name may have at once (1 when
+#         absent: KEYS[1] alone, and nothing else of slots is touched); the first free
+#         slot is taken
 # returns {1, fence}                                    when the claim is ours (also
 #                                                       when ARGV[1] already holds it:
 #                                                       a retried request is idempotent)
+#         {1, fence, slot index}                        the same, with ARGV[10] > 1
 #         {0, holder token, pttl ms, holder fence, consecutive skips, distinct triggers}
+#                                                       busy (with slots: every slot;
+#                                                       the holder reported is the
+#                                                       task's own, else the one whose
+#                                                       lease ends first)
+#         {2, "", cooldown pttl ms, fence, consecutive skips, 0}   the name ran recently
 ACQUIRE = Script(
     "acquire",
     _TOUCH
     + """
 local idle = tonumber(ARGV[8])
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+if ARGV[9] and ARGV[9] ~= '' then
+  -- Redis's own expiry times the window: the hosts' clocks play no part
+  local left = redis.call('PTTL', KEYS[6])
+  if left > 0 then
+    local skips = redis.call('INCR', KEYS[4])
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
+               'event', 'skipped', 'reason', ARGV[9], 'r', ARGV[3])
+    touch(idle, KEYS[3], KEYS[4])
+    return {2, '', left, tonumber(redis.call('GET', KEYS[2]) or '0'), skips, 0}
+  end
+end
+local function mint()
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
   local fence = redis.call('INCR', KEYS[2])
@@ -205,40 +235,82 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   end
   -- the skip count and rerun triggers are given the expiry when they are written
   touch(idle, KEYS[2], KEYS[3])
-  return {1, fence}
+  return fence
 end
-local holder = redis.call('GET', KEYS[1]) or ''
-local fence = tonumber(redis.call('GET', KEYS[2]) or '0')
--- our own token: a client's retry of an ACQUIRE whose reply was lost; nobody can have
--- acquired since, so the fence is the one minted for us
-if holder == ARGV[1] then
-  return {1, fence}
-end
-local pttl = redis.call('PTTL', KEYS[1])
-local own = false
-if ARGV[7] ~= '' then
-  local _, _, _, task_id = string.match(holder, TOKEN_PATTERN)
-  own = task_id == ARGV[7]
-end
-local skips = 0
-if own then
-  skips = tonumber(redis.call('GET', KEYS[4]) or '0')
-elseif ARGV[4] ~= '' then
-  skips = redis.call('INCR', KEYS[4])
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
-             'event', 'skipped', 'holder', holder, 'reason', ARGV[4], 'r', ARGV[3])
-  touch(idle, KEYS[3], KEYS[4])
-end
-local rerun = 0
-if ARGV[6] ~= '' and not own then
-  if redis.call('TYPE', KEYS[5]).ok == 'string' then
-    redis.call('DEL', KEYS[5])  -- a counter left by fenced 0.1
+local function lose(holder, pttl, fence)
+  local own = false
+  if ARGV[7] ~= '' then
+    local _, _, _, task_id = string.match(holder, TOKEN_PATTERN)
+    own = task_id == ARGV[7]
   end
-  redis.call('SADD', KEYS[5], ARGV[6])
-  rerun = redis.call('SCARD', KEYS[5])
-  touch(idle, KEYS[5])
+  local skips = 0
+  if own then
+    skips = tonumber(redis.call('GET', KEYS[4]) or '0')
+  elseif ARGV[4] ~= '' then
+    skips = redis.call('INCR', KEYS[4])
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
+               'event', 'skipped', 'holder', holder, 'reason', ARGV[4], 'r', ARGV[3])
+    touch(idle, KEYS[3], KEYS[4])
+  end
+  local rerun = 0
+  if ARGV[6] ~= '' and not own then
+    if redis.call('TYPE', KEYS[5]).ok == 'string' then
+      redis.call('DEL', KEYS[5])  -- a counter left by fenced 0.1
+    end
+    redis.call('SADD', KEYS[5], ARGV[6])
+    rerun = redis.call('SCARD', KEYS[5])
+    touch(idle, KEYS[5])
+  end
+  return {0, holder, pttl, fence, skips, rerun}
 end
-return {0, holder, pttl, fence, skips, rerun}
+local limit = tonumber(ARGV[10] or '1')
+if limit <= 1 then
+  if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    return {1, mint()}
+  end
+  local holder = redis.call('GET', KEYS[1]) or ''
+  local fence = tonumber(redis.call('GET', KEYS[2]) or '0')
+  -- our own token: a client's retry of an ACQUIRE whose reply was lost; nobody can have
+  -- acquired since, so the fence is the one minted for us
+  if holder == ARGV[1] then
+    return {1, fence}
+  end
+  return lose(holder, redis.call('PTTL', KEYS[1]), fence)
+end
+local slots = {KEYS[1]}
+for i = 8, #KEYS do slots[#slots + 1] = KEYS[i] end
+local free, own, first, first_pttl
+local holders = {}
+for i, key in ipairs(slots) do
+  local holder = redis.call('GET', key)
+  if holder == ARGV[1] then
+    -- a retry of our own request: the fence minted for this slot
+    return {1, tonumber(redis.call('HGET', KEYS[7], tostring(i - 1)) or '0'), i - 1}
+  elseif holder then
+    holders[i] = holder
+    if not own and ARGV[7] ~= '' then
+      local _, _, _, task_id = string.match(holder, TOKEN_PATTERN)
+      if task_id == ARGV[7] then own = i end
+    end
+    local pttl = redis.call('PTTL', key)
+    if first == nil or (pttl >= 0 and (first_pttl < 0 or pttl < first_pttl)) then
+      first, first_pttl = i, pttl
+    end
+  elseif free == nil then
+    free = i
+  end
+end
+if free and not own then
+  redis.call('SET', slots[free], ARGV[1], 'PX', ARGV[2])
+  local fence = mint()
+  redis.call('HSET', KEYS[7], tostring(free - 1), string.format('%d', fence),
+             'limit', tostring(limit))
+  touch(idle, KEYS[7])
+  return {1, fence, free - 1}
+end
+local pick = own or first
+return lose(holders[pick], redis.call('PTTL', slots[pick]),
+            tonumber(redis.call('HGET', KEYS[7], tostring(pick - 1)) or '0'))
 """,
 )
 
@@ -265,6 +337,7 @@ return 0
 #          answer back, from a short-lived note of it, and records nothing twice)
 # KEYS[1] lock   KEYS[2] runs   KEYS[3] skips   KEYS[4] rerun   KEYS[5] done marker
 # KEYS[6] the note of this token's release
+# KEYS[7] (optional) cooldown: set to the fence with PX = ARGV[9] after an "ok" run
 # ARGV[1] token
 # ARGV[2] JSON of the finished run record, or "" to record nothing
 # ARGV[3] maximum length of the runs stream
@@ -274,6 +347,8 @@ return 0
 # ARGV[6] "1" to take (read and clear) the rerun triggers, else "0"
 # ARGV[7] idle expiry of the name's lasting keys in ms (0 = never)
 # ARGV[8] how long to remember that this task id finished "ok", in ms (0 = not at all)
+# ARGV[9] (optional) the cooldown window in ms that a run ending "ok" starts (0 = none);
+#         a failed or lost run starts none
 # returns {1 if our token held the lease and it is now deleted else 0, the outcome
 #          recorded, {the rerun triggers taken}}
 RELEASE = Script(
@@ -316,6 +391,9 @@ if ARGV[2] ~= '' then
 end
 if outcome == 'ok' and tonumber(ARGV[8]) > 0 then
   redis.call('SET', KEYS[5], '1', 'PX', ARGV[8])
+end
+if outcome == 'ok' and tonumber(ARGV[9] or '0') > 0 then
+  redis.call('SET', KEYS[7], ARGV[5], 'PX', ARGV[9])
 end
 local reruns = {}
 if ARGV[6] == '1' and released == 1 then

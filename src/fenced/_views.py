@@ -90,11 +90,33 @@ def _unreadable(problem: str | None) -> str:
     return f"(unreadable: {printable(problem)})" if problem else ""
 
 
-def _holder_cell(info: ClaimInfo, *, short: bool = False) -> str:
-    text = holder_text(info.holder, short=short)
-    if info.unreadable and info.unreadable != info.holder.unreadable:
+def _holder_cell(info: ClaimInfo, holder: Holder, *, short: bool = False) -> str:
+    text = holder_text(holder, short=short)
+    if info.unreadable and info.unreadable != holder.unreadable:
         text += f" {_unreadable(info.unreadable)}"
     return text
+
+
+def _window(left: float | None) -> str:
+    return f"ran recently: window ends in {duration(left)}" if left is not None else ""
+
+
+def _held(limit: int, slots: list[tuple[int, Holder]], short: bool = False) -> str:
+    """``2/3 held: host pid 1, host pid 2`` for a name held by several at once."""
+    who = ", ".join(holder_text(h, short=short) for _i, h in slots)
+    return f"{len(slots)}/{limit} held" + (f": {who}" if who else "")
+
+
+def _who(info: ClaimInfo, *, short: bool = False) -> str:
+    """The holder of a listed claim, and its cooldown window when it has one."""
+    if info.limit > 1:
+        who = _held(info.limit, info.slots, short)
+    elif info.holder is not None:
+        who = _holder_cell(info, info.holder, short=short)
+    else:
+        who = _unreadable(info.unreadable) or "-"
+    window = _window(info.cooldown_left)
+    return f"{who}; {window}" if (info.holder or info.limit > 1) and window else window or who
 
 
 def _outcome(outcome: str | None) -> Text:
@@ -114,9 +136,9 @@ def claims_table(infos: list[ClaimInfo], title: str) -> Table:
     for info in infos:
         table.add_row(
             Text(printable(info.name)),
-            Text(_holder_cell(info)),
-            duration(info.age),
-            duration(info.expires_in) if info.expires_in is not None else "no ttl",
+            Text(_who(info)),
+            duration(info.age) if info.holder else "-",
+            _lease_left(info),
             str(info.fence) if info.fence is not None else "?",
             Text(str(info.skips), style="yellow" if info.skips else ""),
             _outcome(info.last_outcome),
@@ -165,11 +187,17 @@ def _line(*cells: str | Text) -> Text:
     return line
 
 
+def _lease_left(info: ClaimInfo) -> str:
+    if info.holder is None:
+        return "-"
+    return duration(info.expires_in) if info.expires_in is not None else "no ttl"
+
+
 def claims_list(infos: list[ClaimInfo], title: str) -> Group:
     """The ``ls`` view for a narrow terminal: each claim's name and fence, then the rest."""
     blocks: list[Any] = [Text(title)]
     for info in infos:
-        left = duration(info.expires_in) if info.expires_in is not None else "no ttl"
+        left = _lease_left(info)
         head = Text(printable(info.name), style="bold", overflow="fold")
         head.append(f"  fence {info.fence if info.fence is not None else '?'}", style="dim")
         blocks.append(head)
@@ -178,9 +206,9 @@ def claims_list(infos: list[ClaimInfo], title: str) -> Group:
                 _line(
                     Text("last ").append_text(_outcome(info.last_outcome)),
                     Text(f"skips {info.skips}", style="yellow" if info.skips else ""),
-                    f"age {duration(info.age)}",
-                    f"left {left}",
-                    _holder_cell(info, short=True),
+                    f"age {duration(info.age)}" if info.holder else "",
+                    f"left {left}" if info.holder else "",
+                    Text(_who(info, short=True)),
                 ),
                 (0, 0, 0, 2),
             )
@@ -190,12 +218,21 @@ def claims_list(infos: list[ClaimInfo], title: str) -> Group:
 
 def _title(report: ClaimReport, *, short: bool = False) -> str:
     name = printable(report.name)
+    window = _window(report.cooldown_left)
+    if report.limit > 1:
+        parts = [f"{name}: {len(report.slots)}/{report.limit} held"]
+        for i, h in report.slots:
+            left = duration(h.expires_in) if h.expires_in is not None else "no ttl"
+            fence = h.fence if h.fence is not None else "?"
+            parts.append(f"slot {i}: {holder_text(h, short=short)}, fence {fence}, {left} left")
+        return "; ".join(parts + ([window] if window else []))
     if report.holder is None:
-        return f"{name}: not held"
+        return f"{name}: not held" + (f"; {window}" if window else "")
     h = report.holder
     left = duration(h.expires_in) if h.expires_in is not None else "no ttl"
     fence = h.fence if h.fence is not None else "?"
-    return f"{name}: held by {holder_text(h, short=short)}, fence {fence}, {left} left"
+    title = f"{name}: held by {holder_text(h, short=short)}, fence {fence}, {left} left"
+    return title + (f"; {window}" if window else "")
 
 
 def report_list(report: ClaimReport) -> Group:

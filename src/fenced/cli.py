@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 import os
 import sys
 import time
@@ -33,6 +34,25 @@ def main() -> None:
     if app is None:
         sys.exit("the fenced command needs its extra: pip install 'fenced[cli]'")
     app()
+
+
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``90``, ``1.5``, ``30s``, ``5m``, ``1h`` or ``2d`` (a CLI option's value)."""
+    raw = text.strip().lower()
+    unit = raw[-1:] if raw[-1:] in "smhd" else ""
+    try:
+        value = float(raw[: len(raw) - len(unit)])
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise typer.BadParameter(
+            f"{text!r} is not a duration: give seconds or a number with s, m, h or d, "
+            "e.g. 90, 30s, 5m, 1h"
+        )
+    return value * _UNITS[unit]
 
 
 def _err(line: str) -> None:
@@ -388,6 +408,24 @@ if app is not None:
         replica_timeout: Annotated[
             float, typer.Option(metavar="S", help="How long to wait for --replicas.")
         ] = 1.0,
+        cooldown: Annotated[
+            float | None,
+            typer.Option(
+                metavar="DURATION",
+                parser=parse_duration,
+                help="After a run that ended ok, skip runs within this long (30s, 5m, 1h, "
+                "or seconds): one run per window, timed by Redis, whatever the hosts' clocks.",
+            ),
+        ] = None,
+        limit: Annotated[
+            int,
+            typer.Option(
+                "--limit",
+                metavar="N",
+                help="Up to N runs of NAME at once (1 to 64), each with its own lease and "
+                "fence; busy when all N are held.",
+            ),
+        ] = 1,
         as_json: Annotated[
             bool,
             typer.Option(
@@ -409,6 +447,7 @@ if app is not None:
           CMD's  the command's own status; killed by signal N: 128+N
           0      busy with --on-busy skip (the default)
           75     busy with --on-busy raise (or fail), or waited past --wait-timeout
+          0/75   ran recently (--cooldown): as busy; a window is never waited out
           76     claim lost while the command ran: SIGTERM, then SIGKILL
           69     Redis unreachable: the command was not started
           2      usage: no --redis and no FENCED_REDIS_URL, bad option
@@ -428,6 +467,8 @@ if app is not None:
             quiet=quiet,
             replicas=replicas,
             replica_timeout=replica_timeout,
+            cooldown=cooldown,
+            limit=limit,
         )
         on_result = (lambda result: print(json.dumps(result), flush=True)) if as_json else None
         with _talking_to(client):
@@ -445,7 +486,11 @@ if app is not None:
         ] = 1.0,
         wide: WideOpt = False,
     ) -> None:
-        """List every held claim: holder, age, time left, fence, skips, last outcome."""
+        """List every held claim: holder, age, time left, fence, skips, last outcome.
+
+        A name in its cooldown window (a run ended ok within --cooldown) is listed
+        too, with the time left of its window.
+        """
         from ._inspect import list_claims
 
         client = _client(redis_url)
@@ -476,7 +521,10 @@ if app is not None:
 
         if not infos:
             return Text(f"no claims held in namespace {namespace!r}")
-        title = f"{len(infos)} held in namespace {namespace!r}"
+        held = sum(1 for i in infos if i.holder is not None)
+        title = f"{held} held in namespace {namespace!r}"
+        if held < len(infos):
+            title += f", {len(infos) - held} in a cooldown window"
         if console.width < WIDE:
             return claims_list(infos, title)
         return claims_table(infos, title)
@@ -551,9 +599,14 @@ if app is not None:
             str,
             typer.Option(
                 metavar="PREFIX",
-                help="Only if the holder's token starts so (the token fenced ls --json prints).",
+                help="Only if the holder's token starts so (the token fenced ls --json prints); "
+                "with several holders (--limit), the one to clear.",
             ),
         ] = "",
+        every: Annotated[
+            bool,
+            typer.Option("--all", help="With several holders (--limit): clear every one."),
+        ] = False,
         redis_url: RedisOpt = None,
         namespace: NamespaceOpt = "fenced",
         as_json: JsonOpt = False,
@@ -562,17 +615,19 @@ if app is not None:
 
         A claim whose holder died is freed by its ttl anyway: use this when the
         ttl is long and the holder is known to be gone. Clearing a live claim
-        lets a second run start beside the first.
+        lets a second run start beside the first. A name held by several at once
+        (--limit) needs --token PREFIX for the one to clear, or --all.
 
         \b
         Exit status:
           0   released, or nothing was held
-          1   refused: no --force, or --token names another holder
+          1   refused: no --force, --token names another holder, or several hold
+              the name and neither --token nor --all says which
           2   usage: no --reason, no --redis
           69  Redis unreachable
         """
         from ._inspect import force_release, operator
-        from ._lease import read_holder
+        from ._lease import read_holder, read_slots, short_token
 
         client = _client(redis_url)
         if not force:
@@ -604,18 +659,50 @@ if app is not None:
 
         echo_to_stderr()  # the fenced.audit line of the act, with no logging set up here
         with _talking_to(client):
-            holder = force_release(
-                client, name, reason=reason, namespace=namespace, by=by, token_prefix=token
+            slots = read_slots(client, name, namespace=namespace)
+        if len(slots) > 1 and not token and not every:
+            held = "; ".join(f"slot {i}: {short_token(h.token)} {h}" for i, h in slots)
+            _err(
+                f"fenced: {name!r} has {len(slots)} holders ({held}); name the one to clear "
+                "with --token PREFIX, or clear every one with --all"
             )
+            raise typer.Exit(EXIT_REFUSED)
+        if every:
+            targets = [i for i, _h in slots]
+        elif len(slots) > 1:
+            targets = [i for i, h in slots if h.token.startswith(token)][:1] or [0]
+        else:
+            targets = [slots[0][0]] if slots else [0]
+        with _talking_to(client):
+            cleared = [
+                h
+                for i in targets
+                if (
+                    h := force_release(
+                        client,
+                        name,
+                        reason=reason,
+                        namespace=namespace,
+                        by=by,
+                        token_prefix="" if every else token,
+                        slot=i,
+                    )
+                )
+                is not None
+            ]
+            holder = cleared[0] if cleared else None
             current = (
                 read_holder(client, name, namespace=namespace) if holder is None and token else None
             )
+            if current is None and holder is None and token and slots:
+                current = slots[0][1]
         # Refused: the holder named is the one that stays.
         shown = holder or current
         result = {
             "name": name,
             "released": holder is not None,
             "holder": shown.as_dict() if shown else None,
+            "holders": [h.as_dict() for h in cleared],
             "by": by,
             "reason": reason,
         }
@@ -626,7 +713,8 @@ if app is not None:
             msg = f"fenced: nothing held under {name!r} in namespace {namespace!r}"
             code = 0
         else:
-            msg = f"fenced: released {name!r}, was held by {holder}; recorded by {by}: {reason}"
+            was = "; ".join(str(h) for h in cleared)
+            msg = f"fenced: released {name!r}, was held by {was}; recorded by {by}: {reason}"
             code = 0
         if as_json:
             _print_json(result)

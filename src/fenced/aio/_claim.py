@@ -76,7 +76,7 @@ class Claim(ClaimState):
                 "fenced.Claim for claims that must be acknowledged by replicas",
                 name=self.name,
             )
-        self._store = LeaseCalls(self.keys)
+        self._store = LeaseCalls(self.keys, self.limit)
         self._block: asyncio.Task[Any] | None = None
         self._block_cancelling = 0
         self._cancelled_block = False
@@ -97,8 +97,8 @@ class Claim(ClaimState):
         while True:
             if await self._try_acquire(record_skip, request_rerun):
                 return True
-            if not blocking:
-                return False
+            if not blocking or self.ran_recently is not None:
+                return False  # a window is not waited out: it is a skip
             now = self._clock()
             if give_up is not None and now >= give_up:
                 return False
@@ -120,17 +120,19 @@ class Claim(ClaimState):
         except redis.ResponseError as exc:
             # A script stopped at a key it could not use may have set the lease first.
             with contextlib.suppress(Exception):  # best effort: it expires with its ttl
-                await call(self.redis, self._store.abandon_call(token))
+                for request in self._store.abandon_calls(token):
+                    await call(self.redis, request)
             raise self._refused(exc, await self._corrupt_key()) from exc
         except UnicodeDecodeError:  # a client that decodes replies: only a holder is text
             return self._held_unreadably()
         late = self._late(res, sent)
         if late is not None:
             args = self._give_back_args(token, int(res[1]), _LATE, late)
+            slot = self._granted_slot(res)
             try:
                 # The triggers are for whoever holds it next: none are taken.
                 await run_to_end(
-                    call(self.redis, self._store.release_call(*args, take_reruns=False))
+                    call(self.redis, self._store.release_call(*args, take_reruns=False, slot=slot))
                 )
             except Exception:  # best effort: the lease expires within its ttl anyway
                 log.warning("fenced: could not give back the late grant of %r", self.name)
@@ -161,7 +163,8 @@ class Claim(ClaimState):
 
     async def _give_back(self, token: str) -> None:
         try:
-            await call(self.redis, self._store.abandon_call(token))
+            for request in self._store.abandon_calls(token):
+                await call(self.redis, request)
         except Exception:  # best effort; the lease expires within its ttl anyway
             log.warning("fenced: could not give back an abandoned grant of %r", self.name)
 
@@ -175,7 +178,8 @@ class Claim(ClaimState):
         sent = self._clock()
         try:
             ok = await call(
-                self.redis, self._store.refresh_call(token, self._ttl_ms, self._idle_ms)
+                self.redis,
+                self._store.refresh_call(token, self._ttl_ms, self._idle_ms, self.slot or 0),
             )
         except UNREACHABLE as exc:
             self.retry_soon()

@@ -25,7 +25,15 @@ from typing import Any
 from .._client import client_from_setting, connect
 from .._errors import ConfigError
 from .._guard import check_on_busy
-from .._lease import IDLE_TTL, check_idle_ttl, check_namespace, check_replicas, check_timing
+from .._lease import (
+    IDLE_TTL,
+    check_cooldown,
+    check_idle_ttl,
+    check_limit,
+    check_namespace,
+    check_replicas,
+    check_timing,
+)
 from . import _enqueue
 from ._enqueue import ENQUEUE_TTL
 
@@ -55,6 +63,10 @@ DEFAULTS: dict[str, Any] = {
     # Deduplication at enqueue (fenced.celery._enqueue): off, or one of its MODES.
     "claim_enqueue": None,
     "claim_enqueue_ttl": ENQUEUE_TTL,
+    # Seconds after a run that ended ok during which the name's triggers skip (None: none).
+    "claim_cooldown": None,
+    # How many runs of one name may go at once, each in a slot with its own fence.
+    "claim_limit": 1,
 }
 OPTIONS = tuple(DEFAULTS)
 #: The setting that gives each option its default.
@@ -185,7 +197,30 @@ def validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:
         out["claim_unavailable_retries"] = _check_positive(
             values["claim_unavailable_retries"], "claim_unavailable_retries", where, True
         )
+    if values.get("claim_cooldown") is not None:
+        out["claim_cooldown"] = _check_cooldown(values, where)
+    if values.get("claim_limit") is not None:
+        try:
+            out["claim_limit"] = check_limit(values["claim_limit"], "claim_limit")
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc.message}") from None
     return out
+
+
+def _check_cooldown(values: Mapping[str, Any], where: str) -> float | None:
+    idle = values.get("claim_idle_ttl")
+    idle_ms = int(idle * 1000) if isinstance(idle, (int, float)) and idle > 0 else 0
+    try:
+        ms = check_cooldown(values["claim_cooldown"], idle_ms, "claim_cooldown")
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc.message}") from None
+    if ms and values.get("claim_on_busy") == "rerun":
+        # The rerun would be sent when the run ends ok: inside the window it just opened.
+        raise ConfigError(
+            f"{where}: claim_on_busy='rerun' asks for a run right after the holder's, which "
+            "claim_cooldown then skips: use claim_on_busy='skip' with a cooldown"
+        )
+    return ms / 1000 if ms else None
 
 
 @dataclass(frozen=True)
@@ -207,6 +242,8 @@ class TaskOptions:
     replica_timeout: float
     enqueue: str | None
     enqueue_ttl: float
+    cooldown: float | None = None
+    limit: int = 1
 
 
 def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
@@ -236,6 +273,8 @@ def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
         replica_timeout=float(merged["claim_replica_timeout"]),
         enqueue=merged["claim_enqueue"],
         enqueue_ttl=float(merged["claim_enqueue_ttl"]),
+        cooldown=merged["claim_cooldown"] or None,
+        limit=merged["claim_limit"],
     )
 
 

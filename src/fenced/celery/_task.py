@@ -78,7 +78,7 @@ if TYPE_CHECKING:
 from .. import _interrupt, records
 from .._claim import Claim
 from .._errors import ClaimHeld, ClaimInterrupted, ClaimUnavailable, ConfigError, NotOwner
-from .._guard import SKIP_RERUN_REASON, Skipped, finish, lost_error, outcome_of
+from .._guard import SKIP_RERUN_REASON, Skipped, busy_error, finish, lost_error, outcome_of
 from .._lease import HOST, ClaimKeys, Holder, force_release
 from .._naming import Namer
 from . import _enqueue, signals
@@ -190,6 +190,8 @@ class ClaimedTask(Task[Any, Any]):
     claim_replica_timeout: float | None = None
     claim_enqueue: str | None = None
     claim_enqueue_ttl: float | None = None
+    claim_cooldown: float | None = None
+    claim_limit: int | None = None
 
     _fenced_namer: Namer | None = None
     _fenced_options: TaskOptions | None = None
@@ -419,6 +421,8 @@ class ClaimedTask(Task[Any, Any]):
             redelivery_window=opts.redelivery_window,
             replicas=opts.replicas,
             replica_timeout=opts.replica_timeout,
+            cooldown=opts.cooldown,
+            limit=opts.limit,
         )
         try:
             acquired = claim.acquire(
@@ -634,7 +638,9 @@ class ClaimedTask(Task[Any, Any]):
         then it is released as any run's.
         """
         # An eager retry runs at once, inside this run: there is nothing to keep it for.
-        if getattr(retry, "is_eager", False) or not claim.held:
+        # A name held by several at once (claim_limit) hands over no slot: its retry
+        # queues for a free slot like any other run.
+        if getattr(retry, "is_eager", False) or not claim.held or claim.limit > 1:
             return ""
         sig: Any = getattr(retry, "sig", None)
         if sig is not None:
@@ -666,6 +672,8 @@ class ClaimedTask(Task[Any, Any]):
         holder = claim.holder
         if holder is None or not claim.task_id or holder.task_id != claim.task_id:
             return False
+        if claim.limit > 1:
+            return False  # no slot is handed over (see _keep_for_retry)
         try:
             took = claim.take_over()
         except ClaimUnavailable as exc:
@@ -684,6 +692,15 @@ class ClaimedTask(Task[Any, Any]):
     # -- when the claim is not ours -----------------------------------------------------
 
     def _busy(self, claim: Claim, opts: TaskOptions) -> Any:
+        if claim.ran_recently is not None:
+            # A window is not waited out (a retry would run twice in it), and its skips
+            # are expected: they raise no alert.
+            if opts.on_busy == "raise":
+                raise busy_error(claim)
+            count("skipped")
+            skipped = Skipped.of(claim)
+            log.info("fenced: %s skipped: %r %s", self.name, claim.name, skipped)
+            return skipped.as_dict()
         holder = claim.holder
         left = (holder.expires_in if holder else None) or 0.0
         task_id = self.request.id
@@ -766,17 +783,22 @@ class ClaimedTask(Task[Any, Any]):
             return None  # it held a local claim only
         opts = self._options()
         name = self.claim_name_for(args, kwargs)
-        holder = force_release(
-            lock_redis(self.app),
-            name,
-            namespace=opts.namespace,
-            task_id=task_id,
-            pid=pid,
-            host=HOST,
-            outcome="aborted",
-            reason=why,
-            task=self.name,
-        )
+        holder = None
+        for slot in range(opts.limit):  # the dead process's slot: its task id and pid say
+            holder = force_release(
+                lock_redis(self.app),
+                name,
+                namespace=opts.namespace,
+                task_id=task_id,
+                pid=pid,
+                host=HOST,
+                outcome="aborted",
+                reason=why,
+                task=self.name,
+                slot=slot,
+            )
+            if holder is not None:
+                break
         if holder is not None:
             count("aborted")
             log.warning("fenced: released claim %r of %s[%s]: %s", name, self.name, task_id, why)
@@ -814,6 +836,8 @@ def _values(options: TaskOptions) -> tuple[Any, ...]:
         options.replica_timeout,
         options.enqueue,
         options.enqueue_ttl,
+        options.cooldown,
+        options.limit,
     )
 
 

@@ -129,3 +129,17 @@ def rebuild_once(self: Any, tenant: str, layer: str, tiles: int = 8) -> dict[str
 def rebuild_coarse(self: Any, tenant: str, layer: str, tiles: int = 8) -> dict[str, Any]:
     """The same rebuild behind one coarse claim shared by every tenant (the mistake)."""
     return _build(self, tenant, layer, tiles, 0.0)
+
+
+@app.task(
+    base=ClaimedTask,
+    bind=True,
+    name="demo.daily_digest",
+    claim="digest:{tenant}",
+    claim_ttl=TTL,
+    claim_cooldown=3600,
+)
+def daily_digest(self: Any, tenant: str) -> dict[str, Any]:
+    """Once an hour at most, however often the beat fires: a cooldown after each ok run."""
+    event("digest", tenant=tenant, layer="digest", fence=self.claim.fence)
+    return {"status": "ok", "tenant": tenant, "fence": self.claim.fence}

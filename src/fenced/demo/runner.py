@@ -116,6 +116,7 @@ class Demo:
                     self.act_paused,
                     self.act_tenants,
                     self.act_flood,
+                    self.act_cooldown,
                 )
                 for act in acts:
                     act()
@@ -250,14 +251,37 @@ class Demo:
         out = self.result(later)
         self.expect(isinstance(out, dict) and out.get("status") == "ok", "and runs")
 
+    def act_cooldown(self) -> None:
+        """Act 6: a beat that fires twice, and a host whose clock is behind: one run."""
+        self.say("\n[bold]6. A beat that fires twice[/] — claim_cooldown: one run per window")
+        digest = self.app.daily_digest
+        both = [digest.apply_async(("acme",), queue=q) for q in ("a", "b")]
+        out = [self.result(r) for r in both]
+        statuses = sorted(str(o.get("status")) if isinstance(o, dict) else repr(o) for o in out)
+        self.expect(statuses == ["ok", "skipped"], f"fired together: {statuses}")
+        late = self.result(digest.apply_async(("acme",), queue="b"))
+        seen = late if isinstance(late, dict) else {"status": repr(late)}
+        self.say(
+            "     fired again after the run ended (another host's beat, its clock behind): "
+            f"{seen.get('status')} ({seen.get('reason')}); the window ends in "
+            f"{float(seen.get('expires_in') or 0):.0f}s, timed by Redis"
+        )
+        self.expect(
+            isinstance(late, dict) and late.get("reason") == "ran recently",
+            "a trigger within the window is skipped: ran recently",
+        )
+        runs = [e for e in self.events() if e["kind"] == "digest"]
+        self.expect(len(runs) == 1, f"the digest ran {len(runs)} time(s) for three triggers")
+
     def act_summary(self) -> None:
-        """Act 6: what the run records say."""
-        self.say("\n[bold]6. The run records[/]")
+        """Act 7: what the run records say."""
+        self.say("\n[bold]7. The run records[/]")
         from ..records import history
 
         names = [
             "rebuild:acme:roads", "rebuild:acme:parks", "rebuild:acme:rail",
             "rebuild:acme:tiles", "rebuild:globex:tiles", "rebuild", "rebuild:acme:signs",
+            "digest:acme",
         ]  # fmt: skip
         for name in names:
             runs = history(self.locks, name, limit=50)
