@@ -863,7 +863,10 @@ def read_slots(
     pipe.get(keys.fence)
     pipe.hgetall(keys.slots)
     with reachable(client, f"read claim {keys.name!r}", keys.name):
-        *leases, fence, fences = pipe.execute(raise_on_error=False)
+        try:
+            *leases, fence, fences = pipe.execute(raise_on_error=False)
+        except UnicodeDecodeError:  # a client that decodes replies, and bytes that are not text
+            return [(0, Holder.unknown("a value of the claim is not UTF-8"))]
     return slot_holders(leases, fence, fences)
 
 
