@@ -117,7 +117,11 @@ def holder_filter(host: str | None, pid: int | None) -> str:
 
 @dataclass(frozen=True)
 class Holder:
-    """Who holds a claim: parsed from its token, with its fence and time left."""
+    """Who holds a claim: parsed from its token, with its fence and time left.
+
+    ``token`` is only the start of the holder's token (:func:`short_token`): enough to
+    name the holder to ``fenced release --token``, never enough to release its lease.
+    """
 
     token: str
     host: str
@@ -136,13 +140,12 @@ class Holder:
         else:
             host, pid_int, task_id = "?", None, ""
         expires = None if pttl_ms is None or pttl_ms < 0 else pttl_ms / 1000.0
-        return cls(token, host, pid_int, task_id or None, fence, expires)
+        # The whole token releases the lease: it stays with its holder.
+        return cls(short_token(token), host, pid_int, task_id or None, fence, expires)
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready form, without the secret part of the token."""
-        data = asdict(self)
-        data["token"] = short_token(self.token)
-        return data
+        """JSON-ready form."""
+        return asdict(self)
 
     def __str__(self) -> str:
         who = f"{self.host} pid {self.pid}"
@@ -153,12 +156,13 @@ class Holder:
         return who
 
 
-def short_token(token: str) -> str:
+def short_token(token: str | None) -> str:
     """A token as shown: the start of its random part only, a prefix of the token.
 
-    Printed as it is (no ellipsis), so that ``fenced release --token`` takes it back.
+    Printed as it is (no ellipsis), so that ``fenced release --token`` takes it back;
+    32 random bits, too few to guess the other 96 from. "" for no token.
     """
-    return token.split(":", 1)[0][:8]
+    return token.split(":", 1)[0][:8] if token else ""
 
 
 # -- the keys ---------------------------------------------------------------------------
