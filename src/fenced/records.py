@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ._lease import HOST, IDLE_TTL, MAX_RECORDS, ClaimKeys, Holder, current_pid, short_token
+from ._redact import redact
 from ._scripts import RECORD, as_text
 
 __all__ = [
@@ -69,7 +70,7 @@ def encode_finished(task_id: str | None, duration: float, reason: str | None) ->
         f'{{"task_id":{_encode(task_id)},"host":{_HOST_JSON},"pid":{current_pid()},'
         f'"duration":{round(duration, 6)!r}'
     )
-    return record + (f',"reason":{_encode(reason)}}}' if reason else "}")
+    return record + (f',"reason":{_encode(redact(reason))}}}' if reason else "}")
 
 
 def encode_release(reason: str | None, **data: Any) -> str:
@@ -92,6 +93,7 @@ class RunRecord:
     outcome: str
     task_id: str | None = None
     worker: str | None = None
+    #: The start of the run's token (``_lease.short_token``), never the whole of it.
     token: str | None = None
     fence: int | None = None
     started: float | None = None
@@ -102,11 +104,8 @@ class RunRecord:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready form (the secret part of the token shortened)."""
-        data = asdict(self)
-        if self.token:
-            data["token"] = short_token(self.token)
-        return data
+        """JSON-ready form."""
+        return asdict(self)
 
 
 def _entry_time(entry_id: str) -> float:
@@ -155,10 +154,10 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
         if event in ("finished", "released"):
             # Newest first: a run cleared by an operator and then finished by its holder
             # (as lost) ends with the holder's own record, not the release.
-            finished.setdefault(f.get("token", ""), (eid, f))
+            finished.setdefault(short_token(f.get("token", "")), (eid, f))
             if event == "released":
                 act = (at, _released(name, f, data, at))
-                releases.setdefault(f.get("token", ""), act)
+                releases.setdefault(short_token(f.get("token", "")), act)
                 runs.append(act)
             continue
         if event == "skipped":
@@ -181,7 +180,8 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
             )
             continue
         if event == "started":
-            token = f.get("token", "")
+            # Runs pair by their tokens' start: the whole token would release a live lease.
+            token = short_token(f.get("token", ""))
             end = finished.pop(token, None)
             rec = RunRecord(
                 name=name,
@@ -245,7 +245,7 @@ def _released(name: str, f: dict[str, str], data: dict[str, Any], at: float) -> 
         name=name,
         outcome="released",
         worker=_worker(data),
-        token=f.get("token"),
+        token=short_token(f["token"]) if f.get("token") else None,
         finished=at,
         reason=data.get("reason"),
         holder=str(Holder.parse(f["token"])) if f.get("token") else None,

@@ -69,8 +69,9 @@ from .. import _interrupt, records
 from .._claim import Claim
 from .._errors import ClaimHeld, ClaimInterrupted, ClaimUnavailable, ConfigError, NotOwner
 from .._guard import SKIP_RERUN_REASON, Skipped, finish, lost_error, outcome_of
-from .._lease import HOST, Holder, force_release
+from .._lease import HOST, Holder, force_release, short_token
 from .._naming import Namer
+from .._redact import exception_text
 from . import signals
 from ._options import (
     OPTIONS,
@@ -305,7 +306,9 @@ class ClaimedTask(Task[Any, Any]):
         except ClaimUnavailable as exc:
             raise self._unavailable(exc, opts) from None
         except BaseException as exc:  # e.g. a soft time limit: never leave a lease renewed
-            claim.release(outcome="failed", reason=f"interrupted while acquiring: {exc!r}")
+            claim.release(
+                outcome="failed", reason=f"interrupted while acquiring: {exception_text(exc)}"
+            )
             raise
         if not acquired:
             return self._busy(claim, opts)
@@ -315,7 +318,7 @@ class ClaimedTask(Task[Any, Any]):
             except Ignore:
                 raise
             except BaseException as exc:
-                self._finish(claim, "failed", repr(exc)[:500], args, kwargs)
+                self._finish(claim, "failed", exception_text(exc), args, kwargs)
                 raise
         return self._run(claim, interrupter, args, kwargs)
 
@@ -339,7 +342,7 @@ class ClaimedTask(Task[Any, Any]):
             runs = records.history(client, claim.name, limit=20, namespace=namespace)
             for run in runs:
                 if run.task_id == task_id and run.outcome == "running" and run.token:
-                    if run.token == claim.token:
+                    if run.token == short_token(claim.token):
                         continue
                     records.record(
                         client,
