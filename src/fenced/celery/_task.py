@@ -212,7 +212,13 @@ class ClaimedTask(Task[Any, Any]):
                         f"{where} uses ClaimedTask but has no claim: name the resource two "
                         "runs would collide on, e.g. claim='rebuild:{tenant}:{layer}'"
                     )
-                cls._fenced_namer = Namer(source, _signature_of(run), where, style="pair")
+                cls._fenced_namer = Namer(
+                    source,
+                    _signature_of(run),
+                    where,
+                    style="pair",
+                    key_setting="app.conf.fenced_secret_key",
+                )
 
     @classmethod
     def bind(cls, app: Celery) -> Celery:
@@ -224,6 +230,8 @@ class ClaimedTask(Task[Any, Any]):
         # is built (at the latest when a worker starts), not at its first run.
         options = resolve({k: getattr(cls, k) for k in OPTIONS}, app.conf, f"task {cls.name}")
         cls._fenced_options = options
+        if cls._fenced_namer.secret:  # no key: fail when the task is built
+            cls._fenced_namer.key(app.conf.get("fenced_secret_key"))
         for option, value in zip(OPTIONS, _values(options)):
             setattr(cls, option, as_attribute(value))
         return bound
@@ -245,7 +253,12 @@ class ClaimedTask(Task[Any, Any]):
 
     def claim_name_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         """The claim name one call with these arguments takes."""
-        return self._namer()(args, kwargs)[0]
+        namer = self._namer()
+        return namer(args, kwargs, self._secret_key(namer))[0]
+
+    def _secret_key(self, namer: Namer) -> Any:
+        """The app's key for a template's secret fields (None: the Namer looks further)."""
+        return self.app.conf.get("fenced_secret_key") if namer.secret else None
 
     def _namer(self) -> Namer:
         namer = type(self)._fenced_namer
@@ -272,7 +285,7 @@ class ClaimedTask(Task[Any, Any]):
         client = lock_redis(self.app)
         request = self.request
         namer = self._namer()
-        name, shown = namer(args, kwargs)
+        name, shown = namer(args, kwargs, self._secret_key(namer))
         extra: dict[str, Any] = {"task": self.name, "template": namer.label}
         if shown is not None:
             extra["args"] = shown
