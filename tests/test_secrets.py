@@ -450,7 +450,16 @@ def test_run_keeps_fenced_settings_from_the_command(pw_server: Any, tmp_path: Pa
         "unix://:AlicePw@/no/such/socket",
     ],
 )
-@pytest.mark.parametrize("command", [["ls"], ["show", "x"], ["run", "x", "--", "true"], ["doctor"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["ls"],
+        ["show", "x"],
+        ["run", "x", "--", "true"],
+        ["release", "x", "--force", "--reason", "gone"],
+        ["doctor"],
+    ],
+)
 def test_printed_urls_are_redacted(url: str, command: list[str]) -> None:
     bad = url.format(port=free_port())
     res = subprocess.run(
@@ -462,6 +471,22 @@ def test_printed_urls_are_redacted(url: str, command: list[str]) -> None:
     )
     assert res.returncode != 0
     assert "AlicePw" not in res.stdout + res.stderr, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://alice:AlicePw@localhost/0",
+        "redis://127.0.0.1:1/0?password=AlicePw&x=1",
+        "redis://alice:AlicePw@host:notaport/0",
+        "redis+cluster://:AlicePw@",
+    ],
+)
+def test_bad_urls_in_the_python_api_are_redacted(url: str) -> None:
+    for make in (lambda: exclusive("x", redis=url), lambda: Claim(url, "x")):
+        with pytest.raises(ConfigError) as info:
+            make()
+        assert "AlicePw" not in str(info.value) and "***" in str(info.value)
 
 
 def test_doctor_app_does_not_print_the_brokers_or_lock_stores_password(
