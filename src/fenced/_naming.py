@@ -194,16 +194,14 @@ def _text(value: Any, field: str | None) -> str | bytes:
 
 def render_value(value: Any, field: str | None = None) -> str:
     """Canonical text of one template value; hashed when long or unsafe."""
-    text = _text(value, field)
+    # A plain str inline (the common case, on every call), the rest by _text.
+    text = value if type(value) is str else _text(value, field)
     if isinstance(text, bytes):
         return hash_value(text)
     # A value that already looks like a digest is hashed too, so "h1-..." typed by a
     # user can never collide with the digest of some other value.
-    if (
-        _SAFE_VALUE.fullmatch(text)
-        and not text.startswith(HASH_PREFIX)
-        and not _KEYED.fullmatch(text)
-    ):
+    looks_keyed = text.startswith(KEYED_PREFIX) and _KEYED.fullmatch(text)
+    if _SAFE_VALUE.fullmatch(text) and not text.startswith(HASH_PREFIX) and not looks_keyed:
         return text
     return hash_value(text)
 
