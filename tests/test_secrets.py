@@ -308,6 +308,10 @@ def test_redact_leaves_out_secret_values() -> None:
     assert text.startswith("ValueError: login failed") and len(text) <= 500
     assert SECRET not in text
     assert exception_text(KeyError()) == "KeyError"
+    # A message of many secret words and pairs is read once: bounded, and redacted.
+    huge = exception_text(RuntimeError("my_password_x" * 10_000 + f" password={SECRET} " * 5_000))
+    assert huge.startswith("RuntimeError: my_password_x") and len(huge) == 500
+    assert SECRET not in exception_text(RuntimeError(f"token={SECRET} " * 5_000))
 
 
 def test_failure_reason_is_redacted_for_every_front_end(

@@ -25,16 +25,19 @@ __all__ = ["REASON_MAX", "exception_text", "redact"]
 #: The longest reason kept in a run record.
 REASON_MAX = 500
 
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
+# Matches start only where a word starts: a long word is then read once, not once per
+# character (what a message of megabytes would otherwise cost).
+_URL = re.compile(r"(?<![A-Za-z0-9+.\-])[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>`]+")
 _KEYWORD = (
     r"(?:passw(?:or)?d|pwd|secret|token|api[_\-]?key|auth\w*|credential|"
     r"private[_\-]?key|access[_\-]?key|session|cookie|signature)"
 )
-# key=value, key: value, "key": "value", key='value'
-_PAIR = re.compile(
-    r"(?i)(?P<key>[\w.\-]*" + _KEYWORD + r"[\w.\-]*)(?P<q>[\"']?)(?P<sep>\s*[=:]\s*)"
-    r"(?P<value>\"[^\"]*\"|'[^']*'|[^\s,;&)}\]'\"]+)"
-)
+# key=value, key: value, "key": "value", key='value'. Each key is read once, from where
+# its word starts, and then asked whether it looks secret: a pattern with the secret
+# words inside a key would backtrack through a long word once per word in it.
+_KEY = re.compile(r"(?<![\w.\-])([\w.\-]+)([\"']?\s*[=:]\s*)")
+_VALUE = re.compile(r"\"[^\"]*\"|'[^']*'|[^\s,;&)}\]'\"]+")
+_SECRET_KEY = re.compile(r"(?i)" + _KEYWORD)
 # "password hunter2": a secret word, then a value that looks like one (a digit, or long).
 _SPACED = re.compile(
     r"(?i)\b(?P<key>" + _KEYWORD + r"s?)(?P<sep>\s+)"
@@ -43,8 +46,19 @@ _SPACED = re.compile(
 _SCHEME = re.compile(r"(?i)\b(?P<key>bearer|basic)(?P<sep>\s+)(?P<value>[A-Za-z0-9._~+/=\-]+)")
 
 
-def _pair(match: re.Match[str]) -> str:
-    return f"{match['key']}{match['q']}{match['sep']}***"
+def _pairs(text: str) -> str:
+    """``text`` with the value of each secret-looking ``key=value`` pair as ``***``."""
+    out: list[str] = []
+    done = 0
+    for key in _KEY.finditer(text):
+        if key.start() < done or not _SECRET_KEY.search(key.group(1)):
+            continue
+        value = _VALUE.match(text, key.end())
+        if value is None:
+            continue
+        out += (text[done : key.end()], "***")
+        done = value.end()
+    return "".join(out) + text[done:] if out else text
 
 
 def _mask(match: re.Match[str]) -> str:
@@ -57,7 +71,7 @@ def redact(text: str) -> str:
         text = _URL.sub(lambda m: redact_url(m.group(0)), text)
     # "Authorization: Bearer X": the scheme's value first, or the pair would take "Bearer".
     text = _SCHEME.sub(_mask, text)
-    text = _PAIR.sub(_pair, text)
+    text = _pairs(text)
     return _SPACED.sub(_mask, text)
 
 
