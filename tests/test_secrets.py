@@ -287,6 +287,20 @@ def test_claimed_task_secret_field_without_a_key_fails_when_built(
         app.finalize()
 
 
+def test_claimed_task_short_secret_key_names_the_setting_and_task(
+    pw_server: PasswordServer, no_key: None
+) -> None:
+    app = Celery("fenced_secret_short", set_as_current=False, broker="memory://")
+    app.conf.fenced_redis_url = pw_server.url
+    app.conf.fenced_secret_key = "short"
+
+    @app.task(shared=False, base=ClaimedTask, claim="sync:{api_key:secret}", name="sync")
+    def sync(api_key: str) -> None: ...
+
+    with pytest.raises(ConfigError, match=r"task sync: app\.conf\.fenced_secret_key is 5 bytes"):
+        app.finalize()
+
+
 # -- 3. failure records keep the exception's type and a redacted message ---------------
 
 LEAKY = (

@@ -46,7 +46,6 @@ __all__ = [
     "preview",
     "render",
     "secret_digest",
-    "secret_fields",
     "template_fields",
     "validate_name",
 ]
@@ -251,11 +250,6 @@ def template_fields(template: str) -> list[str]:
     return _parse(template)[0]
 
 
-def secret_fields(template: str) -> list[str]:
-    """The fields a claim template marks secret (``{api_key:secret}``)."""
-    return _parse(template)[1]
-
-
 def _parse(template: str) -> tuple[list[str], list[str], str]:
     """A template's fields, its secret fields, and the template without format specs."""
     if not isinstance(template, str) or not template.strip():
@@ -433,10 +427,10 @@ class Namer:
 
     def key(self, secret_key: str | bytes | None = None) -> bytes:
         """The checked key of this template's secret fields (``secret_key`` first)."""
-        if secret_key is not None:
-            return check_secret_key(secret_key, setting=self.key_setting)
         try:
-            return check_secret_key(self.secret_key, setting=self.key_setting)
+            return check_secret_key(
+                self.secret_key if secret_key is None else secret_key, setting=self.key_setting
+            )
         except ConfigError as exc:
             raise ConfigError(f"{self.where}: {exc}") from None
 
