@@ -104,12 +104,15 @@ def exclusive(
     replica_timeout: float = 1.0,
     cooldown: float | None = None,
     limit: int = 1,
+    secret_key: str | bytes | None = None,
 ) -> Callable[[F], F]:
     """Hold a claim named from the arguments while the function runs; skip, wait or raise.
 
     With ``cooldown`` (seconds), calls within that long after a run that returned are
     skipped ("ran recently"), whatever ``on_busy`` says but ``raise``. With ``limit``,
     up to that many calls of one name run at once (each with a fence of its own).
+    ``secret_key`` keys the digests of template fields marked secret (``{key:secret}``);
+    without it, the ``FENCED_SECRET_KEY`` environment variable.
     """
     on_busy = check_on_busy(on_busy, ON_BUSY)
     if wait_timeout is not None and (on_busy != "wait" or wait_timeout < 0):
@@ -133,7 +136,9 @@ def exclusive(
                 "functions only; pass a redis.Redis client or a URL for a plain function"
             )
         where = f"function {fn.__qualname__}"
-        namer = Namer(name, inspect.signature(fn), where)
+        namer = Namer(name, inspect.signature(fn), where, secret_key=secret_key)
+        if namer.secret:
+            namer.key()  # no key: fail where the function is defined, not at a call
         extra = {"function": f"{fn.__module__}.{fn.__qualname__}"}
 
         def named(args: Any, kwargs: Any) -> tuple[str, dict[str, Any]]:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._errors import ClaimHeld, ClaimLost, ConfigError
 from ._lease import Holder
+from ._redact import REASON_MAX, exception_text, redact
 
 if TYPE_CHECKING:
     from ._claim import Claim, ClaimState
@@ -60,8 +61,6 @@ SKIP_REASON = "already running"
 SKIP_RERUN_REASON = "already running; rerun requested"
 #: Reason recorded for a trigger within a cooldown window after a run that ended ok.
 COOLDOWN_REASON = "ran recently"
-#: The longest reason kept in a run record.
-REASON_MAX = 500
 
 
 def check_on_busy(
@@ -199,11 +198,15 @@ def outcome_of(
 
     ``lost`` when the claim was lost (whatever the work raised: the loss is the cause),
     ``failed`` when the work raised, ``ok`` otherwise. ``reason`` overrides the text.
+    An exception is recorded by its type and a bounded message with what looks secret
+    left out (:func:`fenced._redact.exception_text`).
     """
     if claim.lost or isinstance(exc, ClaimLost):
-        return "lost", reason or claim.lost_reason or (repr(exc)[:REASON_MAX] if exc else None)
+        if reason is None and claim.lost_reason:
+            reason = redact(claim.lost_reason)[:REASON_MAX]
+        return "lost", reason or (exception_text(exc) if exc else None)
     if exc is not None:
-        return "failed", reason or repr(exc)[:REASON_MAX]
+        return "failed", reason or exception_text(exc)
     return "ok", reason
 
 

@@ -131,7 +131,11 @@ def holder_filter(host: str | None, pid: int | None) -> str:
 
 @dataclass(frozen=True)
 class Holder:
-    """Who holds a claim: parsed from its token, with its fence and time left."""
+    """Who holds a claim: parsed from its token, with its fence and time left.
+
+    ``token`` is only the start of the holder's token (:func:`short_token`): enough to
+    name the holder to ``fenced release --token``, never enough to release its lease.
+    """
 
     token: str
     host: str
@@ -149,7 +153,7 @@ class Holder:
         """Parse a token written by :func:`new_token` (foreign values parse as opaque).
 
         Never fails: a value that is not UTF-8 gives a holder whose ``unreadable`` says
-        so (its ``token`` then shows the bytes as escapes).
+        so (its ``token`` then shows the start of the bytes as escapes).
         """
         expires = None if pttl_ms is None or pttl_ms < 0 else pttl_ms / 1000.0
         if isinstance(token, bytes):
@@ -157,14 +161,17 @@ class Holder:
                 token = token.decode()
             except UnicodeDecodeError:
                 unreadable = "the lease's value is not UTF-8"
-                return cls(readable(token), "?", None, None, fence, expires, unreadable)
+                return cls(
+                    short_token(readable(token)), "?", None, None, fence, expires, unreadable
+                )
         match = _TOKEN.fullmatch(token)
         if match:
             _rand, host, pid, task_id = match.groups()
             pid_int = int(pid) if _PID.fullmatch(pid) else None
         else:
             host, pid_int, task_id = "?", None, ""
-        return cls(token, host, pid_int, task_id or None, fence, expires)
+        # The whole token releases the lease: it stays with its holder.
+        return cls(short_token(token), host, pid_int, task_id or None, fence, expires)
 
     @classmethod
     def unknown(cls, why: str) -> Holder:
@@ -172,10 +179,8 @@ class Holder:
         return cls("?", "?", None, None, None, None, why)
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready form, without the secret part of the token."""
-        data = asdict(self)
-        data["token"] = short_token(self.token)
-        return data
+        """JSON-ready form."""
+        return asdict(self)
 
     def __str__(self) -> str:
         # Host and task id are whatever the token says: escaped, so that a message
@@ -191,12 +196,13 @@ class Holder:
         return who
 
 
-def short_token(token: str) -> str:
+def short_token(token: str | None) -> str:
     """A token as shown: the start of its random part only, a prefix of the token.
 
-    Printed as it is (no ellipsis), so that ``fenced release --token`` takes it back.
+    Printed as it is (no ellipsis), so that ``fenced release --token`` takes it back;
+    32 random bits, too few to guess the other 96 from. "" for no token.
     """
-    return token.split(":", 1)[0][:8]
+    return token.split(":", 1)[0][:8] if token else ""
 
 
 # -- the keys ---------------------------------------------------------------------------

@@ -7,6 +7,13 @@ long or unsafe ones are replaced by a versioned digest (``h1-`` + 20 bytes of BL
 hex), so distinct values always give distinct names and no value can smuggle a
 separator or a brace.
 
+A field marked secret, ``"sync:{account}:{api_key:secret}"``, is never shown: its value
+becomes a keyed digest (``k1-`` + 20 bytes of BLAKE2b keyed with the secret key, hex),
+and run records keep only that digest. The key comes from ``secret_key=``, else the
+``FENCED_SECRET_KEY`` environment variable (Celery tasks: the ``fenced_secret_key``
+setting first). The unkeyed ``h1-`` digest is not a way to hide a value: anyone can hash
+guesses and compare.
+
 A name is a fixed point: checking a name that was already checked returns it
 unchanged, so the name a ``Claim`` reports addresses the same keys wherever it is
 passed back (``read_holder``, ``fenced release``, run records, pointers).
@@ -19,22 +26,26 @@ import decimal
 import enum
 import hashlib
 import inspect
+import os
 import re
 import string
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from ._errors import ConfigError
 
 __all__ = [
+    "SECRET_KEY_ENV",
     "Namer",
     "check_fields",
+    "check_secret_key",
     "claim_name",
     "hash_value",
     "preview",
     "render",
+    "secret_digest",
     "template_fields",
     "validate_name",
 ]
@@ -47,12 +58,55 @@ _SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-/@:=+]{1,200}")
 _HASHED_NAME = re.compile(r"[A-Za-z0-9_.\-/@:=+]{0,40}~" + HASH_PREFIX + r"[0-9a-f]{40}")
 _FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _formatter = string.Formatter()
+#: Version tag of the keyed digest of a secret field's value.
+KEYED_PREFIX = "k1-"
+_KEYED = re.compile(re.escape(KEYED_PREFIX) + "[0-9a-f]{40}")
+#: The format spec that marks a template field secret: ``{api_key:secret}``.
+SECRET_SPEC = "secret"
+#: Where the secret key of secret fields comes from when none is passed.
+SECRET_KEY_ENV = "FENCED_SECRET_KEY"
+#: The shortest secret key accepted, in bytes.
+SECRET_KEY_MIN = 16
+_KEY_HOW = "e.g. the output of: python -c 'import secrets; print(secrets.token_hex(32))'"
 
 
 def hash_value(value: str | bytes) -> str:
     """Stable, versioned digest of a value: ``h1-`` + 40 hex characters."""
     data = value.encode() if isinstance(value, str) else value
     return HASH_PREFIX + hashlib.blake2b(data, digest_size=20).hexdigest()
+
+
+def check_secret_key(key: str | bytes | None = None, *, setting: str = "secret_key=") -> bytes:
+    """The key of secret fields' digests: ``key``, else $FENCED_SECRET_KEY; checked.
+
+    ``setting`` is where the caller's key comes from, as an error names it.
+    """
+    if key is None or key == "":
+        key = os.environ.get(SECRET_KEY_ENV) or None
+        if key is None:
+            raise ConfigError(
+                "a claim template has a secret field ({name:secret}) but no secret key is "
+                f"set: set {setting} or the {SECRET_KEY_ENV} environment variable to a "
+                f"random string of at least {SECRET_KEY_MIN} bytes, {_KEY_HOW}"
+            )
+        setting = SECRET_KEY_ENV
+    if not isinstance(key, (str, bytes)):
+        raise ConfigError(f"{setting} is a {type(key).__name__}: give a str or bytes key")
+    data = key.encode() if isinstance(key, str) else key
+    if len(data) < SECRET_KEY_MIN:
+        raise ConfigError(
+            f"{setting} is {len(data)} bytes long: a secret key needs at least "
+            f"{SECRET_KEY_MIN} random bytes, {_KEY_HOW}"
+        )
+    # BLAKE2b takes keys of up to 64 bytes; a longer one is hashed down to that.
+    return data if len(data) <= 64 else hashlib.blake2b(data).digest()
+
+
+def secret_digest(value: Any, key: bytes, field: str | None = None) -> str:
+    """Keyed, versioned digest of a secret template value: ``k1-`` + 40 hex characters."""
+    text = _text(value, field)
+    data = text.encode() if isinstance(text, str) else text
+    return KEYED_PREFIX + hashlib.blake2b(data, digest_size=20, key=key).hexdigest()
 
 
 #: What a template value may be; anything else has no text that is the same in every process.
@@ -113,33 +167,40 @@ def _canonical(value: object) -> object:
     raise _NotPlain(value)
 
 
+def _text(value: Any, field: str | None) -> str | bytes:
+    """The canonical text of a template value: a str shown as is, or bytes to hash."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, (int, float, str)):
+        return str(value)
+    if isinstance(value, bytes):
+        return b"bytes:" + value
+    try:
+        canonical = _canonical(value)
+    except _NotPlain as exc:
+        bad = exc.value
+        where = f"{{{field}}}" if field else "a claim template value"
+        inner = "" if bad is value else f" holding a {type(bad).__qualname__}"
+        raise ConfigError(
+            f"{where} is a {type(value).__qualname__}{inner}, which has no text that "
+            f"stays the same from one process to the next, so it cannot name a claim; "
+            f"template values may be {PLAIN_VALUES}: {_hint(bad)}"
+        ) from None
+    # Lists and tuples of plain values keep the digest they always had; a dict's
+    # digest no longer depends on the order its items were inserted in.
+    return f"{type(value).__qualname__}:{canonical!r}".encode()
+
+
 def render_value(value: Any, field: str | None = None) -> str:
     """Canonical text of one template value; hashed when long or unsafe."""
-    if isinstance(value, bool) or value is None:
-        text = repr(value)
-    elif isinstance(value, (int, float, str)):
-        text = str(value)
-    elif isinstance(value, bytes):
-        return hash_value(b"bytes:" + value)
-    else:
-        try:
-            canonical = _canonical(value)
-        except _NotPlain as exc:
-            bad = exc.value
-            where = f"{{{field}}}" if field else "a claim template value"
-            inner = "" if bad is value else f" holding a {type(bad).__qualname__}"
-            raise ConfigError(
-                f"{where} is a {type(value).__qualname__}{inner}, which has no text that "
-                f"stays the same from one process to the next, so it cannot name a claim; "
-                f"template values may be {PLAIN_VALUES}: {_hint(bad)}"
-            ) from None
-        # Lists and tuples of plain values keep the digest they always had; a dict's
-        # digest no longer depends on the order its items were inserted in.
-        text = f"{type(value).__qualname__}:{canonical!r}"
+    # A plain str inline (the common case, on every call), the rest by _text.
+    text = value if type(value) is str else _text(value, field)
+    if isinstance(text, bytes):
         return hash_value(text)
     # A value that already looks like a digest is hashed too, so "h1-..." typed by a
     # user can never collide with the digest of some other value.
-    if _SAFE_VALUE.fullmatch(text) and not text.startswith(HASH_PREFIX):
+    looks_keyed = text.startswith(KEYED_PREFIX) and _KEYED.fullmatch(text)
+    if _SAFE_VALUE.fullmatch(text) and not text.startswith(HASH_PREFIX) and not looks_keyed:
         return text
     return hash_value(text)
 
@@ -186,12 +247,19 @@ def preview(value: Any) -> str:
 
 def template_fields(template: str) -> list[str]:
     """The plain field names of a claim template; rejects attribute/index access."""
+    return _parse(template)[0]
+
+
+def _parse(template: str) -> tuple[list[str], list[str], str]:
+    """A template's fields, its secret fields, and the template without format specs."""
     if not isinstance(template, str) or not template.strip():
         raise ConfigError(
             "claim template is empty: name the resource two runs collide on, "
             "e.g. 'rebuild:{tenant}:{layer}'"
         )
     fields: list[str] = []
+    secret: list[str] = []
+    plain: list[str] = []
     try:
         parsed = list(_formatter.parse(template))
     except ValueError as exc:
@@ -199,7 +267,8 @@ def template_fields(template: str) -> list[str]:
             f"claim template {template!r} is not a valid format string ({exc}); "
             "write '{{' and '}}' for literal braces"
         ) from exc
-    for _literal, field, spec, conversion in parsed:
+    for literal, field, spec, conversion in parsed:
+        plain.append(literal.replace("{", "{{").replace("}", "}}"))
         if field is None:
             continue
         if not _FIELD.fullmatch(field):
@@ -208,31 +277,61 @@ def template_fields(template: str) -> list[str]:
                 "names are allowed (no attribute or index access, no positional {}); "
                 "compute the value in a callable claim name instead"
             )
-        if spec or conversion:
+        if conversion or (spec and spec != SECRET_SPEC):
             raise ConfigError(
                 f"claim template {template!r} gives field {{{field}}} a format spec or "
-                "conversion; remove it (values are rendered canonically)"
+                "conversion; remove it (values are rendered canonically), or write "
+                f"{{{field}:{SECRET_SPEC}}} to keep a secret value out of names and records"
+            )
+        if (spec == SECRET_SPEC) != (field in secret) and field in fields:
+            raise ConfigError(
+                f"claim template {template!r} marks {{{field}}} secret in one place only: "
+                f"write {{{field}:{SECRET_SPEC}}} everywhere it appears"
             )
         if field not in fields:
             fields.append(field)
-    return fields
+            if spec == SECRET_SPEC:
+                secret.append(field)
+        plain.append(f"{{{field}}}")
+    return fields, secret, "".join(plain)
 
 
-def claim_name(template: str, /, **values: Any) -> str:
-    """Render a claim name from a template, hashing long or unsafe values."""
-    fields = template_fields(template)
+def claim_name(template: str, /, secret_key: str | bytes | None = None, **values: Any) -> str:
+    """Render a claim name from a template, hashing long or unsafe values.
+
+    Fields marked secret (``{api_key:secret}``) become keyed digests, under
+    ``secret_key`` or else the ``FENCED_SECRET_KEY`` environment variable.
+    """
+    fields, secret, plain = _parse(template)
     missing = [f for f in fields if f not in values]
     if missing:
         raise ConfigError(
             f"claim template {template!r} needs {', '.join(missing)}: pass "
             + ", ".join(f"{m}=..." for m in missing)
         )
-    return render(template, {f: values[f] for f in fields})[0]
+    key = check_secret_key(secret_key) if secret else None
+    return render(plain, {f: values[f] for f in fields}, secret, key)[0]
 
 
-def render(template: str, values: Mapping[str, Any]) -> tuple[str, dict[str, str]]:
-    """The claim name for a template's values, and each value as the name shows it."""
-    rendered = {f: render_value(v, f) for f, v in values.items()}
+def render(
+    template: str,
+    values: Mapping[str, Any],
+    secret: Collection[str] = (),
+    key: bytes | None = None,
+) -> tuple[str, dict[str, str]]:
+    """The claim name for a template's values, and each value as the name shows it.
+
+    ``template`` has no format specs; the ``secret`` fields' values become keyed
+    digests under ``key``.
+    """
+    if secret:
+        assert key is not None
+        rendered = {
+            f: secret_digest(v, key, f) if f in secret else render_value(v, f)
+            for f, v in values.items()
+        }
+    else:
+        rendered = {f: render_value(v, f) for f, v in values.items()}
     return validate_name(template.format(**rendered)), rendered
 
 
@@ -287,14 +386,21 @@ class Namer:
         where: str,
         *,
         style: CallStyle = "spread",
+        secret_key: str | bytes | None = None,
+        key_setting: str = "secret_key=",
     ) -> None:
         self.where = where
         self.style = style
         self.signature = signature
+        self.secret_key = secret_key
+        self.key_setting = key_setting
+        #: The fields marked secret; empty for most templates (and then no key is read).
+        self.secret: tuple[str, ...] = ()
         if callable(source) and not isinstance(source, str):
             self.template: str | None = None
             self.func: Callable[..., str] | None = source
             self.fields: tuple[str, ...] = ()
+            self.plain: str | None = None
             self.label = getattr(source, "__qualname__", None) or repr(source)
             return
         if not isinstance(source, str):
@@ -303,7 +409,7 @@ class Namer:
                 "e.g. 'rebuild:{tenant}:{layer}', or a callable returning the name"
             )
         try:
-            fields = template_fields(source)
+            fields, secret, plain = _parse(source)
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
         if signature is not None and not any(
@@ -317,11 +423,28 @@ class Namer:
             ]
             check_fields(source, named, where)
         self.template, self.func, self.fields, self.label = source, None, tuple(fields), source
+        self.plain, self.secret = plain, tuple(secret)
+
+    def key(self, secret_key: str | bytes | None = None) -> bytes:
+        """The checked key of this template's secret fields (``secret_key`` first)."""
+        try:
+            return check_secret_key(
+                self.secret_key if secret_key is None else secret_key, setting=self.key_setting
+            )
+        except ConfigError as exc:
+            raise ConfigError(f"{self.where}: {exc}") from None
 
     def __call__(
-        self, args: Sequence[Any], kwargs: Mapping[str, Any]
+        self,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        secret_key: str | bytes | None = None,
     ) -> tuple[str, dict[str, str] | None]:
-        """The claim name for one call, and the template values as the name shows them."""
+        """The claim name for one call, and the template values as the name shows them.
+
+        ``secret_key`` is the key of secret fields for this call (else the Namer's own,
+        else ``FENCED_SECRET_KEY``).
+        """
         if self.func is not None:
             name = (
                 self.func(*args, **kwargs)
@@ -329,8 +452,10 @@ class Namer:
                 else self.func(tuple(args), dict(kwargs))
             )
             return validate_name(name), None
-        assert self.template is not None
-        return render(self.template, self.values(args, kwargs))
+        assert self.plain is not None
+        if not self.secret:
+            return render(self.plain, self.values(args, kwargs))
+        return render(self.plain, self.values(args, kwargs), self.secret, self.key(secret_key))
 
     def readable(
         self, args: Sequence[Any], kwargs: Mapping[str, Any], shown: Mapping[str, str]

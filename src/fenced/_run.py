@@ -19,7 +19,12 @@ command's whole process group (what a terminal does, so a shell's children stop 
 SIGUSR1 and SIGUSR2 to the command alone (they mean "reopen logs" or "report" to one
 program and would kill helpers that do not handle them). The claim is released when
 the command ends, with the outcome ``ok``, ``failed``, ``lost`` or ``aborted``
-recorded beside the command line.
+recorded beside the program and a digest of the command line (the whole line only with
+``record_command``: arguments may hold passwords).
+
+The command does not get fenced's own settings: ``FENCED_REDIS_URL`` (which may carry
+a password), ``FENCED_REDIS_CLIENT`` and ``FENCED_SECRET_KEY`` are removed from its
+environment unless ``pass_fenced_env`` is set.
 
 The command never outlives the runner: a watchdog process (:mod:`fenced._watchdog`),
 started just before the command and told each renewal, ends the command's group when
@@ -57,6 +62,7 @@ from ._claim import Claim
 from ._errors import ClaimHeld, ClaimUnavailable, ConfigError
 from ._guard import COOLDOWN_REASON, Guard, Skipped, check_on_busy
 from ._lease import IDLE_TTL, check_cooldown, check_limit, check_replicas
+from ._naming import SECRET_KEY_ENV, check_secret_key, hash_value, secret_digest
 from ._watchdog import ENDED_AT_DEADLINE, Watchdog, dies_with_runner
 
 __all__ = [
@@ -66,6 +72,7 @@ __all__ = [
     "EXIT_NOT_FOUND",
     "EXIT_UNAVAILABLE",
     "EXIT_USAGE",
+    "FENCED_ENV",
     "ON_BUSY",
     "ON_BUSY_ALIASES",
     "RunOptions",
@@ -84,6 +91,8 @@ ON_BUSY = ("skip", "wait", "raise")
 ON_BUSY_ALIASES = {"fail": "raise"}
 TO_GROUP = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 TO_CHILD = (signal.SIGUSR1, signal.SIGUSR2)
+#: fenced's own settings, kept from the command's environment unless passed on purpose.
+FENCED_ENV = ("FENCED_REDIS_URL", "FENCED_REDIS_CLIENT", SECRET_KEY_ENV)
 #: How often the runner looks at the child and the claim while the command runs.
 POLL = 0.1
 #: The watchdog ends the command this much before the claim's local deadline (at most;
@@ -112,6 +121,10 @@ class RunOptions:
     quiet: bool = False
     replicas: int = 0
     replica_timeout: float = 1.0
+    #: Record the whole command line, not only the program and the line's digest.
+    record_command: bool = False
+    #: Give the command fenced's own settings (FENCED_ENV) from this environment.
+    pass_fenced_env: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     #: Seconds after a run that ended ok during which runs are skipped (None: none).
     cooldown: float | None = None
@@ -210,7 +223,7 @@ class _Runner:
             on_lost=lambda _claim: self.lost.set(),
             records=True,
             idle_ttl=idle_ttl(opts.ttl),
-            record_extra={"command": shlex.join(opts.argv), **opts.extra},
+            record_extra={**command_record(opts.argv, opts.record_command), **opts.extra},
             replicas=opts.replicas,
             replica_timeout=opts.replica_timeout,
             cooldown=opts.cooldown,
@@ -353,7 +366,10 @@ class _Runner:
         opts = self.opts
         try:
             self.proc = subprocess.Popen(
-                list(opts.argv), preexec_fn=dies_with_runner(), **_own_group()
+                list(opts.argv),
+                preexec_fn=dies_with_runner(),
+                env=None if opts.pass_fenced_env else child_env(),
+                **_own_group(),
             )
         except FileNotFoundError as exc:
             self.say(f"fenced: cannot run {opts.argv[0]!r}: {exc.strerror}")
@@ -452,6 +468,31 @@ class _Runner:
     def _lost_reason(self, returncode: int) -> str:
         why = self.claim.lost_reason or "the lease is gone"
         return f"{why}; command {_ending(returncode)}"
+
+
+def command_record(argv: Sequence[str], whole: bool = False) -> dict[str, str]:
+    """What a run record keeps of a command: the program and the line's digest.
+
+    The digest tells two runs' command lines apart without showing them: keyed
+    (``k1-``) when ``FENCED_SECRET_KEY`` is set, else unkeyed (``h1-``), which lets
+    whoever guesses the whole line confirm the guess. ``whole`` keeps the line itself
+    instead, as ``command``.
+    """
+    line = shlex.join(argv)
+    if whole:
+        return {"command": line}
+    key = os.environ.get(SECRET_KEY_ENV)
+    digest = (
+        secret_digest(line, check_secret_key(key, setting=SECRET_KEY_ENV))
+        if key
+        else hash_value(line)
+    )
+    return {"program": argv[0], "command_digest": digest}
+
+
+def child_env() -> dict[str, str]:
+    """This process's environment without fenced's own settings (:data:`FENCED_ENV`)."""
+    return {k: v for k, v in os.environ.items() if k not in FENCED_ENV}
 
 
 def _ending(returncode: int) -> str:

@@ -434,6 +434,22 @@ if app is not None:
                 "fence, holder.",
             ),
         ] = False,
+        record_command: Annotated[
+            bool,
+            typer.Option(
+                "--record-command",
+                help="Keep the whole command line in the run record (default: the program "
+                "and a digest of the line; arguments may hold passwords).",
+            ),
+        ] = False,
+        pass_fenced_env: Annotated[
+            bool,
+            typer.Option(
+                "--pass-fenced-env",
+                help="Give the command FENCED_REDIS_URL, FENCED_REDIS_CLIENT and "
+                "FENCED_SECRET_KEY (default: removed from its environment).",
+            ),
+        ] = False,
     ) -> None:
         """Run a command while holding a claim: a distributed flock for cron.
 
@@ -469,6 +485,8 @@ if app is not None:
             replica_timeout=replica_timeout,
             cooldown=cooldown,
             limit=limit,
+            record_command=record_command,
+            pass_fenced_env=pass_fenced_env,
         )
         on_result = (lambda result: print(json.dumps(result), flush=True)) if as_json else None
         with _talking_to(client):

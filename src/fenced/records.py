@@ -35,6 +35,7 @@ from ._lease import (
     short_token,
 )
 from ._printable import readable
+from ._redact import redact
 from ._scripts import RECORD, as_text
 
 __all__ = [
@@ -86,7 +87,7 @@ def encode_finished(task_id: str | None, duration: float, reason: str | None) ->
         f'{{"task_id":{_encode(task_id)},"host":{_HOST_JSON},"pid":{current_pid()},'
         f'"duration":{round(duration, 6)!r}'
     )
-    return record + (f',"reason":{_encode(reason)}}}' if reason else "}")
+    return record + (f',"reason":{_encode(redact(reason))}}}' if reason else "}")
 
 
 def encode_release(reason: str | None, **data: Any) -> str:
@@ -109,6 +110,7 @@ class RunRecord:
     outcome: str
     task_id: str | None = None
     worker: str | None = None
+    #: The start of the run's token (``_lease.short_token``), never the whole of it.
     token: str | None = None
     fence: int | None = None
     started: float | None = None
@@ -121,11 +123,8 @@ class RunRecord:
     unreadable: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready form (the secret part of the token shortened)."""
-        data = asdict(self)
-        if self.token:
-            data["token"] = short_token(self.token)
-        return data
+        """JSON-ready form."""
+        return asdict(self)
 
 
 def _entry_time(entry_id: str) -> float:
@@ -259,10 +258,10 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
         if event in ("finished", "released"):
             # Newest first: a run cleared by an operator and then finished by its holder
             # (as lost) ends with the holder's own record, not the release.
-            finished.setdefault(f.get("token", ""), e)
+            finished.setdefault(short_token(f.get("token", "")), e)
             if event == "released":
                 act = (at, _released(name, e))
-                releases.setdefault(f.get("token", ""), act)
+                releases.setdefault(short_token(f.get("token", "")), act)
                 runs.append(act)
             continue
         if event == "skipped":
@@ -282,7 +281,8 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
             runs.append((at, rec))
             continue
         if event == "started":
-            token = f.get("token", "")
+            # Runs pair by their tokens' start: the whole token would release a live lease.
+            token = short_token(f.get("token", ""))
             end = finished.pop(token, None)
             rec = RunRecord(
                 name=name,
@@ -348,7 +348,7 @@ def _released(name: str, e: _Entry) -> RunRecord:
         name=name,
         outcome="released",
         worker=e.worker(),
-        token=e.fields.get("token"),
+        token=short_token(e.fields.get("token")) or None,
         finished=e.at,
         reason=e.text("reason"),
         holder=e.holder("token"),
@@ -364,7 +364,7 @@ def _unknown(name: str, e: _Entry, event: str | None) -> RunRecord:
     return RunRecord(
         name=name,
         outcome=UNREADABLE,
-        token=e.fields.get("token"),
+        token=short_token(e.fields.get("token")) or None,
         finished=e.at,
         unreadable="; ".join(dict.fromkeys([what, *e.problems])),
     )

@@ -79,8 +79,9 @@ from .. import _interrupt, records
 from .._claim import Claim
 from .._errors import ClaimHeld, ClaimInterrupted, ClaimUnavailable, ConfigError, NotOwner
 from .._guard import SKIP_RERUN_REASON, Skipped, busy_error, finish, lost_error, outcome_of
-from .._lease import HOST, ClaimKeys, Holder, force_release
+from .._lease import HOST, ClaimKeys, Holder, force_release, short_token
 from .._naming import Namer
+from .._redact import exception_text
 from . import _enqueue, signals
 from ._disabled import LocalClaim, enabled
 from ._options import (
@@ -228,7 +229,13 @@ class ClaimedTask(Task[Any, Any]):
                         f"{where} uses ClaimedTask but has no claim: name the resource two "
                         "runs would collide on, e.g. claim='rebuild:{tenant}:{layer}'"
                     )
-                cls._fenced_namer = Namer(source, _signature_of(run), where, style="pair")
+                cls._fenced_namer = Namer(
+                    source,
+                    _signature_of(run),
+                    where,
+                    style="pair",
+                    key_setting="app.conf.fenced_secret_key",
+                )
 
     @classmethod
     def bind(cls, app: Celery) -> Celery:
@@ -240,6 +247,8 @@ class ClaimedTask(Task[Any, Any]):
         # is built (at the latest when a worker starts), not at its first run.
         options = resolve({k: getattr(cls, k) for k in OPTIONS}, app.conf, f"task {cls.name}")
         cls._fenced_options = options
+        if cls._fenced_namer.secret:  # no key: fail when the task is built
+            cls._fenced_namer.key(app.conf.get("fenced_secret_key"))
         for option, value in zip(OPTIONS, _values(options)):
             setattr(cls, option, as_attribute(value))
         return bound
@@ -261,7 +270,12 @@ class ClaimedTask(Task[Any, Any]):
 
     def claim_name_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
         """The claim name one call with these arguments takes."""
-        return self._namer()(args, kwargs)[0]
+        namer = self._namer()
+        return namer(args, kwargs, self._secret_key(namer))[0]
+
+    def _secret_key(self, namer: Namer) -> Any:
+        """The app's key for a template's secret fields (None: the Namer looks further)."""
+        return self.app.conf.get("fenced_secret_key") if namer.secret else None
 
     def _namer(self) -> Namer:
         namer = type(self)._fenced_namer
@@ -395,7 +409,7 @@ class ClaimedTask(Task[Any, Any]):
         client = lock_redis(self.app)
         request = self.request
         namer = self._namer()
-        name, shown = namer(args, kwargs)
+        name, shown = namer(args, kwargs, self._secret_key(namer))
         extra: dict[str, Any] = {"task": self.name, "template": namer.label}
         if shown is not None:
             extra["args"] = shown
@@ -431,7 +445,9 @@ class ClaimedTask(Task[Any, Any]):
         except ClaimUnavailable as exc:
             raise self._unavailable(exc, opts) from None
         except BaseException as exc:  # e.g. a soft time limit: never leave a lease renewed
-            claim.release(outcome="failed", reason=f"interrupted while acquiring: {exc!r}")
+            claim.release(
+                outcome="failed", reason=f"interrupted while acquiring: {exception_text(exc)}"
+            )
             raise
         if not acquired and not self._took_over(claim, opts):
             return self._busy(claim, opts)
@@ -441,7 +457,7 @@ class ClaimedTask(Task[Any, Any]):
             except Ignore:
                 raise
             except BaseException as exc:
-                self._finish(claim, "failed", repr(exc)[:500], args, kwargs)
+                self._finish(claim, "failed", exception_text(exc), args, kwargs)
                 raise
         return self._run(claim, interrupter, args, kwargs)
 
@@ -483,7 +499,7 @@ class ClaimedTask(Task[Any, Any]):
             runs = records.history(client, claim.name, limit=20, namespace=namespace)
             for run in runs:
                 if run.task_id == task_id and run.outcome == "running" and run.token:
-                    if run.token == claim.token:
+                    if run.token == short_token(claim.token):
                         continue
                     records.record(
                         client,

@@ -40,7 +40,7 @@ def _fields_of(template: str) -> list[str]:
 
 def _without(template: str, fields: Iterable[str]) -> str:
     for name in fields:
-        template = re.sub(r"[:/\-_.]?\{" + re.escape(name) + r"\}", "", template)
+        template = re.sub(r"[:/\-_.]?\{" + re.escape(name) + r"(?::secret)?\}", "", template)
     return template
 
 
@@ -282,8 +282,9 @@ def load_records(
             }
             # Which front end ran it: a Celery task, an @exclusive function, a command.
             source = rec.extra.get("task") or rec.extra.get("function")
-            if not source and rec.extra.get("command"):
-                source = f"fenced run -- {rec.extra['command']}"
+            command = rec.extra.get("command") or rec.extra.get("program")
+            if not source and command:
+                source = f"fenced run -- {command}"
             if source:
                 loaded["source"] = str(source)[:80]
             found.append(loaded)
