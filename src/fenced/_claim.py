@@ -120,6 +120,8 @@ class ClaimState:
         self.keys = ClaimKeys.of(name, namespace)
         self.name: str = self.keys.name
         self.key: str = self.keys.lock
+        # What each renewal keeps from expiring while the name is held.
+        self._lasting = self.keys.lasting() if self._idle_ms else ()
         self.namespace = namespace
         self.heartbeat = heartbeat
         self.on_lost = on_lost
@@ -243,7 +245,7 @@ class ClaimState:
                 self.refresh_every,
                 self._next_refresh,
                 self._deadline,
-                self.keys.lasting() if self._idle_ms else (),
+                self._lasting,
                 self._idle_ms,
                 self.replicas,
                 self._replica_ms,  # the heartbeat keeps it below its socket timeout

@@ -382,8 +382,8 @@ class LeaseCalls:
     def __init__(self, keys: ClaimKeys) -> None:
         self.keys = keys
         # Built once: every acquire and release sends them.
-        self._acquire_keys = tuple(keys.all())
-        self._release_keys = (keys.lock, keys.runs, keys.skips, keys.rerun)
+        self._acquire_keys = lock, _fence, runs, skips, rerun = tuple(keys.all())
+        self._release_keys = (lock, runs, skips, rerun)
         self._no_done = keys.done("")
         self._note_prefix = keys.released("")
 
