@@ -16,6 +16,7 @@ from celery import Celery
 from fenced import Claim, ClaimHeld, ClaimLost, ConfigError, NotOwner, records
 from fenced._lease import ClaimKeys, new_token
 from fenced.celery import ClaimedTask, lock_redis, metrics, signals
+from fenced.celery._options import _lock_redis
 from fenced.testing import RedisServer
 
 
@@ -166,6 +167,23 @@ def test_each_app_gets_its_own_client(app: Celery, unix_server: RedisServer) -> 
         assert lock_redis(other) is not lock_redis(app)
         kwargs = lock_redis(other).connection_pool.connection_kwargs
         assert kwargs["port"] == second.port
+
+
+def test_the_lock_redis_follows_settings_changed_after_its_first_use(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = lock_redis(app)
+    assert lock_redis(app) is first
+    with RedisServer() as second, RedisServer() as third:
+        app.conf.fenced_redis_url = second.url
+        assert lock_redis(app).connection_pool.connection_kwargs["port"] == second.port
+        app.conf.update(fenced_redis_url=None)
+        monkeypatch.setenv("FENCED_REDIS_URL", third.url)
+        assert lock_redis(app).connection_pool.connection_kwargs["port"] == third.port
+        lock_redis_before = lock_redis(app)
+        # A new settings object: the client is the one the settings now give.
+        app.config_from_object({"fenced_redis_url": second.url})
+        assert lock_redis(app) is _lock_redis(app) is not lock_redis_before
 
 
 def test_options_are_resolved_when_the_task_is_built(app: Celery) -> None:
