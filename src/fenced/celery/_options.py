@@ -278,7 +278,8 @@ def lock_redis(app: Any) -> Any:
             return given[1]
     client = _lock_redis(app)
     if seen is not None:
-        _given[app] = (seen, client)
+        with _clients_lock:
+            _given[app] = (seen, client)
     return client
 
 
