@@ -233,9 +233,9 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   if ARGV[3] ~= '' then
     redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
                'event', 'started', 'token', ARGV[1], 'fence', minted, 'r', ARGV[3])
-    -- the skip count and rerun triggers are given the expiry when they are written
-    touch(idle, KEYS[3])
   end
+  -- the skip count and rerun triggers are given the expiry when they are written
+  touch(idle, KEYS[3])
   return {1, fence}
 end
 local holder = redis.call('GET', KEYS[1]) or ''
