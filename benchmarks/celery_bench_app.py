@@ -30,6 +30,24 @@ app.conf.update(
 counter = redis.Redis.from_url(f"{URL}/5")
 locks = redis.Redis.from_url(f"{URL}/6")
 
+if os.environ.get("BENCH_PROFILE"):
+    # Profile each pool child (cProfile), one file per child in $BENCH_PROFILE, to see
+    # where a task's time goes inside the worker: python -m pstats <file>.
+    import cProfile
+
+    from celery.signals import worker_process_init, worker_process_shutdown
+
+    _profile = cProfile.Profile()
+
+    @worker_process_init.connect
+    def _start_profile(**_: Any) -> None:
+        _profile.enable()
+
+    @worker_process_shutdown.connect
+    def _save_profile(**_: Any) -> None:
+        _profile.disable()
+        _profile.dump_stats(os.path.join(os.environ["BENCH_PROFILE"], f"child-{os.getpid()}.prof"))
+
 
 def done(kind: str) -> None:
     """The work every contender does: count one finished task."""

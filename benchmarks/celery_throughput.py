@@ -2,18 +2,34 @@
 
 One ``celery worker`` (prefork, concurrency 2) on a redis-server this script starts;
 contenders take turns in short rounds (interleaved, so a noisy neighbour hurts all of
-them alike) and the median rate of each is reported as a ratio to the plain task:
+them alike) and the median rate of each is reported as a ratio to the plain task.
+Every task's body is one INCR; what each contender adds, in round trips per task:
 
-    plain           no locking
-    fenced          ClaimedTask: atomic fenced acquire, heartbeat, run records
-    celery-once     QueueOnce (lock at enqueue, cleared after return)
-    celery-singleton Singleton (lock at enqueue, cleared on success/failure)
-    redis-py Lock   a task wrapped by hand in redis-py's Lock
+    plain            none (the body's INCR is the worker's one round trip)
+    fenced           ClaimedTask, 2 in the worker: ACQUIRE (lease, fence, "started"
+                     run record) and RELEASE (compare-token delete, "finished" run
+                     record with the outcome, done marker of the task id); heartbeat
+                     registration in process, no round trip for a run this short
+    celery-once      QueueOnce, 1 in the producer (its lock, taken in apply_async) and
+                     1 in the worker (the lock deleted after return)
+    celery-singleton Singleton, 1 in the producer (SET NX in apply_async) and 1 in the
+                     worker (the lock deleted on success)
+    redis-py Lock    a task wrapped by hand in redis-py's Lock, 2 in the worker (SET NX
+                     PX, compare-and-delete script)
+
+A round's rate is its tasks over the time from its first ``apply_async`` to its last
+task counted done. The producer (this process) enqueues while the worker runs, so work
+done at enqueue (where celery-once and celery-singleton take their locks) is inside
+that time but overlaps the worker's: it counts as far as it slows the round down (the
+machine's cores are shared by the producer, the worker and redis-server).
 
 Each contender's claims are distinct (one per task), so nothing is skipped: this
 measures what the protection costs when there is no conflict.
 
     python benchmarks/celery_throughput.py [--tasks 400] [--rounds 5] [--json]
+
+``BENCH_PROFILE=DIR`` profiles each pool child of the worker (cProfile, one file per
+child in DIR; see celery_bench_app.py).
 """
 
 from __future__ import annotations
@@ -24,7 +40,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
@@ -53,21 +71,70 @@ def start_worker(url: str) -> CeleryWorker:
     return worker.start().ready(timeout=60)
 
 
-def one_round(app_mod: object, name: str, n: int, offset: int) -> float:
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _cpu_of(pid: int) -> float:
+    """CPU seconds (user and system) a process has used, from /proc (0 where unreadable)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _tree(pid: int) -> list[int]:
+    """A process and its children (the worker's main process and its pool)."""
+    pids = [pid]
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return pids
+    for entry in entries:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        pids.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                continue
+    return pids
+
+
+def _server_cpu(client: Any) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
+def one_round(
+    app_mod: object, name: str, n: int, offset: int, worker_pids: Sequence[int] = ()
+) -> tuple[float, dict[str, float]]:
+    """One round: tasks per second, and CPU µs per task of the enqueue, worker and Redis."""
     import celery_bench_app as bench  # type: ignore[import-not-found]
 
     task = bench.app.tasks[CONTENDERS[name]]
     key = f"done:{COUNTER[name]}"
     bench.counter.delete(key)
+    worker_before = sum(_cpu_of(p) for p in worker_pids)
+    server_before = _server_cpu(bench.counter)
     start = time.perf_counter()
+    enqueue_before = time.process_time()
     for i in range(n):
         task.apply_async((offset + i,))
+    enqueue = time.process_time() - enqueue_before
     deadline = time.monotonic() + 120
     while int(bench.counter.get(key) or 0) < n:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{name}: only {bench.counter.get(key)} of {n} finished")
         time.sleep(0.002)
-    return n / (time.perf_counter() - start)
+    rate = n / (time.perf_counter() - start)
+    cpu = {
+        "enqueue": enqueue,
+        "worker": sum(_cpu_of(p) for p in worker_pids) - worker_before,
+        "redis": _server_cpu(bench.counter) - server_before,
+    }
+    return rate, {k: v / n * 1e6 for k, v in cpu.items()}
 
 
 def main() -> int:
@@ -88,7 +155,10 @@ def main() -> int:
 
         available = [n for n in CONTENDERS if CONTENDERS[n] in bench.app.tasks]
         worker = start_worker(url)
+        assert worker.proc is not None
+        pids = _tree(worker.proc.pid)  # prefork: the pool's children live as long as it
         rates: dict[str, list[float]] = {n: [] for n in available}
+        cpus: dict[str, list[dict[str, float]]] = {n: [] for n in available}
         try:
             for name in available:  # warm-up: imports, script loading, connections
                 one_round(bench, name, 50, 10_000_000)
@@ -97,7 +167,9 @@ def main() -> int:
                 order = available[r % len(available) :] + available[: r % len(available)]
                 for name in order:
                     offset += args.tasks
-                    rates[name].append(one_round(bench, name, args.tasks, offset))
+                    rate, cpu = one_round(bench, name, args.tasks, offset, pids)
+                    rates[name].append(rate)
+                    cpus[name].append(cpu)
         finally:
             worker.stop(timeout=15)
 
@@ -109,6 +181,10 @@ def main() -> int:
             "tasks_per_s": round(median[n], 1),
             "ratio_to_plain": round(median[n] / base, 3),
             "spread": [round(min(v), 1), round(max(v), 1)],
+            "cpu_us_per_task": {
+                part: round(statistics.median(c[part] for c in cpus[n]))
+                for part in ("enqueue", "worker", "redis")
+            },
         }
         for n, v in rates.items()
     ]
@@ -116,13 +192,22 @@ def main() -> int:
         print(json.dumps({"tasks": args.tasks, "rounds": args.rounds, "rows": rows}, indent=2))
         return 0
     print(f"one worker, prefork -c 2; {args.tasks} tasks x {args.rounds} interleaved rounds")
-    print(f"{'contender':<18}{'tasks/s':>10}{'x plain':>10}   min..max")
+    print(
+        f"{'contender':<18}{'tasks/s':>10}{'x plain':>10}   {'min..max':<11}"
+        f"{'enqueue':>8}{'worker':>8}{'redis':>7}  cpu µs/task"
+    )
     for row in rows:
         lo, hi = row["spread"]
+        cpu = row["cpu_us_per_task"]
         print(
             f"{row['contender']:<18}{row['tasks_per_s']:>10.1f}"
-            f"{row['ratio_to_plain']:>10.3f}   {lo:.0f}..{hi:.0f}"
+            f"{row['ratio_to_plain']:>10.3f}   {f'{lo:.0f}..{hi:.0f}':<11}"
+            f"{cpu['enqueue']:>8}{cpu['worker']:>8}{cpu['redis']:>7}"
         )
+    print(
+        "cpu µs/task, medians: enqueue = this process during apply_async; worker = the "
+        "worker's processes over the round (/proc, in clock ticks); redis = redis-server"
+    )
     return 0
 
 

@@ -9,12 +9,14 @@ import time
 from collections.abc import Iterator
 from typing import Any, cast
 
+import celery
 import pytest
 from celery import Celery
 
 from fenced import Claim, ClaimHeld, ClaimLost, ConfigError, NotOwner, records
 from fenced._lease import ClaimKeys, new_token
 from fenced.celery import ClaimedTask, lock_redis, metrics, signals
+from fenced.celery._options import _lock_redis
 from fenced.testing import RedisServer
 
 
@@ -167,6 +169,23 @@ def test_each_app_gets_its_own_client(app: Celery, unix_server: RedisServer) -> 
         assert kwargs["port"] == second.port
 
 
+def test_the_lock_redis_follows_settings_changed_after_its_first_use(
+    app: Celery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = lock_redis(app)
+    assert lock_redis(app) is first
+    with RedisServer() as second, RedisServer() as third:
+        app.conf.fenced_redis_url = second.url
+        assert lock_redis(app).connection_pool.connection_kwargs["port"] == second.port
+        app.conf.update(fenced_redis_url=None)
+        monkeypatch.setenv("FENCED_REDIS_URL", third.url)
+        assert lock_redis(app).connection_pool.connection_kwargs["port"] == third.port
+        lock_redis_before = lock_redis(app)
+        # A new settings object: the client is the one the settings now give.
+        app.config_from_object({"fenced_redis_url": second.url})
+        assert lock_redis(app) is _lock_redis(app) is not lock_redis_before
+
+
 def test_options_are_resolved_when_the_task_is_built(app: Celery) -> None:
     @app.task(shared=False, base=ClaimedTask, bind=True, claim="x:{t}")
     def task(self: Any, t: str) -> None: ...
@@ -297,6 +316,44 @@ def test_eager_apply_and_raise_policy(app: Celery, r: Any) -> None:
         holder.release()
     err = pickle.loads(pickle.dumps(info.value))
     assert isinstance(err, ClaimHeld) and err.name == "pub:a" and err.expires_in
+
+
+def test_a_traced_run_calls_the_body_as_a_plain_task_and_keeps_a_mixins_call(
+    app: Celery, r: Any
+) -> None:
+    seen: list[Any] = []
+
+    @app.task(shared=False, base=ClaimedTask, bind=True, claim="traced:{x}")
+    def traced(self: Any, x: str, *, note: str = "") -> str:
+        # The tracer's own request, as a plain task's body sees it (no second push).
+        seen.append(
+            (self.request.id, self.request.args, self.request.kwargs, len(self.request_stack.stack))
+        )
+        return str(self.claim.name)
+
+    assert traced.apply(("a",), {"note": "n"}, task_id="t-1").get() == "traced:a"
+    assert seen == [("t-1", ("a",), {"note": "n"}, 1)]
+    assert traced("b") == "traced:b"  # a direct call pushes its own request
+    assert seen[-1] == (None, ("b",), {}, 1)
+
+    calls: list[tuple[Any, ...]] = []
+
+    class Counting(celery.Task[Any, Any]):
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            calls.append(args)
+            return super().__call__(*args, **kwargs)
+
+    class Mixed(ClaimedTask, Counting):
+        name = "traced.mixed"
+        claim = "mixed:{x}"  # type: ignore[assignment]
+
+        def run(self, x: str) -> str:
+            return str(cast(Claim, self.claim).name)
+
+    mixed = app.register_task(Mixed())
+    assert mixed.apply(("a",)).get() == "mixed:a"
+    assert calls == [("a",)]  # a __call__ after ClaimedTask's is never skipped
+    assert records.last(r, "mixed:a").outcome == "ok"  # type: ignore[union-attr]
 
 
 def _intrude(r: Any, name: str, started: threading.Event) -> None:

@@ -215,6 +215,43 @@ def test_a_release_sent_again_gets_the_first_answer(r: Any) -> None:
     assert not claim.vanished and claim.rerun_triggers == ["again"]
 
 
+def test_an_ok_release_sent_again_is_answered_by_its_done_marker(r: Any) -> None:
+    claim = Claim(
+        r,
+        "sent-twice-done",
+        ttl=5,
+        heartbeat=False,
+        records=True,
+        task_id="t-1",
+        redelivery_window=60,
+    )
+    assert claim.acquire()
+    assert claim.token is not None
+    first = claim._store.release(claim.token, "{}", 100, "ok", claim.fence, 0, "t-1", 60_000)
+    assert first == (True, "ok", [])
+    # An ok run's marker is its release's note: no second key per run.
+    assert not r.exists(claim.keys.released(claim.token))
+    assert claim.finished_ok()
+    assert claim.release() is True
+    assert not claim.vanished
+    assert [run.outcome for run in records.history(r, "sent-twice-done")] == ["ok"]
+    # Another token's release is not answered by that marker: its lease was gone.
+    stray = Claim(r, "sent-twice-done", ttl=5, heartbeat=False, task_id="t-1", redelivery_window=60)
+    assert stray.acquire()
+    r.delete(stray.key)
+    assert stray.release() is False
+    assert stray.vanished
+
+
+def test_a_script_runs_again_after_the_server_forgot_it(r: Any) -> None:
+    claim = Claim(r, "forgotten", ttl=5, heartbeat=False, records=True)
+    r.script_flush()
+    assert claim.acquire()
+    r.script_flush()
+    assert claim.release() is True
+    assert [run.outcome for run in records.history(r, "forgotten")] == ["ok"]
+
+
 def test_a_long_run_keeps_its_names_keys_from_expiring(r: Any) -> None:
     holder = Claim(r, "long-run", ttl=1.0, idle_ttl=2.0)
     assert holder.acquire()

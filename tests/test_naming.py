@@ -199,3 +199,36 @@ def test_a_preview_shows_what_a_value_is_about_but_not_its_secrets() -> None:
     assert preview({"region": "eu", "password": "pw"}) == "<dict of region, password>"
     assert preview([1, 2, 3]) == "<list of 3>"
     assert preview(datetime.date(2026, 1, 2)) == "2026-01-02"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    args=st.lists(st.sampled_from(["x", 7, None]), max_size=4),
+    kwargs=st.dictionaries(st.sampled_from(["a", "b", "c", "d", "zz"]), st.just("k"), max_size=4),
+)
+def test_a_call_names_its_claim_as_signature_binding_does(
+    args: list[object], kwargs: dict[str, object]
+) -> None:
+    import inspect
+
+    from fenced._naming import Namer
+
+    def job(a: object, b: object = 2, *, c: object, d: object = 4) -> None: ...
+
+    def bound_by_binding() -> object:
+        try:
+            bound = inspect.signature(job).bind_partial(*args, **kwargs)
+        except TypeError:
+            return "refused"
+        bound.apply_defaults()
+        values = bound.arguments
+        if "a" not in values or "c" not in values:
+            return "missing"
+        return claim_name("job:{a}:{c}:{d}", a=values["a"], c=values["c"], d=values["d"])
+
+    namer = Namer("job:{a}:{c}:{d}", inspect.signature(job), "task job")
+    try:
+        got: object = namer(tuple(args), kwargs)[0]
+    except ConfigError as exc:
+        got = "refused" if "do not fit" in str(exc) else "missing"
+    assert got == bound_by_binding()

@@ -129,6 +129,10 @@ class ClaimState:
         self.keys = ClaimKeys.of(name, namespace)
         self.name: str = self.keys.name
         self.key: str = self.keys.lock
+        # What each renewal keeps from expiring while the name is held.
+        # (A name held by several at once keeps its slots' hash too.)
+        lasting = self.keys.lasting() + ((self.keys.slots,) if self.limit > 1 else ())
+        self._lasting = lasting if self._idle_ms else ()
         self.namespace = namespace
         self.heartbeat = heartbeat
         self.on_lost = on_lost
@@ -262,7 +266,7 @@ class ClaimState:
                 self.refresh_every,
                 self._next_refresh,
                 self._deadline,
-                self._store.lasting() if self._idle_ms else (),
+                self._lasting,
                 self._idle_ms,
                 self.replicas,
                 self._replica_ms,  # the heartbeat keeps it below its socket timeout

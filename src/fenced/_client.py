@@ -320,6 +320,8 @@ def _build(parsed: RedisURL, options: Mapping[str, Any], *, asyncio: bool = Fals
 
 
 _cache: dict[tuple[str, tuple[tuple[str, Any], ...]], Any] = {}
+# Client classes that passed connect()'s checks (a synchronous execute_command).
+_SYNC_CLIENTS: set[type] = set()
 _cache_lock = threading.Lock()
 
 
@@ -357,6 +359,8 @@ def connect(target: Any, *, what: str = "claims", **options: Any) -> Any:
             f"no Redis given for {what}: pass a redis-py client or a URL such as "
             "'redis://localhost:6379/0'"
         )
+    if type(target) in _SYNC_CLIENTS and "execute_command" not in vars(target):
+        return target  # checked below before (a claim checks its client on every run)
     evalsha = getattr(target, "evalsha", None)
     if evalsha is None or not callable(evalsha):
         raise ConfigError(
@@ -369,6 +373,8 @@ def connect(target: Any, *, what: str = "claims", **options: Any) -> Any:
             f"{type(target).__name__} is an asyncio client: pass a synchronous redis-py "
             "client here (redis.Redis), or use fenced.aio with redis.asyncio clients"
         )
+    if hasattr(target, "__dict__") and "execute_command" not in vars(target):
+        _SYNC_CLIENTS.add(type(target))
     return target
 
 

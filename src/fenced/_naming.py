@@ -379,6 +379,8 @@ class Namer:
     against the signature then, not at the first call.
     """
 
+    _slots: tuple[tuple[str, int, Any], ...] | None = None
+
     def __init__(
         self,
         source: NameSource,
@@ -424,6 +426,20 @@ class Namer:
             check_fields(source, named, where)
         self.template, self.func, self.fields, self.label = source, None, tuple(fields), source
         self.plain, self.secret = plain, tuple(secret)
+        # Where each field sits in a call (position or -1, default), for a signature with
+        # no *args, **kwargs or positional-only parameters: a call that fits it is bound
+        # without Signature.bind_partial (every run names its claim).
+        self._positional: tuple[str, ...] = ()
+        self._names: frozenset[str] = frozenset()
+        params = list(signature.parameters.values()) if signature is not None else []
+        either, keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+        if signature is not None and all(p.kind in (either, keyword) for p in params):
+            self._positional = tuple(p.name for p in params if p.kind is either)
+            self._names = frozenset(p.name for p in params)
+            where_is = {name: i for i, name in enumerate(self._positional)}
+            self._slots = tuple(
+                (f, where_is.get(f, -1), signature.parameters[f].default) for f in fields
+            )
 
     def key(self, secret_key: str | bytes | None = None) -> bytes:
         """The checked key of this template's secret fields (``secret_key`` first)."""
@@ -469,6 +485,26 @@ class Namer:
 
     def values(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         """The template fields' values in one call's arguments (defaults applied)."""
+        slots = self._slots
+        if (
+            slots is not None
+            and len(args) <= len(self._positional)
+            and self._names.issuperset(kwargs)
+            and not (kwargs and any(n in kwargs for n in self._positional[: len(args)]))
+        ):
+            # The call binds: each field is its argument, its keyword, or its default.
+            fast: dict[str, Any] = {}
+            for field, position, default in slots:
+                if 0 <= position < len(args):
+                    fast[field] = args[position]
+                elif field in kwargs:
+                    fast[field] = kwargs[field]
+                elif default is not inspect.Parameter.empty:
+                    fast[field] = default
+                else:
+                    break  # missing: said below
+            else:
+                return fast
         values: dict[str, Any] = dict(kwargs)
         sig = self.signature
         if sig is not None:

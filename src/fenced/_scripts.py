@@ -18,7 +18,9 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+import redis
 from redis.exceptions import NoScriptError
+from redis.sentinel import SentinelConnectionPool
 
 __all__ = [
     "ACQUIRE",
@@ -58,6 +60,8 @@ class Script:
     def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         """Run on a client (one round trip when the server already has the script)."""
         try:
+            if _pack is not None and _packable(client):
+                return _send_one(client, _pack(("EVALSHA", self.sha, len(keys), *keys, *args)))
             return client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
             # EVAL also caches the script, so the next call is an EVALSHA hit again.
@@ -74,20 +78,44 @@ except ImportError:  # pragma: no cover - hiredis comes with the default extras
     _pack = None
 
 
-def _packable(client: Any) -> bool:
-    """A plain client over a standard pool, speaking RESP2 in UTF-8: its batches are
-    packed here (hiredis encodes text as UTF-8, as redis-py does by default)."""
-    import redis
-    from redis.sentinel import SentinelConnectionPool
+_PACKABLE_POOLS = (redis.ConnectionPool, redis.BlockingConnectionPool, SentinelConnectionPool)
 
+
+def _packable(client: Any) -> bool:
+    """A plain client over a standard pool, speaking RESP2 in UTF-8: its commands are
+    packed here (hiredis encodes text as UTF-8, as redis-py does by default)."""
     pool: Any = getattr(client, "connection_pool", None)
     return (
         type(client) is redis.Redis
-        and type(pool)
-        in (redis.ConnectionPool, redis.BlockingConnectionPool, SentinelConnectionPool)
+        and type(pool) in _PACKABLE_POOLS
+        # A single-connection client keeps its one connection: it goes through redis-py.
+        and client.connection is None
         and pool.connection_kwargs.get("protocol") in (None, 2, "2")
         and str(pool.connection_kwargs.get("encoding", "utf-8")).lower() in ("utf-8", "utf8")
     )
+
+
+def _send_one(client: Any, packed: bytes) -> Any:
+    """What ``execute_command`` does for one command, without its per-call overhead: a
+    connection from the pool, the client's retries (a connection error reconnects and
+    sends again), and the reply (an error reply raised, the connection kept)."""
+    pool = client.connection_pool
+    conn = pool.get_connection()
+
+    def send() -> Any:
+        conn.send_packed_command([packed])
+        return conn.read_response()
+
+    try:
+        return conn.retry.call_with_retry(send, lambda _error: conn.disconnect())
+    except redis.ResponseError:
+        raise  # the whole reply was read: the connection stays usable
+    except BaseException:
+        # A reply may be left unread: this connection must not be used again.
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
 
 
 def _send_packed(client: Any, calls: Sequence[Call], wait: tuple[int, int] | None) -> list[Any]:
@@ -223,18 +251,23 @@ end
 local function mint()
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local fence = redis.call('INCR', KEYS[2])
+  local fence = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
   if fence < now then
-    redis.call('SET', KEYS[2], string.format('%d', now))
     fence = now
+  end
+  -- one write gives the fence its value and its idle expiry
+  local minted = string.format('%d', fence)
+  if idle > 0 then
+    redis.call('SET', KEYS[2], minted, 'PX', idle)
+  else
+    redis.call('SET', KEYS[2], minted)
   end
   if ARGV[3] ~= '' then
     redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
-               'event', 'started', 'token', ARGV[1], 'fence', string.format('%d', fence),
-               'r', ARGV[3])
+               'event', 'started', 'token', ARGV[1], 'fence', minted, 'r', ARGV[3])
   end
   -- the skip count and rerun triggers are given the expiry when they are written
-  touch(idle, KEYS[2], KEYS[3])
+  touch(idle, KEYS[3])
   return fence
 end
 local function lose(holder, pttl, fence)
@@ -334,8 +367,10 @@ return 0
 )
 
 # RELEASE (safe to send again: a retry of a release whose reply was lost gets the first
-#          answer back, from a short-lived note of it, and records nothing twice)
-# KEYS[1] lock   KEYS[2] runs   KEYS[3] skips   KEYS[4] rerun   KEYS[5] done marker
+#          answer back, from a short-lived note of it or from the done marker it set,
+#          and records nothing twice)
+# KEYS[1] lock   KEYS[2] runs   KEYS[3] skips   KEYS[4] rerun
+# KEYS[5] done marker (holds the first 32 characters of the token whose run ended ok)
 # KEYS[6] the note of this token's release
 # KEYS[7] (optional) cooldown: set to the fence with PX = ARGV[9] after an "ok" run
 # ARGV[1] token
@@ -355,18 +390,30 @@ RELEASE = Script(
     "release",
     _TOUCH
     + """
-local noted = redis.call('GET', KEYS[6])
-if noted then
-  if noted == 'ok' or noted == 'failed' or noted == 'lost' or noted == 'aborted' then
-    return {1, noted, {}}
-  end
-  return cjson.decode(noted)
-end
-local idle = tonumber(ARGV[7])
+-- the done marker of a run that ended ok holds the start of its token: it is also
+-- that release's note (see below)
+local mark = string.sub(ARGV[1], 1, 32)
 local released = 0
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
   released = 1
+else
+  -- our token holds no lease: gone, or released already by this very request
+  local noted = redis.call('GET', KEYS[6])
+  if noted then
+    if noted == 'ok' or noted == 'failed' or noted == 'lost' or noted == 'aborted' then
+      return {1, noted, {}}
+    end
+    return cjson.decode(noted)
+  end
+  if tonumber(ARGV[8]) > 0 and redis.call('GET', KEYS[5]) == mark then
+    return {1, 'ok', {}}
+  end
+end
+local idle = tonumber(ARGV[7])
+-- the keys to delete, in one call
+local gone = {}
+if released == 1 then
+  gone[1] = KEYS[1]
 end
 local outcome = ARGV[4]
 local vanished = released == 0 and outcome == 'ok'
@@ -385,12 +432,13 @@ if ARGV[2] ~= '' then
   end
   -- a recorded success ends a streak of skips (a claim without records counts none)
   if outcome == 'ok' then
-    redis.call('DEL', KEYS[3])
+    gone[#gone + 1] = KEYS[3]
   end
   touch(idle, KEYS[2])
 end
-if outcome == 'ok' and tonumber(ARGV[8]) > 0 then
-  redis.call('SET', KEYS[5], '1', 'PX', ARGV[8])
+local marked = outcome == 'ok' and tonumber(ARGV[8]) > 0
+if marked then
+  redis.call('SET', KEYS[5], mark, 'PX', ARGV[8])
 end
 if outcome == 'ok' and tonumber(ARGV[9] or '0') > 0 then
   redis.call('SET', KEYS[7], ARGV[5], 'PX', ARGV[9])
@@ -403,11 +451,17 @@ if ARGV[6] == '1' and released == 1 then
   elseif kind == 'string' then
     reruns = {''}  -- a counter left by fenced 0.1: one rerun, with the holder's arguments
   end
-  redis.call('DEL', KEYS[4])
+  if kind ~= 'none' then
+    gone[#gone + 1] = KEYS[4]
+  end
+end
+if #gone > 0 then
+  redis.call('DEL', unpack(gone))
 end
 local answer = {released, outcome, reruns}
-if released == 1 then
-  -- most releases take no rerun triggers: then the outcome alone is the note
+if released == 1 and not (marked and #reruns == 0) then
+  -- the note of a release that took no rerun triggers is its outcome alone; an ok run
+  -- with a done marker needs none (the marker answers a retry)
   local note = outcome
   if #reruns > 0 then note = cjson.encode(answer) end
   redis.call('SET', KEYS[6], note, 'PX', 60000)

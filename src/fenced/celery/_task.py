@@ -196,6 +196,8 @@ class ClaimedTask(Task[Any, Any]):
 
     _fenced_namer: Namer | None = None
     _fenced_options: TaskOptions | None = None
+    # Whether Task.__call__ is the next __call__ after ours (see _traced); per class.
+    _fenced_plain_call: bool | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -541,7 +543,10 @@ class ClaimedTask(Task[Any, Any]):
             with interrupter or nullcontext():
                 if claim.lost:  # lost before it could be interrupted: do not start
                     raise ClaimInterrupted()
-                result = super().__call__(*args, **kwargs)
+                if _traced(self, args, kwargs):
+                    result = self.run(*args, **kwargs)
+                else:
+                    result = super().__call__(*args, **kwargs)
         except ClaimInterrupted as exc:
             self._end(claim, exc, args, kwargs)
             raise lost_error(claim, "the task", interrupted=True) from None
@@ -854,6 +859,36 @@ def _values(options: TaskOptions) -> tuple[Any, ...]:
         options.enqueue_ttl,
         options.cooldown,
         options.limit,
+    )
+
+
+def _traced(task: ClaimedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether Celery's tracer pushed this very call's request (a worker, ``apply()``).
+
+    ``Task.__call__`` would then push a copy of it and call ``run``: the body runs as a
+    plain task's does, with the tracer's request. Only when ``Task.__call__`` is the next
+    ``__call__`` in the class's MRO (a mixin's own is never skipped).
+    """
+    cls = type(task)
+    plain = cls.__dict__.get("_fenced_plain_call")
+    if plain is None:
+        after = cls.__mro__[cls.__mro__.index(ClaimedTask) + 1 :]
+        plain = next((k.__dict__["__call__"] for k in after if "__call__" in k.__dict__), None)
+        plain = plain is Task.__call__
+        cls._fenced_plain_call = plain
+    if not plain:
+        return False
+    request = task.request
+    if request.called_directly:
+        return False
+    pushed_args, pushed_kwargs = request.args, request.kwargs or {}
+    # The tracer calls ``task(*args, **kwargs)`` with the request's own objects.
+    return (
+        pushed_args is not None
+        and len(pushed_args) == len(args)
+        and all(a is b for a, b in zip(pushed_args, args))
+        and pushed_kwargs.keys() == kwargs.keys()
+        and all(pushed_kwargs[k] is v for k, v in kwargs.items())
     )
 
 
