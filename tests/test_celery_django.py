@@ -49,6 +49,8 @@ CELERY_FENCED_CLAIM_REPLICAS = 1
 CELERY_FENCED_CLAIM_REPLICA_TIMEOUT = 0.5
 CELERY_FENCED_CLAIM_ENQUEUE = "until_started"
 CELERY_FENCED_CLAIM_ENQUEUE_TTL = 600
+CELERY_FENCED_CLAIM_COOLDOWN = 30
+CELERY_FENCED_CLAIM_LIMIT = 2
 
 
 def alert(sender, name, skips, holder):
@@ -158,6 +160,8 @@ def test_every_fenced_setting_is_read_from_django_settings_with_the_celery_names
         "replica_timeout": 0.5,
         "enqueue": "until_started",
         "enqueue_ttl": 600.0,
+        "cooldown": 30,
+        "limit": 2,
     }
     # Every option's setting was given, with a value that is not its default.
     given = {
@@ -176,6 +180,8 @@ def test_every_fenced_setting_is_read_from_django_settings_with_the_celery_names
         "claim_replica_timeout": 0.5,
         "claim_enqueue": "until_started",
         "claim_enqueue_ttl": 600,
+        "claim_cooldown": 30,
+        "claim_limit": 2,
     }
     assert set(given) == set(SETTINGS)
     assert all(DEFAULTS[option] != value for option, value in given.items())
