@@ -340,6 +340,26 @@ def test_an_unreachable_claims_redis_sends_unmarked(services: Services) -> None:
     assert queued(services) == 2
 
 
+@pytest.mark.parametrize("seed", ["not UTF-8", "a hash"])
+def test_a_marker_fenced_never_writes_sends_unmarked_naming_its_key(
+    seed: str, services: Services, caplog: pytest.LogCaptureFixture
+) -> None:
+    app = sender(services)
+    task = app.tasks["e.finished"]
+    k = key()
+    marker_key = f"fenced:{{hold:{k}}}:queued"
+    locks = redis.Redis.from_url(services.lock_url)
+    if seed == "a hash":
+        locks.hset(marker_key, "a", "b")
+    else:
+        locks.set(marker_key, b"\xff\xfe")
+    with caplog.at_level("WARNING", logger="fenced"):
+        task.delay(k)
+    assert queued(services) == 1  # the claim still keeps a second run out
+    assert f"DEL {marker_key}" in caplog.text
+    locks.close()
+
+
 def test_the_marker_sits_in_the_names_cluster_slot(cluster_server: RedisServer) -> None:
     from redis.cluster import RedisCluster
     from redis.crc import key_slot

@@ -441,6 +441,85 @@ def test_the_heartbeat_renews_the_others_when_one_lease_is_replaced_by_garbage(
     assert other.release()
 
 
+@pytest.mark.parametrize(
+    "seed",
+    [
+        lambda r: r.set(keys().runs, "x"),
+        lambda r: r.hset(keys().rerun, "a", "b"),
+    ],
+    ids=["runs is a string", "rerun is a hash"],
+)
+def test_a_skip_refused_at_a_corrupt_key_writes_nothing(seed: Seed, r: Any, server: Any) -> None:
+    raw = server.client()
+    held_by()(raw)
+    seed(raw)
+    with pytest.raises(CorruptKey):
+        Claim(r, "bad", ttl=10, heartbeat=False, records=True).acquire(request_rerun="x")
+    assert raw.get(keys().skips) is None  # no skip counted that was not recorded
+    assert raw.type(keys().runs) in (b"string", b"none")
+
+
+def test_a_release_past_a_runs_key_of_another_type_releases_and_names_it(
+    r: Any, server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    raw = server.client()
+    claim = Claim(r, "bad", ttl=10, heartbeat=False, records=True)
+    assert claim.acquire()
+    raw.set(keys().runs, "x")
+    with caplog.at_level("WARNING", logger="fenced"):
+        assert claim.release() is True
+    assert not claim.vanished and claim.lost_reason is None
+    assert raw.get(keys().lock) is None
+    assert "its run was not recorded" in caplog.text and "DEL fenced:{bad}:runs" in caplog.text
+
+    # The block ends as it ran: the release answered, only its record is missing.
+    raw.delete(keys().runs)
+    with Claim(r, "bad", ttl=10, heartbeat=False, records=True):
+        raw.delete(keys().runs)
+        raw.hset(keys().runs, "a", "b")
+    assert raw.get(keys().lock) is None
+
+
+def test_an_aio_release_past_a_runs_key_of_another_type_releases(
+    redis_server: RedisServer, raw: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    raw.flushall()
+
+    async def main() -> fenced.aio.Claim:
+        client = redis.asyncio.Redis.from_url(redis_server.url)
+        try:
+            claim = fenced.aio.Claim(client, "bad", ttl=10, heartbeat=False, records=True)
+            assert await claim.acquire()
+            raw.set(keys().runs, "x")
+            assert await claim.release() is True
+            return claim
+        finally:
+            await client.aclose()
+
+    with caplog.at_level("WARNING", logger="fenced"):
+        claim = asyncio.run(main())
+    assert not claim.vanished
+    assert raw.get(keys().lock) is None
+    assert "DEL fenced:{bad}:runs" in caplog.text
+
+
+def test_a_hand_over_past_a_runs_key_of_another_type_keeps_the_lease(
+    r: Any, server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    raw = server.client()
+    claim = Claim(r, "bad", ttl=10, heartbeat=False, records=True, task_id="t1")
+    assert claim.acquire()
+    raw.set(keys().runs, "x")
+    with caplog.at_level("WARNING", logger="fenced"):
+        assert claim.hand_over(30) == "retried"
+    assert raw.get(keys().lock) == f"retry-{claim.token}".encode()
+    assert "DEL fenced:{bad}:runs" in caplog.text
+    raw.delete(keys().runs)
+    retry = Claim(r, "bad", ttl=10, heartbeat=False, records=True, task_id="t1")
+    assert retry.take_over()
+    assert retry.release()
+
+
 def test_fenced_run_skips_an_unreadable_holder_and_names_a_corrupt_key(
     url: str, raw: redis.Redis, tmp_path: Path
 ) -> None:

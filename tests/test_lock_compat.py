@@ -26,6 +26,7 @@ from redis.crc import key_slot
 from redis.exceptions import LockError, LockNotOwnedError
 
 import fenced
+import fenced.aio
 from _wait import wait_for
 from fenced._lock import fence_key, hash_tag, shares_slot
 from fenced._scripts import LOCK_ACQUIRE
@@ -694,6 +695,33 @@ def test_bad_input_names_the_fix(client: Any) -> None:
         fenced.Lock(client, "job", timeout=10, idle_ttl=0.5)
     with pytest.raises(fenced.ConfigError, match="namespace"):
         fenced.Lock(client, "job", namespace="a{b}")
+
+
+def test_a_lock_takes_a_url_as_a_claim_does(server: RedisServer, client: Any) -> None:
+    lock = fenced.Lock(server.url, "job", timeout=10)
+    assert isinstance(lock, redis.lock.Lock) and isinstance(lock.redis, redis.Redis)
+    assert lock.acquire(blocking=False)
+    assert lock.fence is not None and client.get("job") == lock.local.token
+    # The same key as redis-py's Lock: the two still exclude each other.
+    assert not client.lock("job", timeout=10).acquire(blocking=False)
+    assert lock.owned()
+    first = lock.fence
+    lock.release()
+    assert client.get("job") is None
+    with fenced.Lock(server.url, "job", timeout=10) as again:
+        assert again.fence is not None and again.fence > first
+
+
+def test_a_lock_given_no_client_names_the_fix(server: RedisServer, client: Any) -> None:
+    with pytest.raises(fenced.ConfigError, match="no Redis given"):
+        fenced.Lock(None, "job")
+    with pytest.raises(fenced.ConfigError, match="int is not a Redis client"):
+        fenced.Lock(42, "job")
+    with pytest.raises(fenced.ConfigError, match="URL"):
+        fenced.Lock("localhost:6379", "job")
+    for given_client in (server.url, client):
+        with pytest.raises(fenced.ConfigError, match=r"not a redis\.asyncio client.*fenced\.Lock"):
+            fenced.aio.Lock(given_client, "job")
 
 
 # -- the fence key's Cluster slot --------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The file store against a hostile filesystem: symlinks, devices, tampered pointers, umask."""
+"""The stores against hostile data: symlinks, devices, tampered pointer files, umask, and
+values in Redis that a RedisPointer never writes."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis
 
-from fenced import ConfigError, FencedError, StoreError
-from fenced.store import ContentStore, FilePointer
+from fenced import ConfigError, FencedError, StaleFence, StoreError
+from fenced.store import ContentStore, FilePointer, RedisPointer
 from fenced.store._content import TMP_DIR
 from fenced.store._pointer import MAX_POINTER_SIZE
 
@@ -260,3 +263,106 @@ def test_created_files_and_directories_honour_the_umask(tmp_path: Path, umask: i
     assert _mode(ptr.path) == 0o666 & ~umask
     assert _mode(ptr.lock_path) == 0o666 & ~umask
     assert _mode(ptr.path.parent) == 0o777 & ~umask
+
+
+# -- a RedisPointer over values it never writes ----------------------------------------
+
+#: case -> (the pointer hash's fields, or a seed of the key, what read() names)
+FOREIGN_POINTERS: dict[str, tuple[Any, str]] = {
+    "fence not an integer": ({"target": "t", "fence": "yesterday"}, "'yesterday' is not an"),
+    "fence negative": ({"target": "t", "fence": "-5"}, "'-5' is not an integer"),
+    "size not an integer": ({"target": "t", "fence": "7", "size": "big"}, "size 'big'"),
+    "target not UTF-8": ({"target": b"\xff\xfe", "fence": "7"}, "not UTF-8"),
+    "a string": (lambda c, k: c.set(k, "x"), "not a hash"),
+    "a list": (lambda c, k: c.rpush(k, "x"), "not a hash"),
+}
+
+
+@pytest.mark.parametrize("case", list(FOREIGN_POINTERS))
+def test_a_redis_pointer_read_refuses_what_a_swap_never_writes(
+    case: str, r: Any, server: Any
+) -> None:
+    seed, says = FOREIGN_POINTERS[case]
+    raw = server.client()
+    ptr = RedisPointer(r, "maps:bad")
+    if callable(seed):
+        seed(raw, ptr.key)
+    else:
+        raw.hset(ptr.key, mapping=seed)
+    with pytest.raises(StoreError) as err:
+        ptr.read()
+    text = str(err.value)
+    assert f"DEL {ptr.key}" in text, text
+    if r.get_encoder().decode_responses and case == "target not UTF-8":
+        return  # the client cannot hand the reply over at all; the key is still named
+    assert says in text, text
+
+
+def test_a_redis_pointer_swap_refuses_a_foreign_fence_and_keeps_it(r: Any, server: Any) -> None:
+    raw = server.client()
+    ptr = RedisPointer(r, "maps:bad")
+    for stored in ("x", "yesterday", "0012", "1e9", "\xff"):
+        raw.hset(ptr.key, mapping={"target": "old", "fence": stored})
+        for fence in (1, 2**62):
+            with pytest.raises(StoreError, match="not an integer") as err:
+                ptr.swap("new", fence=fence)
+            assert not isinstance(err.value, StaleFence)
+            assert f"DEL {ptr.key}" in str(err.value)
+        assert raw.hget(ptr.key, "target") == b"old"  # never overwritten
+    assert raw.exists(ptr.log_key) == 0
+
+
+@pytest.mark.parametrize("which", ["key", "log_key"])
+def test_a_redis_pointer_swap_refuses_a_key_of_another_type_unwritten(
+    which: str, r: Any, server: Any
+) -> None:
+    raw = server.client()
+    ptr = RedisPointer(r, "maps:bad")
+    ptr.swap("old", fence=1)
+    key = getattr(ptr, which)
+    raw.delete(key)
+    raw.set(key, "x")
+    with pytest.raises(StoreError, match="is a string") as err:
+        ptr.swap("new", fence=2)
+    assert f"DEL {key}" in str(err.value)
+    if which == "log_key":
+        assert raw.hget(ptr.key, "target") == b"old"  # not half published
+    raw.delete(key)
+    assert ptr.swap("new", fence=2).target == "new"
+
+
+def test_a_redis_pointer_history_lists_unreadable_entries_and_goes_on(r: Any, server: Any) -> None:
+    raw = server.client()
+    ptr = RedisPointer(r, "maps:bad")
+    ptr.swap("first", fence=1)
+    raw.xadd(ptr.log_key, {"target": "t", "fence": "ten"})
+    raw.xadd(ptr.log_key, {"no": "fields"})
+    raw.xadd(ptr.log_key, {"target": "t", "fence": "3", "size": "-1"})
+    ptr.swap("last", fence=5)
+    got = ptr.history()
+    assert [p.target for p in got] == ["last", "t", "", "t", "first"]
+    assert [p.unreadable is None for p in got] == [True, False, False, False, True]
+    assert "'-1' is not an integer" in str(got[1].unreadable)
+    assert "target" in str(got[2].unreadable)
+    assert got[3].as_dict()["unreadable"] == "its fence 'ten' is not an integer"
+    assert "unreadable" not in got[0].as_dict()
+
+    raw.xadd(ptr.log_key, {"target": b"\xff", "fence": "6"})
+    got = ptr.history()
+    assert got[0].unreadable is not None and "UTF-8" in got[0].unreadable
+    if not r.get_encoder().decode_responses:
+        assert len(got) == 6 and got[1].target == "last"
+
+    raw.delete(ptr.log_key)
+    raw.set(ptr.log_key, "x")
+    (only,) = ptr.history()
+    assert only.unreadable is not None and ptr.log_key in only.unreadable
+
+
+def test_a_redis_pointer_reads_a_decoding_client_and_raw_bytes_alike(server: Any) -> None:
+    url = server.url
+    for client in (redis.Redis.from_url(url), redis.Redis.from_url(url, decode_responses=True)):
+        ptr = RedisPointer(client, "maps:fine")
+        ptr.swap("target", fence=3)
+        assert ptr.read() is not None and ptr.history()[0].fence == 3
+        client.close()

@@ -48,6 +48,7 @@ __all__ = [
     "parse_url",
     "redact",
     "refresh_slots",
+    "require_async",
     "topology",
 ]
 
@@ -375,6 +376,17 @@ def connect(target: Any, *, what: str = "claims", **options: Any) -> Any:
         )
     if hasattr(target, "__dict__") and "execute_command" not in vars(target):
         _SYNC_CLIENTS.add(type(target))
+    return target
+
+
+def require_async(target: Any, what: str, instead: str) -> Any:
+    """``target`` when it is a ``redis.asyncio`` client, else ConfigError naming the fix."""
+    if target is None or not inspect.iscoroutinefunction(getattr(target, "execute_command", None)):
+        raise ConfigError(
+            f"{type(target).__name__} is not a redis.asyncio client: pass one to {what} "
+            "(e.g. redis.asyncio.from_url('redis://localhost:6379/0')), or use "
+            f"{instead} with a synchronous client or a URL"
+        )
     return target
 
 

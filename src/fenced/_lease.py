@@ -16,6 +16,7 @@ Everything that talks to Redis about a lease goes through here:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -67,6 +68,8 @@ __all__ = [
     "released",
     "why_unreachable",
 ]
+
+log = logging.getLogger("fenced")
 
 #: Errors that mean "the store could not be reached" (the request may not have landed).
 #: An answer that is not in the Redis protocol (another service on that port) is one
@@ -662,8 +665,23 @@ def corrupt_key_error(
 
 def released(res: Any) -> tuple[bool, str, list[str]]:
     """A RELEASE answer: (our token held the lease, the outcome recorded, reruns taken)."""
+    if len(res) > 3:
+        unrecorded(res[3], res[4], "release")
     # A trigger is whatever a caller stored: bytes that are not text still name no call.
     return int(res[0]) == 1, as_text(res[1]), [readable(t) for t in res[2]] if res[2] else []
+
+
+def unrecorded(key: Any, kind: Any, what: str) -> None:
+    """Warn that a run was not recorded: its runs key holds what fenced never writes."""
+    key = printable(readable(key))
+    log.warning(
+        "fenced: the %s went through, but its run was not recorded: key %r is a %s, where "
+        "fenced keeps a stream of runs. Delete it (DEL %s) to record runs again",
+        what,
+        key,
+        printable(readable(kind)),
+        key,
+    )
 
 
 class LeaseStore(LeaseCalls):
@@ -787,10 +805,11 @@ class LeaseStore(LeaseCalls):
         self, token: str, keep_ms: int, record: str, max_records: int, fence: int, idle_ms: int
     ) -> bool:
         """Run HANDOVER: True when ``token`` held the lease and it is now kept for the retry."""
-        return (
-            int(self._run(self.handover_call(token, keep_ms, record, max_records, fence, idle_ms)))
-            == 1
-        )
+        reply = self._run(self.handover_call(token, keep_ms, record, max_records, fence, idle_ms))
+        if isinstance(reply, list):
+            unrecorded(reply[1], reply[2], "hand-over")
+            reply = reply[0]
+        return int(reply) == 1
 
     def take_over(
         self, token: str, ttl_ms: int, record: str, max_records: int, task_id: str, idle_ms: int

@@ -46,6 +46,7 @@ import redis
 import redis.lock
 from redis.exceptions import LockError, LockNotOwnedError
 
+from ._client import connect
 from ._errors import ConfigError
 from ._heartbeat import RETRY_SHARE, Renewal
 from ._heartbeat import heartbeat as _heartbeat
@@ -353,10 +354,12 @@ class Lock(redis.lock.Lock):
                     break
                 step.run(fence=lock.fence)
 
-    The positional parameters and their defaults are redis-py's, including its unsafe
-    default ``timeout=None`` (the lock never expires: a holder that dies keeps it
-    forever). Prefer a ``timeout`` with ``auto_renew=True``: the lock then outlives no
-    dead holder by more than ``timeout``, and lives as long as the work.
+    ``redis`` is a redis-py client or, as for a Claim, a URL (``"redis://host:6379/0"``,
+    one shared client per URL). The positional parameters and their defaults are
+    redis-py's, including its unsafe default ``timeout=None`` (the lock never expires:
+    a holder that dies keeps it forever). Prefer a ``timeout`` with ``auto_renew=True``:
+    the lock then outlives no dead holder by more than ``timeout``, and lives as long as
+    the work.
 
     Parameters beyond redis-py's (keyword-only):
         auto_renew: renew in the background every ``refresh_every`` while held (needs a
@@ -386,6 +389,8 @@ class Lock(redis.lock.Lock):
         idle_ttl: float | None = IDLE_TTL,
         namespace: str = "fenced",
     ) -> None:
+        # A URL too, as a Claim takes one: redis-py's Lock then gets the client built.
+        redis = connect(redis, what="the lock")
         self._ttl, self._refresh_every, self._idle_ms = check_lock_options(
             redis, name, timeout, auto_renew, refresh_every, idle_ttl, namespace
         )

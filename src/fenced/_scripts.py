@@ -195,6 +195,19 @@ local function touch(idle, ...)
 end
 """
 
+# A runs key someone replaced with another type cannot take an XADD: a script checks it
+# before its first write, so it either records nothing or stops with nothing written.
+_RECORDABLE = """
+local function unrecordable(key)
+  local kind = redis.call('TYPE', key).ok
+  if kind == 'stream' or kind == 'none' then return nil end
+  return kind
+end
+local function not_a_stream(key, kind)
+  return redis.error_reply('WRONGTYPE ' .. key .. ' is a ' .. kind .. ', not a stream of runs')
+end
+"""
+
 # ACQUIRE
 # KEYS[1] lock (slot 0)   KEYS[2] fence   KEYS[3] runs   KEYS[4] skips   KEYS[5] rerun
 #         (a set)
@@ -232,15 +245,20 @@ end
 #                                                       task's own, else the one whose
 #                                                       lease ends first)
 #         {2, "", cooldown pttl ms, fence, consecutive skips, 0}   the name ran recently
+#         an error reply naming KEYS[3] (or KEYS[5]) when a skip (or a rerun trigger)
+#         would be written to a key of another type; nothing is written then
 ACQUIRE = Script(
     "acquire",
     _TOUCH
+    + _RECORDABLE
     + """
 local idle = tonumber(ARGV[8])
 if ARGV[9] and ARGV[9] ~= '' then
   -- Redis's own expiry times the window: the hosts' clocks play no part
   local left = redis.call('PTTL', KEYS[6])
   if left > 0 then
+    local bad = unrecordable(KEYS[3])
+    if bad then return not_a_stream(KEYS[3], bad) end
     local skips = redis.call('INCR', KEYS[4])
     redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
                'event', 'skipped', 'reason', ARGV[9], 'r', ARGV[3])
@@ -276,18 +294,29 @@ local function lose(holder, pttl, fence)
     local _, _, _, task_id = string.match(holder, TOKEN_PATTERN)
     own = task_id == ARGV[7]
   end
+  -- every key written below is checked first: a wrong one stops the script unwritten
+  local rerun_kind
+  if ARGV[6] ~= '' and not own then
+    rerun_kind = redis.call('TYPE', KEYS[5]).ok
+    if rerun_kind ~= 'set' and rerun_kind ~= 'string' and rerun_kind ~= 'none' then
+      return redis.error_reply('WRONGTYPE ' .. KEYS[5] .. ' is a ' .. rerun_kind ..
+                               ', not a set of rerun triggers')
+    end
+  end
   local skips = 0
   if own then
     skips = tonumber(redis.call('GET', KEYS[4]) or '0')
   elseif ARGV[4] ~= '' then
+    local bad = unrecordable(KEYS[3])
+    if bad then return not_a_stream(KEYS[3], bad) end
     skips = redis.call('INCR', KEYS[4])
     redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
                'event', 'skipped', 'holder', holder, 'reason', ARGV[4], 'r', ARGV[3])
     touch(idle, KEYS[3], KEYS[4])
   end
   local rerun = 0
-  if ARGV[6] ~= '' and not own then
-    if redis.call('TYPE', KEYS[5]).ok == 'string' then
+  if rerun_kind then
+    if rerun_kind == 'string' then
       redis.call('DEL', KEYS[5])  -- a counter left by fenced 0.1
     end
     redis.call('SADD', KEYS[5], ARGV[6])
@@ -385,10 +414,12 @@ return 0
 # ARGV[9] (optional) the cooldown window in ms that a run ending "ok" starts (0 = none);
 #         a failed or lost run starts none
 # returns {1 if our token held the lease and it is now deleted else 0, the outcome
-#          recorded, {the rerun triggers taken}}
+#          recorded, {the rerun triggers taken}}, and two more items when the run was
+#          not recorded because KEYS[2] is not a stream: KEYS[2] and its type
 RELEASE = Script(
     "release",
     _TOUCH
+    + _RECORDABLE
     + """
 -- the done marker of a run that ended ok holds the start of its token: it is also
 -- that release's note (see below)
@@ -420,21 +451,26 @@ local vanished = released == 0 and outcome == 'ok'
 if vanished then
   outcome = 'lost'
 end
+local unrecorded
 if ARGV[2] ~= '' then
-  if vanished then
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
-               'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
-               'outcome', outcome, 'r', ARGV[2], 'note', 'the lease was gone before release')
-  else
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
-               'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
-               'outcome', outcome, 'r', ARGV[2])
+  -- the lease is given back whatever the runs key holds: another type loses the record only
+  unrecorded = unrecordable(KEYS[2])
+  if not unrecorded then
+    if vanished then
+      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
+                 'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
+                 'outcome', outcome, 'r', ARGV[2], 'note', 'the lease was gone before release')
+    else
+      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
+                 'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
+                 'outcome', outcome, 'r', ARGV[2])
+    end
+    touch(idle, KEYS[2])
   end
-  -- a recorded success ends a streak of skips (a claim without records counts none)
+  -- a success ends a streak of skips (a claim without records counts none)
   if outcome == 'ok' then
     gone[#gone + 1] = KEYS[3]
   end
-  touch(idle, KEYS[2])
 end
 local marked = outcome == 'ok' and tonumber(ARGV[8]) > 0
 if marked then
@@ -466,6 +502,10 @@ if released == 1 and not (marked and #reruns == 0) then
   if #reruns > 0 then note = cjson.encode(answer) end
   redis.call('SET', KEYS[6], note, 'PX', 60000)
 end
+if unrecorded then
+  -- after the note: a retry of this release does not say it twice
+  answer[4], answer[5] = KEYS[2], unrecorded
+end
 return answer
 """,
 )
@@ -481,11 +521,15 @@ return answer
 # ARGV[4] maximum length of the runs stream   ARGV[5] fence of the run being finished
 # ARGV[6] idle expiry of the name's lasting keys in ms (0 = never)
 # returns 1 when our token held the lease (now kept, its run recorded "retried"), 0 when
-#         the lease was gone or another token's (its run recorded "lost")
+#         the lease was gone or another token's (its run recorded "lost"); with records
+#         and KEYS[2] not a stream, {that 1 or 0, KEYS[2], its type}: nothing recorded
 HANDOVER = Script(
     "handover",
     _TOUCH
+    + _RECORDABLE
     + """
+local unrecorded
+if ARGV[3] ~= '' then unrecorded = unrecordable(KEYS[2]) end
 local kept = 0
 local outcome = 'lost'
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -494,6 +538,9 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('SET', KEYS[3], value, 'PX', ARGV[2])
   kept = 1
   outcome = 'retried'
+end
+if unrecorded then
+  return {kept, KEYS[2], unrecorded}
 end
 if ARGV[3] ~= '' then
   if kept == 1 then

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import sys
 import time
@@ -33,6 +32,7 @@ from typing import Any
 import redis
 
 from .._claim import _HELD, _LATE, _UNCONFIRMABLE, RELEASE_RETRY, ClaimState
+from .._client import require_async
 from .._errors import ConfigError
 from .._guard import busy_error, lost_error, outcome_of, settle
 from .._lease import UNREACHABLE, LeaseCalls, new_token, released
@@ -59,15 +59,7 @@ class Claim(ClaimState):
     _what = "the block"
 
     def _connect(self, redis: Any) -> Any:
-        if redis is None or not inspect.iscoroutinefunction(
-            getattr(redis, "execute_command", None)
-        ):
-            raise ConfigError(
-                f"{type(redis).__name__} is not a redis.asyncio client: pass one (e.g. "
-                "redis.asyncio.from_url('redis://localhost:6379/0')), or use fenced.Claim "
-                "with a synchronous client"
-            )
-        return redis
+        return require_async(redis, "fenced.aio.Claim", "fenced.Claim")
 
     def _bind_store(self) -> None:
         if self.replicas:

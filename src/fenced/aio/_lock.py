@@ -32,6 +32,7 @@ import redis
 from redis.asyncio.lock import Lock as _RedisLock
 from redis.exceptions import LockError, LockNotOwnedError
 
+from .._client import require_async
 from .._errors import ConfigError
 from .._lease import IDLE_TTL
 from .._lock import _Hold, check_lock_options, corrupt_fence, fence_key, new_token
@@ -76,6 +77,7 @@ class Lock:
         self._ttl, self._refresh_every, self._idle_ms = check_lock_options(
             redis, name, timeout, auto_renew, refresh_every, idle_ttl, namespace
         )
+        redis = require_async(redis, "fenced.aio.Lock", "fenced.Lock")
         self.fence_key = fence_key(name, namespace)
         self.redis = redis
         self.name = name

@@ -17,8 +17,11 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
+from redis.exceptions import DataError, ResponseError
+
 from .._errors import ConfigError
 from .._lease import ClaimKeys
+from .._printable import printable
 from .._scripts import Script, as_text
 
 __all__ = ["ENQUEUE_TTL", "MODES", "check_mode", "check_ttl", "clear", "expiry_ms", "mark"]
@@ -97,9 +100,24 @@ def expiry_ms(ttl: float, options: Mapping[str, Any]) -> int:
 def mark(
     client: Any, keys: ClaimKeys, task_id: str, expiry: int, running: str | None
 ) -> str | None:
-    """Mark the name for ``task_id``; the task id already queued when it is marked."""
-    found = MARK(client, [keys.queued], [task_id, expiry, running or ""])
-    return as_text(found) if found else None
+    """Mark the name for ``task_id``; the task id already queued when it is marked.
+
+    A marker that holds what fenced never writes raises a RedisError naming its key, as
+    a Redis that cannot be reached does (the caller then sends unmarked).
+    """
+    try:
+        found = MARK(client, [keys.queued], [task_id, expiry, running or ""])
+        return as_text(found) if found else None
+    except UnicodeDecodeError:
+        problem = "holds a value that is not UTF-8, not a task id"
+    except ResponseError as exc:
+        if not str(exc).startswith("WRONGTYPE"):
+            raise  # READONLY, OOM...: the caller's to handle as any refusal
+        problem = "is not a string holding a task id"
+    key = printable(keys.queued)
+    raise DataError(
+        f"the enqueue marker {key!r} {problem}; fenced did not write it. Delete it (DEL {key})"
+    )
 
 
 def clear(client: Any, keys: ClaimKeys, task_id: str, expiry: int | None = None) -> bool:

@@ -35,9 +35,12 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from .._client import connect
 from .._errors import ConfigError, StaleFence, StoreError
 from .._lease import UNREACHABLE, ClaimKeys
+from .._printable import printable, readable
 from .._scripts import Script, as_text
 from . import _durable
 from ._published import Published, Ref, Target
@@ -259,7 +262,9 @@ class FilePointer:
 # KEYS[1] pointer hash (target, fence, digest, size)   KEYS[2] publish log (a stream)
 # ARGV[1] target   ARGV[2] fence, decimal without leading zeros
 # ARGV[3] digest or ""   ARGV[4] size or ""   ARGV[5] log length to keep, "0" for no log
-# returns {1, fence} when accepted, {0, current fence} when a higher fence was accepted
+# returns {1, fence} when accepted, {0, current fence} when a higher fence was accepted,
+#         {2, key, what is wrong} when KEYS[1] or KEYS[2] holds what PUBLISH never writes
+#         (another type, a fence that is not a decimal integer): nothing is written then
 # Fences are compared as decimal strings, length first, so no size of integer loses
 # precision in Lua's doubles.
 PUBLISH = Script(
@@ -269,7 +274,21 @@ local function below(a, b)
   if #a ~= #b then return #a < #b end
   return a < b
 end
+local kind = redis.call('TYPE', KEYS[1]).ok
+if kind ~= 'hash' and kind ~= 'none' then
+  return {2, KEYS[1], 'is a ' .. kind .. ', not a hash'}
+end
+if ARGV[5] ~= '0' then
+  kind = redis.call('TYPE', KEYS[2]).ok
+  if kind ~= 'stream' and kind ~= 'none' then
+    return {2, KEYS[2], 'is a ' .. kind .. ', not a stream'}
+  end
+end
 local current = redis.call('HGET', KEYS[1], 'fence')
+-- a fence that does not compare as one would let any fence overwrite it
+if current and current ~= '0' and not string.match(current, '^[1-9]%d*$') then
+  return {2, KEYS[1], 'holds fence ' .. string.sub(current, 1, 40) .. ', not an integer'}
+end
 if current and below(ARGV[2], current) then
   return {0, current}
 end
@@ -316,42 +335,95 @@ class RedisPointer:
         text = os.fspath(where)
         args = [text, str(fence), digest or "", "" if size is None else str(size)]
         try:
-            accepted, current = PUBLISH(
+            answer = PUBLISH(
                 self.redis, [self.key, self.log_key], [*args, str(self.history_length)]
             )
         except UNREACHABLE as exc:
             raise StoreError(
                 f"pointer {self.key}: Redis unreachable ({exc})", name=self.name
             ) from exc
-        if not int(accepted):
-            raise _stale(self.key, fence, int(as_text(current)))
+        accepted = int(answer[0])
+        if accepted == 2:
+            raise self._foreign(f"cannot swap to fence {fence}", answer[1], answer[2])
+        if not accepted:
+            raise _stale(self.key, fence, int(as_text(answer[1])))
         return Published(text, fence, digest, size)
 
-    def read(self) -> Published | None:
-        """The last published target and its fence; None before the first swap."""
-        target, fence, digest, size = self.redis.hmget(
-            self.key, "target", "fence", "digest", "size"
+    def _foreign(self, doing: str, key: Any, problem: Any) -> StoreError:
+        """StoreError for a key of the pointer holding what fenced never writes there."""
+        key = printable(readable(key))
+        return StoreError(
+            f"pointer {self.name!r}: {doing}: its key {key!r} {printable(readable(problem))}; "
+            f"fenced did not write that. Delete the key (DEL {key}) and swap again, or "
+            "restore what a swap writes there",
+            name=self.name,
         )
+
+    def read(self) -> Published | None:
+        """The last published target and its fence; None before the first swap.
+
+        A pointer that holds what a swap never writes raises StoreError naming its key.
+        """
+        try:
+            target, fence, digest, size = self.redis.hmget(
+                self.key, "target", "fence", "digest", "size"
+            )
+        except UnicodeDecodeError:  # a client that decodes replies
+            raise self._foreign(
+                "cannot read", self.key, "holds a value that is not UTF-8"
+            ) from None
+        except ResponseError as exc:  # WRONGTYPE: not a hash
+            raise self._foreign("cannot read", self.key, f"is not a hash ({exc})") from None
         if target is None or fence is None:
             return None
-        return _from_fields(target, fence, digest, size)
+        try:
+            return _from_fields(target, fence, digest, size)
+        except ValueError as exc:
+            raise self._foreign(
+                "cannot read", self.key, f"holds an unreadable publish: {exc}"
+            ) from None
 
     def history(self, limit: int = 20) -> list[Published]:
-        """Accepted publishes, newest first (stale attempts are never recorded)."""
-        entries = self.redis.xrevrange(self.log_key, count=limit)
+        """Accepted publishes, newest first (stale attempts are never recorded).
+
+        A logged entry that cannot be read comes back with ``unreadable`` saying why.
+        """
+        try:
+            entries = self.redis.xrevrange(self.log_key, count=limit)
+        except UnicodeDecodeError:  # a client that decodes replies cannot read any of it
+            why = "a logged publish is not UTF-8; a client without decode_responses reads the rest"
+            return [Published("", 0, unreadable=why)]
+        except ResponseError as exc:  # WRONGTYPE: not a stream
+            return [Published("", 0, unreadable=f"{self.log_key}: {exc}")]
         out = []
         for _id, fields in entries:
-            f = {as_text(k): v for k, v in fields.items()}
-            out.append(_from_fields(f["target"], f["fence"], f.get("digest"), f.get("size")))
+            f = {readable(k): v for k, v in fields.items()}
+            try:
+                out.append(_from_fields(f["target"], f["fence"], f.get("digest"), f.get("size")))
+            except (KeyError, ValueError) as exc:
+                why = f"no {exc} field" if isinstance(exc, KeyError) else str(exc)
+                target = readable(f.get("target", ""))
+                out.append(Published(target, 0, unreadable=why))
         return out
 
 
 def _from_fields(target: Any, fence: Any, digest: Any, size: Any) -> Published:
-    digest_text = as_text(digest) if digest is not None else ""
-    size_text = as_text(size) if size is not None else ""
+    """A publish from its stored fields; ValueError saying which one is not readable."""
+    texts = {}
+    for field, value in (("target", target), ("fence", fence), ("digest", digest), ("size", size)):
+        try:
+            texts[field] = "" if value is None else as_text(value)
+        except UnicodeDecodeError:
+            raise ValueError(f"its {field} is not UTF-8") from None
+    for field in ("fence", "size"):
+        text = texts[field]
+        if text and not (text.isascii() and text.isdigit()):
+            raise ValueError(f"its {field} {printable(text[:40])!r} is not an integer")
+    if not texts["fence"]:
+        raise ValueError("its fence is empty")
     return Published(
-        as_text(target),
-        int(as_text(fence)),
-        digest_text or None,
-        int(size_text) if size_text else None,
+        texts["target"],
+        int(texts["fence"]),
+        texts["digest"] or None,
+        int(texts["size"]) if texts["size"] else None,
     )

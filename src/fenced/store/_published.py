@@ -36,6 +36,9 @@ class Published:
     fence: int
     digest: str | None = None
     size: int | None = None
+    #: Why a logged publish could not be read (``RedisPointer.history``), else None;
+    #: its other fields are then what could be read, and its fence 0.
+    unreadable: str | None = None
 
     @property
     def ref(self) -> Ref | None:
@@ -46,12 +49,15 @@ class Published:
 
     def as_dict(self) -> dict[str, str | int | None]:
         """JSON-ready form."""
-        return {
+        out: dict[str, str | int | None] = {
             "target": self.target,
             "fence": self.fence,
             "digest": self.digest,
             "size": self.size,
         }
+        if self.unreadable is not None:
+            out["unreadable"] = self.unreadable
+        return out
 
 
 #: What a pointer can publish: a stored object, another pointer's state, or a path.
