@@ -24,6 +24,10 @@ BASE = os.environ.get("FENCED_DEMO_REDIS", "redis://127.0.0.1:6379")
 OUT = os.environ.get("FENCED_DEMO_DIR", "/tmp/fenced-demo")
 TTL = float(os.environ.get("FENCED_DEMO_TTL", "2.0"))
 STEP = float(os.environ.get("FENCED_DEMO_STEP", "0.3"))
+#: Seconds a flaky fetch waits before its retry.
+RETRY_COUNTDOWN = 2.0
+#: The key the runner sets when the exports may finish.
+EXPORTS_GO = "demo:exports:go"
 
 app = Celery("fenced_demo", broker=f"{BASE}/0", backend=f"{BASE}/1")
 app.conf.update(
@@ -50,15 +54,19 @@ app.conf.update(
 _events: redis.Redis | None = None
 
 
-def event(kind: str, **data: Any) -> None:
-    """Tell the demo runner what happened, as it happens (a Redis list it reads)."""
+def _client() -> redis.Redis:
     global _events
     if _events is None:
         _events = redis.Redis.from_url(f"{BASE}/2")
+    return _events
+
+
+def event(kind: str, **data: Any) -> None:
+    """Tell the demo runner what happened, as it happens (a Redis list it reads)."""
     data.update(kind=kind, worker=os.environ.get("FENCED_DEMO_WORKER", socket.gethostname()))
     data["at"] = time.time()
     data["pid"] = os.getpid()
-    _events.rpush("demo:events", json.dumps(data))
+    _client().rpush("demo:events", json.dumps(data))
 
 
 def tile(tenant: str, layer: str, i: int) -> bytes:
@@ -143,3 +151,32 @@ def daily_digest(self: Any, tenant: str) -> dict[str, Any]:
     """Once an hour at most, however often the beat fires: a cooldown after each ok run."""
     event("digest", tenant=tenant, layer="digest", fence=self.claim.fence)
     return {"status": "ok", "tenant": tenant, "fence": self.claim.fence}
+
+
+@app.task(
+    base=ClaimedTask,
+    bind=True,
+    name="demo.export",
+    claim="export:{tenant}",
+    claim_ttl=TTL,
+    claim_limit=2,
+)
+def export(self: Any, tenant: str, hold: float = 20.0) -> dict[str, Any]:
+    """Export a tenant's maps to a print server that takes two jobs at once (claim_limit)."""
+    event("export", tenant=tenant, layer="export", fence=self.claim.fence)
+    # The slot stays held until the runner has shown a third export turned away.
+    deadline = time.monotonic() + hold
+    while not _client().exists(EXPORTS_GO) and time.monotonic() < deadline:
+        self.claim.check()
+        time.sleep(0.05)
+    return {"status": "ok", "tenant": tenant, "fence": self.claim.fence}
+
+
+@app.task(base=ClaimedTask, bind=True, name="demo.fetch_feed", claim="feed:{source}", claim_ttl=TTL)
+def fetch_feed(self: Any, source: str) -> dict[str, Any]:
+    """Fetch a feed from a flaky upstream: the first attempt retries, keeping its claim."""
+    attempt = self.request.retries
+    event("fetch", tenant=source, layer="feed", fence=self.claim.fence, attempt=attempt)
+    if attempt == 0:
+        raise self.retry(countdown=RETRY_COUNTDOWN)
+    return {"status": "ok", "source": source, "fence": self.claim.fence, "attempt": attempt}

@@ -57,6 +57,16 @@ class Demo:
             time.sleep(0.05)
         raise TimeoutError(f"no event {match} within {timeout}s")
 
+    def wait_events(self, count: int, timeout: float = 30.0, **match: Any) -> list[dict[str, Any]]:
+        """Wait for ``count`` events with the given fields."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [e for e in self.events() if all(e.get(k) == v for k, v in match.items())]
+            if len(found) >= count:
+                return found
+            time.sleep(0.05)
+        raise TimeoutError(f"no {count} events {match} within {timeout}s")
+
     def result(self, res: Any, timeout: float = 60.0) -> Any:
         """A task's result, or its exception as a value."""
         try:
@@ -117,6 +127,8 @@ class Demo:
                     self.act_tenants,
                     self.act_flood,
                     self.act_cooldown,
+                    self.act_limit,
+                    self.act_retry,
                 )
                 for act in acts:
                     act()
@@ -273,15 +285,89 @@ class Demo:
         runs = [e for e in self.events() if e["kind"] == "digest"]
         self.expect(len(runs) == 1, f"the digest ran {len(runs)} time(s) for three triggers")
 
+    def act_limit(self) -> None:
+        """Act 7: two at a time (claim_limit=2); a third attempt finds both slots held."""
+        self.say("\n[bold]7. Two at a time[/] — claim_limit=2: the third export is skipped")
+        from .. import Claim, Skipped
+        from .._inspect import list_claims
+        from .._views import holder_text
+
+        self.locks.delete(self.app.EXPORTS_GO)
+        sent = [self.app.export.apply_async(("acme",), queue=q) for q in ("a", "b")]
+        try:
+            started = self.wait_events(2, kind="export", tenant="acme")
+            held = next((i for i in list_claims(self.locks) if i.name == "export:acme"), None)
+            slots, limit = (held.slots, held.limit) if held is not None else ([], 0)
+            self.say(f"     fenced ls: export:acme  {len(slots)}/{limit} held")
+            for slot, holder in slots:
+                self.say(f"       slot {slot}: {holder_text(holder, short=True)}")
+            self.expect(
+                len(slots) == 2, f"two run at once, on {sorted(e['worker'] for e in started)}"
+            )
+            third = Claim(self.locks, "export:acme", ttl=self.app.TTL, limit=2, records=True)
+            got = third.acquire()
+            if got:
+                third.release()
+            reason = "acquired" if got else Skipped.of(third).reason
+            self.expect(not got, f"a third export, taken in this process, is skipped: {reason}")
+        finally:
+            self.locks.set(self.app.EXPORTS_GO, 1)  # the two exports may finish
+        out = [self.result(r) for r in sent]
+        ok = all(isinstance(o, dict) and o.get("status") == "ok" for o in out)
+        fences = sorted(o.get("fence") or 0 for o in out if isinstance(o, dict))
+        self.expect(
+            ok and len(set(fences)) == 2 and fences == sorted(e["fence"] for e in started),
+            f"both ran to the end, each under a fence of its own: {fences}",
+        )
+
+    def act_retry(self) -> None:
+        """Act 8: a task that retries keeps its claim through the countdown."""
+        self.say(
+            "\n[bold]8. A retry keeps its claim[/] — a duplicate during the countdown is skipped"
+        )
+        from ..records import history
+
+        fetch = self.app.fetch_feed
+        first = fetch.apply_async(("weather",), queue="a")
+        ev = self.wait_event(kind="fetch", tenant="weather", attempt=0)
+        deadline = time.monotonic() + 30
+        while not any(r.outcome == "retried" for r in history(self.locks, "feed:weather")):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        self.say(
+            f"     the upstream failed; the fetch (fence {ev['fence']}) retries in "
+            f"{self.app.RETRY_COUNTDOWN:.0f}s"
+        )
+        dup = self.result(fetch.apply_async(("weather",), queue="b"))
+        holder = (dup.get("holder") or {}) if isinstance(dup, dict) else {}
+        self.expect(
+            isinstance(dup, dict)
+            and dup.get("reason") == "already running"
+            and holder.get("task_id") == first.id,
+            f"a duplicate sent meanwhile is skipped: held by the retrying task {first.id[:8]}…",
+        )
+        out = self.result(first)
+        fence = out.get("fence") if isinstance(out, dict) else None
+        self.expect(
+            isinstance(out, dict) and out.get("attempt") == 1 and (fence or 0) > ev["fence"],
+            f"the retried attempt ran, with a higher fence: {ev['fence']} then {fence}",
+        )
+        outcomes = [r.outcome for r in reversed(history(self.locks, "feed:weather"))]
+        self.say(f"     run records, oldest first: {', '.join(outcomes)}")
+        self.expect(
+            outcomes == ["retried", "skipped", "ok"], "the first attempt's record says retried"
+        )
+
     def act_summary(self) -> None:
-        """Act 7: what the run records say."""
-        self.say("\n[bold]7. The run records[/]")
+        """Act 9: what the run records say."""
+        self.say("\n[bold]9. The run records[/]")
         from ..records import history
 
         names = [
             "rebuild:acme:roads", "rebuild:acme:parks", "rebuild:acme:rail",
             "rebuild:acme:tiles", "rebuild:globex:tiles", "rebuild", "rebuild:acme:signs",
-            "digest:acme",
+            "digest:acme", "export:acme", "feed:weather",
         ]  # fmt: skip
         for name in names:
             runs = history(self.locks, name, limit=50)
