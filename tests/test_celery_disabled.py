@@ -155,7 +155,9 @@ def test_the_switch_changed_between_runs_holds_from_the_next_run(
     assert enabled(app)
     app.conf.fenced_enabled = False
     assert not enabled(app)
-    del app.conf.changes["fenced_enabled"]
+    changes = app.conf.changes
+    assert changes is not None
+    del changes["fenced_enabled"]
     assert enabled(app)
     monkeypatch.setenv("FENCED_ENABLED", "off")
     assert not enabled(app)
