@@ -142,3 +142,31 @@ def test_a_worker_switched_on_does_not_warn(
     services = Services.on(redis_server)
     with Worker(services, concurrency=1, name="on") as worker:
         assert "claims are switched off" not in worker.log()
+
+
+def test_the_switch_changed_between_runs_holds_from_the_next_run(
+    no_switch: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app, rebuild = eager_app(fenced_enabled=False)
+    assert rebuild.apply(args=("a",)).get()["local"]
+    # Every run asks; the answer given before must not outlive a change of the setting,
+    # of the environment, or of the settings object.
+    app.conf.fenced_enabled = True
+    assert enabled(app)
+    app.conf.fenced_enabled = False
+    assert not enabled(app)
+    changes = app.conf.changes
+    assert changes is not None
+    del changes["fenced_enabled"]
+    assert enabled(app)
+    monkeypatch.setenv("FENCED_ENABLED", "off")
+    assert not enabled(app)
+    monkeypatch.setenv("FENCED_ENABLED", "on")
+    assert enabled(app)
+
+    class Settings:
+        fenced_enabled = False
+
+    app.config_from_object(Settings)
+    assert not enabled(app)
+    assert rebuild.apply(args=("b",)).get()["local"]

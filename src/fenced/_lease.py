@@ -301,7 +301,10 @@ class ClaimKeys:
 
     def all(self) -> list[str]:
         """The keys the ACQUIRE script receives, in KEYS order."""
-        return [self.lock, self.fence, self.runs, self.skips, self.rerun, self.cooldown]
+        # As lock, fence, runs, skips, rerun and cooldown spell them, from one prefix:
+        # every claim object builds these.
+        prefix = self._key("")
+        return [prefix + part for part in ("lock", "fence", "runs", "skips", "rerun", "cooldown")]
 
     @staticmethod
     def name_from_key(key: str | bytes, namespace: str = "fenced") -> str | None:
@@ -506,16 +509,16 @@ class LeaseCalls:
         #: How many holders the name may have at once (slots 0 .. limit-1).
         self.limit = limit
         # Built once: every acquire and release sends them.
-        self._acquire_keys = tuple(keys.all())
-        self._plain_keys = self._acquire_keys[:5]
-        self._lasting = keys.lasting()
+        self._acquire_keys = acquire = tuple(keys.all())
+        self._plain_keys = acquire[:5]
+        self._lasting = acquire[1:5]  # keys.lasting(), taken from those just built
         if limit > 1:
             self._acquire_keys += (keys.slots, *(keys.slot(i) for i in range(1, limit)))
             self._lasting += (keys.slots,)
-        self._release_keys = (keys.lock, keys.runs, keys.skips, keys.rerun)
+        self._release_keys = (acquire[0], *acquire[2:5])
         self._no_done = keys.done("")
         self._note_prefix = keys.released("")
-        self._cooldown = keys.cooldown
+        self._cooldown = acquire[5]
 
     def acquire_call(
         self,

@@ -287,18 +287,23 @@ def as_attribute(value: Any) -> Any:
 
 _clients: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 _clients_lock = threading.Lock()
-# The client each app was last given, and what its settings looked like then (_seen).
+# The client each app was last given, and what its settings looked like then
+# (settings_seen).
 _given: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
 
 
-def _seen(app: Any) -> tuple[Any, ...] | None:
-    """What the lock Redis settings of an app hang on, read without a settings lookup.
+_LOCK_SETTINGS = ("fenced_redis_client", "fenced_redis_url")
 
-    Every run asks for the client, and looking up a setting an app does not have costs
+
+def settings_seen(app: Any, names: tuple[str, ...]) -> tuple[Any, ...] | None:
+    """What some fenced settings of an app hang on, read without a settings lookup.
+
+    Every run asks for them, and looking up a setting an app does not have costs
     Celery a few KeyErrors per settings map. The settings object (a new one after
     ``config_from_object``), its runtime changes (``app.conf.x = ...``, ``update()``)
-    and the environment are what can change after the first run: while they are as
-    they were, so is the answer. None when the settings are not Celery's own.
+    and the environment (each setting's upper-case name) are what can change after the
+    first run: while they are as they were, so is the answer. None when the settings
+    are not Celery's own.
     """
     conf = app.conf
     changes = getattr(conf, "__dict__", {}).get("changes")
@@ -307,10 +312,8 @@ def _seen(app: Any) -> tuple[Any, ...] | None:
     return (
         conf,
         len(changes),
-        changes.get("fenced_redis_client"),
-        changes.get("fenced_redis_url"),
-        os.environ.get("FENCED_REDIS_CLIENT"),
-        os.environ.get("FENCED_REDIS_URL"),
+        *(changes.get(name) for name in names),
+        *(os.environ.get(name.upper()) for name in names),
     )
 
 
@@ -327,7 +330,7 @@ def lock_redis(app: Any) -> Any:
     comes first; then the ``fenced_redis_url`` setting, then ``FENCED_REDIS_URL``, in any
     form :mod:`fenced._client` reads (standalone, TLS, unix, Sentinel, Cluster).
     """
-    seen = _seen(app)
+    seen = settings_seen(app, _LOCK_SETTINGS)
     if seen is not None:
         given = _given.get(app)
         if given is not None and given[0] == seen:
