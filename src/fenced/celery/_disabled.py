@@ -14,14 +14,13 @@ import logging
 import os
 import threading
 import time
-import weakref
 from typing import Any
 
 from celery import signals as celery_signals
 
 from .._claim import _HELD, _RELEASED, Claim
 from .._errors import ConfigError
-from ._options import settings_seen
+from ._options import PerApp
 
 __all__ = ["SETTING", "LocalClaim", "enabled"]
 
@@ -33,23 +32,13 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-# Each app's answer, and what its settings looked like then: every run asks.
-_answers: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], bool]] = weakref.WeakKeyDictionary()
-_answers_lock = threading.Lock()
+# Each app's answer, read again when its settings change: every run asks.
+_answers = PerApp((SETTING,))
 
 
 def enabled(app: Any) -> bool:
     """Whether claimed tasks of ``app`` take real claims (True unless switched off)."""
-    seen = settings_seen(app, (SETTING,))
-    if seen is not None:
-        known = _answers.get(app)
-        if known is not None and known[0] == seen:
-            return known[1]
-    answer = _enabled(app)
-    if seen is not None:
-        with _answers_lock:
-            _answers[app] = (seen, answer)
-    return answer
+    return bool(_answers(app, _enabled))
 
 
 def _enabled(app: Any) -> bool:

@@ -287,12 +287,38 @@ def as_attribute(value: Any) -> Any:
 
 _clients: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDictionary()
 _clients_lock = threading.Lock()
-# The client each app was last given, and what its settings looked like then
-# (settings_seen).
-_given: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
 
 
-_LOCK_SETTINGS = ("fenced_redis_client", "fenced_redis_url")
+class PerApp:
+    """One answer per app, given again while the settings it reads are as they were.
+
+    ``names`` are the settings the answer hangs on (see :func:`settings_seen`); an app
+    whose settings are not Celery's own is asked every time.
+    """
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+        self._answers: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+
+    def __call__(self, app: Any, compute: Callable[[Any], Any]) -> Any:
+        """``compute(app)``, or its answer given before under the same settings."""
+        seen = settings_seen(app, self.names)
+        if seen is not None:
+            known = self._answers.get(app)
+            if known is not None and known[0] == seen:
+                return known[1]
+        answer = compute(app)
+        if seen is not None:
+            with self._lock:
+                self._answers[app] = (seen, answer)
+        return answer
+
+
+# The client each app was last given (read again when its settings change).
+_given = PerApp(("fenced_redis_client", "fenced_redis_url"))
 
 
 def settings_seen(app: Any, names: tuple[str, ...]) -> tuple[Any, ...] | None:
@@ -330,16 +356,7 @@ def lock_redis(app: Any) -> Any:
     comes first; then the ``fenced_redis_url`` setting, then ``FENCED_REDIS_URL``, in any
     form :mod:`fenced._client` reads (standalone, TLS, unix, Sentinel, Cluster).
     """
-    seen = settings_seen(app, _LOCK_SETTINGS)
-    if seen is not None:
-        given = _given.get(app)
-        if given is not None and given[0] == seen:
-            return given[1]
-    client = _lock_redis(app)
-    if seen is not None:
-        with _clients_lock:
-            _given[app] = (seen, client)
-    return client
+    return _given(app, _lock_redis)
 
 
 def _lock_redis(app: Any) -> Any:
