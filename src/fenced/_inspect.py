@@ -8,8 +8,6 @@ claim, the one its stream entry ids come from.
 
 from __future__ import annotations
 
-import getpass
-import os
 import re
 import socket
 from collections.abc import Callable, Iterator
@@ -19,6 +17,7 @@ from typing import Any
 import redis
 
 from . import _lease
+from ._audit import claimed_user
 from ._lease import (
     MAX_LIMIT,
     MAX_RECORDS,
@@ -361,11 +360,7 @@ def show_claim(
 
 def operator() -> str:
     """Who is at the keyboard: user@host, for the record of a manual release."""
-    try:
-        user = getpass.getuser()
-    except Exception:  # no passwd entry in some containers
-        user = str(os.getuid())
-    return f"{user}@{socket.gethostname()}"
+    return f"{claimed_user()}@{socket.gethostname()}"
 
 
 def force_release(
