@@ -453,18 +453,25 @@ if vanished then
 end
 local unrecorded
 if ARGV[2] ~= '' then
-  -- the lease is given back whatever the runs key holds: another type loses the record only
-  unrecorded = unrecordable(KEYS[2])
-  if not unrecorded then
-    if vanished then
-      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
-                 'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
-                 'outcome', outcome, 'r', ARGV[2], 'note', 'the lease was gone before release')
-    else
-      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
-                 'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
-                 'outcome', outcome, 'r', ARGV[2])
+  -- the lease is given back whatever the runs key holds: another type loses the record
+  -- only. Nothing is written before this XADD, so its own error tells (no TYPE per release).
+  local added
+  if vanished then
+    added = redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
+                        'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
+                        'outcome', outcome, 'r', ARGV[2],
+                        'note', 'the lease was gone before release')
+  else
+    added = redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
+                        'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
+                        'outcome', outcome, 'r', ARGV[2])
+  end
+  if type(added) == 'table' and added.err then
+    unrecorded = unrecordable(KEYS[2])
+    if not unrecorded then
+      return added  -- another error: nothing is done yet
     end
+  else
     touch(idle, KEYS[2])
   end
   -- a success ends a streak of skips (a claim without records counts none)
