@@ -130,9 +130,7 @@ class ClaimState:
         self.name: str = self.keys.name
         self.key: str = self.keys.lock
         # What each renewal keeps from expiring while the name is held.
-        # (A name held by several at once keeps its slots' hash too.)
-        lasting = self.keys.lasting() + ((self.keys.slots,) if self.limit > 1 else ())
-        self._lasting = lasting if self._idle_ms else ()
+        self._lasting = self.keys.lasting(self.limit) if self._idle_ms else ()
         self.namespace = namespace
         self.heartbeat = heartbeat
         self.on_lost = on_lost

@@ -281,9 +281,11 @@ class ClaimKeys:
         """A short-lived note of how a token's release went, so a retry gets that answer."""
         return f"{self._key('released:')}{token.split(':', 1)[0]}"
 
-    def lasting(self) -> tuple[str, ...]:
-        """The keys that outlive a lease and expire when the name is idle."""
-        return (self.fence, self.runs, self.skips, self.rerun)
+    def lasting(self, limit: int = 1) -> tuple[str, ...]:
+        """The keys that outlive a lease and expire when the name is idle (a name held
+        by several at once, ``limit`` > 1, keeps its slots' hash too)."""
+        kept = (self.fence, self.runs, self.skips, self.rerun)
+        return (*kept, self.slots) if limit > 1 else kept
 
     def done(self, task_id: str) -> str:
         """Set while a task id's run that ended ``ok`` may still be redelivered."""
@@ -511,10 +513,9 @@ class LeaseCalls:
         # Built once: every acquire and release sends them.
         self._acquire_keys = acquire = tuple(keys.all())
         self._plain_keys = acquire[:5]
-        self._lasting = acquire[1:5]  # keys.lasting(), taken from those just built
+        self._lasting = keys.lasting(limit)
         if limit > 1:
             self._acquire_keys += (keys.slots, *(keys.slot(i) for i in range(1, limit)))
-            self._lasting += (keys.slots,)
         self._release_keys = (acquire[0], *acquire[2:5])
         self._no_done = keys.done("")
         self._note_prefix = keys.released("")
@@ -541,10 +542,6 @@ class LeaseCalls:
         if self.limit > 1:
             args.append(self.limit)
         return ACQUIRE, self._acquire_keys, args
-
-    def lasting(self) -> tuple[str, ...]:
-        """The keys a renewal keeps while the name is held (with its slots' hash)."""
-        return self._lasting
 
     def refresh_call(self, token: str, ttl_ms: int, idle_ms: int = 0, slot: int = 0) -> Call:
         """REFRESH of ``token``'s lease (and the name's lasting keys); 1 when extended."""
@@ -979,7 +976,7 @@ def force_release(
         _audit.force_released(
             keys.name,
             token_prefix=short_token(text or token_prefix) or None,
-            fence=int(fence) if text and fence.isascii() and fence.isdigit() else None,
+            fence=int_or_none(fence) if text else None,
             by=data.get("by"),
             reason=reason,
             outcome=outcome_seen,
