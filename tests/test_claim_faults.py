@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from _wait import wait_for
 from fenced import Claim, ClaimLost, ClaimUnavailable, ConfigError, exclusive, records
 from fenced._lease import short_token
 from fenced.testing import RedisServer
@@ -241,6 +242,20 @@ def test_an_ok_release_sent_again_is_answered_by_its_done_marker(r: Any) -> None
     r.delete(stray.key)
     assert stray.release() is False
     assert stray.vanished
+
+
+def test_an_ok_release_sent_again_after_a_short_done_marker_is_still_ok(r: Any) -> None:
+    # A done marker shorter than the release note's minute cannot stand in for it: a
+    # retry sent after the marker expired still gets the first answer, recorded once.
+    claim = Claim(r, "sent-twice-short", ttl=5, heartbeat=False, records=True, task_id="t-2")
+    assert claim.acquire()
+    assert claim.token is not None
+    first = claim._store.release(claim.token, "{}", 100, "ok", claim.fence, 0, "t-2", 200)
+    assert first == (True, "ok", [])
+    wait_for("the done marker to expire", lambda: not claim.finished_ok() or None, timeout=10)
+    again = claim._store.release(claim.token, "{}", 100, "ok", claim.fence, 0, "t-2", 200)
+    assert again == (True, "ok", [])
+    assert [run.outcome for run in records.history(r, "sent-twice-short")] == ["ok"]
 
 
 def test_a_script_runs_again_after_the_server_forgot_it(r: Any) -> None:

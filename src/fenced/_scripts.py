@@ -502,9 +502,9 @@ if #gone > 0 then
   redis.call('DEL', unpack(gone))
 end
 local answer = {released, outcome, reruns}
-if released == 1 and not (marked and #reruns == 0) then
+if released == 1 and not (marked and #reruns == 0 and tonumber(ARGV[8]) >= 60000) then
   -- the note of a release that took no rerun triggers is its outcome alone; an ok run
-  -- with a done marker needs none (the marker answers a retry)
+  -- with a done marker that outlives the note needs none (the marker answers a retry)
   local note = outcome
   if #reruns > 0 then note = cjson.encode(answer) end
   redis.call('SET', KEYS[6], note, 'PX', 60000)
