@@ -406,3 +406,14 @@ def test_a_task_with_a_limit_runs_that_many_at_once(redis_server: RedisServer) -
             assert [d["status"] for d in done] == ["ok", "ok"]
     finally:
         client.close()
+
+
+def test_a_slot_is_never_handed_over_or_taken_over(r: Any) -> None:
+    claim = Claim(r, "limit-handover", ttl=5, limit=2, task_id="t-1", heartbeat=False)
+    with pytest.raises(ConfigError, match="limit 1 only"):
+        claim.take_over()
+    assert claim.acquire()
+    with pytest.raises(ConfigError, match="limit 1 only"):
+        claim.hand_over(5.0)
+    assert claim.held
+    assert claim.release()

@@ -716,6 +716,7 @@ class Claim(ClaimState):
         then False, and ``holder`` says who has it. The fence is a new one.
         """
         self._check_acquire(None)
+        self._check_handover("take_over")
         if not self.task_id:
             raise ConfigError(
                 "take_over() needs the claim's task_id: only a lease kept for the same "
@@ -723,6 +724,15 @@ class Claim(ClaimState):
                 name=self.name,
             )
         return self._try_acquire(False, takeover=True)
+
+    def _check_handover(self, what: str) -> None:
+        # HANDOVER and TAKEOVER keep and take the plain lease key; a slot is not handed on.
+        if self.limit > 1:
+            raise ConfigError(
+                f"{what}() works on a claim of limit 1 only (this one has limit="
+                f"{self.limit}): release the slot and acquire again instead",
+                name=self.name,
+            )
 
     def hand_over(self, keep_for: float, reason: str | None = None) -> str:
         """End this run and keep the lease ``keep_for`` seconds for a later attempt of
@@ -732,6 +742,7 @@ class Claim(ClaimState):
         it was gone (or Redis could not confirm it; it then expires within its ttl).
         Not held (lost, released): nothing is done and ``""`` comes back.
         """
+        self._check_handover("hand_over")
         if not self.held or self.token is None or not self.task_id:
             return ""
         if keep_for < 0:
