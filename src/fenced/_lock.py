@@ -294,6 +294,21 @@ class _Hold:
                 log.exception("fenced: on_lost callback for lock %r failed", self.name)
 
 
+def check_renewable_token(encoder: Any, token: str | bytes, name: str) -> None:
+    """Refuse a caller's token that auto_renew could not send back as the same bytes."""
+    raw = encoder.encode(token)
+    try:
+        same = encoder.encode(raw.decode()) == raw
+    except UnicodeDecodeError:
+        same = False
+    if not same:
+        raise ConfigError(
+            f"token {token!r} is not text the client encodes back to the same bytes; "
+            "auto_renew needs one (or leave token=None)",
+            name=name,
+        )
+
+
 def check_lock_options(
     redis: Any,
     name: Any,
@@ -460,22 +475,11 @@ class Lock(redis.lock.Lock):
     ) -> bool:
         """Acquire as redis-py does (same arguments, same waiting); mint the fence with it."""
         generated = token is None
-        if generated:
+        if token is None:
             # redis-py's kind of token; made here so the acquire script knows it is ours.
             token = new_token()
         elif self.auto_renew:
-            encoder = self.redis.get_encoder()
-            raw = encoder.encode(token)
-            try:
-                same = encoder.encode(raw.decode()) == raw
-            except UnicodeDecodeError:
-                same = False
-            if not same:
-                raise ConfigError(
-                    f"token {token!r} is not text the client encodes back to the same bytes; "
-                    "auto_renew needs one (or leave token=None)",
-                    name=self.name,
-                )
+            check_renewable_token(self.redis.get_encoder(), token, self.name)
         self.local.generated = generated
         # redis-py encodes str and bytes tokens alike (its annotation says str only).
         chosen: Any = token

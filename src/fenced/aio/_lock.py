@@ -33,9 +33,15 @@ from redis.asyncio.lock import Lock as _RedisLock
 from redis.exceptions import LockError, LockNotOwnedError
 
 from .._client import require_async
-from .._errors import ConfigError
 from .._lease import IDLE_TTL
-from .._lock import _Hold, check_lock_options, corrupt_fence, fence_key, new_token
+from .._lock import (
+    _Hold,
+    check_lock_options,
+    check_renewable_token,
+    corrupt_fence,
+    fence_key,
+    new_token,
+)
 from .._scripts import LOCK_ACQUIRE, LOCK_RELEASE, Script
 from ._renewer import renewer
 from ._send import call, keep, run_to_end
@@ -150,17 +156,8 @@ class Lock:
         """Take the lock as redis-py does (blocking by default); mint the fence with it."""
         generated = token is None
         raw: bytes = new_token() if token is None else self._encoder().encode(token)
-        if not generated and self.auto_renew:
-            try:
-                same = self._encoder().encode(raw.decode()) == raw
-            except UnicodeDecodeError:
-                same = False
-            if not same:
-                raise ConfigError(
-                    f"token {token!r} is not text the client encodes back to the same bytes; "
-                    "auto_renew needs one (or leave token=None)",
-                    name=self.name,
-                )
+        if token is not None and self.auto_renew:
+            check_renewable_token(self._encoder(), token, self.name)
         self.local.generated = generated
         if blocking is None:
             blocking = self.blocking
