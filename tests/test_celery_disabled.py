@@ -170,3 +170,20 @@ def test_the_switch_changed_between_runs_holds_from_the_next_run(
     app.config_from_object(Settings)
     assert not enabled(app)
     assert rebuild.apply(args=("b",)).get()["local"]
+
+
+def test_switched_off_a_secret_field_is_named_with_the_apps_key(
+    no_switch: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The same name as with claims on: the key comes from the app's setting.
+    monkeypatch.delenv("FENCED_SECRET_KEY", raising=False)
+    app = Celery("unit-secret", broker="memory://", set_as_current=False)
+    app.conf.update(task_always_eager=True, fenced_enabled=False, fenced_secret_key="k" * 32)
+
+    @app.task(base=ClaimedTask, bind=True, shared=False, name="u.sync", claim="sync:{token:secret}")
+    def sync(self: Any, token: str) -> str:
+        return str(self.claim.name)
+
+    name = sync.apply(args=("hunter2",)).get()
+    assert name == sync.claim_name_for(("hunter2",), {})
+    assert "hunter2" not in name

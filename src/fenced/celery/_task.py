@@ -467,7 +467,7 @@ class ClaimedTask(Task[Any, Any]):
         """fenced switched off (tests without Redis): the body runs under a LocalClaim."""
         opts = self._options()
         claim = LocalClaim(
-            self._namer()(args, kwargs)[0],
+            self.claim_name_for(args, kwargs),
             ttl=opts.ttl,
             namespace=opts.namespace,
             task_id=self.request.id,
