@@ -604,6 +604,141 @@ if app is not None:
                 "no run records (fenced run records every run; in Python: Claim(records=True))"
             )
 
+    @app.command("web")
+    def web_cmd(
+        redis_url: RedisOpt = None,
+        namespace: NamespaceOpt = "fenced",
+        host: Annotated[
+            str, typer.Option(metavar="ADDR", help="Address to listen on (loopback by default).")
+        ] = "127.0.0.1",
+        port: Annotated[int, typer.Option(metavar="PORT", min=0, max=65535)] = 8377,
+        allow_release: Annotated[
+            bool,
+            typer.Option(
+                "--allow-release",
+                help="Let the page (and POST /api/claims/NAME/release) clear claims, with "
+                "the token as 'Authorization: Bearer TOKEN'.",
+            ),
+        ] = False,
+        token_file: Annotated[
+            str | None,
+            typer.Option(
+                metavar="F",
+                help="With --allow-release: the token, read from this file (else "
+                "$FENCED_WEB_TOKEN, else one is made and printed once).",
+            ),
+        ] = None,
+        refresh: Annotated[
+            float, typer.Option(metavar="S", min=0.2, help="Seconds between page refreshes.")
+        ] = 2.0,
+        alert_after_skips: Annotated[
+            int,
+            typer.Option(
+                metavar="N",
+                min=0,
+                help="Highlight claims with N or more consecutive skips (0: never); the "
+                "default is Celery's claim_alert_after_skips default.",
+            ),
+        ] = 5,
+    ) -> None:
+        """Serve a dashboard of the held claims and their runs, and its JSON API.
+
+        Needs the web extra: pip install 'fenced[web]'. Listens on 127.0.0.1
+        unless --host says otherwise; releasing from the page needs
+        --allow-release and the token.
+
+        \b
+        Exit status:
+          0   stopped with Ctrl-C
+          2   usage: no --redis, the web extra missing, an unreadable --token-file
+          69  Redis unreachable at start
+        """
+        try:
+            import uvicorn
+
+            from .web import create_app
+        except ImportError:
+            _err("fenced web needs its extra: pip install 'fenced[web]'")
+            raise typer.Exit(EXIT_USAGE) from None
+        from ._client import redact
+        from ._errors import ConfigError
+        from ._lease import describe_client
+
+        client = _client(redis_url)
+        label = redact(redis_url) if redis_url else describe_client(client)
+        with _talking_to(client):
+            client.ping()
+        token = _web_token(token_file) if allow_release else None
+        if allow_release and not _loopback(host):
+            _err(
+                f"fenced web: WARNING: --allow-release on {host}, not a loopback address: "
+                "anyone who can reach this port and has the token can clear claims, and "
+                "the token crosses the network in clear text unless a TLS proxy is in "
+                "front; prefer --host 127.0.0.1 behind such a proxy"
+            )
+        from ._audit import echo_to_stderr
+
+        echo_to_stderr()  # the fenced.audit line of each release from the page
+        try:
+            web = create_app(
+                client,
+                namespace=namespace,
+                allow_release=allow_release,
+                token=token,
+                refresh=refresh,
+                alert_after_skips=alert_after_skips,
+                redis_label=label,
+                # A loopback server answers only to its own names (no DNS rebinding);
+                # Starlette's check cannot read an IPv6 Host header, so ::1 is left open.
+                allowed_hosts=["127.0.0.1", "localhost"]
+                if _loopback(host) and ":" not in host
+                else None,
+            )
+        except ConfigError as exc:
+            _err(f"fenced web: {exc.message}")
+            raise typer.Exit(EXIT_USAGE) from None
+        shown = f"[{host}]" if ":" in host else host
+        _err(
+            f"fenced web: http://{shown}:{port}/ shows the claims of namespace {namespace!r} "
+            f"on {label}{'; release allowed' if allow_release else ''} (Ctrl-C stops)"
+        )
+        uvicorn.run(
+            web, host=host, port=port, log_level="warning", access_log=False, server_header=False
+        )
+
+    def _loopback(host: str) -> bool:
+        import ipaddress
+
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host.strip("[]")).is_loopback
+        except ValueError:
+            return False
+
+    def _web_token(token_file: str | None) -> str:
+        """The release token: --token-file, else $FENCED_WEB_TOKEN, else a new one, printed."""
+        if token_file:
+            try:
+                with open(token_file, encoding="utf-8") as f:
+                    token = f.read().strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                _err(f"fenced web: cannot read --token-file {token_file}: {exc}")
+                raise typer.Exit(EXIT_USAGE) from None
+            if not token:
+                _err(f"fenced web: --token-file {token_file} is empty: put the token in it")
+                raise typer.Exit(EXIT_USAGE)
+            return token
+        token = os.environ.get("FENCED_WEB_TOKEN", "").strip()
+        if token:
+            return token
+        import secrets
+
+        token = secrets.token_urlsafe(24)
+        # Printed once, to the terminal that started the server: nowhere else keeps it.
+        _err(f"fenced web: release token (shown once, pass --token-file F to choose): {token}")
+        return token
+
     @app.command("release")
     def release_cmd(
         name: NameArg,

@@ -1,0 +1,400 @@
+"""The dashboard's Starlette app: the page, its three static files, and the JSON API.
+
+Everything is read through the operator tools (``fenced._inspect``, ``fenced.records``),
+as ``fenced ls`` and ``fenced show`` read it, and every string that came from Redis is
+escaped by :func:`fenced._printable.printable` before it is sent (the page then shows it
+as text, never as markup). A release goes through ``fenced._inspect.force_release``,
+as ``fenced release`` does: recorded in the claim's run records and on ``fenced.audit``.
+
+A claim name is one path segment of the API, percent-encoded (``/`` as ``%2F``), so
+that a name holding ``/`` is never read as a route.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from importlib import resources
+from typing import Any
+from urllib.parse import unquote
+
+import redis
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .._errors import ClaimUnavailable, ConfigError
+from .._inspect import force_release, list_claims, operator, show_claim
+from .._lease import MAX_RECORDS, UNREACHABLE, describe_client, read_slots, why_unreachable
+from .._printable import printable
+from ..records import consecutive_skips, history
+
+__all__ = ["HEADERS", "create_app"]
+
+#: Sent with every response: nothing but the app's own files runs or loads in the page.
+HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self'; "
+        "object-src 'none'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+#: The page's files, by the name the page asks for them (served from the package).
+STATIC = {
+    "app.js": "text/javascript; charset=utf-8",
+    "app.css": "text/css; charset=utf-8",
+}
+#: The largest release request read (a reason, a token prefix).
+MAX_BODY = 64 * 1024
+#: Runs the timeline shows by default.
+RUNS = 50
+
+
+def _safe(value: Any) -> Any:
+    """JSON-ready data with every string escaped for display (keys too)."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {_safe(k): _safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_safe(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    return printable(value)
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(_safe(data), status_code=status, headers=headers)
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return _json({"error": message}, status, headers)
+
+
+class _Headers:
+    """ASGI middleware: the security headers on every response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                have = {k.lower() for k, _v in message.get("headers", [])}
+                extra = [
+                    (k.lower().encode(), v.encode())
+                    for k, v in HEADERS.items()
+                    if k.lower().encode() not in have
+                ]
+                message["headers"] = [*message.get("headers", []), *extra]
+            await send(message)
+
+        await self.app(scope, receive, send_with)
+
+
+def _server_now(client: Any) -> float:
+    """Now on the Redis server's clock (the one run records are stamped with)."""
+    try:
+        secs, micros = client.time()
+        return int(secs) + int(micros) / 1e6
+    except Exception:  # a cluster client without a node to ask: this host's clock
+        return time.time()
+
+
+def _name_and_action(request: Request) -> tuple[str, str]:
+    """The claim name (one percent-encoded segment) and what follows it ("" for none)."""
+    raw = request.scope.get("raw_path") or request.url.path.encode()
+    path = raw.decode("latin-1").split("?", 1)[0]
+    rest = path[len("/api/claims/") :]
+    segment, _slash, action = rest.partition("/")
+    return unquote(segment), action
+
+
+def create_app(
+    client: Any,
+    namespace: str = "fenced",
+    allow_release: bool = False,
+    token: str | None = None,
+    *,
+    refresh: float = 2.0,
+    alert_after_skips: int = 5,
+    redis_label: str | None = None,
+    allowed_hosts: list[str] | None = None,
+) -> Starlette:
+    """The dashboard of the claims under ``namespace`` on ``client``, as an ASGI app.
+
+    ``allow_release`` turns on ``POST /api/claims/{name}/release``, which then needs
+    ``Authorization: Bearer <token>``. ``alert_after_skips`` marks claims whose
+    consecutive skips reach it (0: never). ``redis_label`` is shown on the page as it
+    is: give a redacted URL (``fenced._client.redact``), never one with a password.
+    ``allowed_hosts`` are the Host headers answered (None: any); on loopback, naming
+    them keeps a page of another site that rebinds its DNS to 127.0.0.1 out.
+    """
+    from .._lease import check_namespace
+
+    check_namespace(namespace)
+    if allow_release and not token:
+        raise ConfigError(
+            "allow_release=True needs a token: pass token=..., the secret clients send "
+            "as 'Authorization: Bearer <token>'"
+        )
+    if refresh <= 0:
+        raise ConfigError(f"refresh={refresh!r} must be a positive number of seconds, e.g. 2")
+    if alert_after_skips < 0:
+        raise ConfigError(
+            f"alert_after_skips={alert_after_skips!r} must be 0 (no alert) or a whole "
+            "number of skips, e.g. 5"
+        )
+    files = resources.files(__package__) / "static"
+    page = (files / "index.html").read_bytes()
+    static = {name: (files / name).read_bytes() for name in STATIC}
+    where = redis_label if redis_label is not None else describe_client(client)
+
+    def alerting(skips: int) -> bool:
+        return alert_after_skips > 0 and skips >= alert_after_skips
+
+    def talking(handler: Any) -> Any:
+        """Redis unreachable or answering an error: a 503 naming it, not a crash."""
+
+        def wrapped(request: Request, body: bytes) -> Response:
+            try:
+                response: Response = handler(request, body)
+                return response
+            except UNREACHABLE as exc:
+                return _error(503, f"cannot reach Redis at {where}: {why_unreachable(exc)}")
+            except ClaimUnavailable as exc:
+                return _error(503, str(exc))
+            except redis.ResponseError as exc:
+                return _error(503, f"Redis at {where} answered with an error: {exc}")
+            except ConfigError as exc:
+                return _error(400, exc.message)
+
+        return wrapped
+
+    def index(request: Request, body: bytes) -> Response:
+        return Response(page, media_type="text/html; charset=utf-8")
+
+    def static_file(request: Request, body: bytes) -> Response:
+        name = request.path_params["file"]
+        if name not in static:
+            return _error(404, f"no such file: {name}")
+        return Response(static[name], media_type=STATIC[name])
+
+    def config(request: Request, body: bytes) -> Response:
+        return _json(
+            {
+                "namespace": namespace,
+                "redis": where,
+                "refresh": refresh,
+                "alert_after_skips": alert_after_skips,
+                "allow_release": allow_release,
+            }
+        )
+
+    @talking
+    def claims(request: Request, body: bytes) -> Response:
+        infos = list_claims(client, namespace)
+        rows = []
+        for info in infos:
+            row = info.as_dict()
+            row["alert"] = alerting(info.skips)
+            rows.append(row)
+        return _json(
+            {
+                "namespace": namespace,
+                "now": _server_now(client),
+                "alert_after_skips": alert_after_skips,
+                "claims": rows,
+            }
+        )
+
+    @talking
+    def claim(request: Request, body: bytes) -> Response:
+        name, action = _name_and_action(request)
+        if not name:
+            return _error(404, "no claim named: use /api/claims/NAME")
+        if request.method == "POST":
+            if action != "release":
+                return _error(405, f"POST goes to /api/claims/{{name}}/release, not {action!r}")
+            return release(request, name, body)
+        if action == "runs":
+            return runs(request, name)
+        if action:
+            return _error(404, f"no such view {action!r}: use /api/claims/{{name}}/runs")
+        limit = _limit(request)
+        report = show_claim(client, name, namespace=namespace, limit=limit)
+        data = report.as_dict()
+        skips = consecutive_skips(client, report.name, namespace=namespace)
+        data.update(skips=skips, alert=alerting(skips), now=_server_now(client))
+        return _json(data)
+
+    def runs(request: Request, name: str) -> Response:
+        records = history(client, name, limit=_limit(request), namespace=namespace)
+        now = _server_now(client)
+        out = []
+        for run in records:
+            out.append(
+                {
+                    "start": run.started,
+                    "end": run.finished,
+                    "outcome": run.outcome,
+                    # Who held the claim: a skip's and a release's holder is the one
+                    # found there; any other run's, the process that ran it.
+                    "holder": run.holder or run.worker,
+                    "worker": run.worker,
+                    "task_id": run.task_id,
+                    "token": run.token,
+                    "fence": run.fence,
+                    "duration": run.duration,
+                    "reason": run.reason,
+                    "unreadable": run.unreadable,
+                }
+            )
+        skips = [r.started for r in records if r.outcome == "skipped"]
+        losses = [r.finished or r.started for r in records if r.outcome == "lost"]
+        return _json(
+            {
+                "name": records[0].name if records else name,
+                "now": now,
+                "runs": out,
+                "skips": skips,
+                "losses": losses,
+            }
+        )
+
+    def release(request: Request, name: str, raw: bytes) -> Response:
+        if not allow_release:
+            return _error(
+                403,
+                "releasing is off: start fenced web with --allow-release (and --token-file "
+                "or FENCED_WEB_TOKEN) to release claims from the dashboard",
+            )
+        auth = request.headers.get("authorization", "")
+        scheme, _sp, given = auth.partition(" ")
+        if not auth or scheme.lower() != "bearer" or not given.strip():
+            return _error(
+                401,
+                "no token: send 'Authorization: Bearer <token>' with the token fenced web "
+                "was started with",
+                {"WWW-Authenticate": 'Bearer realm="fenced"'},
+            )
+        assert token is not None  # checked when the app was made
+        if not hmac.compare_digest(given.strip().encode(), token.encode()):
+            return _error(403, "wrong token: not the one fenced web was started with")
+        body = _body(request, raw)
+        if isinstance(body, Response):
+            return body
+        reason = body.get("reason")
+        if not isinstance(reason, str) or not reason.strip():
+            return _error(400, 'give a reason: {"reason": "..."}; the run records keep it')
+        prefix = body.get("token") or ""
+        if not isinstance(prefix, str):
+            return _error(400, '"token" is the start of the holder\'s token, as text')
+        prefix = prefix.strip()
+        held = read_slots(client, name, namespace=namespace)
+        if len(held) > 1 and not prefix:
+            who = "; ".join(f"slot {i}: {h.token} {h}" for i, h in held)
+            return _error(
+                409,
+                f"{name!r} has {len(held)} holders ({who}); name the one to clear with "
+                '"token": PREFIX',
+            )
+        if len(held) > 1:
+            slot = next((i for i, h in held if h.token.startswith(prefix)), 0)
+        else:
+            slot = held[0][0] if held else 0
+        peer = request.client.host if request.client else "?"
+        by = f"{operator()} (fenced web, for {peer})"
+        holder = force_release(
+            client,
+            name,
+            reason=reason.strip(),
+            namespace=namespace,
+            by=by,
+            token_prefix=prefix,
+            slot=slot,
+        )
+        if holder is None and held:
+            return _error(409, f"{name!r} is held by another token; not released")
+        message = (
+            f"released {name!r}, was held by {holder}"
+            if holder
+            else f"nothing held under {name!r} in namespace {namespace!r}"
+        )
+        return _json(
+            {
+                "name": name,
+                "released": holder is not None,
+                "holder": holder.as_dict() if holder else None,
+                "by": by,
+                "reason": reason.strip(),
+                "message": message,
+            }
+        )
+
+    def sync(handler: Any) -> Any:
+        """An endpoint running ``handler`` (blocking Redis calls) in the thread pool."""
+
+        async def endpoint(request: Request) -> Response:
+            size = request.headers.get("content-length", "0")
+            if not size.isdigit() or int(size) > MAX_BODY:
+                return _error(413, f"send at most {MAX_BODY} bytes, with a Content-Length")
+            body = await request.body() if request.method == "POST" else b""
+            response: Response = await run_in_threadpool(handler, request, body)
+            return response
+
+        return endpoint
+
+    return Starlette(
+        routes=[
+            Route("/", sync(index)),
+            Route("/static/{file}", sync(static_file)),
+            Route("/api/config", sync(config)),
+            Route("/api/claims", sync(claims)),
+            Route("/api/claims/{rest:path}", sync(claim), methods=["GET", "POST"]),
+        ],
+        middleware=[
+            Middleware(_Headers),
+            Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts or ["*"]),
+        ],
+    )
+
+
+def _limit(request: Request) -> int:
+    """The ``limit`` query parameter: runs to read, 1 to MAX_RECORDS (default RUNS)."""
+    text = request.query_params.get("limit")
+    if text is None:
+        return RUNS
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"limit={text!r} is not a whole number of runs, e.g. 50") from None
+    return max(1, min(value, MAX_RECORDS))
+
+
+def _body(request: Request, raw: bytes) -> dict[str, Any] | Response:
+    """The request's JSON object, or the 400/415 that says what is wrong with it."""
+    kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if kind != "application/json":
+        # Also what keeps a cross-site form from posting: JSON needs a CORS preflight.
+        return _error(415, 'send JSON: Content-Type: application/json, {"reason": "..."}')
+    try:
+        data = json.loads(raw or b"{}")
+    except ValueError:
+        return _error(400, 'the body is not JSON: send {"reason": "..."}')
+    if not isinstance(data, dict):
+        return _error(400, 'the body is not a JSON object: send {"reason": "..."}')
+    return data

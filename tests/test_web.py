@@ -1,0 +1,365 @@
+"""`fenced web`'s JSON API through Starlette's TestClient, on a real redis-server: claims
+listed live, a claim's detail and runs, release refused and allowed, hostile data.
+
+The command itself runs as a subprocess in the last tests here, and in a browser in
+test_web_browser.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from importlib import resources
+from typing import Any
+
+import pytest
+import redis
+from starlette.testclient import TestClient
+
+from _wait import wait_for
+from fenced import Claim, ConfigError, records
+from fenced.testing import RedisServer, free_port
+from fenced.web import create_app
+from test_hostile import CASES, EVIL_HOST, good_claim
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def r(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """A client on the module's server, emptied first (bytes: it writes anything)."""
+    client = redis_server.client()
+    client.flushall()
+    yield client
+    client.close()
+
+
+def api(r: Any, base_url: str = "http://testserver", **options: Any) -> TestClient:
+    return TestClient(create_app(r, **options), base_url=base_url)
+
+
+def held(r: Any, name: str, **kw: Any) -> Claim:
+    claim = Claim(r, name, ttl=30, heartbeat=False, records=True, **kw)
+    assert claim.acquire()
+    return claim
+
+
+def no_controls(data: Any) -> None:
+    """Nothing a terminal or a page would act on, anywhere in a decoded JSON answer."""
+    if isinstance(data, dict):
+        for k, v in data.items():
+            no_controls(k)
+            no_controls(v)
+    elif isinstance(data, list):
+        for v in data:
+            no_controls(v)
+    elif isinstance(data, str):
+        assert not any(c in data for c in "\x1b\x07\x9b\u202e\u202c"), data
+
+
+# -- reading --------------------------------------------------------------------------------
+
+
+def test_claims_are_listed_live_with_holder_age_time_left_fence_and_skips(r: Any) -> None:
+    with Claim(r, "report:daily", ttl=30, heartbeat=False, records=True):
+        pass
+    claim = held(r, "report:daily")
+    assert not Claim(r, "report:daily", ttl=30, records=True, heartbeat=False).acquire()
+    slots = [held(r, "export", limit=3), held(r, "export", limit=3)]
+    web = api(r)
+
+    answer = web.get("/api/claims")
+    assert answer.status_code == 200
+    data = answer.json()
+    assert data["namespace"] == "fenced" and data["alert_after_skips"] == 5
+    by_name = {c["name"]: c for c in data["claims"]}
+    assert set(by_name) == {"report:daily", "export"}
+    daily = by_name["report:daily"]
+    assert daily["holder"]["pid"] == os.getpid()
+    assert daily["holder"]["token"] == str(claim.token).split(":")[0][:8]
+    assert 0 <= daily["age"] < 10 and 20 < daily["expires_in"] <= 30
+    assert daily["fence"] == claim.fence and daily["skips"] == 1
+    assert daily["last_outcome"] == "ok" and daily["alert"] is False
+    export = by_name["export"]
+    assert export["limit"] == 3 and len(export["slots"]) == 2
+    assert {s["fence"] for s in export["slots"]} == {c.fence for c in slots}
+
+    claim.release()
+    assert [c["name"] for c in web.get("/api/claims").json()["claims"]] == ["export"]
+
+
+def test_claims_whose_skips_reach_the_threshold_are_marked(r: Any) -> None:
+    held(r, "sync")
+    for _ in range(2):
+        assert not Claim(r, "sync", ttl=30, records=True, heartbeat=False).acquire()
+    assert api(r, alert_after_skips=2).get("/api/claims").json()["claims"][0]["alert"] is True
+    assert api(r, alert_after_skips=3).get("/api/claims").json()["claims"][0]["alert"] is False
+    assert api(r, alert_after_skips=0).get("/api/claims").json()["claims"][0]["alert"] is False
+    detail = api(r, alert_after_skips=2).get("/api/claims/sync").json()
+    assert detail["skips"] == 2 and detail["alert"] is True
+
+
+def test_a_claims_detail_and_its_runs(r: Any) -> None:
+    name = "reports/daily:acme"  # a '/' in a name is a %2F in the path, never a route
+    with Claim(r, name, ttl=30, heartbeat=False, records=True):
+        pass
+    failed = held(r, name)
+    failed.release(outcome="failed", reason="exit 3")
+    claim = held(r, name)
+    assert not Claim(r, name, ttl=30, records=True, heartbeat=False).acquire()
+    web = api(r)
+
+    detail = web.get("/api/claims/reports%2Fdaily:acme")
+    assert detail.status_code == 200, detail.text
+    data = detail.json()
+    assert data["name"] == name and data["holder"]["fence"] == claim.fence
+    assert [run["outcome"] for run in data["runs"]] == ["skipped", "running", "failed", "ok"]
+    assert data["skips"] == 1 and data["now"] > 0
+
+    runs = web.get("/api/claims/reports%2Fdaily:acme/runs").json()
+    assert runs["name"] == name
+    assert [run["outcome"] for run in runs["runs"]] == ["skipped", "running", "failed", "ok"]
+    skip, running, fail, ok = runs["runs"]
+    assert running["end"] is None and running["fence"] == claim.fence
+    assert running["worker"] == f"{os.uname().nodename}:{os.getpid()}"
+    assert fail["reason"] == "exit 3" and fail["end"] >= fail["start"]
+    assert ok["start"] <= ok["end"] <= fail["start"] <= running["start"] <= runs["now"]
+    assert runs["skips"] == [skip["start"]] and runs["losses"] == []
+    assert skip["holder"] and "pid" in skip["holder"]  # who held it when it skipped
+
+    assert len(web.get("/api/claims/reports%2Fdaily:acme/runs?limit=2").json()["runs"]) == 2
+    bad = web.get("/api/claims/x/runs?limit=many")
+    assert bad.status_code == 400 and "limit='many'" in bad.json()["error"]
+    assert web.get("/api/claims/x/what").status_code == 404
+    unknown = web.get("/api/claims/never-held").json()
+    assert unknown["holder"] is None and unknown["runs"] == []
+
+
+# -- release --------------------------------------------------------------------------------
+
+
+def test_release_is_refused_unless_started_with_allow_release(r: Any) -> None:
+    claim = held(r, "job")
+    answer = api(r).post("/api/claims/job/release", json={"reason": "gone"}, headers=AUTH)
+    assert answer.status_code == 403
+    assert "--allow-release" in answer.json()["error"]
+    assert claim.held and r.exists("fenced:{job}:lock")
+
+
+@pytest.mark.parametrize(
+    ("headers", "status", "says"),
+    [
+        ({}, 401, "no token"),
+        ({"Authorization": "Bearer "}, 401, "no token"),
+        ({"Authorization": f"Basic {TOKEN}"}, 401, "no token"),
+        ({"Authorization": "Bearer wrong"}, 403, "wrong token"),
+        ({"Authorization": f"Bearer {TOKEN}x"}, 403, "wrong token"),
+    ],
+)
+def test_release_without_the_token_is_refused(
+    r: Any, headers: dict[str, str], status: int, says: str
+) -> None:
+    held(r, "job")
+    web = api(r, allow_release=True, token=TOKEN)
+    answer = web.post("/api/claims/job/release", json={"reason": "gone"}, headers=headers)
+    assert answer.status_code == status and says in answer.json()["error"]
+    assert r.exists("fenced:{job}:lock")
+    assert [run.outcome for run in records.history(r, "job")] == ["running"]
+
+
+def test_release_with_the_token_is_recorded_with_reason_and_operator(
+    r: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    claim = held(r, "job")
+    web = api(r, allow_release=True, token=TOKEN)
+    for body, status in (({}, 400), ({"reason": "  "}, 400), ({"reason": 5}, 400)):
+        assert web.post("/api/claims/job/release", json=body, headers=AUTH).status_code == status
+    as_form = web.post("/api/claims/job/release", data={"reason": "x"}, headers=AUTH)
+    assert as_form.status_code == 415  # a cross-site form cannot post JSON
+    assert r.exists("fenced:{job}:lock")
+
+    with caplog.at_level(logging.INFO, logger="fenced.audit"):
+        answer = web.post("/api/claims/job/release", json={"reason": "host died"}, headers=AUTH)
+    assert answer.status_code == 200, answer.text
+    data = answer.json()
+    assert data["released"] is True and data["holder"]["fence"] == claim.fence
+    assert "fenced web" in data["by"] and data["reason"] == "host died"
+    assert not r.exists("fenced:{job}:lock")
+    run = records.history(r, "job")[0]
+    assert run.outcome == "released" and run.reason == "host died"
+    assert run.extra.get("by") == data["by"]
+    audit = [rec for rec in caplog.records if rec.name == "fenced.audit"]
+    assert audit and audit[-1].fenced_outcome == "released"  # type: ignore[attr-defined]
+    assert audit[-1].fenced_by == data["by"]  # type: ignore[attr-defined]
+
+    again = web.post("/api/claims/job/release", json={"reason": "again"}, headers=AUTH).json()
+    assert again["released"] is False and "nothing held" in again["message"]
+
+
+def test_release_of_a_name_held_by_several_needs_the_holder(r: Any) -> None:
+    first, second = held(r, "pool", limit=2), held(r, "pool", limit=2)
+    web = api(r, allow_release=True, token=TOKEN)
+    vague = web.post("/api/claims/pool/release", json={"reason": "x"}, headers=AUTH)
+    assert vague.status_code == 409 and "2 holders" in vague.json()["error"]
+    prefix = str(second.token)[:8]
+    named = web.post(
+        "/api/claims/pool/release", json={"reason": "x", "token": prefix}, headers=AUTH
+    )
+    assert named.status_code == 200 and named.json()["holder"]["token"] == prefix
+    assert first.held and second.lost is False  # no heartbeat: the loss is seen at release
+    assert not second.release()
+
+
+def test_allow_release_needs_a_token_and_other_bad_options_are_named(r: Any) -> None:
+    with pytest.raises(ConfigError, match="needs a token"):
+        create_app(r, allow_release=True)
+    with pytest.raises(ConfigError, match="refresh"):
+        create_app(r, refresh=0)
+    with pytest.raises(ConfigError, match="alert_after_skips"):
+        create_app(r, alert_after_skips=-1)
+    with pytest.raises(ConfigError, match="namespace"):
+        create_app(r, namespace="a{b}")
+
+
+# -- the page and its headers ---------------------------------------------------------------
+
+
+def test_the_page_its_files_and_headers(r: Any) -> None:
+    web = api(r, refresh=0.5)
+    page = web.get("/", headers={"Origin": "http://evil.example"})
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert page.headers["content-security-policy"].startswith("default-src 'self'")
+    assert page.headers["x-content-type-options"] == "nosniff"
+    assert "access-control-allow-origin" not in page.headers
+    for name, kind in (("app.js", "text/javascript"), ("app.css", "text/css")):
+        answer = web.get(f"/static/{name}")
+        assert answer.status_code == 200 and answer.headers["content-type"].startswith(kind)
+        assert answer.headers["x-content-type-options"] == "nosniff"
+    assert web.get("/static/..%2Fapp.py").status_code == 404
+    assert web.get("/static/index.html").status_code == 404  # the page is served at /
+    config = web.get("/api/config").json()
+    assert config == {
+        "namespace": "fenced",
+        "redis": config["redis"],
+        "refresh": 0.5,
+        "alert_after_skips": 5,
+        "allow_release": False,
+    }
+    big = web.post("/api/claims/x/release", content=b"{}" * 40_000, headers=AUTH)
+    assert big.status_code == 413
+    own = api(r, allowed_hosts=["127.0.0.1"], base_url="http://127.0.0.1:8377")
+    assert own.get("/api/claims").status_code == 200
+    assert own.get("/api/claims", headers={"Host": "evil.example"}).status_code == 400
+    preflight = web.options("/api/claims/x/release", headers={"Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in preflight.headers
+
+
+def test_nothing_is_loaded_from_elsewhere_and_no_data_is_parsed_as_markup() -> None:
+    files = resources.files("fenced.web") / "static"
+    html, js, css = ((files / n).read_text() for n in ("index.html", "app.js", "app.css"))
+    for text in (html, css):
+        assert "://" not in text and "@import" not in text and "url(" not in text
+    assert "<script" not in html.replace('<script src="/static/app.js" defer></script>', "")
+    # The SVG namespace is a name, not an address: the script fetches only this server.
+    assert js.count("://") == 1 and "http://www.w3.org/2000/svg" in js
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval("):
+        assert sink not in js
+
+
+def test_an_unreachable_redis_is_a_503_naming_it() -> None:
+    down = redis.Redis(port=free_port(), socket_connect_timeout=0.5)
+    answer = api(down, redis_label="redis://127.0.0.1:1/0").get("/api/claims")
+    assert answer.status_code == 503
+    assert answer.json()["error"].startswith("cannot reach Redis at redis://127.0.0.1:1/0")
+
+
+# -- hostile data ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hostile_data_is_served_escaped_and_never_breaks_the_api(case: str, r: Any) -> None:
+    seed, _says = CASES[case]
+    good_claim(r)
+    seed(r)
+    web = api(r, allow_release=True, token=TOKEN)
+    listed = web.get("/api/claims")
+    assert listed.status_code == 200, listed.text
+    assert {c["name"] for c in listed.json()["claims"]} == {"good", "bad"}
+    no_controls(listed.json())
+    for path in ("/api/claims/bad", "/api/claims/bad/runs", "/api/claims/good"):
+        answer = web.get(path)
+        assert answer.status_code == 200, (path, answer.text)
+        no_controls(answer.json())
+    released = web.post("/api/claims/bad/release", json={"reason": EVIL_HOST}, headers=AUTH)
+    assert released.status_code in (200, 503), released.text  # 503: a key of the wrong type
+    no_controls(released.json())
+
+
+def test_a_hostile_name_and_holder_are_escaped(r: Any) -> None:
+    name = "evil\x1b]0;title\x07\u202e"
+    r.set(f"fenced:{{{name}}}:lock", f"abcd:{EVIL_HOST}:1:task{EVIL_HOST}", px=60_000)
+    r.set(b"fenced:{\xff\x1b[2J}:lock", "abcd:host:1:", px=60_000)
+    data = api(r).get("/api/claims").json()
+    no_controls(data)
+    names = sorted(c["name"] for c in data["claims"])
+    assert names == ["\\xff\\x1b[2J", "evil\\x1b]0;title\\x07\\u202e"]
+    evil = next(c for c in data["claims"] if c["name"].startswith("evil"))
+    assert evil["holder"]["host"].startswith("\\x1b[2J")
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def test_fenced_web_warns_when_release_is_allowed_beyond_loopback(
+    redis_server: RedisServer,
+) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "FENCED_WEB_TOKEN"}
+    url = redis_server.url.replace("redis://", "redis://:hunter2@")  # a password to hide
+    redis_server.client().config_set("requirepass", "hunter2")
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "fenced.cli", "web", "--redis", url, "--host", "0.0.0.0",
+            "--port", str(port), "--allow-release",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )  # fmt: skip
+    lines: list[str] = []
+
+    def started() -> bool:
+        assert proc.stderr is not None
+        lines.append(proc.stderr.readline())
+        return "shows the claims" in lines[-1]
+
+    try:
+        wait_for("fenced web to start", started, timeout=30, proc=proc)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        redis_server.client(password="hunter2").config_set("requirepass", "")
+    said = "".join(lines)
+    assert "WARNING: --allow-release on 0.0.0.0" in said
+    assert "release token (shown once" in said
+    assert "hunter2" not in said and ":***@" in said
+
+
+def test_fenced_web_refuses_an_empty_token_file(redis_server: RedisServer, tmp_path: Any) -> None:
+    empty = tmp_path / "token"
+    empty.write_text("\n")
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "fenced.cli", "web", "--redis", redis_server.url,
+            "--allow-release", "--token-file", str(empty),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "is empty: put the token in it" in done.stderr

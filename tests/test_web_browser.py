@@ -1,0 +1,176 @@
+"""`fenced web` in a real browser: the command as a subprocess (uvicorn) on a real
+redis-server, driven through headless Chromium (Debian's chromium and chromium-driver;
+Selenium Manager is kept offline and never downloads a browser or a driver).
+
+With FENCED_SCREENSHOT=1 the test saves the page to docs/dashboard.png.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _wait import wait_for
+from fenced import Claim
+from fenced.testing import RedisServer, free_port
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+TOKEN = "browser-test-token"
+REFRESH = 0.5
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(CHROMIUM) and not os.environ.get("CI"),
+    reason=f"no headless browser: {CHROMIUM} is absent (apt-get install chromium "
+    "chromium-driver); in CI (CI set) this test runs and fails instead",
+)
+
+
+@pytest.fixture(scope="module")
+def web(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`fenced web --allow-release` on a free port, serving redis_server; its base URL."""
+    token_file = tmp_path_factory.mktemp("web") / "token"
+    token_file.write_text(TOKEN + "\n")
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "fenced.cli", "web", "--redis", redis_server.url,
+            "--port", str(port), "--allow-release", "--token-file", str(token_file),
+            "--refresh", str(REFRESH), "--alert-after-skips", "3",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            with urllib.request.urlopen(base + "/api/config", timeout=2) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
+
+    try:
+        wait_for("fenced web to answer", up, timeout=30, every=0.1, proc=proc)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """Headless Chromium, offline: explicit binary and driver, no Selenium Manager."""
+    before = os.environ.get("SE_OFFLINE")
+    os.environ["SE_OFFLINE"] = "true"  # Selenium Manager: never download anything
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+        "--disable-background-networking", "--disable-component-update", "--no-first-run",
+        "--disable-sync", "--window-size=1280,1000",
+    ):  # fmt: skip
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        if before is None:
+            del os.environ["SE_OFFLINE"]
+        else:
+            os.environ["SE_OFFLINE"] = before
+
+
+def seed_history(r: Any) -> None:
+    """Runs of every kind on a second claim, for the page to show beside the test's own."""
+    for outcome in ("ok", "failed", "ok"):
+        claim = Claim(r, "backup:db", ttl=10, records=True, heartbeat=False)
+        claim.acquire()
+        time.sleep(0.3)
+        claim.release(outcome=outcome)
+    holder = Claim(r, "backup:db", ttl=30, records=True, heartbeat=False)
+    holder.acquire()
+    for _ in range(4):  # skipped by a second holder: past --alert-after-skips 3
+        assert not Claim(r, "backup:db", ttl=10, records=True, heartbeat=False).acquire()
+        time.sleep(0.1)
+
+
+def message(driver: Any, saying: str = "") -> str:
+    """The release form's message once there is one (holding ``saying``), else ""."""
+    text: str = driver.find_element("id", "release-message").text
+    return text if text != "releasing…" and saying in text else ""
+
+
+def test_dashboard_in_a_browser(redis_server: RedisServer, web: str, browser: Any) -> None:
+    from selenium.webdriver.common.by import By
+
+    r = redis_server.client()
+    r.flushall()
+    seed_history(r)
+    browser.get(web + "/")
+    wait_for("the page to list backup:db", lambda: rows(browser).get("backup:db"), timeout=10)
+    assert "alert" in (rows(browser)["backup:db"].get_attribute("class") or "")
+
+    claim = Claim(r, "export:acme", ttl=30, records=True)
+    with claim:
+        start = time.monotonic()
+        row = wait_for(
+            "the held claim to appear", lambda: rows(browser).get(claim.name), timeout=10
+        )
+        assert time.monotonic() - start < REFRESH + 2.0
+        assert "export:acme" in row.text
+        row.click()
+        wait_for(
+            "the running run on the timeline",
+            lambda: browser.find_elements(By.CSS_SELECTOR, "#timeline rect.run.running"),
+            timeout=10,
+        )
+        form = browser.find_element(By.ID, "release")
+        assert form.is_displayed()
+        browser.find_element(By.ID, "release-reason").send_keys("holder is gone")
+        browser.find_element(By.ID, "release-button").click()
+        said = wait_for("the refusal without a token", lambda: message(browser), timeout=10)
+        assert "refused (401)" in said
+        browser.find_element(By.ID, "release-token").send_keys("not-the-token")
+        browser.find_element(By.ID, "release-button").click()
+        said = wait_for("the refusal of a wrong token", lambda: message(browser, "403"), timeout=10)
+        assert "wrong token" in said
+        assert claim.held  # nothing was released
+        browser.find_element(By.ID, "release-token").clear()
+        browser.find_element(By.ID, "release-reason").clear()
+        if os.environ.get("FENCED_SCREENSHOT") == "1":
+            rows(browser)["backup:db"].click()  # the claim with runs of every kind
+            wait_for(
+                "the runs of backup:db",
+                lambda: browser.find_elements(By.CSS_SELECTOR, "#timeline rect.run.failed"),
+                timeout=10,
+            )
+            browser.save_screenshot(str(ROOT / "docs" / "dashboard.png"))
+            rows(browser)[claim.name].click()
+    wait_for(
+        "a finished run on the timeline",
+        lambda: browser.find_elements(By.CSS_SELECTOR, "#timeline rect.run.ok"),
+        timeout=10,
+    )
+    wait_for("the released claim to leave the table", lambda: claim.name not in rows(browser))
+
+
+def rows(driver: Any) -> dict[str, Any]:
+    from selenium.webdriver.common.by import By
+
+    found = driver.find_elements(By.CSS_SELECTOR, "#claims tbody tr")
+    return {row.get_attribute("data-name"): row for row in found}
