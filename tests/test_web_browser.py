@@ -97,7 +97,7 @@ def browser() -> Iterator[Any]:
 
 def seed_history(r: Any) -> None:
     """Runs of every kind on a second claim, for the page to show beside the test's own."""
-    for outcome in ("ok", "failed", "ok"):
+    for outcome in ("ok", "failed", "lost", "ok"):
         claim = Claim(r, "backup:db", ttl=10, records=True, heartbeat=False)
         claim.acquire()
         time.sleep(0.3)
@@ -123,17 +123,14 @@ def test_dashboard_in_a_browser(redis_server: RedisServer, web: str, browser: An
     seed_history(r)
     browser.get(web + "/")
     wait_for("the page to list backup:db", lambda: rows(browser).get("backup:db"), timeout=10)
-    assert "alert" in (rows(browser)["backup:db"].get_attribute("class") or "")
+    assert "alert" in rows(browser)["backup:db"]
 
     claim = Claim(r, "export:acme", ttl=30, records=True)
     with claim:
         start = time.monotonic()
-        row = wait_for(
-            "the held claim to appear", lambda: rows(browser).get(claim.name), timeout=10
-        )
+        wait_for("the held claim to appear", lambda: rows(browser).get(claim.name), timeout=10)
         assert time.monotonic() - start < REFRESH + 2.0
-        assert "export:acme" in row.text
-        row.click()
+        click_row(browser, claim.name)
         wait_for(
             "the running run on the timeline",
             lambda: browser.find_elements(By.CSS_SELECTOR, "#timeline rect.run.running"),
@@ -153,14 +150,14 @@ def test_dashboard_in_a_browser(redis_server: RedisServer, web: str, browser: An
         browser.find_element(By.ID, "release-token").clear()
         browser.find_element(By.ID, "release-reason").clear()
         if os.environ.get("FENCED_SCREENSHOT") == "1":
-            rows(browser)["backup:db"].click()  # the claim with runs of every kind
+            click_row(browser, "backup:db")  # the claim with runs of every kind
             wait_for(
                 "the runs of backup:db",
                 lambda: browser.find_elements(By.CSS_SELECTOR, "#timeline rect.run.failed"),
                 timeout=10,
             )
             browser.save_screenshot(str(ROOT / "docs" / "dashboard.png"))
-            rows(browser)[claim.name].click()
+            click_row(browser, claim.name)
     wait_for(
         "a finished run on the timeline",
         lambda: browser.find_elements(By.CSS_SELECTOR, "#timeline rect.run.ok"),
@@ -169,8 +166,29 @@ def test_dashboard_in_a_browser(redis_server: RedisServer, web: str, browser: An
     wait_for("the released claim to leave the table", lambda: claim.name not in rows(browser))
 
 
-def rows(driver: Any) -> dict[str, Any]:
+def rows(driver: Any) -> dict[str, str]:
+    """The claims table as name -> the row's class and text, read in one go (the table
+    is redrawn at every refresh: element references go stale)."""
+    found = driver.execute_script(
+        "return Array.from(document.querySelectorAll('#claims tbody tr'))"
+        ".map(tr => [tr.dataset.name, tr.className + ' | ' + tr.textContent])"
+    )
+    return dict(found)
+
+
+def click_row(driver: Any, name: str) -> None:
+    """Click a claim's row, again if a refresh replaced it under the click."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
-    found = driver.find_elements(By.CSS_SELECTOR, "#claims tbody tr")
-    return {row.get_attribute("data-name"): row for row in found}
+    def click() -> bool:
+        for row in driver.find_elements(By.CSS_SELECTOR, "#claims tbody tr"):
+            try:
+                if row.get_attribute("data-name") == name:
+                    row.click()
+                    return True
+            except StaleElementReferenceException:
+                return False
+        return False
+
+    wait_for(f"a click on the row of {name}", click, timeout=10)

@@ -232,8 +232,8 @@
       root.append(rect);
       if (r.outcome === "lost" || r.outcome === "released") {
         const ex = x(end), ey = y + (lane - 10) / 2;
-        const cross = svg("path", { d: `M${ex - 5} ${ey - 5} L${ex + 5} ${ey + 5} ` +
-          `M${ex - 5} ${ey + 5} L${ex + 5} ${ey - 5}`,
+        const cross = svg("path", { d: `M${ex - 4} ${ey - 4} L${ex + 4} ${ey + 4} ` +
+          `M${ex - 4} ${ey + 4} L${ex + 4} ${ey - 4}`,
           class: (r.outcome === "lost" ? "loss " : "release-mark ") + kind });
         cross.append(title.cloneNode(true));
         root.append(cross);
@@ -245,7 +245,7 @@
   }
 
   function legend() {
-    const items = OUTCOMES.map((o) => {
+    const items = OUTCOMES.filter((o) => o !== "skipped").map((o) => {
       const span = el("span");
       const swatch = el("span", null, "swatch " + o);
       span.append(swatch, o);
