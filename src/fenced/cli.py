@@ -193,6 +193,15 @@ if app is not None:
         walkthrough: Annotated[
             bool, typer.Option("--walkthrough", help="Only the short single-process tour.")
         ] = False,
+        web: Annotated[
+            bool,
+            typer.Option(
+                "--web",
+                help="After the acts, keep the embedded Redis up and serve fenced web on "
+                "it (127.0.0.1, --web-port) until Ctrl-C.",
+            ),
+        ] = False,
+        web_port: Annotated[int, typer.Option(metavar="PORT", min=1, max=65535)] = 8377,
     ) -> None:
         """Run the map rebuild scenarios on an embedded Redis with real Celery workers.
 
@@ -208,7 +217,7 @@ if app is not None:
             raise typer.Exit(feeds_main())
         from .demo.runner import main as demo_main
 
-        raise typer.Exit(demo_main())
+        raise typer.Exit(demo_main(web_port=web_port if web else None))
 
     @app.command()
     def doctor(

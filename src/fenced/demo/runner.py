@@ -28,8 +28,12 @@ except ImportError:  # pragma: no cover
 class Demo:
     """The acts, their expectations, and what they print."""
 
-    def __init__(self, say: Callable[[str], None], binary: str | None = None) -> None:
+    def __init__(
+        self, say: Callable[[str], None], binary: str | None = None, web_port: int | None = None
+    ) -> None:
         self.say = say
+        #: Serve ``fenced web`` on the demo's Redis after the acts, on this port.
+        self.web_port = web_port
         found = available_binaries()
         self.binary = binary or found.get("bundled") or found.get("system")
         self.failures: list[str] = []
@@ -136,6 +140,19 @@ class Demo:
             finally:
                 for w in self.workers.values():
                     w.stop()
+            status = self.verdict()
+            if self.web_port is not None:
+                self.serve_dashboard(base + "/2", self.web_port)
+        if self.web_port is None:
+            self.say(
+                "\nthe claims and runs above in a browser: [bold]fenced demo --web[/] "
+                "(this run's embedded Redis stops now; with --web it stays up after the "
+                "acts and fenced web serves it until Ctrl-C)"
+            )
+        return status
+
+    def verdict(self) -> int:
+        """Say whether every expectation held; the exit status."""
         if self.failures:
             self.say(f"[red bold]{len(self.failures)} expectation(s) failed[/]")
             for f in self.failures:
@@ -143,6 +160,28 @@ class Demo:
             return 1
         self.say("[green bold]every expectation held[/]")
         return 0
+
+    def serve_dashboard(self, url: str, port: int) -> None:
+        """``fenced web`` on the demo's claims until Ctrl-C (the embedded Redis with it)."""
+        from urllib.parse import quote
+
+        try:
+            import uvicorn
+
+            from ..web import create_app
+        except ImportError:
+            self.say("[red]fenced demo --web needs the web extra: pip install 'fenced[web]'[/]")
+            return
+        page = f"http://127.0.0.1:{port}/"
+        self.say(f"\n[bold]the dashboard[/]: {page} — fenced web --redis {url}, while it runs")
+        for name in ("rebuild:acme:roads", "feed:weather", "export:acme"):
+            self.say(f"     {page}#claim={quote(name, safe='')}")
+        self.say("     Ctrl-C stops it and the demo's Redis")
+        app = create_app(self.locks, redis_label=url, allowed_hosts=["127.0.0.1", "localhost"])
+        try:
+            uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+        except KeyboardInterrupt:  # pragma: no cover - uvicorn handles it itself
+            pass
 
     def act_twice(self) -> None:
         """Act 1: the same rebuild enqueued twice."""
@@ -380,7 +419,11 @@ class Demo:
         self.expect("skipped" in every and "ok" in every, "skips are recorded as skips")
 
 
-def main(say: Callable[[str], None] | None = None, binary: str | None = None) -> int:
+def main(
+    say: Callable[[str], None] | None = None,
+    binary: str | None = None,
+    web_port: int | None = None,
+) -> int:
     """Run the demo; returns the exit status."""
     if say is None:
         if Console is not None:
@@ -394,6 +437,6 @@ def main(say: Callable[[str], None] | None = None, binary: str | None = None) ->
 
     socket.setdefaulttimeout(None)
     start = time.monotonic()
-    status = Demo(say, binary).run()
+    status = Demo(say, binary, web_port).run()
     say(f"demo finished in {time.monotonic() - start:.1f}s")
     return status

@@ -118,7 +118,13 @@
     const name = state.selected;
     if (name === null) return;
     const path = "/api/claims/" + encodeURIComponent(name);
-    const [detail, runs] = await Promise.all([getJSON(path), getJSON(path + "/runs")]);
+    let detail, runs;
+    try {
+      [detail, runs] = await Promise.all([getJSON(path), getJSON(path + "/runs")]);
+    } catch (err) {
+      $("detail-holder").textContent = err.message;
+      throw err;
+    }
     if (name !== state.selected) return;
     let line = detail.holder ? "held by " + holderText(detail.holder) : "not held";
     if (detail.holder && detail.holder.expires_in !== null) {
@@ -305,6 +311,11 @@
     $("redis").textContent = "on " + state.config.redis;
     $("release").hidden = !state.config.allow_release;
     $("release").addEventListener("submit", release);
+    $("lookup").addEventListener("submit", (event) => {
+      event.preventDefault();
+      const name = $("lookup-name").value.trim();
+      if (name) select(name);
+    });
     legend();
     const hash = location.hash.match(/^#claim=(.*)$/);
     if (hash) select(decodeURIComponent(hash[1]));
