@@ -32,7 +32,15 @@ from ._nodes import is_cluster, node_of, scan_keys, server_times
 from ._printable import readable
 from .records import RunRecord, entries_for, from_entries, history
 
-__all__ = ["ClaimInfo", "ClaimReport", "force_release", "list_claims", "operator", "show_claim"]
+__all__ = [
+    "ClaimInfo",
+    "ClaimReport",
+    "force_release",
+    "list_claims",
+    "operator",
+    "release_slot",
+    "show_claim",
+]
 
 #: Runs read per claim for ``ls``: enough for the current run and the one before it.
 LS_RUNS = 10
@@ -361,6 +369,17 @@ def show_claim(
 def operator() -> str:
     """Who is at the keyboard: user@host, for the record of a manual release."""
     return f"{claimed_user()}@{socket.gethostname()}"
+
+
+def release_slot(slots: list[tuple[int, Holder]], token_prefix: str = "") -> int:
+    """The slot a release by hand clears: the holder whose token starts with the prefix
+    (of several), else the one holder's, else 0 (the plain claim's key).
+
+    Several holders and no prefix is for the caller to refuse: it cannot know which.
+    """
+    if len(slots) > 1:
+        return next((i for i, h in slots if h.token.startswith(token_prefix)), 0)
+    return slots[0][0] if slots else 0
 
 
 def force_release(

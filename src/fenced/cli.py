@@ -788,7 +788,7 @@ if app is not None:
           2   usage: no --reason, no --redis
           69  Redis unreachable
         """
-        from ._inspect import force_release, operator
+        from ._inspect import force_release, operator, release_slot
         from ._lease import read_holder, read_slots, short_token
 
         client = _client(redis_url)
@@ -829,12 +829,7 @@ if app is not None:
                 "with --token PREFIX, or clear every one with --all"
             )
             raise typer.Exit(EXIT_REFUSED)
-        if every:
-            targets = [i for i, _h in slots]
-        elif len(slots) > 1:
-            targets = [i for i, h in slots if h.token.startswith(token)][:1] or [0]
-        else:
-            targets = [slots[0][0]] if slots else [0]
+        targets = [i for i, _h in slots] if every else [release_slot(slots, token)]
         with _talking_to(client):
             cleared = [
                 h

@@ -30,7 +30,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._errors import ClaimUnavailable, ConfigError
-from .._inspect import force_release, list_claims, operator, show_claim
+from .._inspect import force_release, list_claims, operator, release_slot, show_claim
 from .._lease import MAX_RECORDS, UNREACHABLE, describe_client, read_slots, why_unreachable
 from .._printable import printable
 from ..records import consecutive_skips, history
@@ -312,10 +312,6 @@ def create_app(
                 f"{name!r} has {len(held)} holders ({who}); name the one to clear with "
                 '"token": PREFIX',
             )
-        if len(held) > 1:
-            slot = next((i for i, h in held if h.token.startswith(prefix)), 0)
-        else:
-            slot = held[0][0] if held else 0
         peer = request.client.host if request.client else "?"
         by = f"{operator()} (fenced web, for {peer})"
         holder = force_release(
@@ -325,7 +321,7 @@ def create_app(
             namespace=namespace,
             by=by,
             token_prefix=prefix,
-            slot=slot,
+            slot=release_slot(held, prefix),
         )
         if holder is None and held:
             return _error(409, f"{name!r} is held by another token; not released")
