@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from _wait import wait_for
-from fenced import Claim
+from fenced import Claim, records
 from fenced.testing import RedisServer, free_port
 
 CHROMIUM = "/usr/bin/chromium"
@@ -164,6 +164,22 @@ def test_dashboard_in_a_browser(redis_server: RedisServer, web: str, browser: An
         timeout=10,
     )
     wait_for("the released claim to leave the table", lambda: claim.name not in rows(browser))
+
+    # With the token, the page clears a claim: recorded as released, with the reason.
+    click_row(browser, "backup:db")
+    browser.find_element(By.ID, "release-reason").send_keys("seed holder is gone")
+    browser.find_element(By.ID, "release-token").send_keys(TOKEN)
+    browser.find_element(By.ID, "release-button").click()
+    said = wait_for("the release", lambda: message(browser, "released"), timeout=10)
+    assert "released 'backup:db'" in said
+    wait_for(
+        "the released run on the timeline",
+        lambda: browser.find_elements(By.CSS_SELECTOR, "#timeline rect.run.released"),
+        timeout=10,
+    )
+    released = [run for run in records.history(r, "backup:db") if run.outcome == "released"]
+    assert [run.reason for run in released] == ["seed holder is gone"]
+    wait_for("backup:db to leave the table", lambda: "backup:db" not in rows(browser))
 
 
 def rows(driver: Any) -> dict[str, str]:
