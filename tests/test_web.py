@@ -311,6 +311,29 @@ def test_a_hostile_name_and_holder_are_escaped(r: Any) -> None:
     assert evil["holder"]["host"].startswith("\\x1b[2J")
 
 
+def test_record_data_json_cannot_carry_is_served_as_text(r: Any) -> None:
+    deep = "[" * 200 + "]" * 200
+    r.xadd("fenced:{odd}:runs", {"event": "started", "token": "t1", "r": '{"x": NaN}'})
+    r.xadd(
+        "fenced:{odd}:runs",
+        {
+            "event": "finished",
+            "token": "t1",
+            "outcome": "ok",
+            "r": f'{{"duration": Infinity, "n": {deep}}}',
+        },
+    )
+    r.set("fenced:{odd}:lock", "abcd:host:1:", px=60_000)
+    web = api(r)
+    for path in ("/api/claims", "/api/claims/odd", "/api/claims/odd/runs"):
+        answer = web.get(path)
+        assert answer.status_code == 200, (path, answer.text)
+    detail = web.get("/api/claims/odd")
+    run = detail.json()["runs"][0]
+    assert run["extra"]["x"] == "nan" and run["duration"] == "inf"
+    assert "nested too deep" in detail.text
+
+
 # -- the command ----------------------------------------------------------------------------
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import time
 from importlib import resources
 from typing import Any
@@ -55,20 +56,30 @@ STATIC = {
 }
 #: The largest release request read (a reason, a token prefix).
 MAX_BODY = 64 * 1024
+#: How deep the data of a run record is shown (anyone may write a record).
+DEPTH = 32
 #: Runs the timeline shows by default.
 RUNS = 50
 
 
-def _safe(value: Any) -> Any:
-    """JSON-ready data with every string escaped for display (keys too)."""
+def _safe(value: Any, depth: int = 0) -> Any:
+    """JSON-ready data with every string escaped for display (keys too).
+
+    What JSON cannot carry (NaN and infinities, which a record's JSON may hold) is sent as
+    text, and a record nested deeper than :data:`DEPTH` is cut there.
+    """
     if isinstance(value, str):
         return printable(value)
-    if isinstance(value, dict):
-        return {_safe(k): _safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_safe(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float)):
+    if isinstance(value, bool) or value is None or isinstance(value, int):
         return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if depth >= DEPTH and isinstance(value, (dict, list, tuple)):
+        return "… (nested too deep to show)"
+    if isinstance(value, dict):
+        return {_safe(k, depth): _safe(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_safe(v, depth + 1) for v in value]
     return printable(value)
 
 

@@ -25,6 +25,7 @@
 
   function seconds(s) {
     if (s === null || s === undefined) return "";
+    if (typeof s !== "number") return String(s); // "inf" from a record nobody checked
     if (s < 10) return s.toFixed(1) + "s";
     if (s < 60) return Math.round(s) + "s";
     if (s < 3600) return Math.floor(s / 60) + "m " + String(Math.round(s % 60)).padStart(2, "0") + "s";
@@ -165,7 +166,7 @@
 
   function drawTimeline(data) {
     const box = $("timeline");
-    const runs = data.runs.filter((r) => r.start || r.end);
+    const runs = data.runs.filter((r) => typeof (r.start || r.end) === "number");
     if (!runs.length) {
       box.replaceChildren(el("p", "No run records (Claim(records=True) and fenced run keep them).",
         "empty"));
@@ -229,7 +230,8 @@
         continue;
       }
       const y = laneY(laneOf(r)) + 5;
-      const start = r.start || (r.end - (r.duration || 0));
+      const took = typeof r.duration === "number" ? r.duration : 0;
+      const start = r.start || r.end - took;
       const end = r.end || now;
       const kind = OUTCOMES.includes(r.outcome) ? r.outcome : "unreadable";
       const rect = svg("rect", { x: x(start), y, width: Math.max(3, x(end) - x(start)),
