@@ -181,6 +181,12 @@ def test_dashboard_in_a_browser(redis_server: RedisServer, web: str, browser: An
     assert [run.reason for run in released] == ["seed holder is gone"]
     wait_for("backup:db to leave the table", lambda: "backup:db" not in rows(browser))
 
+    # Nothing the page did was blocked (a CSP violation is an error in the console); the
+    # refused releases are the only failed requests.
+    logged = browser.get_log("browser")
+    errors = [e["message"] for e in logged if e["level"] == "SEVERE"]
+    assert all("/release - Failed to load resource" in m for m in errors), errors
+
 
 def rows(driver: Any) -> dict[str, str]:
     """The claims table as name -> the row's class and text, read in one go (the table

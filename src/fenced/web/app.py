@@ -368,6 +368,7 @@ def create_app(
     return Starlette(
         routes=[
             Route("/", sync(index)),
+            Route("/favicon.ico", lambda request: Response(status_code=204)),
             Route("/static/{file}", sync(static_file)),
             Route("/api/config", sync(config)),
             Route("/api/claims", sync(claims)),
