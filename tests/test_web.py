@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from starlette.testclient import TestClient
 
 from _wait import wait_for
@@ -271,7 +273,7 @@ def test_nothing_is_loaded_from_elsewhere_and_no_data_is_parsed_as_markup() -> N
 
 
 def test_an_unreachable_redis_is_a_503_naming_it() -> None:
-    down = redis.Redis(port=free_port(), socket_connect_timeout=0.5)
+    down = redis.Redis(port=free_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
     answer = api(down, redis_label="redis://127.0.0.1:1/0").get("/api/claims")
     assert answer.status_code == 503
     assert answer.json()["error"].startswith("cannot reach Redis at redis://127.0.0.1:1/0")
