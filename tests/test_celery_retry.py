@@ -206,3 +206,99 @@ def test_a_retrys_countdown_is_read_from_seconds_or_an_eta() -> None:
     assert 0 < _seconds_until(app, eta) <= 30
     assert 0 < _seconds_until(app, eta.replace(tzinfo=None)) <= 30
     assert _seconds_until(app, eta - timedelta(seconds=60)) == 0.0
+
+
+def _fence_writes(client: Any, fence_key: str, act: Any) -> list[list[str]]:
+    """The commands that touched ``fence_key`` while ``act()`` ran (seen by MONITOR)."""
+    seen: list[list[str]] = []
+    with client.monitor() as monitor:
+        act()
+        client.echo("fenced-test-end")  # another connection: MONITOR shows it last
+        while True:
+            command = str(monitor.next_command()["command"])
+            if "fenced-test-end" in command:
+                return seen
+            words = command.split(" ")
+            if fence_key in words[1:2]:
+                seen.append(words)
+
+
+def test_takeover_mints_the_fence_as_acquire_does(redis_server: RedisServer) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    watcher = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    idle = 600.0
+    first = Claim(client, f"z-{key()}", ttl=30, task_id="task-1", heartbeat=False, idle_ttl=idle)
+    fence_key = first.keys.fence
+    # ACQUIRE's mint: max(fence + 1, TIME in µs), one SET carrying the idle expiry.
+    acquire_writes = _fence_writes(watcher, fence_key, first.acquire)
+    assert [w[0] for w in acquire_writes] == ["GET", "SET"]
+    assert acquire_writes[1][3:] == ["PX", str(int(idle * 1000))]
+    assert first.hand_over(30, "retrying in 1.0s") == "retried"
+    retried = Claim(client, first.name, ttl=30, task_id="task-1", heartbeat=False, idle_ttl=idle)
+    assert not retried.acquire()
+    takeover_writes = _fence_writes(watcher, fence_key, retried.take_over)
+    assert retried.held
+    # The same reads and writes of the fence key as ACQUIRE (no INCR, no PEXPIRE after).
+    assert [w[0] for w in takeover_writes] == ["GET", "SET"]
+    assert takeover_writes[1][2] == str(retried.fence)
+    assert takeover_writes[1][3:] == ["PX", str(int(idle * 1000))]
+    assert 0 < int(client.pttl(fence_key)) <= idle * 1000
+
+
+def test_fences_strictly_increase_across_acquire_retry_takeover_and_acquire(
+    redis_server: RedisServer,
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    name = f"z-{key()}"
+    fence_key = ClaimKeys.of(name).fence
+    for expired in (False, True):
+        fences: list[int] = []
+        for task_id in ("task-1", "task-2"):
+            first = Claim(client, name, ttl=30, task_id=task_id, heartbeat=False)
+            assert first.acquire() and first.fence is not None
+            fences.append(first.fence)
+            assert first.hand_over(30, "retrying in 0s") == "retried"
+            if expired:  # the fence key gone (its idle expiry): the TIME floor holds
+                client.delete(fence_key)
+            retried = Claim(client, name, ttl=30, task_id=task_id, heartbeat=False)
+            assert not retried.acquire() and retried.take_over()
+            assert retried.fence is not None
+            fences.append(retried.fence)
+            assert retried.release(outcome="ok")
+            if expired:
+                client.delete(fence_key)
+        assert fences == sorted(set(fences)), fences
+        # The previous fence was at least the server's time: never a small counter.
+        assert all(f > 1_000_000_000_000_000 for f in fences)
+
+
+def test_takeover_of_a_free_name_honours_the_cooldown_a_kept_lease_does_not(
+    redis_server: RedisServer,
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    name = f"z-{key()}"
+
+    def claim(task_id: str) -> Claim:
+        return Claim(
+            client, name, ttl=30, task_id=task_id, heartbeat=False, records=True, cooldown=60
+        )
+
+    # A kept lease is taken over: its run began outside any window and held the name.
+    first = claim("task-1")
+    assert first.acquire()
+    assert first.hand_over(30, "retrying in 0s") == "retried"
+    retried = claim("task-1")
+    assert not retried.acquire() and retried.take_over()
+    assert retried.release(outcome="ok")  # the window starts
+    # The name is free but ran recently: a takeover skips it as an acquire would.
+    late = claim("task-2")
+    assert not late.take_over()
+    assert not late.held and late.holder is None
+    assert late.ran_recently is not None and 0 < late.ran_recently <= 60
+    assert late.skips == 1
+    skip = records.last(client, name)
+    assert skip is not None and skip.outcome == "skipped" and skip.reason == "ran recently"
+    assert read_holder(client, name) is None
+    # Without a cooldown the free name is taken.
+    plain = Claim(client, name, ttl=30, task_id="task-3", heartbeat=False)
+    assert plain.take_over() and plain.release()
