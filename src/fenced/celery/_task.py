@@ -314,7 +314,8 @@ class ClaimedTask(Task[Any, Any]):
         order: a publish that fails clears the mark it made, then raises.
         """
         opts = self._options()
-        if opts.enqueue is None or self.app.conf.task_always_eager:
+        if opts.enqueue is None or self.app.conf.task_always_eager or not enabled(self.app):
+            # Claims switched off (tests without Redis): nothing is marked either.
             return super().apply_async(args, kwargs, task_id, *more, **options)
         name = self.claim_name_for(args or (), kwargs or {})
         keys = ClaimKeys(opts.namespace, name)
@@ -357,7 +358,7 @@ class ClaimedTask(Task[Any, Any]):
     def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
         """With ``claim_enqueue``: the message left the queue (see apply_async)."""
         opts = self._options()
-        if opts.enqueue is None or task_id is None:
+        if opts.enqueue is None or task_id is None or not enabled(self.app):
             return
         keys = ClaimKeys(opts.namespace, self.claim_name_for(args, kwargs))
         if opts.enqueue == "until_started":
@@ -385,7 +386,7 @@ class ClaimedTask(Task[Any, Any]):
     ) -> None:
         """With ``claim_enqueue="until_finished"``: a run that ended before its body ran."""
         opts = self._options()
-        if opts.enqueue != "until_finished" or task_id is None:
+        if opts.enqueue != "until_finished" or task_id is None or not enabled(self.app):
             return
         if getattr(self.request, "fenced_unqueued", False):
             return  # cleared as the body's run ended
