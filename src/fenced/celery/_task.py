@@ -75,7 +75,7 @@ if TYPE_CHECKING:
     from celery import Celery
     from celery.result import AsyncResult
 
-from .. import _interrupt, records
+from .. import _guard, _interrupt, records
 from .._claim import Claim
 from .._errors import ClaimHeld, ClaimInterrupted, ClaimUnavailable, ConfigError, NotOwner
 from .._guard import SKIP_RERUN_REASON, Skipped, busy_error, finish, lost_error, outcome_of
@@ -717,7 +717,7 @@ class ClaimedTask(Task[Any, Any]):
         if claim.ran_recently is not None:
             # A window is not waited out (a retry would run twice in it), and its skips
             # are expected: they raise no alert.
-            if opts.on_busy == "raise":
+            if not _guard.skips(claim, opts.on_busy):
                 raise busy_error(claim)
             count("skipped")
             skipped = Skipped.of(claim)
