@@ -4,11 +4,16 @@ and on a test-owned Redis.
 A run that asks for a retry (``self.retry()``, ``autoretry_for``) keeps its lease for the
 retried message of the same task id, which takes it over under a new fence; a duplicate
 sent meanwhile is skipped; a retried message that never comes frees the name after the
-countdown plus the claim's ttl.
+countdown plus the claim's ttl. Faults around a takeover: the attempt that took over
+killed (twice) beside a copy of its message, and Redis paused during the takeover.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -148,6 +153,104 @@ def test_a_retried_message_that_never_comes_frees_the_name_after_countdown_and_t
     retried = [r for r in cel.history(name) if r.task_id == first.id]
     assert [r.outcome for r in retried] == ["retried"]
     assert retried[0].fence is not None and again["fence"] > retried[0].fence
+
+
+def test_a_taken_over_run_killed_twice_beside_a_copy_never_runs_two_bodies_at_once(
+    cel: Cel,
+) -> None:
+    k = key()
+    name = f"retry:{k}"
+    first = cel.send("t.retry_once", k, countdown=0.3, gated=True)
+
+    def attempts() -> list[dict[str, Any]]:
+        return notes(cel.obs, f"attempts:{k}")
+
+    def retried(n: int) -> dict[str, Any]:
+        """The ``n``-th body of a retried attempt (after the first, which asked for it)."""
+        found = wait_for(f"retried attempt {n}", lambda: attempts()[n:] or None)
+        return found[0]
+
+    took_over = retried(1)
+    # A copy of the message (a broker delivering it again) while that attempt runs: it
+    # finds its own task id holding the claim, not handed over, and waits its turn.
+    cel.client.send_task(
+        "t.retry_once",
+        args=(k,),
+        kwargs={"countdown": 0.3, "gated": True},
+        queue=cel.services.queue,
+        task_id=first.id,
+    )
+    wait_for(
+        "the copy to wait for the running attempt",
+        lambda: [
+            n
+            for n in notes(cel.obs, "signal:retry")
+            if n["task_id"] == first.id and "ClaimHeld" in n["reason"]
+        ],
+    )
+    assert len(attempts()) == 2  # no second body beside the running one
+    running = took_over
+    for n in (2, 3):  # the pool child killed: the message (or its copy) comes back, twice
+        killed_at = time.time()
+        os.kill(running["pid"], signal.SIGKILL)
+        running = retried(n)
+        assert running["at"] > killed_at  # the next body starts after the last one died
+    cel.obs.set(f"gate:{k}", 1)
+    result = first.get(timeout=WAIT)
+    # Every delivery of the task ends (a later one finds it completed and does not run).
+    broker = redis.Redis.from_url(cel.services.broker_url)
+    wait_for(
+        "every delivery to end",
+        lambda: not broker.hlen("unacked") and not broker.llen(cel.services.queue),
+    )
+    bodies = attempts()
+    assert [b["task_id"] for b in bodies] == [first.id] * 4
+    fences = [b["fence"] for b in bodies]
+    assert fences == sorted(set(fences)) and result["fence"] == fences[-1]
+    outcomes = Counter(r.outcome for r in cel.history(name) if r.task_id == first.id)
+    assert outcomes["ok"] == 1 and outcomes["aborted"] == 2 and outcomes["retried"] == 1
+    # The name is not blocked afterwards.
+    assert read_holder(cel.locks, name) is None
+    assert not cel.locks.exists(ClaimKeys.of(name).handover)
+    again = cel.send("t.retry_once", k, countdown=0.1).get(timeout=WAIT)
+    assert again["status"] == "ok" and again["fence"] > fences[-1]
+
+
+def test_redis_paused_during_a_takeover_retries_cleanly_and_runs_once(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FENCED_TEST_SOCKET_TIMEOUT", "0.5")
+    with RedisServer() as claims:
+        services = Services.on(redis_server, lock_url=claims.url)
+        client, obs, locks = services.client(), services.obs(), services.locks()
+        k = key()
+        name = f"retry:{k}"
+        assert claims.proc is not None
+        obs.set(f"pause:{k}", claims.proc.pid)
+        try:
+            with Worker(services, name="paused"):
+                result = client.send_task("t.retry_paused", args=(k,), queue=services.queue)
+                wait_for("the pause", lambda: obs.exists(f"paused:{name}"))
+                time.sleep(2.0)  # the takeover times out meanwhile
+                claims.resume()
+                done = result.get(timeout=WAIT)
+            assert done["status"] == "ok" and done["retries"] >= 2
+            retries = [n for n in notes(obs, "signal:retry") if n["task_id"] == result.id]
+            assert any("ClaimUnavailable" in n["reason"] for n in retries)
+            # Two bodies: the one that asked for the retry, and one after the pause.
+            bodies = notes(obs, f"attempts:{k}")
+            assert [b["retries"] for b in bodies][:1] == [0] and len(bodies) == 2
+            assert bodies[1]["fence"] > bodies[0]["fence"] == _retried_fence(locks, name)
+            assert read_holder(locks, name) is None
+            assert not locks.exists(ClaimKeys.of(name).handover)
+        finally:
+            claims.resume()  # a test that failed while it was paused
+            client.close()
+
+
+def _retried_fence(locks: redis.Redis, name: str) -> int | None:
+    run = next((r for r in records.history(locks, name) if r.outcome == "retried"), None)
+    return None if run is None else run.fence
 
 
 # -- the scripts, without a worker ----------------------------------------------------------
