@@ -7,13 +7,16 @@ Configured from the environment the tests give each worker:
 - ``FENCED_TEST_OBS_URL``: a Redis where tasks and signal receivers write what they saw
   (markers, spans, signals), for the tests to read;
 - ``FENCED_TEST_TTL`` (claim ttl, seconds), ``FENCED_TEST_QUEUE``,
-  ``FENCED_TEST_VISIBILITY`` (Redis broker visibility timeout, seconds).
+  ``FENCED_TEST_VISIBILITY`` (Redis broker visibility timeout, seconds);
+- ``FENCED_TEST_SOCKET_TIMEOUT``: when set, the claims' client gives up on a request
+  after this many seconds, with no retry of its own (for tests that pause Redis).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -49,6 +52,16 @@ app.conf.update(
     fenced_claim_ttl=TTL,
     fenced_claim_unavailable_backoff=0.5,
 )
+if os.environ.get("FENCED_TEST_SOCKET_TIMEOUT"):
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    # A paused claims' Redis fails a request after this long, not after the client's
+    # own retries.
+    app.conf.fenced_redis_options = {
+        "socket_timeout": float(os.environ["FENCED_TEST_SOCKET_TIMEOUT"]),
+        "retry": Retry(NoBackoff(), 0),
+    }
 
 _obs: redis.Redis | None = None
 
@@ -294,6 +307,28 @@ def retry_elsewhere(self: Any, key: str, queue: str, countdown: float = 2.0) -> 
     """Retries into a queue no worker reads: the retried message never comes."""
     _attempt(self, key)
     raise self.retry(countdown=countdown, queue=queue)
+
+
+class PausesRedisBeforeTakeover(ClaimedTask):
+    """Stops the claims' Redis (SIGSTOP) just before a retried message takes over its
+    kept lease, once for each key a test arms (``pause:<key>`` holds the server's pid)."""
+
+    def _took_over(self, claim: Any, opts: Any) -> bool:
+        pid = obs().getdel(f"pause:{claim.name.split(':', 1)[1]}")
+        if pid:
+            note(f"paused:{claim.name}")
+            os.kill(int(pid), signal.SIGSTOP)
+        took: bool = super()._took_over(claim, opts)
+        return took
+
+
+@app.task(base=PausesRedisBeforeTakeover, bind=True, name="t.retry_paused", claim="retry:{key}")
+def retry_paused(self: Any, key: str) -> Any:
+    """Asks for one retry; Redis is paused as the retried message takes the claim over."""
+    _attempt(self, key)
+    if self.request.retries == 0:
+        raise self.retry(countdown=0.3)
+    return {"status": "ok", "fence": self.claim.fence, "retries": self.request.retries}
 
 
 # -- groups and chords ---------------------------------------------------------------------

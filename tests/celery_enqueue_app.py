@@ -112,6 +112,34 @@ def make_app(broker: str, backend: str | None, lock_url: str, obs_url: str, queu
         """A call that reaches a run (send_task) asks for one more run after it."""
         return body(self, key)
 
+    @app.task(
+        base=ClaimedTask,
+        bind=True,
+        shared=False,
+        name="e.early",
+        claim="hold:{key}",
+        claim_enqueue="until_finished",
+        acks_late=False,
+    )
+    def early(self: Any, key: str) -> str:
+        """Acknowledged as it starts: a run whose process dies is not delivered again."""
+        return body(self, key)
+
+    @app.task(
+        base=ClaimedTask,
+        bind=True,
+        shared=False,
+        name="e.moving",
+        claim="hold:{key}",
+        claim_enqueue="until_finished",
+    )
+    def moving(self: Any, key: str, then: str = "") -> str:
+        """Retries once under another name (``then``): the retry takes that claim."""
+        body(self, key)
+        if then:
+            raise self.retry(args=(then,), kwargs={}, countdown=0.2)
+        return str(self.request.id)
+
     return app
 
 

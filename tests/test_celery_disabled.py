@@ -187,3 +187,50 @@ def test_switched_off_a_secret_field_is_named_with_the_apps_key(
     name = sync.apply(args=("hunter2",)).get()
     assert name == sync.claim_name_for(("hunter2",), {})
     assert "hunter2" not in name
+
+
+def test_switched_off_claim_enqueue_touches_no_redis(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery_enqueue_app import make_app
+
+    monkeypatch.setenv("FENCED_ENABLED", "0")  # the worker's switch
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    # Eagerly: the marker's hooks (before_start, after_return) run and connect nowhere.
+    app, _rebuild = eager_app(fenced_enabled=False)
+
+    @app.task(
+        base=ClaimedTask,
+        bind=True,
+        shared=False,
+        name="u.once",
+        claim="once:{layer}",
+        claim_enqueue="until_finished",
+    )
+    def once(self: Any, layer: str) -> str:
+        return str(self.claim.name)
+
+    assert once.delay("roads").get() == "once:roads"
+    assert once.apply(args=("roads",)).get() == "once:roads"
+    assert app not in options_module._clients
+    # In a real worker, sent from an app whose claims' Redis is a closed port.
+    services = Services.on(redis_server)
+    nowhere = f"redis://127.0.0.1:{closed_port()}/2"
+    sender = make_app(
+        services.broker_url, services.backend_url, nowhere, services.obs_url, services.queue
+    )
+    sender.conf.fenced_enabled = False
+    task = sender.tasks["e.finished"]
+    k = key()
+    services.obs().set(f"go:{k}", 1)
+    with Worker(
+        services, concurrency=1, lock_url=nowhere, name="off", app="tests.celery_enqueue_app"
+    ) as worker:
+        # Nothing marks the name: each call is sent, and each runs.
+        first, second = task.delay(k), task.delay(k)
+        assert first.id != second.id
+        assert first.get(timeout=WAIT) == first.id
+        assert second.get(timeout=WAIT) == second.id
+        assert sender not in options_module._clients
+        assert "queued mark" not in worker.log()
+    sender.close()

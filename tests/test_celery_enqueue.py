@@ -277,6 +277,48 @@ def test_a_killed_pool_child_leaves_its_name_blocked_only_until_the_redelivered_
         assert after.get(timeout=WAIT) == after.id
 
 
+def test_a_killed_pool_child_without_acks_late_unblocks_its_name_at_once(
+    services: Services,
+) -> None:
+    app = sender(services)
+    task = app.tasks["e.early"]  # acknowledged as it starts: never delivered again
+    k = key()
+    with Worker(services, concurrency=1, app=APP):
+        first = task.delay(k)
+        doomed = wait_for("the run to start", lambda: runs(services, k))[0]
+        os.kill(doomed["pid"], signal.SIGKILL)
+        with pytest.raises(Exception) as lost:
+            first.get(timeout=WAIT)
+        assert type(lost.value).__name__ == "WorkerLostError"
+        # The worker's main process freed the claim and the marker with it.
+        assert marker(services, k) is None
+        go(services, k)
+        after = task.delay(k)
+        assert after.id != first.id
+        assert after.get(timeout=WAIT) == after.id
+        assert [run["task_id"] for run in runs(services, k)] == [first.id, after.id]
+
+
+def test_a_retry_under_another_name_moves_the_marker(services: Services) -> None:
+    app = sender(services)
+    task = app.tasks["e.moving"]
+    a, b = key(), key()
+    go(services, a)
+    with Worker(services, concurrency=1, app=APP):
+        result = task.delay(a, b)  # retries as e.moving(b): the claim of hold:<b>
+        retried = wait_for("the retried run", lambda: runs(services, b))[0]
+        assert retried["task_id"] == result.id
+        assert marker(services, a) is None  # the first name is free again
+        assert marker(services, b) == result.id
+        assert task.delay(b).id == result.id  # the retried message holds its new name
+        fresh = task.delay(a)
+        assert fresh.id != result.id
+        go(services, b)
+        assert result.get(timeout=WAIT) == result.id
+        assert fresh.get(timeout=WAIT) == fresh.id
+        assert marker(services, b) is None and marker(services, a) is None
+
+
 def test_a_retry_is_sent_while_its_own_message_holds_the_marker(services: Services) -> None:
     app = sender(services)
     task = app.tasks["e.retrying"]

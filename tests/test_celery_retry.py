@@ -4,11 +4,16 @@ and on a test-owned Redis.
 A run that asks for a retry (``self.retry()``, ``autoretry_for``) keeps its lease for the
 retried message of the same task id, which takes it over under a new fence; a duplicate
 sent meanwhile is skipped; a retried message that never comes frees the name after the
-countdown plus the claim's ttl.
+countdown plus the claim's ttl. Faults around a takeover: the attempt that took over
+killed (twice) beside a copy of its message, and Redis paused during the takeover.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -150,6 +155,104 @@ def test_a_retried_message_that_never_comes_frees_the_name_after_countdown_and_t
     assert retried[0].fence is not None and again["fence"] > retried[0].fence
 
 
+def test_a_taken_over_run_killed_twice_beside_a_copy_never_runs_two_bodies_at_once(
+    cel: Cel,
+) -> None:
+    k = key()
+    name = f"retry:{k}"
+    first = cel.send("t.retry_once", k, countdown=0.3, gated=True)
+
+    def attempts() -> list[dict[str, Any]]:
+        return notes(cel.obs, f"attempts:{k}")
+
+    def retried(n: int) -> dict[str, Any]:
+        """The ``n``-th body of a retried attempt (after the first, which asked for it)."""
+        found = wait_for(f"retried attempt {n}", lambda: attempts()[n:] or None)
+        return found[0]
+
+    took_over = retried(1)
+    # A copy of the message (a broker delivering it again) while that attempt runs: it
+    # finds its own task id holding the claim, not handed over, and waits its turn.
+    cel.client.send_task(
+        "t.retry_once",
+        args=(k,),
+        kwargs={"countdown": 0.3, "gated": True},
+        queue=cel.services.queue,
+        task_id=first.id,
+    )
+    wait_for(
+        "the copy to wait for the running attempt",
+        lambda: [
+            n
+            for n in notes(cel.obs, "signal:retry")
+            if n["task_id"] == first.id and "ClaimHeld" in n["reason"]
+        ],
+    )
+    assert len(attempts()) == 2  # no second body beside the running one
+    running = took_over
+    for n in (2, 3):  # the pool child killed: the message (or its copy) comes back, twice
+        killed_at = time.time()
+        os.kill(running["pid"], signal.SIGKILL)
+        running = retried(n)
+        assert running["at"] > killed_at  # the next body starts after the last one died
+    cel.obs.set(f"gate:{k}", 1)
+    result = first.get(timeout=WAIT)
+    # Every delivery of the task ends (a later one finds it completed and does not run).
+    broker = redis.Redis.from_url(cel.services.broker_url)
+    wait_for(
+        "every delivery to end",
+        lambda: not broker.hlen("unacked") and not broker.llen(cel.services.queue),
+    )
+    bodies = attempts()
+    assert [b["task_id"] for b in bodies] == [first.id] * 4
+    fences = [b["fence"] for b in bodies]
+    assert fences == sorted(set(fences)) and result["fence"] == fences[-1]
+    outcomes = Counter(r.outcome for r in cel.history(name) if r.task_id == first.id)
+    assert outcomes["ok"] == 1 and outcomes["aborted"] == 2 and outcomes["retried"] == 1
+    # The name is not blocked afterwards.
+    assert read_holder(cel.locks, name) is None
+    assert not cel.locks.exists(ClaimKeys.of(name).handover)
+    again = cel.send("t.retry_once", k, countdown=0.1).get(timeout=WAIT)
+    assert again["status"] == "ok" and again["fence"] > fences[-1]
+
+
+def test_redis_paused_during_a_takeover_retries_cleanly_and_runs_once(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FENCED_TEST_SOCKET_TIMEOUT", "0.5")
+    with RedisServer() as claims:
+        services = Services.on(redis_server, lock_url=claims.url)
+        client, obs, locks = services.client(), services.obs(), services.locks()
+        k = key()
+        name = f"retry:{k}"
+        assert claims.proc is not None
+        obs.set(f"pause:{k}", claims.proc.pid)
+        try:
+            with Worker(services, name="paused"):
+                result = client.send_task("t.retry_paused", args=(k,), queue=services.queue)
+                wait_for("the pause", lambda: obs.exists(f"paused:{name}"))
+                time.sleep(2.0)  # the takeover times out meanwhile
+                claims.resume()
+                done = result.get(timeout=WAIT)
+            assert done["status"] == "ok" and done["retries"] >= 2
+            retries = [n for n in notes(obs, "signal:retry") if n["task_id"] == result.id]
+            assert any("ClaimUnavailable" in n["reason"] for n in retries)
+            # Two bodies: the one that asked for the retry, and one after the pause.
+            bodies = notes(obs, f"attempts:{k}")
+            assert [b["retries"] for b in bodies][:1] == [0] and len(bodies) == 2
+            assert bodies[1]["fence"] > bodies[0]["fence"] == _retried_fence(locks, name)
+            assert read_holder(locks, name) is None
+            assert not locks.exists(ClaimKeys.of(name).handover)
+        finally:
+            claims.resume()  # a test that failed while it was paused
+            client.close()
+
+
+def _retried_fence(locks: redis.Redis, name: str) -> int | None:
+    run = next((r for r in records.history(locks, name) if r.outcome == "retried"), None)
+    return None if run is None else run.fence
+
+
 # -- the scripts, without a worker ----------------------------------------------------------
 
 
@@ -206,3 +309,99 @@ def test_a_retrys_countdown_is_read_from_seconds_or_an_eta() -> None:
     assert 0 < _seconds_until(app, eta) <= 30
     assert 0 < _seconds_until(app, eta.replace(tzinfo=None)) <= 30
     assert _seconds_until(app, eta - timedelta(seconds=60)) == 0.0
+
+
+def _fence_writes(client: Any, fence_key: str, act: Any) -> list[list[str]]:
+    """The commands that touched ``fence_key`` while ``act()`` ran (seen by MONITOR)."""
+    seen: list[list[str]] = []
+    with client.monitor() as monitor:
+        act()
+        client.echo("fenced-test-end")  # another connection: MONITOR shows it last
+        while True:
+            command = str(monitor.next_command()["command"])
+            if "fenced-test-end" in command:
+                return seen
+            words = command.split(" ")
+            if fence_key in words[1:2]:
+                seen.append(words)
+
+
+def test_takeover_mints_the_fence_as_acquire_does(redis_server: RedisServer) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    watcher = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    idle = 600.0
+    first = Claim(client, f"z-{key()}", ttl=30, task_id="task-1", heartbeat=False, idle_ttl=idle)
+    fence_key = first.keys.fence
+    # ACQUIRE's mint: max(fence + 1, TIME in µs), one SET carrying the idle expiry.
+    acquire_writes = _fence_writes(watcher, fence_key, first.acquire)
+    assert [w[0] for w in acquire_writes] == ["GET", "SET"]
+    assert acquire_writes[1][3:] == ["PX", str(int(idle * 1000))]
+    assert first.hand_over(30, "retrying in 1.0s") == "retried"
+    retried = Claim(client, first.name, ttl=30, task_id="task-1", heartbeat=False, idle_ttl=idle)
+    assert not retried.acquire()
+    takeover_writes = _fence_writes(watcher, fence_key, retried.take_over)
+    assert retried.held
+    # The same reads and writes of the fence key as ACQUIRE (no INCR, no PEXPIRE after).
+    assert [w[0] for w in takeover_writes] == ["GET", "SET"]
+    assert takeover_writes[1][2] == str(retried.fence)
+    assert takeover_writes[1][3:] == ["PX", str(int(idle * 1000))]
+    assert 0 < int(client.pttl(fence_key)) <= idle * 1000
+
+
+def test_fences_strictly_increase_across_acquire_retry_takeover_and_acquire(
+    redis_server: RedisServer,
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    name = f"z-{key()}"
+    fence_key = ClaimKeys.of(name).fence
+    for expired in (False, True):
+        fences: list[int] = []
+        for task_id in ("task-1", "task-2"):
+            first = Claim(client, name, ttl=30, task_id=task_id, heartbeat=False)
+            assert first.acquire() and first.fence is not None
+            fences.append(first.fence)
+            assert first.hand_over(30, "retrying in 0s") == "retried"
+            if expired:  # the fence key gone (its idle expiry): the TIME floor holds
+                client.delete(fence_key)
+            retried = Claim(client, name, ttl=30, task_id=task_id, heartbeat=False)
+            assert not retried.acquire() and retried.take_over()
+            assert retried.fence is not None
+            fences.append(retried.fence)
+            assert retried.release(outcome="ok")
+            if expired:
+                client.delete(fence_key)
+        assert fences == sorted(set(fences)), fences
+        # The previous fence was at least the server's time: never a small counter.
+        assert all(f > 1_000_000_000_000_000 for f in fences)
+
+
+def test_takeover_of_a_free_name_honours_the_cooldown_a_kept_lease_does_not(
+    redis_server: RedisServer,
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    name = f"z-{key()}"
+
+    def claim(task_id: str) -> Claim:
+        return Claim(
+            client, name, ttl=30, task_id=task_id, heartbeat=False, records=True, cooldown=60
+        )
+
+    # A kept lease is taken over: its run began outside any window and held the name.
+    first = claim("task-1")
+    assert first.acquire()
+    assert first.hand_over(30, "retrying in 0s") == "retried"
+    retried = claim("task-1")
+    assert not retried.acquire() and retried.take_over()
+    assert retried.release(outcome="ok")  # the window starts
+    # The name is free but ran recently: a takeover skips it as an acquire would.
+    late = claim("task-2")
+    assert not late.take_over()
+    assert not late.held and late.holder is None
+    assert late.ran_recently is not None and 0 < late.ran_recently <= 60
+    assert late.skips == 1
+    skip = records.last(client, name)
+    assert skip is not None and skip.outcome == "skipped" and skip.reason == "ran recently"
+    assert read_holder(client, name) is None
+    # Without a cooldown the free name is taken.
+    plain = Claim(client, name, ttl=30, task_id="task-3", heartbeat=False)
+    assert plain.take_over() and plain.release()

@@ -360,7 +360,7 @@ class ClaimState:
             COOLDOWN_REASON if self._cooldown_ms else "",
         )
 
-    def _takeover_args(self, token: str) -> tuple[str, int, str, int, str, int]:
+    def _takeover_args(self, token: str) -> tuple[str, int, str, int, str, int, str]:
         """The arguments of the store's ``take_over`` for one try under ``token``."""
         return (
             token,
@@ -369,6 +369,8 @@ class ClaimState:
             self.max_records,
             self.task_id or "",
             self._idle_ms,
+            # A free name within the cooldown window is not taken (a kept lease is).
+            COOLDOWN_REASON if self._cooldown_ms else "",
         )
 
     def _unavailable(self, exc: BaseException) -> ClaimUnavailable:
@@ -711,9 +713,11 @@ class Claim(ClaimState):
     def take_over(self) -> bool:
         """Take the lease an earlier attempt of this task id kept for it (``hand_over``).
 
-        A free name is taken too; a lease held by anyone else, or by an attempt of the
-        same task id that did not hand it over (it may still be running), is not:
-        then False, and ``holder`` says who has it. The fence is a new one.
+        A free name is taken too, unless a run ended ``ok`` within the claim's cooldown
+        window (then False and ``ran_recently``, as :meth:`acquire`); a lease held by
+        anyone else, or by an attempt of the same task id that did not hand it over (it
+        may still be running), is not: then False, and ``holder`` says who has it. The
+        fence is a new one, minted as :meth:`acquire` mints it.
         """
         self._check_acquire(None)
         self._check_handover("take_over")

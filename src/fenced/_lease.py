@@ -592,11 +592,24 @@ class LeaseCalls:
         return HANDOVER, keys, [token, keep_ms, record, max_records, fence, idle_ms]
 
     def takeover_call(
-        self, token: str, ttl_ms: int, record: str, max_records: int, task_id: str, idle_ms: int
+        self,
+        token: str,
+        ttl_ms: int,
+        record: str,
+        max_records: int,
+        task_id: str,
+        idle_ms: int,
+        cooldown_reason: str = "",
     ) -> Call:
-        """TAKEOVER: take the lease kept for ``task_id`` (or a free name); read as ACQUIRE's."""
-        keys = (self.keys.lock, self.keys.fence, self.keys.runs, self.keys.handover)
-        return TAKEOVER, keys, [token, ttl_ms, record, max_records, task_id, idle_ms]
+        """TAKEOVER: take the lease kept for ``task_id`` (or a free name, outside a cooldown
+        window); read as ACQUIRE's."""
+        k = self.keys
+        keys: tuple[str, ...] = (k.lock, k.fence, k.runs, k.handover)
+        args: list[Any] = [token, ttl_ms, record, max_records, task_id, idle_ms]
+        if cooldown_reason:
+            keys += (k.skips, self._cooldown)
+            args.append(cooldown_reason)
+        return TAKEOVER, keys, args
 
     def abandon_calls(self, token: str) -> list[Call]:
         """RELEASE of a lease a timed-out request may have left (in any slot), recording
@@ -812,10 +825,19 @@ class LeaseStore(LeaseCalls):
         return int(reply) == 1
 
     def take_over(
-        self, token: str, ttl_ms: int, record: str, max_records: int, task_id: str, idle_ms: int
+        self,
+        token: str,
+        ttl_ms: int,
+        record: str,
+        max_records: int,
+        task_id: str,
+        idle_ms: int,
+        cooldown_reason: str = "",
     ) -> list[Any]:
         """Run TAKEOVER (see its contract); with replicas to wait for, as :meth:`acquire`."""
-        call = self.takeover_call(token, ttl_ms, record, max_records, task_id, idle_ms)
+        call = self.takeover_call(
+            token, ttl_ms, record, max_records, task_id, idle_ms, cooldown_reason
+        )
         if self.replicas:
             reply, acked = self.replicated(*call)
             return [*reply, acked]

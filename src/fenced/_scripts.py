@@ -6,7 +6,8 @@ its name's slot), so the scripts run on Redis Cluster.
 Release and refresh compare the owner token first and never touch a claim held under
 another token.
 
-The fence is minted inside ACQUIRE: ``max(previous fence + 1, Redis TIME in µs)``. The
+The fence is minted inside ACQUIRE and TAKEOVER, the same way:
+``max(previous fence + 1, Redis TIME in µs)``, in one write with the idle expiry. The
 ``TIME`` floor keeps it strictly increasing even after a restart of a Redis that keeps
 nothing on disk, as long as the server clock moves forward (µs values stay below 2^53,
 so Lua's doubles hold them exactly).
@@ -565,21 +566,76 @@ return kept
 """,
 )
 
+# The fence of a new holder, minted as ACQUIRE's mint() does: max(previous fence + 1,
+# Redis TIME in µs), written with the name's idle expiry (ms, 0 = never) in one SET.
+# Returns the fence and its text (as written, and as run records carry it).
+_MINT = """
+local function mint_fence(key, idle)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local fence = tonumber(redis.call('GET', key) or '0') + 1
+  if fence < now then
+    fence = now
+  end
+  local minted = string.format('%d', fence)
+  if idle > 0 then
+    redis.call('SET', key, minted, 'PX', idle)
+  else
+    redis.call('SET', key, minted)
+  end
+  return fence, minted
+end
+"""
+
+# A name within its cooldown window, as ACQUIRE's cooldown check answers it: the skip
+# counted and recorded (reason, with the run record given), and ACQUIRE's "ran recently"
+# reply; nil when the cooldown key has expired. Needs _TOUCH and _RECORDABLE.
+_RAN_RECENTLY = """
+local function ran_recently(keys, reason, record, maxlen, idle)
+  -- Redis's own expiry times the window: the hosts' clocks play no part
+  local left = redis.call('PTTL', keys.cooldown)
+  if left <= 0 then return nil end
+  local bad = unrecordable(keys.runs)
+  if bad then return not_a_stream(keys.runs, bad) end
+  local skips = redis.call('INCR', keys.skips)
+  redis.call('XADD', keys.runs, 'MAXLEN', '~', maxlen, '*',
+             'event', 'skipped', 'reason', reason, 'r', record)
+  touch(idle, keys.runs, keys.skips)
+  return {2, '', left, tonumber(redis.call('GET', keys.fence) or '0'), skips, 0}
+end
+"""
+
 # TAKEOVER: a retried message takes the lease its earlier attempt kept for it (HANDOVER),
-#           or the name when it is free, minting a new fence as ACQUIRE does
+#           or the name when it is free, minting a new fence as ACQUIRE does (_MINT)
 # KEYS[1] lock   KEYS[2] fence   KEYS[3] runs   KEYS[4] handover
+# KEYS[5] (with ARGV[7]) skips   KEYS[6] (with ARGV[7]) cooldown (set by RELEASE after a
+#         run that ended "ok", expires with PX)
 # ARGV[1] token  ARGV[2] ttl in ms
-# ARGV[3] JSON of the "started" run record, or "" to record nothing
+# ARGV[3] JSON of the "started" run record, or "" to record nothing; with the cooldown
+#         reason, written as the "skipped" entry when the name ran recently
 # ARGV[4] maximum length of the runs stream
 # ARGV[5] the caller's task id: only a lease kept for a token carrying this task id is
 #         taken over; a holder still running (no handover) is never taken from
 # ARGV[6] idle expiry of the name's lasting keys in ms (0 = never)
+# ARGV[7] (optional) the skip reason to record while the cooldown key lives, or "" for a
+#         claim without a cooldown. Checked only when the name is free, as ACQUIRE would
+#         (the skip counted and recorded, no rerun asked). A kept lease is taken over
+#         whatever the cooldown key says: its run began outside any window and held the
+#         name since, and only a run that ended "ok" starts one.
 # returns {1, fence}   when the claim is ours (also when ARGV[1] already holds it)
 #         {0, holder token, pttl ms, holder fence, 0, 0}   as ACQUIRE's busy answer
+#         {2, "", cooldown pttl ms, fence, consecutive skips, 0}   the name is free but
+#                                                       ran recently, as ACQUIRE's
+#         an error reply naming KEYS[3] when a skip would be written to a key of another
+#         type; nothing is written then
 TAKEOVER = Script(
     "takeover",
     _TOUCH
+    + _RECORDABLE
+    + _MINT
+    + _RAN_RECENTLY
     + """
+local idle = tonumber(ARGV[6])
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[1] then
   return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
@@ -590,22 +646,19 @@ if holder then
     return {0, holder, redis.call('PTTL', KEYS[1]),
             tonumber(redis.call('GET', KEYS[2]) or '0'), 0, 0}
   end
+elseif ARGV[7] and ARGV[7] ~= '' then
+  local recently = ran_recently({cooldown = KEYS[6], runs = KEYS[3], skips = KEYS[5],
+                                 fence = KEYS[2]}, ARGV[7], ARGV[3], ARGV[4], idle)
+  if recently then return recently end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('DEL', KEYS[4])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local fence = redis.call('INCR', KEYS[2])
-if fence < now then
-  redis.call('SET', KEYS[2], string.format('%d', now))
-  fence = now
-end
+local fence, minted = mint_fence(KEYS[2], idle)
 if ARGV[3] ~= '' then
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*',
-             'event', 'started', 'token', ARGV[1], 'fence', string.format('%d', fence),
-             'r', ARGV[3])
+             'event', 'started', 'token', ARGV[1], 'fence', minted, 'r', ARGV[3])
 end
-touch(tonumber(ARGV[6]), KEYS[2], KEYS[3])
+touch(idle, KEYS[3])
 return {1, fence}
 """,
 )

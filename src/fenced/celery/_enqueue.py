@@ -5,9 +5,11 @@ publishes (``{namespace}:{name}:queued``, the name's hash tag, so one Cluster sl
 the same script that decides whether to publish: a name already marked publishes
 nothing, and the caller gets the queued message's task id. The run clears the marker
 when it starts (``until_started``) or when it ends (``until_finished``), only while the
-marker still holds its own task id. The marker expires after ``claim_enqueue_ttl``
-(counted from the message's ``eta`` when it has one), so a message that is lost never
-blocks its name for longer.
+marker still holds its own task id; a retry under another claim name leaves the first
+name's marker cleared, and a pool child killed mid-run whose message is not delivered
+again has its marker cleared by the worker's main process. The marker expires after
+``claim_enqueue_ttl`` (counted from the message's ``eta`` when it has one), so a message
+that is lost never blocks its name for longer.
 """
 
 from __future__ import annotations

@@ -39,6 +39,8 @@ class ClaimedRequest(Request):
                     self.args,
                     self.kwargs,
                     f"worker process {self.worker_pid} died mid-run: {exc}",
+                    # As Celery decides below: only then does the message come back.
+                    requeued=bool(task.acks_late and task.reject_on_worker_lost),
                 )
             except Exception:
                 log.exception("fenced: could not release the claim of %s[%s]", self.name, self.id)

@@ -75,7 +75,7 @@ if TYPE_CHECKING:
     from celery import Celery
     from celery.result import AsyncResult
 
-from .. import _interrupt, records
+from .. import _guard, _interrupt, records
 from .._claim import Claim
 from .._errors import ClaimHeld, ClaimInterrupted, ClaimUnavailable, ConfigError, NotOwner
 from .._guard import SKIP_RERUN_REASON, Skipped, busy_error, finish, lost_error, outcome_of
@@ -314,7 +314,8 @@ class ClaimedTask(Task[Any, Any]):
         order: a publish that fails clears the mark it made, then raises.
         """
         opts = self._options()
-        if opts.enqueue is None or self.app.conf.task_always_eager:
+        if opts.enqueue is None or self.app.conf.task_always_eager or not enabled(self.app):
+            # Claims switched off (tests without Redis): nothing is marked either.
             return super().apply_async(args, kwargs, task_id, *more, **options)
         name = self.claim_name_for(args or (), kwargs or {})
         keys = ClaimKeys(opts.namespace, name)
@@ -357,7 +358,7 @@ class ClaimedTask(Task[Any, Any]):
     def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
         """With ``claim_enqueue``: the message left the queue (see apply_async)."""
         opts = self._options()
-        if opts.enqueue is None or task_id is None:
+        if opts.enqueue is None or task_id is None or not enabled(self.app):
             return
         keys = ClaimKeys(opts.namespace, self.claim_name_for(args, kwargs))
         if opts.enqueue == "until_started":
@@ -375,8 +376,9 @@ class ClaimedTask(Task[Any, Any]):
         request = self.request
         if self._options().enqueue != "until_finished" or not request.id:
             return
-        if isinstance(exc, Retry):  # its message is queued again, under the same id
-            return
+        if isinstance(exc, Retry) and self._retried_as(exc, claim) == claim.name:
+            return  # its message is queued again, under the same id and name
+        # A retry under another name marked that name as it was sent: this one is free.
         setattr(request, "fenced_unqueued", True)  # noqa: B010 - Context takes any field
         self._clear_queued(claim.keys, request.id, "as its run ends")
 
@@ -385,7 +387,7 @@ class ClaimedTask(Task[Any, Any]):
     ) -> None:
         """With ``claim_enqueue="until_finished"``: a run that ended before its body ran."""
         opts = self._options()
-        if opts.enqueue != "until_finished" or task_id is None:
+        if opts.enqueue != "until_finished" or task_id is None or not enabled(self.app):
             return
         if getattr(self.request, "fenced_unqueued", False):
             return  # cleared as the body's run ended
@@ -663,14 +665,8 @@ class ClaimedTask(Task[Any, Any]):
         # queues for a free slot like any other run.
         if getattr(retry, "is_eager", False) or not claim.held or claim.limit > 1:
             return ""
-        sig: Any = getattr(retry, "sig", None)
-        if sig is not None:
-            try:
-                same = self.claim_name_for(sig.args or (), sig.kwargs or {}) == claim.name
-            except Exception:
-                same = False
-            if not same:
-                return ""  # retried with other arguments: another claim
+        if self._retried_as(retry, claim) != claim.name:
+            return ""  # retried with other arguments: another claim
         countdown = _seconds_until(self.app, retry.when)
         try:
             outcome = claim.hand_over(
@@ -682,6 +678,17 @@ class ClaimedTask(Task[Any, Any]):
         if outcome:
             count(outcome)
         return outcome
+
+    def _retried_as(self, retry: Retry, claim: Claim) -> str | None:
+        """The claim name the retried message takes (its arguments may differ): the
+        run's own when the retry carries no signature, None when it cannot be named."""
+        sig: Any = getattr(retry, "sig", None)
+        if sig is None:
+            return claim.name
+        try:
+            return self.claim_name_for(sig.args or (), sig.kwargs or {})
+        except Exception:
+            return None
 
     def _took_over(self, claim: Claim, opts: TaskOptions) -> bool:
         """Take over a lease an earlier attempt of this task id kept for it (it retried).
@@ -716,7 +723,7 @@ class ClaimedTask(Task[Any, Any]):
         if claim.ran_recently is not None:
             # A window is not waited out (a retry would run twice in it), and its skips
             # are expected: they raise no alert.
-            if opts.on_busy == "raise":
+            if not _guard.skips(claim, opts.on_busy):
                 raise busy_error(claim)
             count("skipped")
             skipped = Skipped.of(claim)
@@ -797,9 +804,20 @@ class ClaimedTask(Task[Any, Any]):
     # -- a killed pool child ------------------------------------------------------------
 
     def release_dead_holder(
-        self, task_id: str, pid: int, args: Sequence[Any], kwargs: Mapping[str, Any], why: str
+        self,
+        task_id: str,
+        pid: int,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        why: str,
+        requeued: bool = False,
     ) -> Holder | None:
-        """Release the claim that process ``pid`` held for ``task_id`` (it is dead)."""
+        """Release the claim that process ``pid`` held for ``task_id`` (it is dead).
+
+        With ``claim_enqueue="until_finished"``, a message that is not ``requeued``
+        (no ``acks_late`` with ``reject_on_worker_lost``) never runs again: its queued
+        marker is cleared too, so the name takes a new message at once.
+        """
         if not enabled(self.app):
             return None  # it held a local claim only
         opts = self._options()
@@ -823,6 +841,8 @@ class ClaimedTask(Task[Any, Any]):
         if holder is not None:
             count("aborted")
             log.warning("fenced: released claim %r of %s[%s]: %s", name, self.name, task_id, why)
+        if opts.enqueue == "until_finished" and not requeued:
+            self._clear_queued(ClaimKeys(opts.namespace, name), task_id, "as its process died")
         return holder
 
 
