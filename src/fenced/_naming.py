@@ -352,6 +352,31 @@ def validate_name(name: str) -> str:
     return f"{head}~{hash_value(name)}"
 
 
+#: The longest label a claim may carry (``label=``, ``claim_label``, ``fenced run --label``).
+LABEL_MAX = 200
+
+
+def check_label(label: Any, option: str = "label") -> str:
+    """Check a claim's label (a bounded name for metrics and logs); return it unchanged."""
+    if not isinstance(label, str) or not label:
+        raise ConfigError(
+            f"{option}={label!r} must be a non-empty str naming the kind of claim, e.g. "
+            "'rebuild:{tenant}' (the same for every claim of that kind: it becomes a "
+            "metrics label)"
+        )
+    if len(label) > LABEL_MAX:
+        raise ConfigError(
+            f"{option} is {len(label)} characters long; at most {LABEL_MAX}: name the kind "
+            "of claim, not one claim"
+        )
+    if not label.isprintable():
+        raise ConfigError(
+            f"{option}={label!r} holds characters that are not printable (control "
+            "characters, line breaks): use plain text, e.g. 'rebuild:{tenant}'"
+        )
+    return label
+
+
 def check_fields(template: str, available: Iterable[str], where: str) -> list[str]:
     """Fail at definition time when a template names a field ``where`` does not have."""
     fields = template_fields(template)
