@@ -35,6 +35,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from ._errors import ConfigError
+from ._printable import printable
 
 __all__ = [
     "SECRET_KEY_ENV",
@@ -375,6 +376,13 @@ def check_label(label: Any, option: str = "label") -> str:
             "characters, line breaks): use plain text, e.g. 'rebuild:{tenant}'"
         )
     return label
+
+
+def bounded_label(text: str) -> str:
+    """A label fenced derives (a template, a callable's name) made fit for one: escaped,
+    at most :data:`LABEL_MAX` characters."""
+    text = printable(text)
+    return text if len(text) <= LABEL_MAX else text[: LABEL_MAX - 1] + "…"
 
 
 def check_fields(template: str, available: Iterable[str], where: str) -> list[str]:
