@@ -207,9 +207,16 @@ class ClaimState:
     def _own_holder(self) -> str | None:
         return Holder.parse(self.token).text if self.token else None
 
-    def _log_fields(self, event: str | None = None, outcome: str | None = None) -> dict[str, Any]:
-        """The structured ``extra`` of a log line about this claim."""
-        return claim_fields(self.name, self.fence, self._own_holder(), outcome, self.label, event)
+    def log_fields(self, event: str | None = None, outcome: str | None = None) -> dict[str, Any]:
+        """The ``fenced_*`` fields of a log line about this claim, for ``extra=``: its
+        name, label, fence and holder (this process, once it acquired; before, the
+        holder that made it busy), and the ``event`` and ``outcome`` given."""
+        if self.token is not None:
+            fence, holder = self.fence, self._own_holder()
+        else:
+            other = self.holder
+            fence, holder = (other.fence, other.text) if other else (None, None)
+        return claim_fields(self.name, fence, holder, outcome, self.label, event)
 
     def _emit(self, kind: str, **fields: Any) -> None:
         """Send one event (callers check ``events.enabled()`` first: building costs)."""
@@ -397,7 +404,7 @@ class ClaimState:
             self.name,
             self.fence,
             reason,
-            extra=self._log_fields("lost", "lost"),
+            extra=self.log_fields("lost", "lost"),
         )
         if events.enabled():
             self._emit_lost(reason)
@@ -409,7 +416,7 @@ class ClaimState:
                 log.exception(
                     "fenced: on_lost callback for %r failed",
                     self.name,
-                    extra=self._log_fields("lost", "lost"),
+                    extra=self.log_fields("lost", "lost"),
                 )
 
     def _emit_lost(self, reason: str) -> None:
@@ -668,7 +675,7 @@ class ClaimState:
             describe_client(self.redis),
             exc,
             self.ttl,
-            extra=self._log_fields("released", "lost" if outcome == "ok" else outcome),
+            extra=self.log_fields("released", "lost" if outcome == "ok" else outcome),
         )
         if events.enabled():
             self._released_event(outcome)
@@ -698,7 +705,7 @@ class ClaimState:
                     self.name,
                     self.fence,
                     _VANISHED,
-                    extra=self._log_fields("lost", "lost"),
+                    extra=self.log_fields("lost", "lost"),
                 )
                 if events.enabled():
                     self._emit_lost(_VANISHED)
@@ -915,7 +922,12 @@ class Claim(ClaimState):
                 slot=self._granted_slot(res),
             )
         except Exception:  # best effort: the lease expires within its ttl anyway
-            log.warning("fenced: could not give back the grant of %r (%s)", self.name, why)
+            log.warning(
+                "fenced: could not give back the grant of %r (%s)",
+                self.name,
+                why,
+                extra=self.log_fields("unavailable"),
+            )
 
     # -- refresh --------------------------------------------------------------
 
