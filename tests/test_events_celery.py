@@ -1,8 +1,8 @@
 """fenced's Celery lifecycle signals, received in a real ``celery worker`` process.
 
-The worker runs tests/celery_events_app.py, whose receivers note every signal in an
-observation Redis; the claims live on a redis-server of their own, which a test pauses
-(renewals fail) or clears a lease on (the claim is lost).
+The worker runs tests/celery_app.py, whose receivers note every lifecycle signal in
+the observation Redis (``sig:<claim name>``); the claims live on a redis-server of
+their own, which a test pauses (renewals fail) or clears a lease on (the claim is lost).
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from _wait import wait_for
 from celery_harness import WAIT, Services, Worker, key
 from fenced._lease import ClaimKeys
 from fenced.testing import RedisServer
-
-APP = "tests.celery_events_app"
 
 
 @pytest.fixture
@@ -48,11 +46,11 @@ def test_a_claimed_tasks_lifecycle_reaches_its_signal_receivers(
     services = Services.on(redis_server, lock_url=lock_server.url, ttl=3.0)
     obs, app = services.obs(), services.client()
     k1, k2 = key(), key()
-    n1, n2 = f"ev:{k1}", f"ev:{k2}"
-    with Worker(services, concurrency=2, app=APP):
-        first = app.send_task("ev.gated", args=(k1,), queue=services.queue)
-        wait_for("the first run to start", lambda: obs.llen(f"started:{k1}"), WAIT)
-        skipped = app.send_task("ev.gated", args=(k1,), queue=services.queue)
+    n1, n2 = f"labelled:{k1}", f"labelled:{k2}"
+    with Worker(services, concurrency=2):
+        first = app.send_task("t.labelled", args=(k1,), queue=services.queue)
+        wait_for("the first run to start", lambda: obs.llen(f"runs:{k1}"), WAIT)
+        skipped = app.send_task("t.labelled", args=(k1,), queue=services.queue)
         assert skipped.get(timeout=WAIT)["status"] == "skipped"
 
         # Renewals fail while the claims' server is paused (shorter than the lease).
@@ -61,13 +59,13 @@ def test_a_claimed_tasks_lifecycle_reaches_its_signal_receivers(
             failed = wait_signal(obs, n1, "renewal_failed")
         finally:
             lock_server.resume()
-        obs.set(f"gate:{k1}", 1)
-        assert first.get(timeout=WAIT) == "done"
+        obs.set(f"gate:{k1}:0", 1)
+        assert first.get(timeout=WAIT) == {"status": "ok", "run": 0}
         released = wait_signal(obs, n1, "released")
 
         # A lease cleared under a running task: lost, and the run ends lost.
-        lost_run = app.send_task("ev.gated", args=(k2,), queue=services.queue)
-        wait_for("the second run to start", lambda: obs.llen(f"started:{k2}"), WAIT)
+        lost_run = app.send_task("t.labelled", args=(k2,), queue=services.queue)
+        wait_for("the second run to start", lambda: obs.llen(f"runs:{k2}"), WAIT)
         lock_server.client().delete(ClaimKeys.of(n2, "fenced").lock)
         lost = wait_signal(obs, n2, "lost")
         with pytest.raises(Exception, match="lost"):
@@ -75,8 +73,8 @@ def test_a_claimed_tasks_lifecycle_reaches_its_signal_receivers(
         lost_released = wait_signal(obs, n2, "released")
 
     acquired = signals_of(obs, n1, "acquired")[0]
-    assert acquired["signal"] == "claim_acquired" and acquired["task"] == "ev.gated"
-    assert acquired["label"] == "ev-gated" and acquired["fence"] > 0
+    assert acquired["signal"] == "claim_acquired" and acquired["task"] == "t.labelled"
+    assert acquired["label"] == "gates" and acquired["fence"] > 0
     busy = signals_of(obs, n1, "skipped")[0]
     assert busy["signal"] == "claim_skipped" and busy["reason"] == "already running"
     assert busy["holder"] == acquired["holder"] and busy["fence"] == acquired["fence"]

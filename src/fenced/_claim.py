@@ -698,17 +698,9 @@ class ClaimState:
             self.vanished = True
             if self._lost_reason is None or before == _HELD:
                 self._lost_reason = _VANISHED
-            if before == _HELD:
+            if before == _HELD and events.enabled():
                 # Found gone only now: the loss is known here, not by the heartbeat.
-                log.warning(
-                    "fenced: claim %r (fence %s) lost: %s",
-                    self.name,
-                    self.fence,
-                    _VANISHED,
-                    extra=self.log_fields("lost", "lost"),
-                )
-                if events.enabled():
-                    self._emit_lost(_VANISHED)
+                self._emit_lost(_VANISHED)
         if events.enabled():
             self._released_event(outcome)
         return released
