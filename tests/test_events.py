@@ -147,6 +147,25 @@ def test_a_cooldown_skip_says_ran_recently_and_a_slot_is_named(
     second.release()
 
 
+def test_a_lease_handed_over_for_a_retry_is_released_as_retried(
+    server: RedisServer, seen: Recorder
+) -> None:
+    client = server.client()
+    first = fenced.Claim(client, "retry:job", task_id="t-1")
+    assert first.acquire()
+    assert first.hand_over(5.0) == "retried"
+    again = fenced.Claim(client, "retry:job", task_id="t-1")
+    assert again.take_over()
+    again.release()
+    kinds = [(e.kind, e.outcome) for e in seen.of("retry:job")]
+    assert kinds == [
+        ("acquired", None),
+        ("released", "retried"),
+        ("acquired", None),
+        ("released", "ok"),
+    ]
+
+
 def test_a_deleted_lease_is_lost_from_the_heartbeat_thread_with_json_log_fields(
     server: RedisServer, seen: Recorder, json_log: Lines
 ) -> None:
@@ -332,6 +351,7 @@ def test_a_label_is_printable_and_bounded(server: RedisServer) -> None:
     _check_refused(lambda: fenced.Claim(client, "x", label="l" * 201), "at most 200")
     _check_refused(lambda: fenced.exclusive("x", redis=client, label=""), "non-empty")
     _check_refused(lambda: validate({"claim_label": 7}, "task t"), "task t: claim_label=7")
+    _check_refused(lambda: events.subscribe("not callable"), "needs a callable")  # type: ignore[arg-type]
     res = subprocess.run(
         [
             sys.executable,

@@ -891,7 +891,7 @@ class Claim(ClaimState):
                 self._idle_ms,
             )
         except _UNCONFIRMABLE as exc:
-            self._release_unconfirmed(exc, "retried")
+            self._release_unconfirmed(exc, "lost")
             return "lost"
         except BaseException:
             self._release_undone(before)
