@@ -340,6 +340,32 @@ def test_fenced_run_events_and_log_fields_carry_its_label(
     assert line["fenced_claim"] == "backup:orders" and line["fenced_label"] == "backup:{db}"
 
 
+def test_fenced_run_reports_its_label_in_json(server: RedisServer) -> None:
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fenced",
+            "run",
+            "--redis",
+            server.url,
+            "--label",
+            "backup:{db}",
+            "--json",
+            "backup:users",
+            "--",
+            "true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+    )
+    assert res.returncode == 0, res.stderr
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    assert result["label"] == "backup:{db}" and result["outcome"] == "ok"
+
+
 def _check_refused(call: Callable[[], Any], words: str) -> None:
     with pytest.raises(fenced.ConfigError, match=words):
         call()
