@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import events
 from ._claim import Claim
 from ._errors import (
     ClaimHeld,
@@ -42,6 +43,7 @@ __all__ = [
     "StoreError",
     "__version__",
     "claim_name",
+    "events",
     "exclusive",
     "force_release",
     "hash_value",
