@@ -1,0 +1,459 @@
+"""Prometheus metrics of claims, fed by the lifecycle events (``pip install 'fenced[metrics]'``).
+
+::
+
+    import fenced.metrics
+    from prometheus_client import start_http_server
+
+    fenced.metrics.install()     # every claim of this process, in prometheus_client's REGISTRY
+    start_http_server(9808)
+
+:class:`ClaimMetrics` is one :mod:`fenced.events` subscriber that keeps counters,
+histograms and a gauge in a registry; :func:`install` subscribes one for the process
+(once), :func:`uninstall` takes it away again. Every metric is labelled by the event's
+``label`` (the claim template, the label chosen, or a fixed name): never by the full
+name, so one series per template, not one per tenant. The ``reason``, ``cause`` and
+``outcome`` labels take fenced's fixed words (:data:`SKIP_REASONS`, :data:`LOSS_CAUSES`,
+:data:`OUTCOMES`); anything else is counted as ``"other"``.
+
+Celery's prefork pool runs tasks in child processes: prometheus_client's multiprocess
+mode (``PROMETHEUS_MULTIPROC_DIR``) adds up their values, and the Celery settings
+``fenced_metrics`` and ``fenced_metrics_port`` set it up (:mod:`fenced.celery._metrics`).
+``fenced run --metrics-file`` writes a run's metrics for node_exporter's textfile
+collector (:class:`Textfile`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
+
+try:
+    from prometheus_client import (
+        REGISTRY,
+        CollectorRegistry,
+        Counter,
+        Gauge,
+        Histogram,
+        start_http_server,
+        write_to_textfile,
+    )
+    from prometheus_client import multiprocess as _multiprocess
+except ImportError as exc:  # pragma: no cover - the extra is installed for the tests
+    raise ImportError(
+        f"fenced.metrics needs prometheus_client: pip install 'fenced[metrics]' ({exc})"
+    ) from exc
+
+from . import events
+from ._errors import ConfigError
+from .events import ClaimEvent
+
+__all__ = [
+    "LOSS_CAUSES",
+    "OUTCOMES",
+    "SKIP_REASONS",
+    "ClaimMetrics",
+    "Textfile",
+    "install",
+    "installed",
+    "mark_process_dead",
+    "multiprocess_dir",
+    "registry_for_scrape",
+    "serve",
+    "uninstall",
+]
+
+log = logging.getLogger("fenced")
+
+#: A skip's reason (fenced's words, or the label value itself) -> the ``reason`` label.
+SKIP_REASONS = {
+    "already running": "already_running",
+    "already running; rerun requested": "rerun_requested",
+    "ran recently": "ran_recently",
+}
+#: How a loss was found (fenced's words, or their start) -> the ``cause`` label.
+LOSS_CAUSES = {
+    "expired": "expired",
+    "no refresh was confirmed before the local deadline": "expired",
+    "taken": "taken",
+    "the lease is gone or held under another token": "taken",
+    "refused": "refused",
+    "released elsewhere": "released_elsewhere",
+    "vanished": "vanished",
+    "the lease was gone before release": "vanished",
+    "unconfirmed": "unconfirmed",
+    "redis could not be reached to confirm the lease at release": "unconfirmed",
+}
+#: How released work ended: the ``outcome`` label (anything else: ``"other"``).
+OUTCOMES = frozenset({"ok", "failed", "lost", "retried"})
+OTHER = "other"
+
+#: Distinct ``label`` values kept per metric; more are counted under ``"other"`` (a
+#: label built from call arguments would otherwise make a series per call).
+MAX_LABELS = 1000
+
+#: Seconds a claim was held: from a cron job's second to a day-long rebuild.
+RUN_BUCKETS = (0.1, 0.5, 1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 7200, 21600, 86400)
+#: Seconds of a renewal round trip: a healthy Redis answers in a millisecond or less.
+RENEWAL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+_NAMESPACE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
+
+
+def _word(text: str | None, words: dict[str, str]) -> str:
+    """``text`` as one of ``words``' values: matched whole, by its start, or else "other"."""
+    if not text:
+        return OTHER
+    key = text.strip().lower()
+    word = words.get(key)
+    if word is not None:
+        return word
+    if key in words.values():
+        return key
+    for start, word in words.items():
+        if key.startswith(start):
+            return word
+    return OTHER
+
+
+def skip_reason(text: str | None) -> str:
+    """The ``reason`` label of a skip."""
+    return _word(text, SKIP_REASONS)
+
+
+def loss_cause(text: str | None) -> str:
+    """The ``cause`` label of a loss."""
+    return _word(text, LOSS_CAUSES)
+
+
+class ClaimMetrics:
+    """The claim metrics in one registry, kept up to date by the events it is called with.
+
+    Call it with a :class:`~fenced.events.ClaimEvent` (it is a subscriber). Thread-safe:
+    renewal events come from the heartbeat thread.
+    """
+
+    def __init__(
+        self, registry: CollectorRegistry | None = None, namespace: str = "fenced"
+    ) -> None:
+        if not isinstance(namespace, str) or (namespace and not _NAMESPACE.match(namespace)):
+            raise ConfigError(
+                f"metrics namespace {namespace!r} is not a Prometheus name prefix: use letters, "
+                "digits and underscores, not starting with a digit (e.g. 'fenced')"
+            )
+        self.registry = REGISTRY if registry is None else registry
+        self.namespace = namespace
+        reg, ns = self.registry, namespace
+        label = ("label",)
+        self.acquired = Counter(
+            "claims_acquired", "Claims acquired.", label, namespace=ns, registry=reg
+        )
+        self.skipped = Counter(
+            "claims_skipped",
+            "Claims not acquired because another holder had them (or the name ran recently).",
+            (*label, "reason"),
+            namespace=ns,
+            registry=reg,
+        )
+        self.lost = Counter(
+            "claims_lost", "Claims lost while held.", (*label, "cause"), namespace=ns, registry=reg
+        )
+        self.released = Counter(
+            "claims_released",
+            "Claims released, by how the work ended.",
+            (*label, "outcome"),
+            namespace=ns,
+            registry=reg,
+        )
+        self.renewal_failures = Counter(
+            "renewal_failures",
+            "Renewals that failed (Redis errors or timeouts; the claim may still be held).",
+            label,
+            namespace=ns,
+            registry=reg,
+        )
+        self.unavailable = Counter(
+            "redis_unavailable",
+            "Acquires that found Redis unreachable (the work did not start).",
+            label,
+            namespace=ns,
+            registry=reg,
+        )
+        self.run_duration = Histogram(
+            "run_duration_seconds",
+            "How long a claim was held, until it was released or lost.",
+            label,
+            namespace=ns,
+            registry=reg,
+            buckets=RUN_BUCKETS,
+        )
+        self.renewal = Histogram(
+            "renewal_seconds",
+            "Round trip of a renewal that succeeded.",
+            label,
+            namespace=ns,
+            registry=reg,
+            buckets=RENEWAL_BUCKETS,
+        )
+        # livesum: a prefork child that exits takes its claims out of the sum.
+        self.held = Gauge(
+            "claims_held",
+            "Claims held now.",
+            label,
+            namespace=ns,
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._labels: dict[int, set[str]] = {}
+        self._holding: set[tuple[str, int | None, int | None]] = set()
+        self._warned = False
+        self._handlers: dict[str, Callable[[ClaimEvent], None]] = {
+            "acquired": self._on_acquired,
+            "skipped": self._on_skipped,
+            "renewed": self._on_renewed,
+            "renewal_failed": self._on_renewal_failed,
+            "lost": self._on_lost,
+            "released": self._on_released,
+            "unavailable": self._on_unavailable,
+        }
+
+    def __call__(self, event: ClaimEvent) -> None:
+        """Count one event."""
+        handler = self._handlers.get(event.kind)
+        if handler is not None:
+            handler(event)
+
+    def collectors(self) -> tuple[Any, ...]:
+        """Every metric, as registered."""
+        return (
+            self.acquired,
+            self.skipped,
+            self.lost,
+            self.released,
+            self.renewal_failures,
+            self.unavailable,
+            self.run_duration,
+            self.renewal,
+            self.held,
+        )
+
+    def unregister(self) -> None:
+        """Take every metric out of the registry."""
+        for collector in self.collectors():
+            try:
+                self.registry.unregister(collector)
+            except KeyError:
+                pass
+
+    # -- one child per label set, made once -----------------------------------------------
+
+    def _child(self, metric: Any, *values: str) -> Any:
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._new_child(metric, values)
+        return child
+
+    def _new_child(self, metric: Any, values: tuple[str, ...]) -> Any:
+        seen = self._labels.setdefault(id(metric), set())
+        if values[0] not in seen and values[0] != OTHER and len(seen) >= MAX_LABELS:
+            if not self._warned:
+                self._warned = True
+                log.warning(
+                    "fenced.metrics: more than %d claim labels; further ones are counted as "
+                    "%r (give claims a label= that does not carry call arguments)",
+                    MAX_LABELS,
+                    OTHER,
+                )
+            return self._child(metric, OTHER, *values[1:])
+        seen.add(values[0])
+        child = metric.labels(*values)
+        self._children[(id(metric), values)] = child
+        return child
+
+    # -- the events -----------------------------------------------------------------------
+
+    @staticmethod
+    def _key(event: ClaimEvent) -> tuple[str, int | None, int | None]:
+        return (event.name, event.slot, event.fence)
+
+    def _on_acquired(self, event: ClaimEvent) -> None:
+        self._child(self.acquired, event.label).inc()
+        key = self._key(event)
+        if key not in self._holding:
+            self._holding.add(key)
+            self._child(self.held, event.label).inc()
+
+    def _ended(self, event: ClaimEvent) -> None:
+        # A loss is often followed by a release (outcome "lost") of the same claim: the
+        # gauge and the duration count the first of the two.
+        try:
+            self._holding.remove(self._key(event))
+        except KeyError:
+            return
+        self._child(self.held, event.label).dec()
+        if event.duration is not None:
+            self._child(self.run_duration, event.label).observe(event.duration)
+
+    def _on_released(self, event: ClaimEvent) -> None:
+        outcome = event.outcome if event.outcome in OUTCOMES else OTHER
+        self._child(self.released, event.label, outcome).inc()
+        self._ended(event)
+
+    def _on_lost(self, event: ClaimEvent) -> None:
+        self._child(self.lost, event.label, loss_cause(event.reason)).inc()
+        self._ended(event)
+
+    def _on_skipped(self, event: ClaimEvent) -> None:
+        self._child(self.skipped, event.label, skip_reason(event.reason)).inc()
+
+    def _on_renewed(self, event: ClaimEvent) -> None:
+        if event.duration is not None:
+            self._child(self.renewal, event.label).observe(event.duration)
+
+    def _on_renewal_failed(self, event: ClaimEvent) -> None:
+        self._child(self.renewal_failures, event.label).inc()
+
+    def _on_unavailable(self, event: ClaimEvent) -> None:
+        self._child(self.unavailable, event.label).inc()
+
+
+# -- one set per process ----------------------------------------------------------------
+
+_installed: tuple[ClaimMetrics, Callable[[], None]] | None = None
+_install_lock = threading.Lock()
+
+
+def install(
+    registry: CollectorRegistry | None = None, *, namespace: str = "fenced"
+) -> ClaimMetrics:
+    """Count every claim event of this process in ``registry`` (prometheus_client's
+    ``REGISTRY`` by default); installed once: a second call returns the same metrics."""
+    global _installed
+    with _install_lock:
+        if _installed is not None:
+            metrics = _installed[0]
+            wanted = REGISTRY if registry is None else registry
+            if metrics.registry is not wanted or metrics.namespace != namespace:
+                raise ConfigError(
+                    "fenced.metrics is installed already, in another registry or namespace: "
+                    "call fenced.metrics.uninstall() first"
+                )
+            return metrics
+        metrics = ClaimMetrics(registry, namespace)
+        _installed = (metrics, events.subscribe(metrics))
+        return metrics
+
+
+def installed() -> ClaimMetrics | None:
+    """The metrics :func:`install` set up, or None."""
+    return _installed[0] if _installed is not None else None
+
+
+def uninstall() -> None:
+    """Stop counting, and take the metrics out of their registry (a no-op when not installed)."""
+    global _installed
+    with _install_lock:
+        if _installed is None:
+            return
+        metrics, unsubscribe = _installed
+        _installed = None
+    unsubscribe()
+    metrics.unregister()
+
+
+# -- exposition --------------------------------------------------------------------------
+
+
+def multiprocess_dir() -> str | None:
+    """``PROMETHEUS_MULTIPROC_DIR`` when prometheus_client's multiprocess mode is on."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+def registry_for_scrape() -> CollectorRegistry:
+    """What a scrape of this process should read: every process's values in multiprocess
+    mode (a fresh registry with a ``MultiProcessCollector``), else ``REGISTRY``."""
+    folder = multiprocess_dir()
+    if folder is None:
+        return REGISTRY
+    if not os.path.isdir(folder):
+        raise ConfigError(
+            f"PROMETHEUS_MULTIPROC_DIR={folder!r} is not a directory: create it (empty) "
+            "before the worker starts"
+        )
+    registry = CollectorRegistry()
+    _multiprocess.MultiProcessCollector(registry, path=folder)  # type: ignore[no-untyped-call]
+    return registry
+
+
+def serve(port: int, addr: str = "0.0.0.0") -> Any:
+    """Serve ``/metrics`` over HTTP from a daemon thread (every process's values in
+    multiprocess mode); returns the server (``shutdown()`` stops it)."""
+    server, _thread = start_http_server(port, addr=addr, registry=registry_for_scrape())
+    return server
+
+
+def mark_process_dead(pid: int) -> None:
+    """Multiprocess mode: a process that exited no longer counts in ``claims_held``."""
+    if multiprocess_dir() is not None:
+        _multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
+
+
+# -- one run's metrics in a file ---------------------------------------------------------
+
+
+def check_textfile(path: str | os.PathLike[str]) -> str:
+    """``path`` as text if its directory exists; a ConfigError naming the fix if not."""
+    text = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(text))
+    if not text or os.path.isdir(text):
+        raise ConfigError(f"--metrics-file {text!r} is a directory: name a file, e.g. fenced.prom")
+    if not os.path.isdir(folder):
+        raise ConfigError(
+            f"--metrics-file {text!r}: the directory {folder!r} does not exist "
+            "(node_exporter's --collector.textfile.directory, for instance)"
+        )
+    return text
+
+
+class Textfile:
+    """One run's claim metrics, written to ``path`` at the end in the format
+    node_exporter's textfile collector reads (it reads files named ``*.prom``).
+
+    ``with Textfile(path):`` counts the claim events inside the block in a registry of
+    its own and writes it when the block ends; the file is replaced atomically (a
+    temporary file, then a rename), so the collector never reads half of one.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, namespace: str = "fenced") -> None:
+        self.path = check_textfile(path)
+        self.metrics = ClaimMetrics(CollectorRegistry(), namespace)
+        self._unsubscribe: Callable[[], None] | None = None
+
+    def start(self) -> None:
+        """Count the events of this process from now on."""
+        if self._unsubscribe is None:
+            self._unsubscribe = events.subscribe(self.metrics)
+
+    def stop(self) -> None:
+        """Stop counting."""
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
+
+    def write(self) -> None:
+        """Write what was counted (OSError when the file cannot be written)."""
+        write_to_textfile(self.path, self.metrics.registry)
+
+    def __enter__(self) -> ClaimMetrics:
+        self.start()
+        return self.metrics
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self.write()
