@@ -51,6 +51,7 @@ CELERY_FENCED_CLAIM_ENQUEUE = "until_started"
 CELERY_FENCED_CLAIM_ENQUEUE_TTL = 600
 CELERY_FENCED_CLAIM_COOLDOWN = 30
 CELERY_FENCED_CLAIM_LIMIT = 2
+CELERY_FENCED_CLAIM_LABEL = "dj-label"
 
 
 def alert(sender, name, skips, holder):
@@ -101,6 +102,7 @@ def run(self, key):
         "fence": claim.fence,
         "pttl": claim.redis.pttl(claim.key) if claim.redis is not None else None,
         "made_by": getattr(claim.redis, "made_by", None),
+        "label": claim.label,
     }
 
 
@@ -162,6 +164,7 @@ def test_every_fenced_setting_is_read_from_django_settings_with_the_celery_names
         "enqueue_ttl": 600.0,
         "cooldown": 30,
         "limit": 2,
+        "label": "dj-label",
     }
     # Every option's setting was given, with a value that is not its default.
     given = {
@@ -182,6 +185,7 @@ def test_every_fenced_setting_is_read_from_django_settings_with_the_celery_names
         "claim_enqueue_ttl": 600,
         "claim_cooldown": 30,
         "claim_limit": 2,
+        "claim_label": "dj-label",
     }
     assert set(given) == set(SETTINGS)
     assert all(DEFAULTS[option] != value for option, value in given.items())
@@ -190,6 +194,7 @@ def test_every_fenced_setting_is_read_from_django_settings_with_the_celery_names
     # The run took a real claim through the factory's client, in the namespace, with
     # the ttl from settings.
     assert not run["local"] and run["made_by"] == "djsettings"
+    assert run["label"] == "dj-label"
     assert 0 < run["pttl"] <= 12000
     fence = redis.Redis.from_url(url).get(ClaimKeys.of("r:k1", "djns").fence)
     assert fence is not None and int(fence) == run["fence"]

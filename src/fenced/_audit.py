@@ -31,8 +31,17 @@ import logging
 import os
 import socket
 import sys
+from typing import Any
 
-__all__ = ["FIELDS", "LOGGER", "claimed_user", "echo_to_stderr", "force_released"]
+__all__ = [
+    "CLAIM_FIELDS",
+    "FIELDS",
+    "LOGGER",
+    "claim_fields",
+    "claimed_user",
+    "echo_to_stderr",
+    "force_released",
+]
 
 #: The audit logger's name; its lines go wherever the process's logging goes.
 LOGGER = "fenced.audit"
@@ -50,7 +59,42 @@ FIELDS = (
     "fenced_outcome",
 )
 
+#: The ``extra`` fields of every other log line fenced writes about a claim (on the
+#: ``fenced``, ``fenced.heartbeat`` and ``fenced.celery`` loggers): the claim name, its
+#: fence, the holder (``host:pid[:task_id]``: this process's own, or the one that made
+#: it skip), the outcome; ``fenced_label`` and ``fenced_event`` where they apply.
+CLAIM_FIELDS = (
+    "fenced_claim",
+    "fenced_fence",
+    "fenced_holder",
+    "fenced_outcome",
+    "fenced_label",
+    "fenced_event",
+)
+
 log = logging.getLogger(LOGGER)
+
+
+def claim_fields(
+    name: str,
+    fence: int | None = None,
+    holder: str | None = None,
+    outcome: str | None = None,
+    label: str | None = None,
+    event: str | None = None,
+) -> dict[str, Any]:
+    """The ``extra`` of a log line about claim ``name`` (see :data:`CLAIM_FIELDS`)."""
+    extra: dict[str, Any] = {
+        "fenced_claim": name,
+        "fenced_fence": fence,
+        "fenced_holder": holder,
+        "fenced_outcome": outcome,
+    }
+    if label is not None:
+        extra["fenced_label"] = label
+    if event is not None:
+        extra["fenced_event"] = event
+    return extra
 
 
 def claimed_user() -> str:

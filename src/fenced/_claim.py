@@ -28,7 +28,9 @@ from typing import Any, TypeVar
 
 import redis
 
+from . import events
 from . import records as _records
+from ._audit import claim_fields
 from ._client import connect
 from ._errors import ClaimLost, ClaimUnavailable, ConfigError, FencedError, NotOwner
 from ._guard import COOLDOWN_REASON, SKIP_REASON, SKIP_RERUN_REASON, busy_error, finish
@@ -55,6 +57,8 @@ from ._lease import (
     new_token,
     why_unreachable,
 )
+from ._naming import check_label
+from ._redact import SHORT_MAX, exception_text
 
 __all__ = ["Claim", "ClaimState"]
 
@@ -75,6 +79,8 @@ RELEASE_PATIENCE = 5.0
 #: A release that gets one of these does not know whether the lease lasted.
 _UNCONFIRMABLE: tuple[type[BaseException], ...] = (*UNREACHABLE, redis.ResponseError)
 RELEASE_RETRY = 0.1
+#: The cause a "lost" event gives (a short word, fit for a metrics label) for each reason.
+_CAUSES = {_DEADLINE_PASSED: "expired", _TAKEN: "taken", _VANISHED: "vanished"}
 
 
 class ClaimState:
@@ -104,10 +110,13 @@ class ClaimState:
         replica_timeout: float = 1.0,
         cooldown: float | None = None,
         limit: int = 1,
+        label: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Any] = time.sleep,
     ) -> None:
         try:
+            if label is not None:
+                check_label(label)
             self.ttl, self.refresh_every = check_timing(ttl, refresh_every)
             self._idle_ms = check_idle_ttl(idle_ttl, self.ttl)
             self._cooldown_ms = check_cooldown(cooldown, self._idle_ms)
@@ -129,6 +138,12 @@ class ClaimState:
         self.keys = ClaimKeys.of(name, namespace)
         self.name: str = self.keys.name
         self.key: str = self.keys.lock
+        #: The bounded name of this kind of claim in events and log fields: the label
+        #: given, else the name (a front end passes its template or callable's name).
+        self.label: str = label if label is not None else self.name
+        # What events say of the front end (see fenced.events): set by _front_end().
+        self._source = self._SOURCE
+        self._task: Any = None
         # What each renewal keeps from expiring while the name is held.
         self._lasting = self.keys.lasting(self.limit) if self._idle_ms else ()
         self.namespace = namespace
@@ -175,9 +190,78 @@ class ClaimState:
         self.vanished = False
         self._bind_store()
 
+    _SOURCE = "claim"
+
     def _connect(self, redis: Any) -> Any:
         """The client this front end talks through (a URL becomes one)."""
         raise NotImplementedError
+
+    def _front_end(self, source: str, task: Any = None) -> None:
+        """Name the front end this claim's events come from (``ClaimEvent.source``), and
+        for a Celery task, the task instance (``ClaimEvent.task``)."""
+        self._source = source
+        self._task = task
+
+    # -- events and log fields --------------------------------------------------------
+
+    def _own_holder(self) -> str | None:
+        return Holder.parse(self.token).text if self.token else None
+
+    def _log_fields(self, event: str | None = None, outcome: str | None = None) -> dict[str, Any]:
+        """The structured ``extra`` of a log line about this claim."""
+        return claim_fields(self.name, self.fence, self._own_holder(), outcome, self.label, event)
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        """Send one event (callers check ``events.enabled()`` first: building costs)."""
+        events.emit(
+            events.ClaimEvent(
+                kind,
+                self.name,
+                self.label,
+                self._source,
+                task=self._task,
+                time=time.time(),
+                **fields,
+            )
+        )
+
+    def _emit_held(self, kind: str, **fields: Any) -> None:
+        """An event about the lease this process holds (its fence, slot and holder)."""
+        slot = self.slot if self.limit > 1 else None
+        self._emit(kind, fence=self.fence, holder=self._own_holder(), slot=slot, **fields)
+
+    def renewal_event(self, duration: float, error: BaseException | None = None) -> None:
+        """A renewal round trip of ``duration`` seconds ended (``error``: it failed)."""
+        if not events.enabled():
+            return
+        if error is not None:
+            reason = exception_text(error, SHORT_MAX)
+            self._emit_held("renewal_failed", reason=reason, duration=duration)
+        elif self._mine():
+            self._emit_held("renewed", duration=duration)
+
+    def _busy_event(self, rerun: bool | str) -> None:
+        """An acquire found the name busy (or run recently) and gave up: "skipped"."""
+        holder = self.holder
+        if holder is not None and self.task_id and holder.task_id == self.task_id:
+            return  # an earlier attempt of this very task: not a competitor (see ACQUIRE)
+        if self.ran_recently is not None:
+            reason = COOLDOWN_REASON
+        else:
+            reason = SKIP_RERUN_REASON if rerun else SKIP_REASON
+        self._emit(
+            "skipped",
+            fence=holder.fence if holder else None,
+            holder=holder.text if holder else None,
+            reason=reason,
+        )
+
+    def _released_event(self, outcome: str) -> None:
+        if self.vanished and outcome == "ok":
+            outcome = "lost"  # as the guard settles it: not known to have ended held
+        self._emit_held(
+            "released", outcome=outcome, duration=max(0.0, self._clock() - self._started_at)
+        )
 
     _store: LeaseCalls
 
@@ -308,13 +392,32 @@ class ClaimState:
         # Not discarded from the heartbeat here: it drops claims no longer held by
         # itself, and a discard from this (maybe another) thread could remove the entry
         # of a lease this object acquired again meanwhile.
-        log.warning("fenced: claim %r (fence %s) lost: %s", self.name, self.fence, reason)
+        log.warning(
+            "fenced: claim %r (fence %s) lost: %s",
+            self.name,
+            self.fence,
+            reason,
+            extra=self._log_fields("lost", "lost"),
+        )
+        if events.enabled():
+            self._emit_lost(reason)
         self._stop_work()
         if self.on_lost is not None:
             try:
                 self.on_lost(self)
             except Exception:
-                log.exception("fenced: on_lost callback for %r failed", self.name)
+                log.exception(
+                    "fenced: on_lost callback for %r failed",
+                    self.name,
+                    extra=self._log_fields("lost", "lost"),
+                )
+
+    def _emit_lost(self, reason: str) -> None:
+        self._emit_held(
+            "lost",
+            reason=_CAUSES.get(reason, reason),
+            duration=max(0.0, self._clock() - self._started_at),
+        )
 
     def _stop_work(self) -> None:
         """The claim was just declared lost: a front end's hook to stop the work under it."""
@@ -330,6 +433,10 @@ class ClaimState:
             )
         if timeout is not None and timeout < 0:
             raise ConfigError(f"timeout={timeout!r} must be >= 0 or None", name=self.name)
+
+    def _gave_up(self, give_up: float | None) -> bool:
+        """Whether a blocking acquire's timeout has passed."""
+        return give_up is not None and self._clock() >= give_up
 
     def _retry_wait(self, now: float, give_up: float | None) -> float:
         """How long a blocking acquire waits before it looks again."""
@@ -372,7 +479,10 @@ class ClaimState:
         )
 
     def _unavailable(self, exc: BaseException) -> ClaimUnavailable:
-        """ClaimUnavailable for an acquire that could not reach Redis, or that it refused."""
+        """ClaimUnavailable for an acquire that could not reach Redis, or that it refused
+        (and its "unavailable" event)."""
+        if events.enabled():
+            self._emit("unavailable", reason=exception_text(exc, SHORT_MAX))
         if isinstance(exc, redis.ResponseError):
             # A replica after a failover (READONLY), a full server (OOM), a busy script:
             # the store cannot grant the claim, which is unavailability, not a bug here.
@@ -467,6 +577,8 @@ class ClaimState:
                 self._started_at = sent
                 self._deadline = sent + self.ttl - self._drift
                 self._next_refresh = sent + self.refresh_every
+            if events.enabled():
+                self._emit_held("acquired")
             return True
         # ACQUIRE's reply ends at a value Lua could not read as a number (a fence or
         # skip count someone else wrote): what is missing is unknown, the lease is held.
@@ -545,17 +657,21 @@ class ClaimState:
             self.slot or 0,
         )
 
-    def _release_unconfirmed(self, exc: BaseException) -> None:
-        """No answer (or a replica's) to the release: whether the lease lasted is unknown."""
+    def _release_unconfirmed(self, exc: BaseException, outcome: str) -> None:
+        """No answer (or a replica's) to the release of a run that ended with ``outcome``:
+        whether the lease lasted is unknown."""
+        self.vanished = True
+        self._lost_reason = f"{_UNCONFIRMED} ({exc})"
         log.warning(
             "fenced: could not release %r at %s (%s); it expires within %.1fs",
             self.name,
             describe_client(self.redis),
             exc,
             self.ttl,
+            extra=self._log_fields("released", "lost" if outcome == "ok" else outcome),
         )
-        self.vanished = True
-        self._lost_reason = f"{_UNCONFIRMED} ({exc})"
+        if events.enabled():
+            self._released_event(outcome)
 
     def _release_undone(self, before: str) -> None:
         """The release was interrupted: not given back, and release() may be called again."""
@@ -575,6 +691,19 @@ class ClaimState:
             self.vanished = True
             if self._lost_reason is None or before == _HELD:
                 self._lost_reason = _VANISHED
+            if before == _HELD:
+                # Found gone only now: the loss is known here, not by the heartbeat.
+                log.warning(
+                    "fenced: claim %r (fence %s) lost: %s",
+                    self.name,
+                    self.fence,
+                    _VANISHED,
+                    extra=self._log_fields("lost", "lost"),
+                )
+                if events.enabled():
+                    self._emit_lost(_VANISHED)
+        if events.enabled():
+            self._released_event(outcome)
         return released
 
     def _finished_record(self, duration: float, reason: str | None) -> str:
@@ -630,6 +759,9 @@ class Claim(ClaimState):
             out), timed by Redis's own expiry, so hosts with skewed clocks agree. A
             failed or lost run, and an operator's release, start no window. At most
             ``idle_ttl``.
+        label: the bounded name of this kind of claim in :mod:`fenced.events` and the
+            ``fenced_label`` log field (printable, at most 200 characters), e.g.
+            ``"rebuild:{tenant}"`` for a name built per tenant; default: the name itself.
         clock, sleep: time seams for tests (``time.monotonic``, ``time.sleep``).
     """
 
@@ -663,12 +795,12 @@ class Claim(ClaimState):
         while True:
             if self._try_acquire(record_skip, mark_rerun=request_rerun):
                 return True
-            if not blocking or self.ran_recently is not None:
-                return False  # a window is not waited out: it is a skip
-            now = self._clock()
-            if give_up is not None and now >= give_up:
+            # A window is not waited out: it is a skip.
+            if not blocking or self.ran_recently is not None or self._gave_up(give_up):
+                if events.enabled():
+                    self._busy_event(request_rerun)
                 return False
-            self._sleep(self._retry_wait(now, give_up))
+            self._sleep(self._retry_wait(self._clock(), give_up))
 
     def _try_acquire(
         self, record_skip: bool, mark_rerun: bool | str = False, takeover: bool = False
@@ -760,7 +892,7 @@ class Claim(ClaimState):
                 self._idle_ms,
             )
         except _UNCONFIRMABLE as exc:
-            self._release_unconfirmed(exc)
+            self._release_unconfirmed(exc, "retried")
             return "lost"
         except BaseException:
             self._release_undone(before)
@@ -770,8 +902,9 @@ class Claim(ClaimState):
         if not kept:
             self.vanished = True
             self._lost_reason = _VANISHED
-            return "lost"
-        return "retried"
+        if events.enabled():
+            self._released_event("retried" if kept else "lost")
+        return "retried" if kept else "lost"
 
     def _give_back(self, token: str, res: list[Any], why: str, elapsed: float) -> None:
         """Remove a lease granted to us that we must not use (its run record says why)."""
@@ -806,6 +939,7 @@ class Claim(ClaimState):
             raise self._refresh_unavailable(exc) from exc
         if ok:
             self.renewed(sent, token)
+            self.renewal_event(self._clock() - sent)
             return self.held
         self.renewal_refused(token)
         return False
@@ -830,7 +964,7 @@ class Claim(ClaimState):
                 if isinstance(exc, UNREACHABLE) and time.monotonic() + RELEASE_RETRY < give_up:
                     time.sleep(RELEASE_RETRY)  # real time: the claim's sleep may be a seam
                     continue
-                self._release_unconfirmed(exc)
+                self._release_unconfirmed(exc, outcome)
                 return False
             except BaseException:
                 self._release_undone(before)

@@ -37,7 +37,7 @@ from ._lease import (
     check_replicas,
     check_timing,
 )
-from ._naming import Namer, NameSource
+from ._naming import Namer, NameSource, bounded_label, check_label
 
 __all__ = ["ON_BUSY", "Skipped", "exclusive"]
 
@@ -105,6 +105,7 @@ def exclusive(
     cooldown: float | None = None,
     limit: int = 1,
     secret_key: str | bytes | None = None,
+    label: str | None = None,
 ) -> Callable[[F], F]:
     """Hold a claim named from the arguments while the function runs; skip, wait or raise.
 
@@ -112,7 +113,9 @@ def exclusive(
     skipped ("ran recently"), whatever ``on_busy`` says but ``raise``. With ``limit``,
     up to that many calls of one name run at once (each with a fence of its own).
     ``secret_key`` keys the digests of template fields marked secret (``{key:secret}``);
-    without it, the ``FENCED_SECRET_KEY`` environment variable.
+    without it, the ``FENCED_SECRET_KEY`` environment variable. ``label`` names this
+    kind of claim in :mod:`fenced.events` and log fields (default: the template, or the
+    name callable's ``__qualname__``).
     """
     on_busy = check_on_busy(on_busy, ON_BUSY)
     if wait_timeout is not None and (on_busy != "wait" or wait_timeout < 0):
@@ -125,6 +128,8 @@ def exclusive(
     check_replicas(replicas, replica_timeout, ttl)
     check_cooldown(cooldown, int(IDLE_TTL * 1000))
     check_limit(limit)
+    if label is not None:
+        check_label(label)
     async_client = _async_client(redis, replicas)
     # A URL serves both kinds of function; a redis.asyncio client only coroutines.
     client = None if async_client is not None and not isinstance(redis, str) else _client(redis)
@@ -140,6 +145,7 @@ def exclusive(
         if namer.secret:
             namer.key()  # no key: fail where the function is defined, not at a call
         extra = {"function": f"{fn.__module__}.{fn.__qualname__}"}
+        claim_label = label if label is not None else bounded_label(namer.label)
 
         def named(args: Any, kwargs: Any) -> tuple[str, dict[str, Any]]:
             # The template and its values go in the run records, as Celery tasks' do: the
@@ -168,7 +174,9 @@ def exclusive(
                 replica_timeout=replica_timeout,
                 cooldown=cooldown,
                 limit=limit,
+                label=claim_label,
             )
+            claim._front_end("exclusive")
             return Guard(claim, on_busy, wait_timeout)
 
         if inspect.iscoroutinefunction(fn) and async_client is not None:
@@ -187,8 +195,10 @@ def exclusive(
                     record_extra=call_extra,
                     cooldown=cooldown,
                     limit=limit,
+                    label=claim_label,
                 )
                 claim._what = "the function"
+                claim._front_end("exclusive")
                 wait = on_busy == "wait"
                 if not await claim.acquire(blocking=wait, timeout=wait_timeout if wait else None):
                     if skips(claim, on_busy):

@@ -48,6 +48,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import SentinelConnectionPool
 
+from . import events
+from ._audit import claim_fields
 from ._client import is_cluster, node_client, refresh_slots
 from ._lease import UNREACHABLE
 from ._scripts import REFRESH, run_pipeline
@@ -88,6 +90,10 @@ class Renewable(Protocol):
     def retry_soon(self) -> None:
         """No confirmed answer yet (a renewal on its way, or none came): look again soon."""
 
+    def renewal_event(self, duration: float, error: BaseException | None = None) -> None:
+        """A renewal's round trip took ``duration`` seconds (``error``: it failed). Told
+        only while someone subscribed to :mod:`fenced.events`, after ``renewed``."""
+
     def renewal_refused(self, token: str) -> None:
         """The lease of ``token`` is gone or held under another token."""
 
@@ -125,6 +131,27 @@ def _tell(what: Callable[..., None], *args: Any) -> None:
         what(*args)
     except BaseException:  # even SystemExit: this thread serves every claim
         log.exception("fenced: a claim's heartbeat callback failed")
+
+
+def failed(part: Batch, sent: float, exc: BaseException) -> None:
+    """A renewal round of ``part`` sent at ``sent`` failed with ``exc``: each claim is
+    told to look again soon (and, for the events, what failed)."""
+    took = time.monotonic() - sent
+    report = events.enabled()
+    for c, _lease in part:
+        _tell(c.retry_soon)
+        if report:
+            _tell(c.renewal_event, took, exc)
+
+
+def refresh_failed(c: Renewable, exc: BaseException) -> None:
+    """Log the failed renewal of one claim (with its structured fields)."""
+    log.warning(
+        "fenced: refresh of %s failed: %s",
+        c.name,
+        exc,
+        extra=claim_fields(c.name, event="renewal_failed", label=getattr(c, "label", None)),
+    )
 
 
 class _Lane:
@@ -209,16 +236,22 @@ class _Lane:
                 results = run_pipeline(self.client, calls, wait=wait)
             except UNREACHABLE as exc:
                 # Not confirmed: each claim keeps its deadline and is retried soon.
-                log.warning("fenced: heartbeat could not reach Redis: %s", exc)
+                log.warning(
+                    "fenced: heartbeat could not reach Redis: %s",
+                    exc,
+                    extra={"fenced_event": "renewal_failed"},
+                )
                 self._lost_track(part)
-                for c, _lease in part:
-                    _tell(c.retry_soon)
+                failed(part, sent, exc)
                 continue
-            except Exception:
-                log.exception("fenced: heartbeat round failed")
-                for c, _lease in part:
-                    _tell(c.retry_soon)
+            except Exception as exc:
+                log.exception(
+                    "fenced: heartbeat round failed", extra={"fenced_event": "renewal_failed"}
+                )
+                failed(part, sent, exc)
                 continue
+            took = time.monotonic() - sent
+            report = events.enabled()
             acked = results.pop() if wait else 0
             if wait and (isinstance(acked, Exception) or acked < replicas):
                 log.warning(
@@ -231,14 +264,18 @@ class _Lane:
                     refresh_slots(lease.client)
                     self._renew_one(c, lease)
                 elif isinstance(res, Exception):
-                    log.warning("fenced: refresh of %s failed: %s", c.name, res)
+                    refresh_failed(c, res)
                     _tell(c.retry_soon)
+                    if report:
+                        _tell(c.renewal_event, took, res)
                 elif res != 1:
                     _tell(c.renewal_refused, lease.token)
                 elif lease.replicas and (isinstance(acked, Exception) or acked < lease.replicas):
                     _tell(c.retry_soon)
                 else:
                     _tell(c.renewed, sent, lease.token)
+                    if report:
+                        _tell(c.renewal_event, took)
 
     @staticmethod
     def _lost_track(part: Batch) -> None:
@@ -257,9 +294,9 @@ class _Lane:
                 [lease.token, lease.ttl_ms, lease.idle_ms],
             )
         except Exception as exc:
-            log.warning("fenced: refresh of %s failed: %s", c.name, exc)
+            refresh_failed(c, exc)
             refresh_slots(lease.client)
-            _tell(c.retry_soon)
+            failed([(c, lease)], sent, exc)
             return
         if res != 1:
             _tell(c.renewal_refused, lease.token)
@@ -267,6 +304,8 @@ class _Lane:
             _tell(c.retry_soon)  # acknowledged by replicas only in a pipelined round
         else:
             _tell(c.renewed, sent, lease.token)
+            if events.enabled():
+                _tell(c.renewal_event, time.monotonic() - sent)
 
 
 def _clonable(client: Any, pool: Any) -> bool:

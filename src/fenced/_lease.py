@@ -185,6 +185,15 @@ class Holder:
         """JSON-ready form."""
         return asdict(self)
 
+    @property
+    def text(self) -> str:
+        """``host:pid`` (``:task_id`` when there is one), escaped: the holder in events
+        and structured log fields."""
+        if self.unreadable:
+            return "?"
+        who = f"{printable(self.host)}:{self.pid if self.pid is not None else '?'}"
+        return f"{who}:{printable(self.task_id)}" if self.task_id else who
+
     def __str__(self) -> str:
         # Host and task id are whatever the token says: escaped, so that a message
         # naming the holder never carries terminal controls into a log or a terminal.

@@ -265,6 +265,9 @@ class _Hold:
         # Confirmed only after the deadline: it may have been seen as lost meanwhile.
         self._declare_lost(_DEADLINE_PASSED, token)
 
+    def renewal_event(self, duration: float, error: BaseException | None = None) -> None:
+        """A lock sends no claim events."""
+
     def retry_soon(self) -> None:
         """No confirmed answer yet: look again within the interval."""
         with self._mutex:

@@ -35,6 +35,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from ._errors import ConfigError
+from ._printable import printable
 
 __all__ = [
     "SECRET_KEY_ENV",
@@ -350,6 +351,38 @@ def validate_name(name: str) -> str:
     # keep a readable head and make the whole name unambiguous with a digest.
     head = re.sub(r"[^A-Za-z0-9_.\-/@:=+]", "_", name)[:40]
     return f"{head}~{hash_value(name)}"
+
+
+#: The longest label a claim may carry (``label=``, ``claim_label``, ``fenced run --label``).
+LABEL_MAX = 200
+
+
+def check_label(label: Any, option: str = "label") -> str:
+    """Check a claim's label (a bounded name for metrics and logs); return it unchanged."""
+    if not isinstance(label, str) or not label:
+        raise ConfigError(
+            f"{option}={label!r} must be a non-empty str naming the kind of claim, e.g. "
+            "'rebuild:{tenant}' (the same for every claim of that kind: it becomes a "
+            "metrics label)"
+        )
+    if len(label) > LABEL_MAX:
+        raise ConfigError(
+            f"{option} is {len(label)} characters long; at most {LABEL_MAX}: name the kind "
+            "of claim, not one claim"
+        )
+    if not label.isprintable():
+        raise ConfigError(
+            f"{option}={label!r} holds characters that are not printable (control "
+            "characters, line breaks): use plain text, e.g. 'rebuild:{tenant}'"
+        )
+    return label
+
+
+def bounded_label(text: str) -> str:
+    """A label fenced derives (a template, a callable's name) made fit for one: escaped,
+    at most :data:`LABEL_MAX` characters."""
+    text = printable(text)
+    return text if len(text) <= LABEL_MAX else text[: LABEL_MAX - 1] + "…"
 
 
 def check_fields(template: str, available: Iterable[str], where: str) -> list[str]:

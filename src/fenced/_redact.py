@@ -20,10 +20,12 @@ import re
 
 from ._client import redact as redact_url
 
-__all__ = ["REASON_MAX", "exception_text", "redact"]
+__all__ = ["REASON_MAX", "SHORT_MAX", "exception_text", "redact"]
 
 #: The longest reason kept in a run record.
 REASON_MAX = 500
+#: The longest error text an event carries (``ClaimEvent.reason``).
+SHORT_MAX = 200
 
 # Matches start only where a word starts: a long word is then read once, not once per
 # character (what a message of megabytes would otherwise cost).

@@ -62,7 +62,7 @@ from ._claim import Claim
 from ._errors import ClaimHeld, ClaimUnavailable, ConfigError
 from ._guard import COOLDOWN_REASON, Guard, Skipped, check_on_busy
 from ._lease import IDLE_TTL, check_cooldown, check_limit, check_replicas
-from ._naming import SECRET_KEY_ENV, check_secret_key, hash_value, secret_digest
+from ._naming import SECRET_KEY_ENV, check_label, check_secret_key, hash_value, secret_digest
 from ._watchdog import ENDED_AT_DEADLINE, Watchdog, dies_with_runner
 
 __all__ = [
@@ -130,6 +130,8 @@ class RunOptions:
     cooldown: float | None = None
     #: How many runs of the name may go at once.
     limit: int = 1
+    #: The claim's label in events and log fields (None: the name).
+    label: str | None = None
 
     def check(self) -> None:
         """Raise ConfigError for options that cannot work together."""
@@ -159,6 +161,8 @@ class RunOptions:
         )
         check_cooldown(self.cooldown, int(idle_ttl(self.ttl) * 1000), "--cooldown")
         check_limit(self.limit, "--limit")
+        if self.label is not None:
+            check_label(self.label, "--label")
 
 
 def idle_ttl(ttl: float) -> float:
@@ -214,6 +218,7 @@ class _Runner:
             "exit": None,
             "fence": None,
             "holder": None,
+            "label": opts.label if opts.label is not None else opts.name,
         }
         self.claim = Claim(
             client,
@@ -228,8 +233,10 @@ class _Runner:
             replica_timeout=opts.replica_timeout,
             cooldown=opts.cooldown,
             limit=opts.limit,
+            label=opts.label,
             sleep=self._sleep,
         )
+        self.claim._front_end("run")
 
     # -- signals ----------------------------------------------------------------------
 
@@ -519,8 +526,8 @@ def run_command(
 
     ``on_result`` receives what happened, once it is over: ``name``, ``ran`` (the
     command was started), ``outcome`` (``ok``, ``failed``, ``lost``, ``aborted``,
-    ``skipped``, ``busy`` or ``unavailable``), ``reason``, ``exit``, ``fence`` and
-    ``holder`` (the other holder, when busy).
+    ``skipped``, ``busy`` or ``unavailable``), ``reason``, ``exit``, ``fence``,
+    ``holder`` (the other holder, when busy) and ``label`` (the claim's label).
     """
     opts.check()
     if say is None:

@@ -461,9 +461,18 @@ if app is not None:
             typer.Option(
                 "--json",
                 help="At the end, one JSON line on stdout: name, ran, outcome, reason, exit, "
-                "fence, holder.",
+                "fence, holder, label.",
             ),
         ] = False,
+        label: Annotated[
+            str | None,
+            typer.Option(
+                "--label",
+                metavar="TEXT",
+                help="The claim's label in lifecycle events and log fields (default: NAME); "
+                "one label for every name of a kind, e.g. 'backup:{db}'.",
+            ),
+        ] = None,
         record_command: Annotated[
             bool,
             typer.Option(
@@ -525,6 +534,7 @@ if app is not None:
             replica_timeout=replica_timeout,
             cooldown=cooldown,
             limit=limit,
+            label=label,
             record_command=record_command,
             pass_fenced_env=pass_fenced_env,
         )

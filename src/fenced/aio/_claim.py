@@ -31,6 +31,7 @@ from typing import Any
 
 import redis
 
+from .. import events
 from .._claim import _HELD, _LATE, _UNCONFIRMABLE, RELEASE_RETRY, ClaimState
 from .._client import require_async
 from .._errors import ConfigError
@@ -55,6 +56,7 @@ class Claim(ClaimState):
     """
 
     _store: LeaseCalls
+    _SOURCE = "aio"
     #: What runs under the claim, as loss messages name it.
     _what = "the block"
 
@@ -89,12 +91,12 @@ class Claim(ClaimState):
         while True:
             if await self._try_acquire(record_skip, request_rerun):
                 return True
-            if not blocking or self.ran_recently is not None:
-                return False  # a window is not waited out: it is a skip
-            now = self._clock()
-            if give_up is not None and now >= give_up:
+            # A window is not waited out: it is a skip.
+            if not blocking or self.ran_recently is not None or self._gave_up(give_up):
+                if events.enabled():
+                    self._busy_event(request_rerun)
                 return False
-            await asyncio.sleep(self._retry_wait(now, give_up))
+            await asyncio.sleep(self._retry_wait(self._clock(), give_up))
 
     async def _try_acquire(self, record_skip: bool, mark_rerun: bool | str) -> bool:
         token = new_token(self.task_id)
@@ -178,6 +180,7 @@ class Claim(ClaimState):
             raise self._refresh_unavailable(exc) from exc
         if int(ok) == 1:
             self.renewed(sent, token)
+            self.renewal_event(self._clock() - sent)
             return self.held
         self.renewal_refused(token)
         return False
@@ -214,7 +217,7 @@ class Claim(ClaimState):
                 if isinstance(exc, UNREACHABLE) and time.monotonic() + RELEASE_RETRY < give_up:
                     await asyncio.sleep(RELEASE_RETRY)
                     continue
-                self._release_unconfirmed(exc)
+                self._release_unconfirmed(exc, outcome)
                 return False
             except asyncio.CancelledError:
                 raise  # not undone: the caller sends it again

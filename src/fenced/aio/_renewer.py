@@ -23,7 +23,18 @@ import math
 import time
 import weakref
 
-from .._heartbeat import BATCH, COALESCE, IDLE_WAIT, MIN_NAP, Renewable, Renewal, _tell
+from .. import events
+from .._heartbeat import (
+    BATCH,
+    COALESCE,
+    IDLE_WAIT,
+    MIN_NAP,
+    Renewable,
+    Renewal,
+    _tell,
+    failed,
+    refresh_failed,
+)
 from .._lease import UNREACHABLE
 from .._scripts import REFRESH, Call
 from ._send import call_pipeline, keep
@@ -169,16 +180,30 @@ class Renewer:
                 results = await asyncio.wait_for(call_pipeline(client, calls), timeout)
             except _NO_ANSWER as exc:
                 # Not confirmed: each claim keeps its deadline and is retried soon.
-                log.warning("fenced: renewer could not reach Redis: %s", exc or "timed out")
+                log.warning(
+                    "fenced: renewer could not reach Redis: %s",
+                    exc or "timed out",
+                    extra={"fenced_event": "renewal_failed"},
+                )
+                failed(part, sent, exc or TimeoutError("renewal round timed out"))
                 continue
-            except Exception:
-                log.exception("fenced: renewal round failed")
+            except Exception as exc:
+                log.exception(
+                    "fenced: renewal round failed", extra={"fenced_event": "renewal_failed"}
+                )
+                failed(part, sent, exc)
                 continue
+            took = time.monotonic() - sent
+            report = events.enabled()
             for (c, lease), res in zip(part, results):
                 if isinstance(res, Exception):
-                    log.warning("fenced: refresh of %s failed: %s", c.name, res)
+                    refresh_failed(c, res)
+                    if report:
+                        _tell(c.renewal_event, took, res)
                 elif res == 1:
                     _tell(c.renewed, sent, lease.token)
+                    if report:
+                        _tell(c.renewal_event, took)
                 else:
                     _tell(c.renewal_refused, lease.token)
         del batch  # the claims are referenced only while their round runs

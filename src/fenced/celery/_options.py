@@ -34,6 +34,7 @@ from .._lease import (
     check_replicas,
     check_timing,
 )
+from .._naming import check_label
 from . import _enqueue
 from ._enqueue import ENQUEUE_TTL
 
@@ -67,6 +68,8 @@ DEFAULTS: dict[str, Any] = {
     "claim_cooldown": None,
     # How many runs of one name may go at once, each in a slot with its own fence.
     "claim_limit": 1,
+    # The task's claims in fenced.events, signals and log fields (None: the template).
+    "claim_label": None,
 }
 OPTIONS = tuple(DEFAULTS)
 #: The setting that gives each option its default.
@@ -204,6 +207,11 @@ def validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:
             out["claim_limit"] = check_limit(values["claim_limit"], "claim_limit")
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc.message}") from None
+    if values.get("claim_label") is not None:
+        try:
+            out["claim_label"] = check_label(values["claim_label"], "claim_label")
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc.message}") from None
     return out
 
 
@@ -244,6 +252,7 @@ class TaskOptions:
     enqueue_ttl: float
     cooldown: float | None = None
     limit: int = 1
+    label: str | None = None
 
 
 def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
@@ -275,6 +284,7 @@ def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
         enqueue_ttl=float(merged["claim_enqueue_ttl"]),
         cooldown=merged["claim_cooldown"] or None,
         limit=merged["claim_limit"],
+        label=merged["claim_label"],
     )
 
 

@@ -80,7 +80,7 @@ from .._claim import Claim
 from .._errors import ClaimHeld, ClaimInterrupted, ClaimUnavailable, ConfigError, NotOwner
 from .._guard import SKIP_RERUN_REASON, Skipped, busy_error, finish, lost_error, outcome_of
 from .._lease import HOST, ClaimKeys, Holder, force_release, short_token
-from .._naming import Namer
+from .._naming import Namer, bounded_label
 from .._redact import exception_text
 from . import _enqueue, signals
 from ._disabled import LocalClaim, enabled
@@ -193,6 +193,7 @@ class ClaimedTask(Task[Any, Any]):
     claim_enqueue_ttl: float | None = None
     claim_cooldown: float | None = None
     claim_limit: int | None = None
+    claim_label: str | None = None
 
     _fenced_namer: Namer | None = None
     _fenced_options: TaskOptions | None = None
@@ -439,7 +440,9 @@ class ClaimedTask(Task[Any, Any]):
             replica_timeout=opts.replica_timeout,
             cooldown=opts.cooldown,
             limit=opts.limit,
+            label=opts.label if opts.label is not None else bounded_label(namer.label),
         )
+        claim._front_end("task", self)
         try:
             acquired = claim.acquire(
                 request_rerun=_trigger(args, kwargs) if opts.on_busy == "rerun" else False
@@ -859,6 +862,7 @@ def _values(options: TaskOptions) -> tuple[Any, ...]:
         options.enqueue_ttl,
         options.cooldown,
         options.limit,
+        options.label,
     )
 
 
