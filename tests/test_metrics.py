@@ -254,13 +254,17 @@ def test_prefork_worker_serves_the_sum_of_its_children_over_http(
     services = Services.on(redis_server)
     client = services.client()
     obs = services.obs()
+
+    def send(*args: Any) -> Any:
+        return client.send_task("t.sleeper", args, queue=services.queue)
+
     with Worker(services, name="metrics", concurrency=2) as worker:
         keys = [unique("k") for _ in range(3)]
-        done = [client.send_task("t.sleeper", (k, 0.05)) for k in keys]
+        done = [send(k, 0.05) for k in keys]
         busy = unique("busy")
-        holder = client.send_task("t.sleeper", (busy, 2.0))
+        holder = send(busy, 2.0)
         wait_for("the holder to start", lambda: notes(obs, f"sleeper:{busy}"), WAIT)
-        skipped = client.send_task("t.sleeper", (busy, 0.0)).get(timeout=WAIT)
+        skipped = send(busy, 0.0).get(timeout=WAIT)
         assert skipped["status"] == "skipped"
         assert all(res.get(timeout=WAIT) == "slept" for res in done)
         assert holder.get(timeout=WAIT) == "slept"
@@ -281,7 +285,7 @@ def test_prefork_worker_serves_the_sum_of_its_children_over_http(
         # The counts came from the pool's children, each in a file of its own.
         children = {p.name for p in folder.iterdir() if p.name.startswith("counter_")}
         assert children and f"counter_{worker.pid}.db" not in children
-    assert "claim metrics served on port" in worker.log()
+        assert f"claim metrics served on port {port}" in worker.log()
 
 
 def test_prefork_worker_without_a_multiprocess_directory_refuses_to_start(
