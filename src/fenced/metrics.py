@@ -29,7 +29,8 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable
+from bisect import bisect_left
+from collections.abc import Callable, Iterator
 from typing import Any
 
 try:
@@ -43,6 +44,13 @@ try:
         write_to_textfile,
     )
     from prometheus_client import multiprocess as _multiprocess
+    from prometheus_client import values as _values
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+    from prometheus_client.utils import floatToGoString
 except ImportError as exc:  # pragma: no cover - the extra is installed for the tests
     raise ImportError(
         f"fenced.metrics needs prometheus_client: pip install 'fenced[metrics]' ({exc})"
@@ -130,11 +138,173 @@ def loss_cause(text: str | None) -> str:
     return _word(text, LOSS_CAUSES)
 
 
+#: Every metric: kind, help text, label names (after ``label``), histogram buckets.
+METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
+    "claims_acquired": ("counter", "Claims acquired.", (), ()),
+    "claims_skipped": (
+        "counter",
+        "Claims not acquired because another holder had them (or the name ran recently).",
+        ("reason",),
+        (),
+    ),
+    "claims_lost": ("counter", "Claims lost while held.", ("cause",), ()),
+    "claims_released": ("counter", "Claims released, by how the work ended.", ("outcome",), ()),
+    "renewal_failures": (
+        "counter",
+        "Renewals that failed (Redis errors or timeouts; the claim may still be held).",
+        (),
+        (),
+    ),
+    "redis_unavailable": (
+        "counter",
+        "Acquires that found Redis unreachable (the work did not start).",
+        (),
+        (),
+    ),
+    "run_duration_seconds": (
+        "histogram",
+        "How long a claim was held, until it was released or lost.",
+        (),
+        RUN_BUCKETS,
+    ),
+    "renewal_seconds": (
+        "histogram",
+        "Round trip of a renewal that succeeded.",
+        (),
+        RENEWAL_BUCKETS,
+    ),
+    "claims_held": ("gauge", "Claims held now.", (), ()),
+}
+
+
+class _Tally:
+    """The values kept in this process, as plain numbers under one lock; a registry reads
+    them as a collector. Cheaper per event than prometheus_client's own metrics."""
+
+    def __init__(self, namespace: str) -> None:
+        self.prefix = f"{namespace}_" if namespace else ""
+        self.lock = threading.Lock()
+        self.counts: dict[tuple[str, tuple[str, ...]], float] = {}
+        # (metric, label) -> [count per bucket (not cumulative), sum]
+        self.spreads: dict[tuple[str, str], list[float]] = {}
+        self.held: dict[str, float] = {}
+
+    def count(self, metric: str, labels: tuple[str, ...]) -> None:
+        key = (metric, labels)
+        with self.lock:
+            self.counts[key] = self.counts.get(key, 0.0) + 1.0
+
+    def observe(self, metric: str, label: str, value: float) -> None:
+        key = (metric, label)
+        buckets = METRICS[metric][3]
+        at = bisect_left(buckets, value)
+        with self.lock:
+            spread = self.spreads.get(key)
+            if spread is None:
+                spread = self.spreads[key] = [0.0] * (len(buckets) + 2)
+            spread[at] += 1.0
+            spread[-1] += value
+
+    def move(self, label: str, by: float) -> None:
+        with self.lock:
+            self.held[label] = self.held.get(label, 0.0) + by
+
+    def _families(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for metric, (kind, text, more, _buckets) in METRICS.items():
+            name, labels = self.prefix + metric, ["label", *more]
+            if kind == "counter":
+                out[metric] = CounterMetricFamily(name, text, labels=labels)
+            elif kind == "histogram":
+                out[metric] = HistogramMetricFamily(name, text, labels=labels)
+            else:
+                out[metric] = GaugeMetricFamily(name, text, labels=labels)
+        return out
+
+    def describe(self) -> Iterator[Any]:
+        """The families, without values (so a registry refuses a second set of them)."""
+        return iter(self._families().values())
+
+    def collect(self) -> Iterator[Any]:
+        """The families with the values of now."""
+        with self.lock:
+            counts = dict(self.counts)
+            spreads = {key: list(spread) for key, spread in self.spreads.items()}
+            held = dict(self.held)
+        families = self._families()
+        for (metric, labels), value in counts.items():
+            families[metric].add_metric(list(labels), value)
+        for (metric, label), spread in spreads.items():
+            bounds = METRICS[metric][3]
+            cumulative, total = [], 0.0
+            for bound, n in zip((*bounds, float("inf")), spread[:-1]):
+                total += n
+                cumulative.append((floatToGoString(bound), total))  # type: ignore[no-untyped-call]
+            families[metric].add_metric([label], cumulative, spread[-1])
+        for label, value in held.items():
+            families["claims_held"].add_metric([label], value)
+        return iter(families.values())
+
+
+class _Shared:
+    """prometheus_client's own metrics: in multiprocess mode each process writes its values
+    to a file of its own in ``PROMETHEUS_MULTIPROC_DIR``, and a scrape adds them up."""
+
+    def __init__(self, registry: CollectorRegistry, namespace: str) -> None:
+        self.metrics: dict[str, Any] = {}
+        for metric, (kind, text, more, buckets) in METRICS.items():
+            labels = ("label", *more)
+            if kind == "counter":
+                made: Any = Counter(metric, text, labels, namespace=namespace, registry=registry)
+            elif kind == "histogram":
+                made = Histogram(
+                    metric, text, labels, namespace=namespace, registry=registry, buckets=buckets
+                )
+            else:
+                # livesum: a prefork child that exits takes its claims out of the sum.
+                made = Gauge(
+                    metric,
+                    text,
+                    labels,
+                    namespace=namespace,
+                    registry=registry,
+                    multiprocess_mode="livesum",
+                )
+            self.metrics[metric] = made
+        self.children: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+    def _child(self, metric: str, labels: tuple[str, ...]) -> Any:
+        key = (metric, labels)
+        child = self.children.get(key)
+        if child is None:
+            child = self.children[key] = self.metrics[metric].labels(*labels)
+        return child
+
+    def count(self, metric: str, labels: tuple[str, ...]) -> None:
+        self._child(metric, labels).inc()
+
+    def observe(self, metric: str, label: str, value: float) -> None:
+        self._child(metric, (label,)).observe(value)
+
+    def move(self, label: str, by: float) -> None:
+        self._child("claims_held", (label,)).inc(by)
+
+    def collectors(self) -> list[Any]:
+        return list(self.metrics.values())
+
+
+def _in_files() -> bool:
+    """prometheus_client keeps values in files (multiprocess mode, chosen when imported)."""
+    return bool(getattr(_values.ValueClass, "_multiprocess", False))
+
+
 class ClaimMetrics:
     """The claim metrics in one registry, kept up to date by the events it is called with.
 
     Call it with a :class:`~fenced.events.ClaimEvent` (it is a subscriber). Thread-safe:
-    renewal events come from the heartbeat thread.
+    renewal events come from the heartbeat thread. In prometheus_client's multiprocess
+    mode the values are prometheus_client's own metrics (in files); otherwise plain
+    numbers a collector hands to the registry when it is read, which costs less per event.
     """
 
     def __init__(
@@ -147,71 +317,17 @@ class ClaimMetrics:
             )
         self.registry = REGISTRY if registry is None else registry
         self.namespace = namespace
-        reg, ns = self.registry, namespace
-        label = ("label",)
-        self.acquired = Counter(
-            "claims_acquired", "Claims acquired.", label, namespace=ns, registry=reg
-        )
-        self.skipped = Counter(
-            "claims_skipped",
-            "Claims not acquired because another holder had them (or the name ran recently).",
-            (*label, "reason"),
-            namespace=ns,
-            registry=reg,
-        )
-        self.lost = Counter(
-            "claims_lost", "Claims lost while held.", (*label, "cause"), namespace=ns, registry=reg
-        )
-        self.released = Counter(
-            "claims_released",
-            "Claims released, by how the work ended.",
-            (*label, "outcome"),
-            namespace=ns,
-            registry=reg,
-        )
-        self.renewal_failures = Counter(
-            "renewal_failures",
-            "Renewals that failed (Redis errors or timeouts; the claim may still be held).",
-            label,
-            namespace=ns,
-            registry=reg,
-        )
-        self.unavailable = Counter(
-            "redis_unavailable",
-            "Acquires that found Redis unreachable (the work did not start).",
-            label,
-            namespace=ns,
-            registry=reg,
-        )
-        self.run_duration = Histogram(
-            "run_duration_seconds",
-            "How long a claim was held, until it was released or lost.",
-            label,
-            namespace=ns,
-            registry=reg,
-            buckets=RUN_BUCKETS,
-        )
-        self.renewal = Histogram(
-            "renewal_seconds",
-            "Round trip of a renewal that succeeded.",
-            label,
-            namespace=ns,
-            registry=reg,
-            buckets=RENEWAL_BUCKETS,
-        )
-        # livesum: a prefork child that exits takes its claims out of the sum.
-        self.held = Gauge(
-            "claims_held",
-            "Claims held now.",
-            label,
-            namespace=ns,
-            registry=reg,
-            multiprocess_mode="livesum",
-        )
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self._labels: dict[int, set[str]] = {}
-        self._holding: set[tuple[str, int | None, int | None]] = set()
+        self._store: _Tally | _Shared
+        if _in_files():
+            self._store = _Shared(self.registry, namespace)
+            self._collectors: list[Any] = self._store.collectors()
+        else:
+            self._store = _Tally(namespace)
+            self.registry.register(self._store)
+            self._collectors = [self._store]
+        self._labels: set[str] = set()
         self._warned = False
+        self._holding: set[tuple[str, int | None, int | None]] = set()
         self._handlers: dict[str, Callable[[ClaimEvent], None]] = {
             "acquired": self._on_acquired,
             "skipped": self._on_skipped,
@@ -228,40 +344,19 @@ class ClaimMetrics:
         if handler is not None:
             handler(event)
 
-    def collectors(self) -> tuple[Any, ...]:
-        """Every metric, as registered."""
-        return (
-            self.acquired,
-            self.skipped,
-            self.lost,
-            self.released,
-            self.renewal_failures,
-            self.unavailable,
-            self.run_duration,
-            self.renewal,
-            self.held,
-        )
-
     def unregister(self) -> None:
-        """Take every metric out of the registry."""
-        for collector in self.collectors():
+        """Take the metrics out of the registry."""
+        for collector in self._collectors:
             try:
                 self.registry.unregister(collector)
             except KeyError:
                 pass
 
-    # -- one child per label set, made once -----------------------------------------------
-
-    def _child(self, metric: Any, *values: str) -> Any:
-        key = (id(metric), values)
-        child = self._children.get(key)
-        if child is None:
-            child = self._new_child(metric, values)
-        return child
-
-    def _new_child(self, metric: Any, values: tuple[str, ...]) -> Any:
-        seen = self._labels.setdefault(id(metric), set())
-        if values[0] not in seen and values[0] != OTHER and len(seen) >= MAX_LABELS:
+    def _label(self, event: ClaimEvent) -> str:
+        label = event.label
+        if label in self._labels:
+            return label
+        if len(self._labels) >= MAX_LABELS:
             if not self._warned:
                 self._warned = True
                 log.warning(
@@ -270,57 +365,55 @@ class ClaimMetrics:
                     MAX_LABELS,
                     OTHER,
                 )
-            return self._child(metric, OTHER, *values[1:])
-        seen.add(values[0])
-        child = metric.labels(*values)
-        self._children[(id(metric), values)] = child
-        return child
+            return OTHER
+        self._labels.add(label)
+        return label
 
     # -- the events -----------------------------------------------------------------------
 
-    @staticmethod
-    def _key(event: ClaimEvent) -> tuple[str, int | None, int | None]:
-        return (event.name, event.slot, event.fence)
-
     def _on_acquired(self, event: ClaimEvent) -> None:
-        self._child(self.acquired, event.label).inc()
-        key = self._key(event)
+        label = self._label(event)
+        self._store.count("claims_acquired", (label,))
+        key = (event.name, event.slot, event.fence)
         if key not in self._holding:
             self._holding.add(key)
-            self._child(self.held, event.label).inc()
+            self._store.move(label, 1.0)
 
-    def _ended(self, event: ClaimEvent) -> None:
+    def _ended(self, event: ClaimEvent, label: str) -> None:
         # A loss is often followed by a release (outcome "lost") of the same claim: the
         # gauge and the duration count the first of the two.
         try:
-            self._holding.remove(self._key(event))
+            self._holding.remove((event.name, event.slot, event.fence))
         except KeyError:
             return
-        self._child(self.held, event.label).dec()
+        self._store.move(label, -1.0)
         if event.duration is not None:
-            self._child(self.run_duration, event.label).observe(event.duration)
+            self._store.observe("run_duration_seconds", label, event.duration)
 
     def _on_released(self, event: ClaimEvent) -> None:
+        label = self._label(event)
         outcome = event.outcome if event.outcome in OUTCOMES else OTHER
-        self._child(self.released, event.label, outcome).inc()
-        self._ended(event)
+        self._store.count("claims_released", (label, outcome))
+        self._ended(event, label)
 
     def _on_lost(self, event: ClaimEvent) -> None:
-        self._child(self.lost, event.label, loss_cause(event.reason)).inc()
-        self._ended(event)
+        label = self._label(event)
+        self._store.count("claims_lost", (label, loss_cause(event.reason)))
+        self._ended(event, label)
 
     def _on_skipped(self, event: ClaimEvent) -> None:
-        self._child(self.skipped, event.label, skip_reason(event.reason)).inc()
+        label = self._label(event)
+        self._store.count("claims_skipped", (label, skip_reason(event.reason)))
 
     def _on_renewed(self, event: ClaimEvent) -> None:
         if event.duration is not None:
-            self._child(self.renewal, event.label).observe(event.duration)
+            self._store.observe("renewal_seconds", self._label(event), event.duration)
 
     def _on_renewal_failed(self, event: ClaimEvent) -> None:
-        self._child(self.renewal_failures, event.label).inc()
+        self._store.count("renewal_failures", (self._label(event),))
 
     def _on_unavailable(self, event: ClaimEvent) -> None:
-        self._child(self.unavailable, event.label).inc()
+        self._store.count("redis_unavailable", (self._label(event),))
 
 
 # -- one set per process ----------------------------------------------------------------
