@@ -9,8 +9,9 @@ rounds), one single-threaded client doing acquire+release on one name per conten
   pottery ``Redlock`` with one master; sherlock ``RedisLock``;
 * fenced ``Claim`` with the heartbeat off and on (the fence is minted either way);
 * with ``--metrics``: fenced ``Claim`` (heartbeat off) while ``fenced.metrics`` counts
-  its events, beside the same cycle with nobody subscribed (its rounds interleaved
-  with the others; the subscriber is on for its own rounds only);
+  its events, and while a subscriber that does nothing receives them (what the events
+  cost alone), beside the same cycle with nobody subscribed (rounds interleaved with
+  the others; each subscriber is on for its own rounds only);
 * the skipped path: an acquire that fails because another holder has the name
   (fenced and redis-py ``Lock``);
 * the heartbeat's cost for many claims held by one process: pipelined round trips,
@@ -226,6 +227,21 @@ def fenced_metrics(url: str, fresh: bool) -> Contender:
     )
 
 
+def fenced_events(url: str, fresh: bool) -> Contender:
+    """fenced's Claim (heartbeat off) with a subscriber that does nothing: what building
+    and sending the events costs, without metrics."""
+    from fenced import events
+
+    def nothing(event: object) -> None:
+        pass
+
+    cycle = fenced_claim(url, fresh, False, name="bench:fenced:events")
+    label = "fenced Claim, heartbeat off, a no-op event subscriber"
+    return Contender(
+        "fenced_events", label, "cycle", cycle.op, "fenced", lambda: events.subscribe(nothing)
+    )
+
+
 def fenced_skip(url: str, fresh: bool) -> Contender:
     """fenced: an acquire that loses to a live holder (returns its holder and fence)."""
     name = "bench:fenced:skip"
@@ -273,6 +289,7 @@ def _makers(url: str, fresh: bool) -> list[tuple[str, Callable[[], Contender]]]:
         ("fenced", lambda: fenced_claim(url, fresh, False)),
         ("fenced_heartbeat", lambda: fenced_claim(url, fresh, True)),
         ("fenced_metrics", lambda: fenced_metrics(url, fresh)),
+        ("fenced_events", lambda: fenced_events(url, fresh)),
         ("fenced_skip", lambda: fenced_skip(url, fresh)),
         ("redis_py_lock_skip", lambda: redis_py_skip(url, fresh)),
     ]
@@ -294,7 +311,7 @@ def build(
     for key, make in _makers(url, fresh):
         if only is not None and key not in only | {BASELINE}:
             continue
-        if key == "fenced_metrics" and not metrics and only is None:
+        if key in ("fenced_metrics", "fenced_events") and not metrics and only is None:
             continue
         try:
             out.append(make())
@@ -536,7 +553,9 @@ def render(result: dict[str, Any]) -> str:
         note = ""
         if r["ratio_to_own_cycle"] is not None:
             lo, hi = r["ratio_to_own_cycle_iqr"]
-            versus = "metrics off" if r["key"] == "fenced_metrics" else "its own cycle"
+            versus = "its own cycle"
+            if r["key"] in ("fenced_metrics", "fenced_events"):
+                versus = "no subscriber"
             note = f"{r['ratio_to_own_cycle']:.2f}x {versus} ({lo:.2f}-{hi:.2f})"
         rows.append(
             [
@@ -631,7 +650,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"choose from {', '.join(CONTENDERS)}"
             )
         if args.metrics or "fenced_metrics" in only:
-            only |= {"fenced", "fenced_metrics"}  # the pair whose ratio is the point
+            # The pair whose ratio is the point, and the events' own share of it.
+            only |= {"fenced", "fenced_metrics", "fenced_events"}
 
     # Many short rounds: a neighbour's burst of CPU then spans several contenders of
     # one round instead of one contender's whole measurement.

@@ -340,8 +340,9 @@ def test_worker_settings_are_checked_with_the_fix(monkeypatch: pytest.MonkeyPatc
 # -- fenced run --metrics-file ------------------------------------------------------------
 
 
-def fenced_run(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+def fenced_run(url: str, *args: str, **more: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    env.update(more)
     return subprocess.run(
         [sys.executable, "-m", "fenced.cli", "run", "--redis", url, *args],
         capture_output=True,
@@ -372,11 +373,23 @@ def test_fenced_run_writes_the_runs_metrics_for_the_textfile_collector(
     assert values[("fenced_claims_released_total", (*label, ("outcome", "ok")))] == 1
     assert values[("fenced_run_duration_seconds_count", label)] == 1
     assert values[("fenced_claims_held", label)] == 0
-    assert not [p for p in tmp_path.iterdir() if p != out]  # no temporary file left
+    assert list(tmp_path.iterdir()) == [out]  # no temporary file left
 
-    res = fenced_run(redis_server.url, "--metrics-file", str(out), name, "--", "false")
+    # A worker's multiprocess directory in the environment: the run's file is its own.
+    pool = tmp_path / "pool"
+    pool.mkdir()
+    res = fenced_run(
+        redis_server.url,
+        "--metrics-file",
+        str(out),
+        name,
+        "--",
+        "false",
+        PROMETHEUS_MULTIPROC_DIR=str(pool),
+    )
     assert res.returncode == 1
     assert parsed(out)[("fenced_claims_released_total", (*label, ("outcome", "failed")))] == 1
+    assert not list(pool.iterdir())
 
     holder = Claim(r, name, ttl=30, heartbeat=False)
     assert holder.acquire()

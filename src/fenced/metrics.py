@@ -209,6 +209,34 @@ class _Tally:
         with self.lock:
             self.held[label] = self.held.get(label, 0.0) + by
 
+    # The two events of every run, each under one lock.
+
+    def acquired(self, label: str, fresh: bool) -> None:
+        key = ("claims_acquired", (label,))
+        with self.lock:
+            counts = self.counts
+            counts[key] = counts.get(key, 0.0) + 1.0
+            if fresh:
+                self.held[label] = self.held.get(label, 0.0) + 1.0
+
+    def ended(
+        self, metric: str, labels: tuple[str, str], was_held: bool, duration: float | None
+    ) -> None:
+        key, label = (metric, labels), labels[0]
+        at = -1 if duration is None or not was_held else bisect_left(RUN_BUCKETS, duration)
+        with self.lock:
+            counts = self.counts
+            counts[key] = counts.get(key, 0.0) + 1.0
+            if was_held:
+                self.held[label] = self.held.get(label, 0.0) - 1.0
+            if at >= 0:
+                spread = self.spreads.get(("run_duration_seconds", label))
+                if spread is None:
+                    spread = [0.0] * (len(RUN_BUCKETS) + 2)
+                    self.spreads["run_duration_seconds", label] = spread
+                spread[at] += 1.0
+                spread[-1] += duration or 0.0
+
     def _families(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for metric, (kind, text, more, _buckets) in METRICS.items():
@@ -289,6 +317,20 @@ class _Shared:
     def move(self, label: str, by: float) -> None:
         self._child("claims_held", (label,)).inc(by)
 
+    def acquired(self, label: str, fresh: bool) -> None:
+        self.count("claims_acquired", (label,))
+        if fresh:
+            self.move(label, 1.0)
+
+    def ended(
+        self, metric: str, labels: tuple[str, str], was_held: bool, duration: float | None
+    ) -> None:
+        self.count(metric, labels)
+        if was_held:
+            self.move(labels[0], -1.0)
+            if duration is not None:
+                self.observe("run_duration_seconds", labels[0], duration)
+
     def collectors(self) -> list[Any]:
         return list(self.metrics.values())
 
@@ -305,10 +347,15 @@ class ClaimMetrics:
     renewal events come from the heartbeat thread. In prometheus_client's multiprocess
     mode the values are prometheus_client's own metrics (in files); otherwise plain
     numbers a collector hands to the registry when it is read, which costs less per event.
+    ``in_files`` chooses (True: prometheus_client's metrics) instead of the environment.
     """
 
     def __init__(
-        self, registry: CollectorRegistry | None = None, namespace: str = "fenced"
+        self,
+        registry: CollectorRegistry | None = None,
+        namespace: str = "fenced",
+        *,
+        in_files: bool | None = None,
     ) -> None:
         if not isinstance(namespace, str) or (namespace and not _NAMESPACE.match(namespace)):
             raise ConfigError(
@@ -318,7 +365,7 @@ class ClaimMetrics:
         self.registry = REGISTRY if registry is None else registry
         self.namespace = namespace
         self._store: _Tally | _Shared
-        if _in_files():
+        if _in_files() if in_files is None else in_files:
             self._store = _Shared(self.registry, namespace)
             self._collectors: list[Any] = self._store.collectors()
         else:
@@ -372,34 +419,28 @@ class ClaimMetrics:
     # -- the events -----------------------------------------------------------------------
 
     def _on_acquired(self, event: ClaimEvent) -> None:
-        label = self._label(event)
-        self._store.count("claims_acquired", (label,))
         key = (event.name, event.slot, event.fence)
-        if key not in self._holding:
+        fresh = key not in self._holding
+        if fresh:
             self._holding.add(key)
-            self._store.move(label, 1.0)
+        self._store.acquired(self._label(event), fresh)
 
-    def _ended(self, event: ClaimEvent, label: str) -> None:
+    def _ended(self, event: ClaimEvent, metric: str, labels: tuple[str, str]) -> None:
         # A loss is often followed by a release (outcome "lost") of the same claim: the
         # gauge and the duration count the first of the two.
         try:
             self._holding.remove((event.name, event.slot, event.fence))
+            was_held = True
         except KeyError:
-            return
-        self._store.move(label, -1.0)
-        if event.duration is not None:
-            self._store.observe("run_duration_seconds", label, event.duration)
+            was_held = False
+        self._store.ended(metric, labels, was_held, event.duration)
 
     def _on_released(self, event: ClaimEvent) -> None:
-        label = self._label(event)
         outcome = event.outcome if event.outcome in OUTCOMES else OTHER
-        self._store.count("claims_released", (label, outcome))
-        self._ended(event, label)
+        self._ended(event, "claims_released", (self._label(event), outcome))
 
     def _on_lost(self, event: ClaimEvent) -> None:
-        label = self._label(event)
-        self._store.count("claims_lost", (label, loss_cause(event.reason)))
-        self._ended(event, label)
+        self._ended(event, "claims_lost", (self._label(event), loss_cause(event.reason)))
 
     def _on_skipped(self, event: ClaimEvent) -> None:
         label = self._label(event)
@@ -525,7 +566,8 @@ class Textfile:
 
     def __init__(self, path: str | os.PathLike[str], *, namespace: str = "fenced") -> None:
         self.path = check_textfile(path)
-        self.metrics = ClaimMetrics(CollectorRegistry(), namespace)
+        # Its own numbers, whatever the environment: the file is the run's, not a pool's.
+        self.metrics = ClaimMetrics(CollectorRegistry(), namespace, in_files=False)
         self._unsubscribe: Callable[[], None] | None = None
 
     def start(self) -> None:
