@@ -28,7 +28,7 @@ from _wait import wait_for
 from celery_harness import WAIT, Services, Worker, notes
 from fenced import Claim, ConfigError, Skipped, exclusive
 from fenced.celery._metrics import settings
-from fenced.events import make_event
+from fenced.events import ClaimEvent
 from fenced.metrics import ClaimMetrics, Textfile
 from fenced.testing import CeleryWorker, RedisServer, free_port
 
@@ -199,15 +199,15 @@ def test_reasons_and_causes_outside_the_vocabulary_are_other_and_labels_are_capp
 ) -> None:
     reg = CollectorRegistry()
     metrics = ClaimMetrics(reg)
-    metrics(make_event("skipped", "n", "l", "claim", reason="already running; rerun requested"))
-    metrics(make_event("skipped", "n", "l", "claim", reason="ran recently (12s left)"))
-    metrics(make_event("skipped", "n", "l", "claim", reason="tenant 4711 is special"))
+    metrics(ClaimEvent("skipped", "n", "l", "claim", reason="already running; rerun requested"))
+    metrics(ClaimEvent("skipped", "n", "l", "claim", reason="ran recently (12s left)"))
+    metrics(ClaimEvent("skipped", "n", "l", "claim", reason="tenant 4711 is special"))
     expired = "no refresh was confirmed before the local deadline"
-    metrics(make_event("lost", "n", "l", "claim", reason=expired))
+    metrics(ClaimEvent("lost", "n", "l", "claim", reason=expired))
     unconfirmed = "Redis could not be reached to confirm the lease at release (timeout)"
-    metrics(make_event("lost", "n", "l", "claim", reason=unconfirmed))
-    metrics(make_event("lost", "n", "l", "claim", reason="a cosmic ray"))
-    metrics(make_event("released", "n", "l", "claim", outcome="exploded"))
+    metrics(ClaimEvent("lost", "n", "l", "claim", reason=unconfirmed))
+    metrics(ClaimEvent("lost", "n", "l", "claim", reason="a cosmic ray"))
+    metrics(ClaimEvent("released", "n", "l", "claim", outcome="exploded"))
     skipped = "fenced_claims_skipped_total"
     assert value(reg, skipped, label="l", reason="rerun_requested") == 1
     assert value(reg, skipped, label="l", reason="ran_recently") == 1
@@ -220,7 +220,7 @@ def test_reasons_and_causes_outside_the_vocabulary_are_other_and_labels_are_capp
     monkeypatch.setattr(fenced.metrics, "MAX_LABELS", 3)
     capped = ClaimMetrics(CollectorRegistry())
     for i in range(5):
-        capped(make_event("acquired", f"n{i}", f"label-{i}", "claim", fence=i))
+        capped(ClaimEvent("acquired", f"n{i}", f"label-{i}", "claim", fence=i))
     assert value(capped.registry, "fenced_claims_acquired_total", label="label-2") == 1
     assert value(capped.registry, "fenced_claims_acquired_total", label="other") == 2
 
