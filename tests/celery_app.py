@@ -5,7 +5,8 @@ Configured from the environment the tests give each worker:
 - ``FENCED_TEST_BROKER_URL``, ``FENCED_TEST_BACKEND_URL``: broker and result backend;
 - ``FENCED_REDIS_URL``: the claims' Redis (read by fenced itself);
 - ``FENCED_TEST_OBS_URL``: a Redis where tasks and signal receivers write what they saw
-  (markers, spans, signals), for the tests to read;
+  (markers, spans, signals; fenced's lifecycle signals in ``sig:<claim name>``), for the
+  tests to read;
 - ``FENCED_TEST_TTL`` (claim ttl, seconds), ``FENCED_TEST_QUEUE``,
   ``FENCED_TEST_VISIBILITY`` (Redis broker visibility timeout, seconds).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from typing import Any
 
@@ -92,6 +94,29 @@ def _on_postrun(sender: Any = None, task_id: str = "", state: str = "", **_: Any
 def _on_skips_exceeded(sender: Any = None, name: str = "", skips: int = 0, **kw: Any) -> None:
     holder = kw.get("holder")
     note("signal:skips_exceeded", name=name, skips=skips, holder=getattr(holder, "task_id", None))
+
+
+def _on_lifecycle(signal: Any, sender: Any, **kw: Any) -> None:
+    event = kw.pop("event")
+    data = {
+        "signal": signal.name,
+        "task": sender.name,
+        "kind": event.kind,
+        "thread": threading.current_thread().name,
+        **kw,
+    }
+    obs().rpush(f"sig:{kw['name']}", json.dumps(data))
+
+
+# Connected in the worker's main process, before the pool forks: each child inherits them.
+for _signal in (
+    signals.claim_acquired,
+    signals.claim_skipped,
+    signals.claim_lost,
+    signals.claim_released,
+    signals.claim_renewal_failed,
+):
+    _signal.connect(_on_lifecycle, weak=False)
 
 
 def skips_callback(sender: Any, name: str, skips: int, holder: Any) -> None:
@@ -325,3 +350,11 @@ def cooled(self: Any, key: str, seconds: float = 0.0, fail: bool = False) -> Any
 def limited(self: Any, key: str) -> Any:
     """Two at a time: holds its slot until the test lets it finish."""
     return _gated(self, key, fence=self.claim.fence, slot=self.claim.slot)
+
+
+@app.task(
+    base=ClaimedTask, bind=True, name="t.labelled", claim="labelled:{key}", claim_label="gates"
+)
+def labelled(self: Any, key: str) -> Any:
+    """A gated run whose claims carry a label of their own (lifecycle signals)."""
+    return _gated(self, key)

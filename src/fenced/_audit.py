@@ -1,4 +1,5 @@
-"""The audit trail of operator acts: one ``fenced.audit`` log line per force release.
+"""The audit trail of operator acts (one ``fenced.audit`` log line per force release),
+and the ``fenced_*`` fields of every other log line about a claim (:func:`claim_fields`).
 
 The run record of a force release lives in the claim's run stream, which is capped and
 writable by anyone who can reach Redis, and its ``by`` is whatever the caller claims.

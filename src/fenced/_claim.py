@@ -218,9 +218,16 @@ class ClaimState:
             known = self._holder_text = (who, Holder.parse(token).text)
         return known[1]
 
-    def _log_fields(self, event: str | None = None, outcome: str | None = None) -> dict[str, Any]:
-        """The structured ``extra`` of a log line about this claim."""
-        return claim_fields(self.name, self.fence, self._own_holder(), outcome, self.label, event)
+    def log_fields(self, event: str | None = None, outcome: str | None = None) -> dict[str, Any]:
+        """The ``fenced_*`` fields of a log line about this claim, for ``extra=``: its
+        name, label, fence and holder (this process, once it acquired; before, the
+        holder that made it busy), and the ``event`` and ``outcome`` given."""
+        if self.token is not None:
+            fence, holder = self.fence, self._own_holder()
+        else:
+            other = self.holder
+            fence, holder = (other.fence, other.text) if other else (None, None)
+        return claim_fields(self.name, fence, holder, outcome, self.label, event)
 
     def _emit(self, kind: str, **fields: Any) -> None:
         """Send one event (callers check ``events.enabled()`` first: building costs)."""
@@ -408,7 +415,7 @@ class ClaimState:
             self.name,
             self.fence,
             reason,
-            extra=self._log_fields("lost", "lost"),
+            extra=self.log_fields("lost", "lost"),
         )
         if events.enabled():
             self._emit_lost(reason)
@@ -420,7 +427,7 @@ class ClaimState:
                 log.exception(
                     "fenced: on_lost callback for %r failed",
                     self.name,
-                    extra=self._log_fields("lost", "lost"),
+                    extra=self.log_fields("lost", "lost"),
                 )
 
     def _emit_lost(self, reason: str) -> None:
@@ -679,7 +686,7 @@ class ClaimState:
             describe_client(self.redis),
             exc,
             self.ttl,
-            extra=self._log_fields("released", "lost" if outcome == "ok" else outcome),
+            extra=self.log_fields("released", "lost" if outcome == "ok" else outcome),
         )
         if events.enabled():
             self._released_event(outcome)
@@ -702,17 +709,9 @@ class ClaimState:
             self.vanished = True
             if self._lost_reason is None or before == _HELD:
                 self._lost_reason = _VANISHED
-            if before == _HELD:
+            if before == _HELD and events.enabled():
                 # Found gone only now: the loss is known here, not by the heartbeat.
-                log.warning(
-                    "fenced: claim %r (fence %s) lost: %s",
-                    self.name,
-                    self.fence,
-                    _VANISHED,
-                    extra=self._log_fields("lost", "lost"),
-                )
-                if events.enabled():
-                    self._emit_lost(_VANISHED)
+                self._emit_lost(_VANISHED)
         if events.enabled():
             self._released_event(outcome)
         return released
@@ -903,7 +902,7 @@ class Claim(ClaimState):
                 self._idle_ms,
             )
         except _UNCONFIRMABLE as exc:
-            self._release_unconfirmed(exc, "retried")
+            self._release_unconfirmed(exc, "lost")
             return "lost"
         except BaseException:
             self._release_undone(before)
@@ -926,7 +925,12 @@ class Claim(ClaimState):
                 slot=self._granted_slot(res),
             )
         except Exception:  # best effort: the lease expires within its ttl anyway
-            log.warning("fenced: could not give back the grant of %r (%s)", self.name, why)
+            log.warning(
+                "fenced: could not give back the grant of %r (%s)",
+                self.name,
+                why,
+                extra=self.log_fields("unavailable"),
+            )
 
     # -- refresh --------------------------------------------------------------
 

@@ -83,6 +83,7 @@ class Interrupter:
                 "fenced: claim %r lost while its work ran (%s); interrupting it",
                 claim.name,
                 claim.lost_reason,
+                extra=claim.log_fields("lost", "lost"),
             )
             if self.main and INTERRUPT_SIGNAL is not None:
                 # A signal also wakes a main thread that sleeps or waits in C.

@@ -46,6 +46,7 @@ import redis
 import redis.lock
 from redis.exceptions import LockError, LockNotOwnedError
 
+from ._audit import claim_fields
 from ._client import connect
 from ._errors import ConfigError
 from ._heartbeat import RETRY_SHARE, Renewal
@@ -288,13 +289,18 @@ class _Hold:
                 return
             self.state = _LOST
             self.lost_reason = reason
-        log.warning("fenced: lock %r (fence %s) lost: %s", self.name, self.fence, reason)
+        fields = claim_fields(self.name, self.fence, outcome="lost", event="lost")
+        log.warning(
+            "fenced: lock %r (fence %s) lost: %s", self.name, self.fence, reason, extra=fields
+        )
         lock = self._lock()
         if lock is not None and lock.on_lost is not None:
             try:
                 lock.on_lost(lock)
             except Exception:
-                log.exception("fenced: on_lost callback for lock %r failed", self.name)
+                log.exception(
+                    "fenced: on_lost callback for lock %r failed", self.name, extra=fields
+                )
 
 
 def check_renewable_token(encoder: Any, token: str | bytes, name: str) -> None:

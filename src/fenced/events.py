@@ -126,11 +126,6 @@ def emit(event: ClaimEvent) -> None:
             _log_failure(fn, event)
 
 
-def make_event(kind: str, name: str, label: str, source: str, **fields: Any) -> ClaimEvent:
-    """A :class:`ClaimEvent` stamped with the current time (for fenced's front ends)."""
-    return ClaimEvent(kind, name, label, source, time=time.time(), **fields)
-
-
 def _log_failure(fn: Subscriber, event: ClaimEvent) -> None:
     try:
         now = time.monotonic()

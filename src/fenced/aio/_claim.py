@@ -129,7 +129,11 @@ class Claim(ClaimState):
                     call(self.redis, self._store.release_call(*args, take_reruns=False, slot=slot))
                 )
             except Exception:  # best effort: the lease expires within its ttl anyway
-                log.warning("fenced: could not give back the late grant of %r", self.name)
+                log.warning(
+                    "fenced: could not give back the late grant of %r",
+                    self.name,
+                    extra=self.log_fields("unavailable"),
+                )
             raise self._late_error(late)
         if not self._took(token, res, sent):
             return False
@@ -160,7 +164,11 @@ class Claim(ClaimState):
             for request in self._store.abandon_calls(token):
                 await call(self.redis, request)
         except Exception:  # best effort; the lease expires within its ttl anyway
-            log.warning("fenced: could not give back an abandoned grant of %r", self.name)
+            log.warning(
+                "fenced: could not give back an abandoned grant of %r",
+                self.name,
+                extra=self.log_fields("unavailable"),
+            )
 
     # -- refresh ----------------------------------------------------------------------
 

@@ -76,6 +76,7 @@ if TYPE_CHECKING:
     from celery.result import AsyncResult
 
 from .. import _interrupt, records
+from .._audit import claim_fields
 from .._claim import Claim
 from .._errors import ClaimHeld, ClaimInterrupted, ClaimUnavailable, ConfigError, NotOwner
 from .._guard import SKIP_RERUN_REASON, Skipped, busy_error, finish, lost_error, outcome_of
@@ -334,6 +335,7 @@ class ClaimedTask(Task[Any, Any]):
                 exc,
                 self.name,
                 task_id,
+                extra=claim_fields(name),
             )
             return super().apply_async(args, kwargs, task_id, *more, **options)
         if queued is not None and task_id != running:
@@ -345,6 +347,7 @@ class ClaimedTask(Task[Any, Any]):
                 queued,
                 name,
                 opts.enqueue,
+                extra=claim_fields(name),
             )
             return self.AsyncResult(queued)
         # A retry of the running message is sent even when another call is queued.
@@ -400,7 +403,11 @@ class ClaimedTask(Task[Any, Any]):
             _enqueue.clear(lock_redis(self.app), keys, task_id, expiry)
         except Exception:  # it expires by itself; the run goes on
             log.warning(
-                "fenced: could not clear the queued mark of %r %s", keys.name, when, exc_info=True
+                "fenced: could not clear the queued mark of %r %s",
+                keys.name,
+                when,
+                exc_info=True,
+                extra=claim_fields(keys.name),
             )
 
     # -- a run -------------------------------------------------------------------------
@@ -517,7 +524,12 @@ class ClaimedTask(Task[Any, Any]):
                         idle_ttl=self._options().idle_ttl,
                     )
         except (redis.RedisError, OSError):  # cannot tell: running again is safe under the claim
-            log.warning("fenced: could not read the run records of %r", claim.name, exc_info=True)
+            log.warning(
+                "fenced: could not read the run records of %r",
+                claim.name,
+                exc_info=True,
+                extra=claim.log_fields(),
+            )
             return
         if not done:
             return
@@ -527,6 +539,7 @@ class ClaimedTask(Task[Any, Any]):
             self.name,
             task_id,
             claim.name,
+            extra=claim.log_fields("released", "skipped"),
         )
         self._finish(claim, "skipped", "duplicate delivery of a completed task", args, kwargs)
         # Ignore keeps the first run's stored result and fires neither failure nor retry.
@@ -582,7 +595,9 @@ class ClaimedTask(Task[Any, Any]):
         try:
             outcome = finish(claim, exc, "the task", reason=reason, raise_lost=False)
         except Exception:  # never hide the run's own outcome behind a release error
-            log.exception("fenced: releasing claim %r failed", claim.name)
+            log.exception(
+                "fenced: releasing claim %r failed", claim.name, extra=claim.log_fields("released")
+            )
             # Whether the lease lasted is unknown: not a success.
             outcome = outcome_of(claim, exc, reason)[0]
             if outcome == "ok":
@@ -605,7 +620,9 @@ class ClaimedTask(Task[Any, Any]):
         try:
             claim.release(outcome=outcome, reason=reason)
         except Exception:  # never hide the run's own outcome behind a release error
-            log.exception("fenced: releasing claim %r failed", claim.name)
+            log.exception(
+                "fenced: releasing claim %r failed", claim.name, extra=claim.log_fields("released")
+            )
             return
         if claim.rerun_triggers:
             self._send_reruns(claim, args, kwargs)
@@ -634,6 +651,7 @@ class ClaimedTask(Task[Any, Any]):
                     "the request stays for the claim's next run",
                     self.name,
                     claim.name,
+                    extra=claim.log_fields(),
                 )
                 try:  # hand the request back, so the next holder runs it
                     claim.redis.sadd(claim.keys.rerun, trigger)
@@ -646,6 +664,7 @@ class ClaimedTask(Task[Any, Any]):
                 self.name,
                 claim.name,
                 sent.id,
+                extra=claim.log_fields(),
             )
 
     # -- a retry keeps the claim ---------------------------------------------------------
@@ -680,7 +699,11 @@ class ClaimedTask(Task[Any, Any]):
                 countdown + self._options().ttl, reason=f"retrying in {countdown:.1f}s"
             )
         except Exception:
-            log.exception("fenced: could not keep claim %r for the retry", claim.name)
+            log.exception(
+                "fenced: could not keep claim %r for the retry",
+                claim.name,
+                extra=claim.log_fields("released", "retried"),
+            )
             return ""
         if outcome:
             count(outcome)
@@ -710,6 +733,7 @@ class ClaimedTask(Task[Any, Any]):
                 claim.task_id,
                 claim.name,
                 claim.fence,
+                extra=claim.log_fields("acquired"),
             )
         return took
 
@@ -723,7 +747,13 @@ class ClaimedTask(Task[Any, Any]):
                 raise busy_error(claim)
             count("skipped")
             skipped = Skipped.of(claim)
-            log.info("fenced: %s skipped: %r %s", self.name, claim.name, skipped)
+            log.info(
+                "fenced: %s skipped: %r %s",
+                self.name,
+                claim.name,
+                skipped,
+                extra=claim.log_fields("skipped", "skipped"),
+            )
             return skipped.as_dict()
         holder = claim.holder
         left = (holder.expires_in if holder else None) or 0.0
@@ -746,6 +776,7 @@ class ClaimedTask(Task[Any, Any]):
                 task_id,
                 claim.name,
                 left,
+                extra=claim.log_fields(),
             )
             raise self.retry(
                 countdown=left + RETRY_MARGIN, max_retries=REDELIVERY_MAX_RETRIES, exc=held
@@ -761,7 +792,12 @@ class ClaimedTask(Task[Any, Any]):
         if opts.on_busy == "rerun":
             skipped = Skipped.of(claim, SKIP_RERUN_REASON)
         log.info(
-            "fenced: %s skipped: %r %s (held by %s)", self.name, claim.name, skipped.reason, holder
+            "fenced: %s skipped: %r %s (held by %s)",
+            self.name,
+            claim.name,
+            skipped.reason,
+            holder,
+            extra=claim.log_fields("skipped", "skipped"),
         )
         # A plain dict: what every result backend can store.
         return skipped.as_dict()
@@ -778,6 +814,7 @@ class ClaimedTask(Task[Any, Any]):
             claim.name,
             skips,
             claim.holder,
+            extra=claim.log_fields("skipped", "skipped"),
         )
         signals.claim_skips_exceeded.send(
             sender=self, name=claim.name, skips=skips, holder=claim.holder
@@ -787,14 +824,23 @@ class ClaimedTask(Task[Any, Any]):
             try:
                 callback(sender=self, name=claim.name, skips=skips, holder=claim.holder)
             except Exception:
-                log.exception("fenced: claim_on_skips_exceeded callback failed")
+                log.exception(
+                    "fenced: claim_on_skips_exceeded callback failed",
+                    extra=claim.log_fields("skipped", "skipped"),
+                )
 
     def _unavailable(self, exc: ClaimUnavailable, opts: TaskOptions) -> NoReturn:
         count("unavailable")
         retries = self.request.retries or 0
         delay = min(UNAVAILABLE_MAX_DELAY, opts.backoff * (2**retries))
         delay *= random.uniform(0.8, 1.2)  # spread the herd of tasks waiting for Redis
-        log.warning("fenced: %s; retrying %s in %.1fs", exc, self.name, delay)
+        log.warning(
+            "fenced: %s; retrying %s in %.1fs",
+            exc,
+            self.name,
+            delay,
+            extra=claim_fields(exc.name or "", outcome="unavailable", event="unavailable"),
+        )
         raise self.retry(exc=exc, countdown=delay, max_retries=opts.unavailable_retries)
 
     # -- a killed pool child ------------------------------------------------------------
@@ -825,7 +871,14 @@ class ClaimedTask(Task[Any, Any]):
                 break
         if holder is not None:
             count("aborted")
-            log.warning("fenced: released claim %r of %s[%s]: %s", name, self.name, task_id, why)
+            log.warning(
+                "fenced: released claim %r of %s[%s]: %s",
+                name,
+                self.name,
+                task_id,
+                why,
+                extra=claim_fields(name, holder.fence, holder.text, "aborted", event="released"),
+            )
         return holder
 
 
