@@ -78,14 +78,16 @@ COUNTER = {
 }
 
 
-def start_worker(url: str, metrics_dir: str | None = None) -> CeleryWorker:
-    """The benchmark's worker; with ``metrics_dir``, one keeping fenced.metrics there."""
+def start_worker(url: str, metrics_dir: str | None = None, control: bool = False) -> CeleryWorker:
+    """The benchmark's worker; with ``metrics_dir``, one keeping fenced.metrics there (with
+    ``control``, the same second worker without metrics)."""
     env = dict(os.environ, BENCH_REDIS=url, PYTHONPATH=f"{HERE}:{HERE.parent / 'src'}")
     for name in ("FENCED_METRICS", "FENCED_METRICS_PORT", "PROMETHEUS_MULTIPROC_DIR"):
         env.pop(name, None)
     name, queues = "bench", None
     if metrics_dir is not None:
-        env.update(FENCED_METRICS="1", PROMETHEUS_MULTIPROC_DIR=metrics_dir)
+        if not control:
+            env.update(FENCED_METRICS="1", PROMETHEUS_MULTIPROC_DIR=metrics_dir)
         name, queues = "bench-metrics", METRICS_QUEUE
     worker = CeleryWorker(
         "celery_bench_app", name=name, concurrency=2, cwd=HERE, env=env, queues=queues
@@ -181,6 +183,11 @@ def main() -> int:
         action="store_true",
         help="also fenced with fenced.metrics on (a second worker), against fenced (ratio)",
     )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="with --metrics: the second worker without metrics (how much two workers differ)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.tasks, args.rounds = 150, 3
@@ -199,7 +206,7 @@ def main() -> int:
         metrics_worker = metrics_dir = None
         if args.metrics:
             metrics_dir = tempfile.mkdtemp(prefix="fenced-bench-metrics-")
-            metrics_worker = start_worker(url, metrics_dir)
+            metrics_worker = start_worker(url, metrics_dir, args.control)
             assert metrics_worker.proc is not None
             available.insert(available.index("fenced") + 1, METRICS)
             tree[METRICS] = _tree(metrics_worker.proc.pid)
@@ -216,7 +223,7 @@ def main() -> int:
                     rate, cpu = one_round(bench, name, args.tasks, offset, tree[name])
                     rates[name].append(rate)
                     cpus[name].append(cpu)
-            if metrics_dir is not None:
+            if metrics_dir is not None and not args.control:
                 # Every task the metrics worker ran was counted (the warm-up's too).
                 seen = counted(metrics_dir)
                 if seen < args.tasks * args.rounds:
@@ -274,8 +281,13 @@ def main() -> int:
     if versus is not None:
         met = versus["ratio"] >= METRICS_GOAL
         lo, hi = versus["spread"]
+        what = (
+            "control: fenced on a second worker, both without metrics"
+            if args.control
+            else "fenced with fenced.metrics vs without"
+        )
         print(
-            f"[{'met' if met else 'MISSED'}] fenced with fenced.metrics vs without: "
+            f"[{'met' if met else 'MISSED'}] {what}: "
             f"{versus['ratio']:.3f}x (rounds {lo:.3f}..{hi:.3f}; >= {METRICS_GOAL}x)"
         )
         return 0 if met else 1
