@@ -286,6 +286,11 @@ def test_prefork_worker_serves_the_sum_of_its_children_over_http(
         children = {p.name for p in folder.iterdir() if p.name.startswith("counter_")}
         assert children and f"counter_{worker.pid}.db" not in children
         assert f"claim metrics served on port {port}" in worker.log()
+        assert list(folder.glob("gauge_livesum_*.db"))
+        # A warm shutdown: each pool child, exiting, leaves the claims_held sum.
+        assert worker.worker is not None
+        worker.worker.stop()
+        assert not list(folder.glob("gauge_livesum_*.db"))
 
 
 def test_prefork_worker_without_a_multiprocess_directory_refuses_to_start(
@@ -401,6 +406,14 @@ def test_fenced_run_writes_the_runs_metrics_for_the_textfile_collector(
     values = parsed(out)
     assert values[("fenced_claims_skipped_total", (*label, ("reason", "already_running")))] == 1
     assert ("fenced_claims_acquired_total", label) not in values
+
+
+def test_fenced_run_with_redis_unreachable_writes_the_file_too(tmp_path: Path) -> None:
+    out = tmp_path / "down.prom"
+    down = f"redis://127.0.0.1:{free_port()}/0"
+    res = fenced_run(down, "--metrics-file", str(out), "job", "--", "true")
+    assert res.returncode == 69, res.stderr
+    assert parsed(out)[("fenced_redis_unavailable_total", (("label", "job"),))] == 1
 
 
 def test_fenced_run_metrics_file_in_a_missing_directory_is_a_usage_error(
