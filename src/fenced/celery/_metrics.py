@@ -151,7 +151,8 @@ def _on_child_init(**_: Any) -> None:
     from celery import current_app
 
     try:
-        on, _port = settings(current_app)
+        # The app itself: a proxy cannot be weakly referenced (settings are kept per app).
+        on, _port = settings(current_app._get_current_object())  # type: ignore[attr-defined]
     except ConfigError:
         return  # the main process refused to start
     if on:
