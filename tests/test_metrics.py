@@ -293,6 +293,25 @@ def test_prefork_worker_serves_the_sum_of_its_children_over_http(
         assert not list(folder.glob("gauge_livesum_*.db"))
 
 
+def test_threads_pool_worker_serves_its_own_numbers_without_a_directory(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = free_port()
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.setenv("FENCED_METRICS", "1")
+    monkeypatch.setenv("FENCED_METRICS_PORT", str(port))
+    services = Services.on(redis_server)
+    client = services.client()
+    with Worker(services, name="metrics-threads", pool="threads", concurrency=2):
+        keys = [unique("t") for _ in range(2)]
+        results = [client.send_task("t.sleeper", (k, 0.0), queue=services.queue) for k in keys]
+        assert [res.get(timeout=WAIT) for res in results] == ["slept", "slept"]
+        label = (("label", "sleep:{key}"),)
+        ok = ("fenced_claims_released_total", (*label, ("outcome", "ok")))
+        wait_for("the worker's metrics", lambda: scrape(port).get(ok) == 2, WAIT)
+        assert scrape(port)[("fenced_claims_acquired_total", label)] == 2
+
+
 def test_prefork_worker_without_a_multiprocess_directory_refuses_to_start(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
