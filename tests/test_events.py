@@ -340,6 +340,25 @@ def test_fenced_run_events_and_log_fields_carry_its_label(
     assert line["fenced_claim"] == "backup:orders" and line["fenced_label"] == "backup:{db}"
 
 
+def fenced_run(url: str, label: str, name: str) -> subprocess.CompletedProcess[str]:
+    """``fenced run --label LABEL --json NAME -- true`` as a real subprocess."""
+    argv = ["run", "--redis", url, "--label", label, "--json", name, "--", "true"]
+    return subprocess.run(
+        [sys.executable, "-m", "fenced", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+    )
+
+
+def test_fenced_run_reports_its_label_in_json(server: RedisServer) -> None:
+    res = fenced_run(server.url, "backup:{db}", "backup:users")
+    assert res.returncode == 0, res.stderr
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    assert result["label"] == "backup:{db}" and result["outcome"] == "ok"
+
+
 def _check_refused(call: Callable[[], Any], words: str) -> None:
     with pytest.raises(fenced.ConfigError, match=words):
         call()
@@ -352,23 +371,5 @@ def test_a_label_is_printable_and_bounded(server: RedisServer) -> None:
     _check_refused(lambda: fenced.exclusive("x", redis=client, label=""), "non-empty")
     _check_refused(lambda: validate({"claim_label": 7}, "task t"), "task t: claim_label=7")
     _check_refused(lambda: events.subscribe("not callable"), "needs a callable")  # type: ignore[arg-type]
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "fenced",
-            "run",
-            "--redis",
-            "redis://127.0.0.1:1/0",
-            "--label",
-            "bad\x1blabel",
-            "job",
-            "--",
-            "true",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
-    )
+    res = fenced_run("redis://127.0.0.1:1/0", "bad\x1blabel", "job")
     assert res.returncode == 2 and "--label" in res.stderr and "printable" in res.stderr
