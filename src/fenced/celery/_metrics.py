@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from celery import signals as celery_signals
 
@@ -86,7 +86,7 @@ def _process_pool(worker: Any) -> bool:
     return getattr(pool, "__module__", "").endswith(".prefork")
 
 
-def _refuse(message: str) -> None:
+def _refuse(message: str) -> NoReturn:
     # Celery logs what a signal receiver raises and goes on: a worker asked for
     # metrics it cannot keep must not start as if it kept them.
     log.critical("fenced: %s", message)
@@ -103,14 +103,12 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         on, _port = settings(app)
     except ConfigError as exc:
         _refuse(exc.message)
-        return
     if not on:
         return
     try:
         from .. import metrics
     except ImportError as exc:
         _refuse(str(exc))
-        return
     if _process_pool(sender) and metrics.multiprocess_dir() is None:
         _refuse(
             f"{SETTING}=True with the prefork pool needs prometheus_client's multiprocess "
