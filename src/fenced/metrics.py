@@ -100,8 +100,8 @@ LOSS_CAUSES = {
 OUTCOMES = frozenset({"ok", "failed", "lost", "retried"})
 OTHER = "other"
 
-#: Distinct ``label`` values kept per metric; more are counted under ``"other"`` (a
-#: label built from call arguments would otherwise make a series per call).
+#: Distinct ``label`` values kept; more are counted under ``"other"`` (a label built
+#: from call arguments would otherwise make a series per call).
 MAX_LABELS = 1000
 
 #: Seconds a claim was held: from a cron job's second to a day-long rebuild.
