@@ -127,11 +127,8 @@ def _metrics_to(path: str | None) -> Iterator[None]:
         from .metrics import Textfile
 
         recorder = Textfile(path)
-    except ImportError as exc:
-        _err(f"fenced: --metrics-file: {exc}")
-        raise SystemExit(EXIT_USAGE) from None
-    except ConfigError as exc:
-        _err(f"fenced: {exc.message}")
+    except (ImportError, ConfigError) as exc:  # no prometheus_client; no such directory
+        _err(f"fenced: {exc}")
         raise SystemExit(EXIT_USAGE) from None
     recorder.start()
     try:
