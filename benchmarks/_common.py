@@ -14,7 +14,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,16 +129,31 @@ def interleave(
     warmup: float = 0.1,
     chunk: int = 16,
     progress: Callable[[str], None] | None = None,
+    around: Mapping[str, Callable[[], Callable[[], object]]] | None = None,
 ) -> dict[str, Rates]:
-    """Measure every op in turn, ``rounds`` times for ``seconds`` each; rates per op."""
+    """Measure every op in turn, ``rounds`` times for ``seconds`` each; rates per op.
+
+    ``around[name]`` is called before each of that op's rounds (untimed) and returns
+    what undoes it, called after the round: a process-wide switch (an event subscriber)
+    is then on for that op's rounds only.
+    """
     names = list(ops)
     results = {name: Rates(name) for name in names}
+
+    def timed(name: str, length: float) -> tuple[float, float]:
+        undo = around[name]() if around and name in around else None
+        try:
+            return _timed(ops[name], length, chunk)
+        finally:
+            if undo is not None:
+                undo()
+
     for name in names:  # connections open, scripts cached, code paths warm
-        _timed(ops[name], warmup, chunk)
+        timed(name, warmup)
     for i in range(rounds):
         shift = i % len(names)
         for name in names[shift:] + names[:shift]:
-            rate, cpu = _timed(ops[name], seconds, chunk)
+            rate, cpu = timed(name, seconds)
             results[name].per_round.append(rate)
             results[name].cpu_per_op.append(cpu)
         if progress is not None:

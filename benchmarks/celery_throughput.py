@@ -26,7 +26,13 @@ machine's cores are shared by the producer, the worker and redis-server).
 Each contender's claims are distinct (one per task), so nothing is skipped: this
 measures what the protection costs when there is no conflict.
 
-    python benchmarks/celery_throughput.py [--tasks 400] [--rounds 5] [--json]
+``--metrics`` adds ``fenced+metrics``: the same ClaimedTask on a second worker (prefork,
+concurrency 2, its own queue) started with ``FENCED_METRICS=1`` and
+``PROMETHEUS_MULTIPROC_DIR``, so each pool child counts its claims in
+prometheus_client's multiprocess files (:mod:`fenced.metrics`); its rounds interleave
+with the others and its rate is compared with ``fenced``'s, round by round.
+
+    python benchmarks/celery_throughput.py [--tasks 400] [--rounds 5] [--metrics] [--json]
 
 ``BENCH_PROFILE=DIR`` profiles each pool child of the worker (cProfile, one file per
 child in DIR; see celery_bench_app.py).
@@ -39,6 +45,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,19 +63,46 @@ CONTENDERS = {
     "celery-singleton": "bench.singleton",
     "redis-py Lock": "bench.redis_lock",
 }
+#: With --metrics: the fenced task on the worker that keeps metrics (its own queue).
+METRICS = "fenced+metrics"
+METRICS_QUEUE = "bench-metrics"
+#: fenced.metrics may cost at most 3% of the tasks per second.
+METRICS_GOAL = 0.97
 COUNTER = {
     "plain": "plain",
     "fenced": "fenced",
+    METRICS: "fenced",
     "celery-once": "once",
     "celery-singleton": "singleton",
     "redis-py Lock": "redis_lock",
 }
 
 
-def start_worker(url: str) -> CeleryWorker:
+def start_worker(url: str, metrics_dir: str | None = None, control: bool = False) -> CeleryWorker:
+    """The benchmark's worker; with ``metrics_dir``, one keeping fenced.metrics there (with
+    ``control``, the same second worker without metrics)."""
     env = dict(os.environ, BENCH_REDIS=url, PYTHONPATH=f"{HERE}:{HERE.parent / 'src'}")
-    worker = CeleryWorker("celery_bench_app", name="bench", concurrency=2, cwd=HERE, env=env)
+    for name in ("FENCED_METRICS", "FENCED_METRICS_PORT", "PROMETHEUS_MULTIPROC_DIR"):
+        env.pop(name, None)
+    name, queues = "bench", None
+    if metrics_dir is not None:
+        if not control:
+            env.update(FENCED_METRICS="1", PROMETHEUS_MULTIPROC_DIR=metrics_dir)
+        name, queues = "bench-metrics", METRICS_QUEUE
+    worker = CeleryWorker(
+        "celery_bench_app", name=name, concurrency=2, cwd=HERE, env=env, queues=queues
+    )
     return worker.start().ready(timeout=60)
+
+
+def counted(metrics_dir: str) -> float:
+    """Claims the metrics worker's children counted as acquired (read from their files)."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=metrics_dir)
+    return registry.get_sample_value("fenced_claims_acquired_total", {"label": "bench:{i}"}) or 0
 
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -113,7 +147,8 @@ def one_round(
     """One round: tasks per second, and CPU µs per task of the enqueue, worker and Redis."""
     import celery_bench_app as bench  # type: ignore[import-not-found]
 
-    task = bench.app.tasks[CONTENDERS[name]]
+    task = bench.app.tasks[CONTENDERS.get(name) or CONTENDERS["fenced"]]
+    options = {"queue": METRICS_QUEUE} if name == METRICS else {}
     key = f"done:{COUNTER[name]}"
     bench.counter.delete(key)
     worker_before = sum(_cpu_of(p) for p in worker_pids)
@@ -121,7 +156,7 @@ def one_round(
     start = time.perf_counter()
     enqueue_before = time.process_time()
     for i in range(n):
-        task.apply_async((offset + i,))
+        task.apply_async((offset + i,), **options)
     enqueue = time.process_time() - enqueue_before
     deadline = time.monotonic() + 120
     while int(bench.counter.get(key) or 0) < n:
@@ -143,6 +178,16 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--quick", action="store_true", help="--tasks 150 --rounds 3")
+    parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="also fenced with fenced.metrics on (a second worker), against fenced (ratio)",
+    )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="with --metrics: the second worker without metrics (how much two workers differ)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.tasks, args.rounds = 150, 3
@@ -157,6 +202,14 @@ def main() -> int:
         worker = start_worker(url)
         assert worker.proc is not None
         pids = _tree(worker.proc.pid)  # prefork: the pool's children live as long as it
+        tree = dict.fromkeys(available, pids)
+        metrics_worker = metrics_dir = None
+        if args.metrics:
+            metrics_dir = tempfile.mkdtemp(prefix="fenced-bench-metrics-")
+            metrics_worker = start_worker(url, metrics_dir, args.control)
+            assert metrics_worker.proc is not None
+            available.insert(available.index("fenced") + 1, METRICS)
+            tree[METRICS] = _tree(metrics_worker.proc.pid)
         rates: dict[str, list[float]] = {n: [] for n in available}
         cpus: dict[str, list[dict[str, float]]] = {n: [] for n in available}
         try:
@@ -167,11 +220,18 @@ def main() -> int:
                 order = available[r % len(available) :] + available[: r % len(available)]
                 for name in order:
                     offset += args.tasks
-                    rate, cpu = one_round(bench, name, args.tasks, offset, pids)
+                    rate, cpu = one_round(bench, name, args.tasks, offset, tree[name])
                     rates[name].append(rate)
                     cpus[name].append(cpu)
+            if metrics_dir is not None and not args.control:
+                # Every task the metrics worker ran was counted (the warm-up's too).
+                seen = counted(metrics_dir)
+                if seen < args.tasks * args.rounds:
+                    raise RuntimeError(f"fenced.metrics counted only {seen:.0f} claims")
         finally:
             worker.stop(timeout=15)
+            if metrics_worker is not None:
+                metrics_worker.stop(timeout=15)
 
     median = {n: statistics.median(v) for n, v in rates.items()}
     base = median["plain"]
@@ -188,10 +248,20 @@ def main() -> int:
         }
         for n, v in rates.items()
     ]
+    versus = None
+    if args.metrics:
+        ratios = sorted(a / b for a, b in zip(rates[METRICS], rates["fenced"]))
+        versus = {
+            "ratio": round(statistics.median(ratios), 3),
+            "spread": [round(ratios[0], 3), round(ratios[-1], 3)],
+            "goal": METRICS_GOAL,
+        }
     if args.json:
-        print(json.dumps({"tasks": args.tasks, "rounds": args.rounds, "rows": rows}, indent=2))
-        return 0
-    print(f"one worker, prefork -c 2; {args.tasks} tasks x {args.rounds} interleaved rounds")
+        out = {"tasks": args.tasks, "rounds": args.rounds, "rows": rows, "metrics": versus}
+        print(json.dumps(out, indent=2))
+        return 0 if versus is None or versus["ratio"] >= METRICS_GOAL else 1
+    workers = "one worker" if versus is None else f"one worker (and one for {METRICS})"
+    print(f"{workers}, prefork -c 2; {args.tasks} tasks x {args.rounds} interleaved rounds")
     print(
         f"{'contender':<18}{'tasks/s':>10}{'x plain':>10}   {'min..max':<11}"
         f"{'enqueue':>8}{'worker':>8}{'redis':>7}  cpu µs/task"
@@ -208,6 +278,19 @@ def main() -> int:
         "cpu µs/task, medians: enqueue = this process during apply_async; worker = the "
         "worker's processes over the round (/proc, in clock ticks); redis = redis-server"
     )
+    if versus is not None:
+        met = versus["ratio"] >= METRICS_GOAL
+        lo, hi = versus["spread"]
+        what = (
+            "control: fenced on a second worker, both without metrics"
+            if args.control
+            else "fenced with fenced.metrics vs without"
+        )
+        print(
+            f"[{'met' if met else 'MISSED'}] {what}: "
+            f"{versus['ratio']:.3f}x (rounds {lo:.3f}..{hi:.3f}; >= {METRICS_GOAL}x)"
+        )
+        return 0 if met else 1
     return 0
 
 

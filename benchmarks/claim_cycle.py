@@ -8,6 +8,10 @@ rounds), one single-threaded client doing acquire+release on one name per conten
 * redis-py ``Lock``; python-redis-lock, with and without ``auto_renewal``;
   pottery ``Redlock`` with one master; sherlock ``RedisLock``;
 * fenced ``Claim`` with the heartbeat off and on (the fence is minted either way);
+* with ``--metrics``: fenced ``Claim`` (heartbeat off) while ``fenced.metrics`` counts
+  its events, and while a subscriber that does nothing receives them (what the events
+  cost alone), beside the same cycle with nobody subscribed (rounds interleaved with
+  the others; each subscriber is on for its own rounds only);
 * the skipped path: an acquire that fails because another holder has the name
   (fenced and redis-py ``Lock``);
 * the heartbeat's cost for many claims held by one process: pipelined round trips,
@@ -55,6 +59,8 @@ from fenced.testing import RedisServer
 
 TTL = 30.0
 BASELINE = "redis_py_lock"
+#: fenced.metrics may cost at most 3% of a cycle.
+METRICS_GOAL = 0.97
 
 # Compare-and-delete: the least a safe release can do.
 _RELEASE_SRC = """
@@ -73,8 +79,11 @@ class Contender:
     label: str
     kind: str  # "cycle" (acquire+release) or "skip" (an acquire that must fail)
     op: Callable[[], object]
-    #: For a skipped path: the key of the same library's acquire+release cycle.
+    #: For a skipped path: the key of the same library's acquire+release cycle (with
+    #: metrics: of the same cycle without them).
     cycle: str | None = None
+    #: Called before each of its rounds; returns what undoes it after the round.
+    around: Callable[[], Callable[[], object]] | None = None
 
 
 class BenchError(RuntimeError):
@@ -185,10 +194,10 @@ def sherlock_lock(url: str, fresh: bool) -> Contender:
     return Contender("sherlock", "sherlock RedisLock", "cycle", op)
 
 
-def fenced_claim(url: str, fresh: bool, beat: bool) -> Contender:
+def fenced_claim(url: str, fresh: bool, beat: bool, name: str = "") -> Contender:
     """fenced's Claim: one acquire script (lease + fence), one release script."""
     r = _client(url)
-    name = f"bench:fenced:{'hb' if beat else 'nohb'}"
+    name = name or f"bench:fenced:{'hb' if beat else 'nohb'}"
     claim = Claim(r, name, ttl=TTL, heartbeat=beat)
 
     def op() -> None:
@@ -201,6 +210,36 @@ def fenced_claim(url: str, fresh: bool, beat: bool) -> Contender:
     if beat:
         return Contender("fenced_heartbeat", "fenced Claim, heartbeat on", "cycle", op)
     return Contender("fenced", "fenced Claim, heartbeat off", "cycle", op)
+
+
+def fenced_metrics(url: str, fresh: bool) -> Contender:
+    """fenced's Claim (heartbeat off) with fenced.metrics subscribed to its events."""
+    from prometheus_client import CollectorRegistry
+
+    from fenced import events
+    from fenced.metrics import ClaimMetrics
+
+    metrics = ClaimMetrics(CollectorRegistry())
+    cycle = fenced_claim(url, fresh, False, name="bench:fenced:metrics")
+    label = "fenced Claim, heartbeat off, fenced.metrics on"
+    return Contender(
+        "fenced_metrics", label, "cycle", cycle.op, "fenced", lambda: events.subscribe(metrics)
+    )
+
+
+def fenced_events(url: str, fresh: bool) -> Contender:
+    """fenced's Claim (heartbeat off) with a subscriber that does nothing: what building
+    and sending the events costs, without metrics."""
+    from fenced import events
+
+    def nothing(event: object) -> None:
+        pass
+
+    cycle = fenced_claim(url, fresh, False, name="bench:fenced:events")
+    label = "fenced Claim, heartbeat off, a no-op event subscriber"
+    return Contender(
+        "fenced_events", label, "cycle", cycle.op, "fenced", lambda: events.subscribe(nothing)
+    )
 
 
 def fenced_skip(url: str, fresh: bool) -> Contender:
@@ -249,6 +288,8 @@ def _makers(url: str, fresh: bool) -> list[tuple[str, Callable[[], Contender]]]:
         ("sherlock", lambda: sherlock_lock(url, fresh)),
         ("fenced", lambda: fenced_claim(url, fresh, False)),
         ("fenced_heartbeat", lambda: fenced_claim(url, fresh, True)),
+        ("fenced_metrics", lambda: fenced_metrics(url, fresh)),
+        ("fenced_events", lambda: fenced_events(url, fresh)),
         ("fenced_skip", lambda: fenced_skip(url, fresh)),
         ("redis_py_lock_skip", lambda: redis_py_skip(url, fresh)),
     ]
@@ -259,24 +300,37 @@ CONTENDERS = tuple(key for key, _make in _makers("", False))
 
 
 def build(
-    url: str, fresh: bool, only: set[str] | None = None
+    url: str, fresh: bool, only: set[str] | None = None, metrics: bool = False
 ) -> tuple[list[Contender], dict[str, str]]:
-    """Every contender that can run here (of ``only``, and the baseline), and why not the others."""
+    """Every contender that can run here (of ``only``, and the baseline), and why not the others.
+
+    The metrics contender runs with ``metrics`` (or when ``only`` names it).
+    """
     out: list[Contender] = []
     missing: dict[str, str] = {}
     for key, make in _makers(url, fresh):
         if only is not None and key not in only | {BASELINE}:
             continue
+        if key in ("fenced_metrics", "fenced_events") and not metrics and only is None:
+            continue
         try:
             out.append(make())
         except ImportError as exc:
-            missing[key] = f"not installed ({exc.name}): make install adds the bench extra"
+            extra = "metrics" if key == "fenced_metrics" else "bench"
+            missing[key] = f"not installed ({exc.name}): make install adds the {extra} extra"
     return out, missing
 
 
-def calibrate(server: RedisServer, op: Callable[[], object], n: int = 300) -> dict[str, float]:
+def calibrate(
+    server: RedisServer,
+    op: Callable[[], object],
+    n: int = 300,
+    around: Callable[[], Callable[[], object]] | None = None,
+) -> dict[str, float]:
     """Round trips the client makes and server CPU seconds, per operation (untimed pass)."""
     from redis.connection import AbstractConnection
+
+    undo = around() if around is not None else None
 
     probe = server.client()
     sent = [0]
@@ -293,6 +347,8 @@ def calibrate(server: RedisServer, op: Callable[[], object], n: int = 300) -> di
             op()
     finally:
         AbstractConnection.send_packed_command = original  # type: ignore[method-assign]
+        if undo is not None:
+            undo()
     used = server_cpu(probe) - before
     probe.close()
     return {"round_trips_per_op": sent[0] / n, "server_cpu_s_per_op": used / n}
@@ -458,6 +514,12 @@ def targets(rows: list[dict[str, Any]], beat: dict[str, Any] | None) -> list[dic
         )
     if "fenced_skip" in by:
         add("fenced skipped path vs fenced cycle", by["fenced_skip"]["ratio_to_own_cycle"], 1.8)
+    if "fenced_metrics" in by:
+        add(
+            "fenced with fenced.metrics vs without",
+            by["fenced_metrics"]["ratio_to_own_cycle"],
+            METRICS_GOAL,
+        )
     if beat is not None:
         trips = beat["round_trips_per_interval"]
         out.append(
@@ -491,7 +553,10 @@ def render(result: dict[str, Any]) -> str:
         note = ""
         if r["ratio_to_own_cycle"] is not None:
             lo, hi = r["ratio_to_own_cycle_iqr"]
-            note = f"{r['ratio_to_own_cycle']:.2f}x its own cycle ({lo:.2f}-{hi:.2f})"
+            versus = "its own cycle"
+            if r["key"] in ("fenced_metrics", "fenced_events"):
+                versus = "no subscriber"
+            note = f"{r['ratio_to_own_cycle']:.2f}x {versus} ({lo:.2f}-{hi:.2f})"
         rows.append(
             [
                 r["label"],
@@ -568,6 +633,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-heartbeat-cost", action="store_true", help="skip the held-claims part")
     ap.add_argument("--fresh", action="store_true", help="construct a new lock object per cycle")
     ap.add_argument("--only", help="comma-separated contender keys (the baseline is always run)")
+    ap.add_argument(
+        "--metrics",
+        action="store_true",
+        help="also fenced with fenced.metrics on, against fenced with it off (ratio)",
+    )
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = ap.parse_args(argv)
     only = None
@@ -579,6 +649,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"--only {args.only!r}: no contender {', '.join(unknown) or 'named'}; "
                 f"choose from {', '.join(CONTENDERS)}"
             )
+        if args.metrics or "fenced_metrics" in only:
+            # The pair whose ratio is the point, and the events' own share of it.
+            only |= {"fenced", "fenced_metrics", "fenced_events"}
 
     # Many short rounds: a neighbour's burst of CPU then spans several contenders of
     # one round instead of one contender's whole measurement.
@@ -600,12 +673,13 @@ def main(argv: list[str] | None = None) -> int:
     server = start_server()
     try:
         info = machine_info(server)
-        contenders, missing = build(server.url, args.fresh, only)
+        contenders, missing = build(server.url, args.fresh, only, args.metrics)
         say(f"redis-server {info['redis_server']} on {server.url}; measuring {len(contenders)}")
-        calib = {c.key: calibrate(server, c.op, calib_ops) for c in contenders}
+        calib = {c.key: calibrate(server, c.op, calib_ops, c.around) for c in contenders}
         gc.collect()
         rates = interleave(
             {c.key: c.op for c in contenders},
+            around={c.key: c.around for c in contenders if c.around is not None},
             rounds=rounds,
             seconds=seconds,
             warmup=0.05 if args.quick else 0.1,

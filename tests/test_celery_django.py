@@ -52,6 +52,8 @@ CELERY_FENCED_CLAIM_ENQUEUE_TTL = 600
 CELERY_FENCED_CLAIM_COOLDOWN = 30
 CELERY_FENCED_CLAIM_LIMIT = 2
 CELERY_FENCED_CLAIM_LABEL = "dj-label"
+CELERY_FENCED_METRICS = {enabled}
+CELERY_FENCED_METRICS_PORT = 9808 if {enabled} else None
 
 
 def alert(sender, name, skips, holder):
@@ -80,6 +82,7 @@ from celery import Celery
 
 from fenced.celery import ClaimedTask, LocalClaim
 from fenced.celery._disabled import enabled
+from fenced.celery._metrics import settings as metrics_settings
 from fenced.celery._options import lock_redis, lock_url
 from fenced.doctor import check_celery
 
@@ -110,6 +113,7 @@ options = plain._options()
 out = {
     "options": {k: (v.__name__ if callable(v) else v) for k, v in vars(options).items()},
     "enabled": enabled(app),
+    "metrics": metrics_settings(app),
     "url": lock_url(app),
     "run": run.apply(args=("k1",)).get(),
     "findings": sorted(f.code for f in check_celery(app)),
@@ -190,6 +194,8 @@ def test_every_fenced_setting_is_read_from_django_settings_with_the_celery_names
     assert set(given) == set(SETTINGS)
     assert all(DEFAULTS[option] != value for option, value in given.items())
     assert out["enabled"] is True and out["url"] == url
+    # The worker's settings, beside the task options.
+    assert out["metrics"] == [True, 9808]
     run = out["run"]
     # The run took a real claim through the factory's client, in the namespace, with
     # the ttl from settings.
@@ -210,6 +216,7 @@ def test_claims_switched_off_from_django_settings(
     url = redis_server.url.rsplit("/", 1)[0] + "/6"
     out = run_django(tmp_path, url, enabled=False)
     assert out["enabled"] is False
+    assert out["metrics"] == [False, None]
     assert out["run"]["local"] and out["run"]["pttl"] is None
     assert "celery.fenced-disabled" in out["findings"]
     assert redis.Redis.from_url(url).dbsize() == 0

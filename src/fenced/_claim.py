@@ -204,8 +204,19 @@ class ClaimState:
 
     # -- events and log fields --------------------------------------------------------
 
+    # (the token after its random part, its holder text): the same for every token of
+    # one claim in one process, so an event per acquire and release parses it once.
+    _holder_text: tuple[str, str] | None = None
+
     def _own_holder(self) -> str | None:
-        return Holder.parse(self.token).text if self.token else None
+        token = self.token
+        if not token:
+            return None
+        who = token.partition(":")[2]
+        known = self._holder_text
+        if known is None or known[0] != who:
+            known = self._holder_text = (who, Holder.parse(token).text)
+        return known[1]
 
     def log_fields(self, event: str | None = None, outcome: str | None = None) -> dict[str, Any]:
         """The ``fenced_*`` fields of a log line about this claim, for ``extra=``: its

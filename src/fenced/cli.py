@@ -115,6 +115,33 @@ def _talking_to(client: Any) -> Iterator[None]:
         raise SystemExit(EXIT_USAGE) from None
 
 
+@contextmanager
+def _metrics_to(path: str | None) -> Iterator[None]:
+    """With ``--metrics-file``: count the run's claim metrics, write them when it ends."""
+    if path is None:
+        yield
+        return
+    from ._errors import ConfigError
+
+    try:
+        from .metrics import Textfile
+
+        recorder = Textfile(path)
+    except (ImportError, ConfigError) as exc:  # no prometheus_client; no such directory
+        _err(f"fenced: {exc}")
+        raise SystemExit(EXIT_USAGE) from None
+    recorder.start()
+    try:
+        yield
+    finally:
+        recorder.stop()
+        try:
+            recorder.write()
+        except OSError as exc:
+            # The command ran (or was skipped) as it would have: its status stands.
+            _err(f"fenced: --metrics-file {path!r} was not written: {exc}")
+
+
 def _print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, default=str), flush=True)
 
@@ -468,6 +495,16 @@ if app is not None:
                 "FENCED_SECRET_KEY (default: removed from its environment).",
             ),
         ] = False,
+        metrics_file: Annotated[
+            str | None,
+            typer.Option(
+                "--metrics-file",
+                metavar="PATH",
+                help="When the run ends (a skip too), write its claim metrics to PATH in "
+                "Prometheus text format, atomically, for node_exporter's textfile collector "
+                "(name it *.prom). Needs pip install 'fenced[metrics]'.",
+            ),
+        ] = None,
     ) -> None:
         """Run a command while holding a claim: a distributed flock for cron.
 
@@ -508,7 +545,7 @@ if app is not None:
             pass_fenced_env=pass_fenced_env,
         )
         on_result = (lambda result: print(json.dumps(result), flush=True)) if as_json else None
-        with _talking_to(client):
+        with _talking_to(client), _metrics_to(metrics_file):
             code = run_command(client, opts, on_result=on_result)
         raise typer.Exit(code)
 

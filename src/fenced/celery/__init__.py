@@ -15,13 +15,14 @@
 - ``_task``: :class:`ClaimedTask`, what one run does;
 - ``_request``: :class:`ClaimedRequest`, the worker side (a pool child that died);
 - ``_disabled``: ``fenced_enabled = False``, :class:`LocalClaim` (tests without Redis);
+- ``_metrics``: ``fenced_metrics``, Prometheus metrics in a worker (:mod:`fenced.metrics`);
 - ``signals``: the signals fenced sends.
 """
 
 from __future__ import annotations
 
 from .._errors import ClaimInterrupted
-from . import signals
+from . import _metrics, signals  # noqa: F401  (_metrics: the worker's signal receivers)
 from ._disabled import LocalClaim
 from ._options import DEFAULTS, ON_BUSY, lock_redis
 from ._request import ClaimedRequest

@@ -7,8 +7,9 @@ is made and resolved when it is bound to its app, so a bad value fails when the 
 starts, not at 02:00 on the first run.
 
 Settings that are not task options: ``fenced_redis_url``, ``fenced_redis_client``,
-``fenced_redis_options`` (the lock Redis, below) and ``fenced_enabled`` (claims switched
-off for tests without Redis: :mod:`fenced.celery._disabled`).
+``fenced_redis_options`` (the lock Redis, below), ``fenced_enabled`` (claims switched
+off for tests without Redis: :mod:`fenced.celery._disabled`), ``fenced_metrics`` and
+``fenced_metrics_port`` (Prometheus metrics in a worker: :mod:`fenced.celery._metrics`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,167 @@
+"""Prometheus metrics in a Celery worker: the ``fenced_metrics`` settings.
+
+``app.conf.fenced_metrics = True`` (or ``FENCED_METRICS=1`` when the setting is not
+given) installs :mod:`fenced.metrics` in the worker: in its main process when it starts
+(a prefork child is forked from it and inherits it) and again, idempotently, in each
+pool child. ``app.conf.fenced_metrics_port = 9808`` (or ``FENCED_METRICS_PORT``) also
+serves ``/metrics`` from the main process once the worker is ready.
+
+The prefork pool's children each keep their own values, so the pool needs
+prometheus_client's multiprocess mode: ``PROMETHEUS_MULTIPROC_DIR`` names an empty
+directory where each child writes its values, and the main process's server adds them
+up. A child that exits is marked dead (its ``claims_held`` leaves the sum); its counts
+stay. A worker asked for metrics with the prefork pool and no such directory does not
+start, and says why.
+
+Nothing here imports prometheus_client until a worker asks for metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, NoReturn
+
+from celery import signals as celery_signals
+
+from .._errors import ConfigError
+from ._options import PerApp
+
+__all__ = ["PORT_SETTING", "SETTING", "settings"]
+
+log = logging.getLogger("fenced.celery")
+
+#: The Celery settings; ``FENCED_METRICS`` and ``FENCED_METRICS_PORT`` are read when
+#: they are not given.
+SETTING = "fenced_metrics"
+PORT_SETTING = "fenced_metrics_port"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+#: The pools that run tasks in child processes.
+_PROCESS_POOLS = ("prefork", "processes")
+
+_answers = PerApp((SETTING, PORT_SETTING))
+
+
+def settings(app: Any) -> tuple[bool, int | None]:
+    """Whether a worker of ``app`` keeps claim metrics, and the port it serves them on."""
+    answer: tuple[bool, int | None] = _answers(app, _settings)
+    return answer
+
+
+def _settings(app: Any) -> tuple[bool, int | None]:
+    on = app.conf.get(SETTING)
+    if on is None:
+        text = os.environ.get("FENCED_METRICS", "").strip().lower()
+        if text not in _TRUE + _FALSE:
+            raise ConfigError(
+                f"FENCED_METRICS={os.environ['FENCED_METRICS']!r} is not a switch: use 1 "
+                "(claim metrics, pip install 'fenced[metrics]') or 0"
+            )
+        on = text in _TRUE
+    elif not isinstance(on, bool):
+        raise ConfigError(f"{SETTING}={on!r} must be True or False")
+    port = app.conf.get(PORT_SETTING)
+    where = PORT_SETTING
+    if port is None and os.environ.get("FENCED_METRICS_PORT", "").strip():
+        port, where = os.environ["FENCED_METRICS_PORT"].strip(), "FENCED_METRICS_PORT"
+        if port.isdigit():
+            port = int(port)
+    if port is not None:
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise ConfigError(f"{where}={port!r} must be a TCP port number (1-65535), e.g. 9808")
+        if not on:
+            raise ConfigError(
+                f"{where}={port!r} serves claim metrics, which are off: set {SETTING} = True "
+                "(or FENCED_METRICS=1) as well"
+            )
+    return on, port
+
+
+def _process_pool(worker: Any) -> bool:
+    pool = getattr(worker, "pool_cls", None)
+    if isinstance(pool, str):
+        return pool.split(":")[0] in _PROCESS_POOLS
+    return getattr(pool, "__module__", "").endswith(".prefork")
+
+
+def _refuse(message: str) -> NoReturn:
+    # Celery logs what a signal receiver raises and goes on: a worker asked for
+    # metrics it cannot keep must not start as if it kept them.
+    log.critical("fenced: %s", message)
+    raise SystemExit(f"fenced: {message}")
+
+
+@celery_signals.worker_init.connect(weak=False)
+def _on_worker_init(sender: Any = None, **_: Any) -> None:
+    """The main process: check the settings, install the metrics."""
+    app = getattr(sender, "app", None)
+    if app is None:
+        return
+    try:
+        on, _port = settings(app)
+    except ConfigError as exc:
+        _refuse(exc.message)
+    if not on:
+        return
+    try:
+        from .. import metrics
+    except ImportError as exc:
+        _refuse(str(exc))
+    if _process_pool(sender) and metrics.multiprocess_dir() is None:
+        _refuse(
+            f"{SETTING}=True with the prefork pool needs prometheus_client's multiprocess "
+            "mode: set PROMETHEUS_MULTIPROC_DIR to an empty directory in the worker's "
+            "environment (each pool child writes its values there)"
+        )
+    try:
+        metrics.registry_for_scrape()  # the directory exists
+    except ConfigError as exc:
+        _refuse(exc.message)
+    metrics.install()
+
+
+@celery_signals.worker_ready.connect(weak=False)
+def _on_worker_ready(sender: Any = None, **_: Any) -> None:
+    """The main process, its pool started: serve ``/metrics`` when a port is set."""
+    app = getattr(sender, "app", None)
+    metrics = sys.modules.get("fenced.metrics")
+    if app is None or metrics is None or metrics.installed() is None:
+        return
+    _on, port = settings(app)
+    if port is None:
+        return
+    try:
+        metrics.serve(port)
+    except OSError as exc:
+        log.error("fenced: claim metrics are not served on port %d: %s", port, exc)
+        return
+    log.info("fenced: claim metrics served on port %d (/metrics)", port)
+
+
+@celery_signals.worker_process_init.connect(weak=False)
+def _on_child_init(**_: Any) -> None:
+    """A pool child: the metrics its parent installed, or installed here when not inherited."""
+    metrics = sys.modules.get("fenced.metrics")
+    if metrics is not None and metrics.installed() is not None:
+        return
+    from celery import current_app
+
+    try:
+        # The app itself: a proxy cannot be weakly referenced (settings are kept per app).
+        on, _port = settings(current_app._get_current_object())  # type: ignore[attr-defined]
+    except ConfigError:
+        return  # the main process refused to start
+    if on:
+        from .. import metrics as installing
+
+        installing.install()
+
+
+@celery_signals.worker_process_shutdown.connect(weak=False)
+def _on_child_exit(pid: int | None = None, **_: Any) -> None:
+    """A pool child that exits leaves ``claims_held`` (multiprocess mode)."""
+    metrics = sys.modules.get("fenced.metrics")
+    if metrics is not None and metrics.installed() is not None:
+        metrics.mark_process_dead(pid if pid is not None else os.getpid())

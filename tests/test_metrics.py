@@ -1,0 +1,456 @@
+"""fenced.metrics: Prometheus counts of real claims, in a registry, a prefork worker and a file.
+
+Claims are taken on a real redis-server; the Celery case runs a real prefork worker in
+prometheus_client's multiprocess mode and scrapes its ``/metrics`` over HTTP; ``fenced
+run --metrics-file`` runs the real command line.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+import fenced.metrics
+from _wait import wait_for
+from celery_harness import WAIT, Services, Worker, notes
+from fenced import Claim, ConfigError, Skipped, exclusive
+from fenced.celery._metrics import settings
+from fenced.events import ClaimEvent
+from fenced.metrics import ClaimMetrics, Textfile
+from fenced.testing import CeleryWorker, RedisServer, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def registry() -> Iterator[CollectorRegistry]:
+    """fenced.metrics installed in a registry of the test's own."""
+    reg = CollectorRegistry()
+    fenced.metrics.install(reg)
+    try:
+        yield reg
+    finally:
+        fenced.metrics.uninstall()
+
+
+@pytest.fixture
+def r(redis_server: RedisServer) -> Iterator[Any]:
+    client = redis_server.client()
+    yield client
+    client.close()
+
+
+def value(reg: CollectorRegistry, name: str, **labels: str) -> float:
+    """A sample's value, 0 when the series does not exist (yet)."""
+    return reg.get_sample_value(name, labels) or 0.0
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+# -- in a registry ------------------------------------------------------------------------
+
+
+def test_claim_acquire_skip_release_and_loss_are_counted_by_label(
+    registry: CollectorRegistry, r: Any
+) -> None:
+    name = unique("metrics")
+    with Claim(r, name, ttl=5):
+        assert value(registry, "fenced_claims_held", label=name) == 1
+        assert not Claim(r, name, ttl=5).acquire()
+    assert value(registry, "fenced_claims_acquired_total", label=name) == 1
+    assert value(registry, "fenced_claims_skipped_total", label=name, reason="already_running") == 1
+    assert value(registry, "fenced_claims_released_total", label=name, outcome="ok") == 1
+    assert value(registry, "fenced_claims_held", label=name) == 0
+
+    stolen = Claim(r, name, ttl=5, heartbeat=False)
+    assert stolen.acquire()
+    r.set(stolen.key, "thief", px=5000)
+    assert stolen.refresh() is False and stolen.lost
+    stolen.release()
+    assert value(registry, "fenced_claims_lost_total", label=name, cause="taken") == 1
+    assert value(registry, "fenced_claims_acquired_total", label=name) == 2
+    # A loss, then the release of the lost claim: it left the gauge once, and its time
+    # is in the histogram once.
+    assert value(registry, "fenced_claims_held", label=name) == 0
+    assert value(registry, "fenced_run_duration_seconds_count", label=name) == 2
+    # Never labelled by anything but the label.
+    for metric in registry.collect():
+        for sample in metric.samples:
+            assert set(sample.labels) <= {"label", "reason", "cause", "outcome", "le"}
+
+
+def test_exclusive_counts_under_its_template_with_outcomes_and_reasons(
+    registry: CollectorRegistry, r: Any
+) -> None:
+    template = unique("report") + ":{tenant}"
+    started, finish = threading.Event(), threading.Event()
+
+    @exclusive(template, redis=r, ttl=5)
+    def report(tenant: str, fail: bool = False) -> str:
+        started.set()
+        finish.wait(5)
+        if fail:
+            raise ValueError("broken input")
+        return tenant
+
+    worker = threading.Thread(target=report, args=("acme",))
+    worker.start()
+    assert started.wait(5)
+    assert isinstance(report("acme"), Skipped)
+    finish.set()
+    worker.join(5)
+    with pytest.raises(ValueError):
+        report("globex", fail=True)
+    assert report("initech") == "initech"
+
+    assert value(registry, "fenced_claims_acquired_total", label=template) == 3
+    assert (
+        value(registry, "fenced_claims_skipped_total", label=template, reason="already_running")
+        == 1
+    )
+    assert value(registry, "fenced_claims_released_total", label=template, outcome="ok") == 2
+    assert value(registry, "fenced_claims_released_total", label=template, outcome="failed") == 1
+    assert value(registry, "fenced_run_duration_seconds_count", label=template) == 3
+    assert value(registry, "fenced_claims_held", label=template) == 0
+
+    @exclusive(template + ":cool", redis=r, ttl=5, cooldown=30)
+    def cooled(tenant: str) -> str:
+        return tenant
+
+    assert cooled("a") == "a"
+    assert not cooled("a")
+    assert (
+        value(
+            registry,
+            "fenced_claims_skipped_total",
+            label=template + ":cool",
+            reason="ran_recently",
+        )
+        == 1
+    )
+
+
+def test_renewals_are_timed_in_milliseconds_buckets(registry: CollectorRegistry, r: Any) -> None:
+    name = unique("renewed")
+    with Claim(r, name, ttl=0.6):
+        wait_for(
+            "a renewal",
+            lambda: value(registry, "fenced_renewal_seconds_count", label=name) >= 1,
+            timeout=5,
+        )
+    count = value(registry, "fenced_renewal_seconds_count", label=name)
+    # A renewal on this machine's loopback: well under a tenth of a second.
+    assert value(registry, "fenced_renewal_seconds_bucket", label=name, le="0.1") == count
+    assert value(registry, "fenced_renewal_failures_total", label=name) == 0
+
+
+def test_install_is_once_per_process_and_uninstall_stops_counting(r: Any) -> None:
+    reg = CollectorRegistry()
+    first = fenced.metrics.install(reg)
+    try:
+        assert fenced.metrics.install(reg) is first
+        with pytest.raises(ConfigError, match="uninstall"):
+            fenced.metrics.install(CollectorRegistry())
+        name = unique("once")
+        with Claim(r, name, ttl=5):
+            pass
+        # One subscriber, so one count.
+        assert value(reg, "fenced_claims_acquired_total", label=name) == 1
+    finally:
+        fenced.metrics.uninstall()
+    assert fenced.metrics.installed() is None
+    assert reg.get_sample_value("fenced_claims_acquired_total", {"label": name}) is None
+    with Claim(r, name, ttl=5):
+        pass
+    # Installed again, in the same registry: the metrics are registered anew.
+    again = fenced.metrics.install(reg, namespace="jobs")
+    try:
+        with Claim(r, name, ttl=5):
+            pass
+        assert value(reg, "jobs_claims_acquired_total", label=name) == 1
+        assert again.namespace == "jobs"
+    finally:
+        fenced.metrics.uninstall()
+    fenced.metrics.uninstall()  # a no-op
+
+
+def test_bad_namespace_is_refused_naming_the_rule() -> None:
+    with pytest.raises(ConfigError, match="letters, digits and underscores"):
+        ClaimMetrics(CollectorRegistry(), namespace="my-app")
+
+
+def test_reasons_and_causes_outside_the_vocabulary_are_other_and_labels_are_capped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reg = CollectorRegistry()
+    metrics = ClaimMetrics(reg)
+    metrics(ClaimEvent("skipped", "n", "l", "claim", reason="already running; rerun requested"))
+    metrics(ClaimEvent("skipped", "n", "l", "claim", reason="ran recently (12s left)"))
+    metrics(ClaimEvent("skipped", "n", "l", "claim", reason="tenant 4711 is special"))
+    expired = "no refresh was confirmed before the local deadline"
+    metrics(ClaimEvent("lost", "n", "l", "claim", reason=expired))
+    unconfirmed = "Redis could not be reached to confirm the lease at release (timeout)"
+    metrics(ClaimEvent("lost", "n", "l", "claim", reason=unconfirmed))
+    metrics(ClaimEvent("lost", "n", "l", "claim", reason="a cosmic ray"))
+    metrics(ClaimEvent("released", "n", "l", "claim", outcome="exploded"))
+    skipped = "fenced_claims_skipped_total"
+    assert value(reg, skipped, label="l", reason="rerun_requested") == 1
+    assert value(reg, skipped, label="l", reason="ran_recently") == 1
+    assert value(reg, skipped, label="l", reason="other") == 1
+    assert value(reg, "fenced_claims_lost_total", label="l", cause="expired") == 1
+    assert value(reg, "fenced_claims_lost_total", label="l", cause="unconfirmed") == 1
+    assert value(reg, "fenced_claims_lost_total", label="l", cause="other") == 1
+    assert value(reg, "fenced_claims_released_total", label="l", outcome="other") == 1
+
+    monkeypatch.setattr(fenced.metrics, "MAX_LABELS", 3)
+    capped = ClaimMetrics(CollectorRegistry())
+    for i in range(5):
+        capped(ClaimEvent("acquired", f"n{i}", f"label-{i}", "claim", fence=i))
+    assert value(capped.registry, "fenced_claims_acquired_total", label="label-2") == 1
+    assert value(capped.registry, "fenced_claims_acquired_total", label="other") == 2
+
+
+# -- a prefork worker, multiprocess mode ------------------------------------------------------
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(port: int) -> Samples:
+    """Every sample a worker serves, by name and labels."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_prefork_worker_serves_the_sum_of_its_children_over_http(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "prom"
+    folder.mkdir()
+    port = free_port()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(folder))
+    monkeypatch.setenv("FENCED_METRICS", "1")
+    monkeypatch.setenv("FENCED_METRICS_PORT", str(port))
+    services = Services.on(redis_server)
+    client = services.client()
+    obs = services.obs()
+
+    def send(*args: Any) -> Any:
+        return client.send_task("t.sleeper", args, queue=services.queue)
+
+    with Worker(services, name="metrics", concurrency=2) as worker:
+        keys = [unique("k") for _ in range(3)]
+        done = [send(k, 0.05) for k in keys]
+        busy = unique("busy")
+        holder = send(busy, 2.0)
+        wait_for("the holder to start", lambda: notes(obs, f"sleeper:{busy}"), WAIT)
+        skipped = send(busy, 0.0).get(timeout=WAIT)
+        assert skipped["status"] == "skipped"
+        assert all(res.get(timeout=WAIT) == "slept" for res in done)
+        assert holder.get(timeout=WAIT) == "slept"
+
+        label = (("label", "sleep:{key}"),)
+        ok = ("fenced_claims_released_total", (*label, ("outcome", "ok")))
+
+        def all_released() -> Samples | None:
+            samples = scrape(port)
+            return samples if samples.get(ok) == 4 else None
+
+        samples = wait_for("the worker's metrics", all_released, WAIT, every=0.2)
+        assert samples[("fenced_claims_acquired_total", label)] == 4
+        reason = ("reason", "already_running")
+        assert samples[("fenced_claims_skipped_total", (label[0], reason))] == 1
+        assert samples[("fenced_claims_held", label)] == 0
+        assert samples[("fenced_run_duration_seconds_count", label)] == 4
+        # The counts came from the pool's children, each in a file of its own.
+        children = {p.name for p in folder.iterdir() if p.name.startswith("counter_")}
+        assert children and f"counter_{worker.pid}.db" not in children
+        assert f"claim metrics served on port {port}" in worker.log()
+        assert list(folder.glob("gauge_livesum_*.db"))
+        # A warm shutdown: each pool child, exiting, leaves the claims_held sum.
+        assert worker.worker is not None
+        worker.worker.stop()
+        assert not list(folder.glob("gauge_livesum_*.db"))
+
+
+def test_threads_pool_worker_serves_its_own_numbers_without_a_directory(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    port = free_port()
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.setenv("FENCED_METRICS", "1")
+    monkeypatch.setenv("FENCED_METRICS_PORT", str(port))
+    services = Services.on(redis_server)
+    client = services.client()
+    with Worker(services, name="metrics-threads", pool="threads", concurrency=2):
+        keys = [unique("t") for _ in range(2)]
+        results = [client.send_task("t.sleeper", (k, 0.0), queue=services.queue) for k in keys]
+        assert [res.get(timeout=WAIT) for res in results] == ["slept", "slept"]
+        label = (("label", "sleep:{key}"),)
+        ok = ("fenced_claims_released_total", (*label, ("outcome", "ok")))
+        wait_for("the worker's metrics", lambda: scrape(port).get(ok) == 2, WAIT)
+        assert scrape(port)[("fenced_claims_acquired_total", label)] == 2
+
+
+def test_prefork_worker_without_a_multiprocess_directory_refuses_to_start(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    services = Services.on(redis_server)
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src")]),
+        FENCED_TEST_BROKER_URL=services.broker_url,
+        FENCED_REDIS_URL=services.lock_url,
+        FENCED_TEST_OBS_URL=services.obs_url,
+        FENCED_METRICS="1",
+    )
+    worker = CeleryWorker(
+        "tests.celery_app", name="nodir", log=tmp_path / "w.log", cwd=ROOT, env=env
+    ).start()
+    assert worker.proc is not None
+    try:
+        code = worker.proc.wait(60)
+    finally:
+        worker.kill()
+    assert code != 0
+    assert "set PROMETHEUS_MULTIPROC_DIR to an empty directory" in worker.tail()
+
+
+def test_worker_settings_are_checked_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FENCED_METRICS", raising=False)
+    monkeypatch.delenv("FENCED_METRICS_PORT", raising=False)
+    app = Celery("metrics-settings", set_as_current=False)
+    assert settings(app) == (False, None)
+    app.conf.fenced_metrics = True
+    app.conf.fenced_metrics_port = 9808
+    assert settings(app) == (True, 9808)
+    app.conf.fenced_metrics_port = 70000
+    with pytest.raises(ConfigError, match=r"TCP port number \(1-65535\)"):
+        settings(app)
+    app.conf.fenced_metrics = "yes"
+    with pytest.raises(ConfigError, match="must be True or False"):
+        settings(app)
+    other = Celery("metrics-env", set_as_current=False)
+    monkeypatch.setenv("FENCED_METRICS_PORT", "9808")
+    with pytest.raises(ConfigError, match="set fenced_metrics = True"):
+        settings(other)
+    monkeypatch.setenv("FENCED_METRICS", "1")
+    assert settings(other) == (True, 9808)
+    monkeypatch.setenv("FENCED_METRICS", "maybe")
+    with pytest.raises(ConfigError, match="is not a switch"):
+        settings(other)
+
+
+# -- fenced run --metrics-file ------------------------------------------------------------
+
+
+def fenced_run(url: str, *args: str, **more: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    env.update(more)
+    return subprocess.run(
+        [sys.executable, "-m", "fenced.cli", "run", "--redis", url, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
+def parsed(path: Path) -> Samples:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(path.read_text())
+        for s in family.samples
+    }
+
+
+def test_fenced_run_writes_the_runs_metrics_for_the_textfile_collector(
+    redis_server: RedisServer, r: Any, tmp_path: Path
+) -> None:
+    name = unique("backup")
+    out = tmp_path / "backup.prom"
+    res = fenced_run(redis_server.url, "--metrics-file", str(out), name, "--", "true")
+    assert res.returncode == 0, res.stderr
+    values = parsed(out)
+    label = (("label", name),)
+    assert values[("fenced_claims_acquired_total", label)] == 1
+    assert values[("fenced_claims_released_total", (*label, ("outcome", "ok")))] == 1
+    assert values[("fenced_run_duration_seconds_count", label)] == 1
+    assert values[("fenced_claims_held", label)] == 0
+    assert list(tmp_path.iterdir()) == [out]  # no temporary file left
+
+    # A worker's multiprocess directory in the environment: the run's file is its own.
+    pool = tmp_path / "pool"
+    pool.mkdir()
+    res = fenced_run(
+        redis_server.url,
+        "--metrics-file",
+        str(out),
+        name,
+        "--",
+        "false",
+        PROMETHEUS_MULTIPROC_DIR=str(pool),
+    )
+    assert res.returncode == 1
+    assert parsed(out)[("fenced_claims_released_total", (*label, ("outcome", "failed")))] == 1
+    assert not list(pool.iterdir())
+
+    holder = Claim(r, name, ttl=30, heartbeat=False)
+    assert holder.acquire()
+    try:
+        res = fenced_run(redis_server.url, "-q", "--metrics-file", str(out), name, "--", "true")
+    finally:
+        holder.release()
+    assert res.returncode == 0, res.stderr
+    values = parsed(out)
+    assert values[("fenced_claims_skipped_total", (*label, ("reason", "already_running")))] == 1
+    assert ("fenced_claims_acquired_total", label) not in values
+
+
+def test_fenced_run_with_redis_unreachable_writes_the_file_too(tmp_path: Path) -> None:
+    out = tmp_path / "down.prom"
+    down = f"redis://127.0.0.1:{free_port()}/0"
+    res = fenced_run(down, "--metrics-file", str(out), "job", "--", "true")
+    assert res.returncode == 69, res.stderr
+    assert parsed(out)[("fenced_redis_unavailable_total", (("label", "job"),))] == 1
+
+
+def test_fenced_run_metrics_file_in_a_missing_directory_is_a_usage_error(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    missing = tmp_path / "nowhere" / "x.prom"
+    started = time.monotonic()
+    res = fenced_run(redis_server.url, "--metrics-file", str(missing), "n", "--", "true")
+    assert res.returncode == 2
+    assert "does not exist" in res.stderr and "textfile" in res.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_textfile_counts_only_inside_its_block(r: Any, tmp_path: Path) -> None:
+    name = unique("tf")
+    out = tmp_path / "tf.prom"
+    with Textfile(out), Claim(r, name, ttl=5):
+        pass
+    with Claim(r, name, ttl=5):
+        pass
+    assert parsed(out)[("fenced_claims_acquired_total", (("label", name),))] == 1
