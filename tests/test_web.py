@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -216,6 +218,55 @@ def test_release_of_a_name_held_by_several_needs_the_holder(r: Any) -> None:
     assert not second.release()
 
 
+@pytest.mark.parametrize(
+    ("headers", "says"),
+    [
+        ({"Origin": "http://evil.example"}, "'http://evil.example'"),
+        ({"Origin": "null"}, "'null'"),
+        ({"Origin": "http://testserver.evil.example"}, "not this server's"),
+        ({"Sec-Fetch-Site": "cross-site"}, "cross-site"),
+        ({"Origin": "http://testserver", "Sec-Fetch-Site": "same-site"}, "same-site"),
+    ],
+)
+def test_a_release_from_a_page_of_another_site_is_refused_even_with_the_token(
+    r: Any, headers: dict[str, str], says: str
+) -> None:
+    held(r, "job")
+    web = api(r, allow_release=True, token=TOKEN)
+    answer = web.post(
+        "/api/claims/job/release", json={"reason": "csrf"}, headers={**AUTH, **headers}
+    )
+    assert answer.status_code == 403 and says in answer.json()["error"]
+    assert r.exists("fenced:{job}:lock")
+
+
+def test_a_release_from_the_page_itself_and_a_token_only_in_the_url(r: Any) -> None:
+    held(r, "job")
+    held(r, "other")
+    web = api(r, allow_release=True, token=TOKEN)
+    in_url = web.post(f"/api/claims/job/release?token={TOKEN}", json={"reason": "x"})
+    assert in_url.status_code == 401 and r.exists("fenced:{job}:lock")
+    own = {"Origin": "http://testserver", "Sec-Fetch-Site": "same-origin"}
+    answer = web.post("/api/claims/job/release", json={"reason": "x"}, headers={**AUTH, **own})
+    assert answer.status_code == 200 and answer.json()["released"] is True
+    proxied = {"Origin": "https://dash.example", "X-Forwarded-Host": "dash.example"}
+    answer = web.post(
+        "/api/claims/other/release", json={"reason": "x"}, headers={**AUTH, **proxied}
+    )
+    assert answer.status_code == 200 and answer.json()["released"] is True
+
+
+def test_only_the_allowed_host_names_are_answered_ipv6_too(r: Any) -> None:
+    web = api(r, allowed_hosts=["::1", "localhost"], base_url="http://[::1]:8377")
+    assert web.get("/api/claims").status_code == 200
+    assert web.get("/api/claims", headers={"Host": "LOCALHOST:8377"}).status_code == 200
+    for rebound in ("evil.example:8377", "[::2]:8377", "", "localhost.evil.example"):
+        answer = web.get("/api/claims", headers={"Host": rebound})
+        assert answer.status_code == 400, rebound
+        assert "not a name this server answers to (::1, localhost)" in answer.json()["error"]
+        assert answer.headers["x-frame-options"] == "DENY"
+
+
 def test_allow_release_needs_a_token_and_other_bad_options_are_named(r: Any) -> None:
     with pytest.raises(ConfigError, match="needs a token"):
         create_app(r, allow_release=True)
@@ -365,11 +416,15 @@ def test_fenced_web_warns_when_release_is_allowed_beyond_loopback(
 
     try:
         wait_for("fenced web to start", started, timeout=30, proc=proc)
+        proc.send_signal(signal.SIGTERM)  # a service manager stopping it (Ctrl-C alike)
+        assert proc.wait(timeout=10) == 0
     finally:
-        proc.terminate()
+        proc.kill()
         proc.wait(timeout=10)
         redis_server.client(password="hunter2").config_set("requirepass", "")
-    said = "".join(lines)
+    assert proc.stderr is not None
+    said = "".join(lines) + proc.stderr.read()
+    assert "Traceback" not in said
     assert "WARNING: --allow-release on 0.0.0.0" in said
     assert "release token (shown once" in said
     assert "hunter2" not in said and ":***@" in said
@@ -388,3 +443,29 @@ def test_fenced_web_refuses_an_empty_token_file(redis_server: RedisServer, tmp_p
         timeout=60,
     )  # fmt: skip
     assert done.returncode == 2 and "is empty: put the token in it" in done.stderr
+
+
+def test_fenced_web_names_the_fix_for_a_port_in_use_and_warns_of_an_open_token_file(
+    redis_server: RedisServer, tmp_path: Any
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    token.chmod(0o644)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [
+                sys.executable, "-m", "fenced.cli", "web", "--redis", redis_server.url,
+                "--port", str(port), "--allow-release", "--token-file", str(token),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"is open to other users (mode 644): chmod 600 {token}" in done.stderr
+    assert f"cannot listen on 127.0.0.1 port {port}" in done.stderr
+    assert "pass --port with a free port" in done.stderr
+    assert "shows the claims" not in done.stderr and "Traceback" not in done.stderr

@@ -697,23 +697,60 @@ if app is not None:
                 refresh=refresh,
                 alert_after_skips=alert_after_skips,
                 redis_label=label,
-                # A loopback server answers only to its own names (no DNS rebinding);
-                # Starlette's check cannot read an IPv6 Host header, so ::1 is left open.
-                allowed_hosts=["127.0.0.1", "localhost"]
-                if _loopback(host) and ":" not in host
+                # A loopback server answers only to its own names (no DNS rebinding).
+                allowed_hosts=sorted({host.strip("[]"), "127.0.0.1", "localhost"})
+                if _loopback(host)
                 else None,
             )
         except ConfigError as exc:
             _err(f"fenced web: {exc.message}")
             raise typer.Exit(EXIT_USAGE) from None
-        shown = f"[{host}]" if ":" in host else host
+        sock = _listen(host, port)
+        port = sock.getsockname()[1]  # --port 0: the one the system chose
+        shown = f"[{host.strip('[]')}]" if ":" in host else host
         _err(
             f"fenced web: http://{shown}:{port}/ shows the claims of namespace {namespace!r} "
             f"on {label}{'; release allowed' if allow_release else ''} (Ctrl-C stops)"
         )
-        uvicorn.run(
-            web, host=host, port=port, log_level="warning", access_log=False, server_header=False
-        )
+        config = uvicorn.Config(web, log_level="warning", access_log=False, server_header=False)
+        import signal
+
+        # The server stops on SIGINT or SIGTERM, then raises it again: a stop asked for
+        # is the documented exit 0, not a KeyboardInterrupt (130) or a death by signal.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        try:
+            uvicorn.Server(config).run(sockets=[sock])
+        except KeyboardInterrupt:
+            pass
+
+    def _listen(host: str, port: int) -> Any:
+        """A socket bound to host:port and listening, or a usage error naming the fix."""
+        import errno
+        import socket
+
+        address = host.strip("[]")
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((address, port))
+            sock.listen(128)
+        except socket.gaierror as exc:
+            sock.close()
+            _err(f"fenced web: --host {host}: {exc.strerror}; pass an address, e.g. 127.0.0.1")
+            raise typer.Exit(EXIT_USAGE) from None
+        except OSError as exc:
+            sock.close()
+            fix = {
+                errno.EADDRINUSE: "another program listens there: pass --port with a free "
+                "port (--port 0 lets the system choose)",
+                errno.EACCES: "ports below 1024 need root: pass --port 1024 or above",
+                errno.EADDRNOTAVAIL: "not an address of this machine: pass --host "
+                "127.0.0.1 (or an address it has)",
+            }.get(exc.errno or 0, "pass another --host or --port")
+            _err(f"fenced web: cannot listen on {host} port {port}: {exc.strerror}; {fix}")
+            raise typer.Exit(EXIT_USAGE) from None
+        return sock
 
     def _loopback(host: str) -> bool:
         import ipaddress
@@ -737,6 +774,12 @@ if app is not None:
             if not token:
                 _err(f"fenced web: --token-file {token_file} is empty: put the token in it")
                 raise typer.Exit(EXIT_USAGE)
+            mode = os.stat(token_file).st_mode & 0o777
+            if mode & 0o077:
+                _err(
+                    f"fenced web: WARNING: --token-file {token_file} is open to other "
+                    f"users (mode {mode:o}): chmod 600 {token_file}"
+                )
             return token
         token = os.environ.get("FENCED_WEB_TOKEN", "").strip()
         if token:

@@ -24,7 +24,6 @@ import redis
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -91,16 +90,45 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return _json({"error": message}, status, headers)
 
 
-class _Headers:
-    """ASGI middleware: the security headers on every response."""
+def host_name(header: str) -> str:
+    """The name in a ``Host`` (or ``Origin`` netloc) value, without its port: ``[::1]:80``
+    is ``::1``, ``Localhost:8377`` is ``localhost``."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    if header.count(":") > 1:  # an IPv6 address as it is (an allowed name)
+        return header
+    return header.partition(":")[0]
 
-    def __init__(self, app: ASGIApp) -> None:
+
+class _Headers:
+    """ASGI middleware: the security headers on every response, and only the allowed
+    ``Host`` names answered (a page elsewhere that rebinds its DNS to this address sends
+    its own name)."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: list[str] | None = None) -> None:
         self.app = app
+        self.allowed = {host_name(h) for h in allowed_hosts} if allowed_hosts else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.allowed is not None:
+            host = Request(scope).headers.get("host", "")
+            if host_name(host) not in self.allowed:
+                names = ", ".join(sorted(self.allowed))
+                send_to = _error(
+                    400,
+                    f"Host {host!r} is not a name this server answers to ({names}): "
+                    "open the page by one of them",
+                )
+                await self._with_headers(send_to, scope, receive, send)
+                return
+        await self._with_headers(self.app, scope, receive, send)
+
+    @staticmethod
+    async def _with_headers(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
 
         async def send_with(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -113,7 +141,7 @@ class _Headers:
                 message["headers"] = [*message.get("headers", []), *extra]
             await send(message)
 
-        await self.app(scope, receive, send_with)
+        await app(scope, receive, send_with)
 
 
 def _server_now(client: Any) -> float:
@@ -293,6 +321,9 @@ def create_app(
                 "releasing is off: start fenced web with --allow-release (and --token-file "
                 "or FENCED_WEB_TOKEN) to release claims from the dashboard",
             )
+        foreign = _cross_site(request)
+        if foreign:
+            return _error(403, foreign)
         auth = request.headers.get("authorization", "")
         scheme, _sp, given = auth.partition(" ")
         if not auth or scheme.lower() != "bearer" or not given.strip():
@@ -374,10 +405,7 @@ def create_app(
             Route("/api/claims", sync(claims)),
             Route("/api/claims/{rest:path}", sync(claim), methods=["GET", "POST"]),
         ],
-        middleware=[
-            Middleware(_Headers),
-            Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts or ["*"]),
-        ],
+        middleware=[Middleware(_Headers, allowed_hosts=allowed_hosts)],
     )
 
 
@@ -391,6 +419,33 @@ def _limit(request: Request) -> int:
     except ValueError:
         raise ConfigError(f"limit={text!r} is not a whole number of runs, e.g. 50") from None
     return max(1, min(value, MAX_RECORDS))
+
+
+def _cross_site(request: Request) -> str | None:
+    """Why a release comes from a page of another site, or None when it does not.
+
+    A browser names the page that sends a POST in ``Origin`` (and ``Sec-Fetch-Site``):
+    it must be this server, as the browser reached it (``Host``, or the
+    ``X-Forwarded-Host`` a proxy in front sets; a page elsewhere cannot set either).
+    Without ``Origin`` (curl, scripts) the token alone decides.
+    """
+    site = request.headers.get("sec-fetch-site", "").lower()
+    if site in ("cross-site", "same-site"):
+        return f"refused: a {site} request; release from the dashboard's own page or with curl"
+    origin = request.headers.get("origin")
+    if origin is None:
+        return None
+    scheme, _sep, netloc = origin.partition("://")
+    served = {request.headers.get("host", "").strip().lower()}
+    forwarded = request.headers.get("x-forwarded-host")
+    if forwarded:
+        served.add(forwarded.split(",", 1)[0].strip().lower())
+    if scheme.lower() in ("http", "https") and netloc.strip().lower() in served:
+        return None
+    return (
+        f"refused: a request from the page {origin!r}, not this server's; release from "
+        "the dashboard's own page or with curl"
+    )
 
 
 def _body(request: Request, raw: bytes) -> dict[str, Any] | Response:
