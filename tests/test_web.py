@@ -13,9 +13,11 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from importlib import resources
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import redis
@@ -25,7 +27,7 @@ from starlette.testclient import TestClient
 
 from _wait import wait_for
 from fenced import Claim, ConfigError, records
-from fenced.testing import RedisServer, free_port
+from fenced.testing import RedisCluster, RedisServer, find_binary, free_port
 from fenced.web import create_app
 from test_hostile import CASES, EVIL_HOST, good_claim
 
@@ -469,3 +471,49 @@ def test_fenced_web_names_the_fix_for_a_port_in_use_and_warns_of_an_open_token_f
     assert f"cannot listen on 127.0.0.1 port {port}" in done.stderr
     assert "pass --port with a free port" in done.stderr
     assert "shows the claims" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_redis_stopped_and_started_again_is_a_503_then_the_claims_again(
+    own_server: RedisServer,
+) -> None:
+    own_server.client().config_set("requirepass", "hunter2")
+    url = own_server.url.replace("redis://", "redis://:hunter2@")
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    held(client, "job")
+    web = api(client)  # the label made from the client itself
+    seen = [web.get("/api/config"), web.get("/api/claims"), web.get("/api/claims/job")]
+    assert [a.status_code for a in seen] == [200, 200, 200]
+
+    own_server.kill()
+    down = [web.get(p) for p in ("/api/claims", "/api/claims/job", "/api/claims/job/runs")]
+    assert [a.status_code for a in down] == [503, 503, 503]
+    assert all(a.json()["error"].startswith("cannot reach Redis at redis://") for a in down)
+
+    own_server.start()  # empty
+    own_server.client().config_set("requirepass", "hunter2")
+    back = web.get("/api/claims")
+    assert back.status_code == 200 and back.json()["claims"] == []
+    for answer in (*seen, *down, back):
+        assert "hunter2" not in answer.text and "Traceback" not in answer.text
+
+
+def test_a_cluster_lists_the_claims_of_every_primary() -> None:
+    from test_cluster_ops import names_on_every_master
+
+    with RedisCluster(masters=3, replicas=0, binary=find_binary()) as cluster:
+        client = cluster.client(decode_responses=True)
+        names = names_on_every_master(cluster, client, per_master=1)
+        claims = [held(client, name) for name in names]
+        web = api(client, allow_release=True, token=TOKEN)
+        listed = web.get("/api/claims").json()
+        assert sorted(c["name"] for c in listed["claims"]) == sorted(names)
+        assert abs(listed["now"] - time.time()) < 5
+        for claim in claims:
+            path = "/api/claims/" + quote(claim.name, safe="")
+            detail = web.get(path).json()
+            assert detail["holder"]["fence"] == claim.fence
+            assert [run["outcome"] for run in web.get(path + "/runs").json()["runs"]] == ["running"]
+        gone = web.post(path + "/release", json={"reason": "node test"}, headers=AUTH)
+        assert gone.status_code == 200 and gone.json()["released"] is True
+        assert len(web.get("/api/claims").json()["claims"]) == len(names) - 1
+        client.close()

@@ -188,6 +188,54 @@ def test_dashboard_in_a_browser(redis_server: RedisServer, web: str, browser: An
     assert all("/release - Failed to load resource" in m for m in errors), errors
 
 
+def test_a_name_held_by_several_in_a_browser(
+    redis_server: RedisServer, web: str, browser: Any
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.select import Select
+
+    r = redis_server.client()
+    r.flushall()
+    first, second = (
+        Claim(r, "pool", ttl=30, limit=2, records=True, heartbeat=False) for _ in range(2)
+    )
+    assert first.acquire() and second.acquire()
+    try:
+        # A link whose claim part is not percent-encoding: the page works on.
+        browser.get(web + "/#claim=%E0%A4")
+        browser.refresh()  # a new page, not the hash of the last test's
+        row = wait_for("the pool's row", lambda: rows(browser).get("pool"), timeout=10)
+        assert "2/2 slots held" in row and "slot 0:" in row and "slot 1:" in row
+
+        click_row(browser, "pool")
+        slots = wait_for(
+            "each holder of the pool",
+            lambda: len(browser.find_elements(By.CSS_SELECTOR, "#detail-slots li")) == 2,
+            timeout=10,
+        )
+        assert slots
+        holders = Select(browser.find_element(By.ID, "release-holder"))
+        prefix = str(second.token)[:8]
+        assert [o.get_attribute("value") for o in holders.options] == [
+            str(first.token)[:8],
+            prefix,
+        ]
+        holders.select_by_value(prefix)
+        browser.find_element(By.ID, "release-reason").send_keys("second worker is gone")
+        browser.find_element(By.ID, "release-token").send_keys(TOKEN)
+        browser.find_element(By.ID, "release-button").click()
+        said = wait_for("the release", lambda: message(browser), timeout=10)
+        assert "released 'pool'" in said, said
+        released = [run for run in records.history(r, "pool") if run.outcome == "released"]
+        assert [run.token for run in released] == [prefix]
+        assert first.refresh() and not second.refresh()
+    finally:
+        browser.find_element(By.ID, "release-token").clear()
+        browser.find_element(By.ID, "release-reason").clear()
+        first.release()
+        second.release()
+
+
 def rows(driver: Any) -> dict[str, str]:
     """The claims table as name -> the row's class and text, read in one go (the table
     is redrawn at every refresh: element references go stale)."""
