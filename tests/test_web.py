@@ -7,8 +7,10 @@ test_web_browser.py.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from importlib import resources
+from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -33,6 +36,7 @@ from test_hostile import CASES, EVIL_HOST, good_claim
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -517,3 +521,92 @@ def test_a_cluster_lists_the_claims_of_every_primary() -> None:
         assert gone.status_code == 200 and gone.json()["released"] is True
         assert len(web.get("/api/claims").json()["claims"]) == len(names) - 1
         client.close()
+
+
+def test_any_name_is_one_path_segment_and_every_answer_is_json(r: Any) -> None:
+    claim = held(r, "line\nbreak")  # fenced keeps such a name under a readable key
+    web = api(r)
+    detail = web.get("/api/claims/line%0Abreak")
+    assert detail.status_code == 200, detail.text
+    assert detail.json()["holder"]["fence"] == claim.fence
+    assert web.get("/api/claims/line%0Abreak/runs").json()["runs"][0]["outcome"] == "running"
+    for path, name in (("%2E%2E", ".."), ("%2F", "/"), ("a%2F..%2Fb", "a/../b"), ("%zz", "_zz")):
+        answer = web.get("/api/claims/" + path)
+        assert answer.status_code == 200 and answer.json()["name"].startswith(name), path
+    long = web.get("/api/claims/" + "n" * 20_000)
+    assert long.status_code == 200 and len(long.json()["name"]) < 300
+    for method, path, status in (
+        ("GET", "/nowhere", 404),
+        ("GET", "/api", 404),
+        ("POST", "/api/config", 405),
+        ("DELETE", "/api/claims/x", 405),
+    ):
+        answer = web.request(method, path)
+        assert answer.status_code == status, (method, path)
+        assert answer.json()["error"] and answer.headers["x-content-type-options"] == "nosniff"
+
+
+def keys(data: Any) -> Any:
+    """The shape of a JSON answer: its keys, nested (a list by its first item)."""
+    if isinstance(data, dict):
+        return {k: keys(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [keys(data[0])] if data else []
+    return None
+
+
+def test_the_docs_examples_have_the_keys_of_the_real_answers(r: Any) -> None:
+    text = (ROOT / "docs" / "web.md").read_text()
+    shown = {}
+    for section in text.split("\n#### ")[1:]:
+        title = section.split("\n", 1)[0].strip("`")
+        blocks = re.findall(r"```json\n(.*?)```", section, re.S)
+        if blocks:
+            shown[title] = json.loads(blocks[-1])
+    with Claim(r, "backup:db", ttl=30, heartbeat=False, records=True):
+        pass
+    held(r, "backup:db")
+    assert not Claim(r, "backup:db", ttl=30, records=True, heartbeat=False).acquire()
+    web = api(r, allow_release=True, token=TOKEN)
+    real = {
+        "GET /api/config": web.get("/api/config"),
+        "GET /api/claims": web.get("/api/claims"),
+        "GET /api/claims/{name}": web.get("/api/claims/backup:db"),
+        "GET /api/claims/{name}/runs": web.get("/api/claims/backup:db/runs"),
+        "POST /api/claims/{name}/release": web.post(
+            "/api/claims/backup:db/release", json={"reason": "docs"}, headers=AUTH
+        ),
+    }
+    assert set(shown) == set(real)
+    for title, answer in real.items():
+        assert answer.status_code == 200, (title, answer.text)
+        assert keys(shown[title]) == keys(answer.json()), title
+
+
+def test_a_lost_run_a_retried_run_and_a_cooldown_skip_on_the_timeline(
+    r: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lost = Claim(r, "sync", ttl=0.3, records=True, heartbeat=False)
+    assert lost.acquire()
+    time.sleep(0.4)
+    retried = held(r, "sync")
+    assert not lost.release()  # its lease ran out under it: recorded as lost
+    retried.release(outcome="retried", reason="retry 1 of 3")
+    with Claim(r, "sync", ttl=30, records=True, heartbeat=False, cooldown=60):
+        pass
+    assert not Claim(r, "sync", ttl=30, records=True, heartbeat=False, cooldown=60).acquire()
+    # This host's clock an hour fast: ages and times left are the Redis server's.
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)
+    web = api(r)
+
+    runs = web.get("/api/claims/sync/runs").json()
+    skip, ok, retry, loss = runs["runs"]
+    assert [run["outcome"] for run in runs["runs"]] == ["skipped", "ok", "retried", "lost"]
+    assert skip["reason"] == "ran recently" and runs["skips"] == [skip["start"]]
+    assert retry["reason"] == "retry 1 of 3" and retry["fence"] == retried.fence
+    assert loss["fence"] == lost.fence and runs["losses"] == [loss["end"]]
+    assert loss["start"] <= retry["start"] <= ok["start"] <= runs["now"] < real() + 5
+    row = web.get("/api/claims").json()["claims"][0]
+    assert row["holder"] is None and 55 < row["cooldown_left"] <= 60
+    assert row["last_outcome"] == "ok" and 0 <= row["age"] < 5

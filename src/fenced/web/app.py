@@ -23,6 +23,8 @@ from urllib.parse import unquote
 import redis
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.convertors import PathConvertor, register_url_convertor
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -59,6 +61,16 @@ MAX_BODY = 64 * 1024
 DEPTH = 32
 #: Runs the timeline shows by default.
 RUNS = 50
+
+
+class _Anything(PathConvertor):
+    """A path parameter of any characters: a claim name may hold a newline (``%0A``),
+    which Starlette's ``path`` (``.*``) does not match."""
+
+    regex = r"[\s\S]*"
+
+
+register_url_convertor("fenced_any", _Anything())
 
 
 def _safe(value: Any, depth: int = 0) -> Any:
@@ -383,14 +395,18 @@ def create_app(
             }
         )
 
-    def sync(handler: Any) -> Any:
-        """An endpoint running ``handler`` (blocking Redis calls) in the thread pool."""
+    def sync(handler: Any, blocking: bool = True) -> Any:
+        """An endpoint running ``handler``: in the thread pool if it talks to Redis (the
+        page and its files never wait behind requests a hung Redis holds there)."""
 
         async def endpoint(request: Request) -> Response:
             size = request.headers.get("content-length", "0")
             if not size.isdigit() or int(size) > MAX_BODY:
                 return _error(413, f"send at most {MAX_BODY} bytes, with a Content-Length")
             body = await request.body() if request.method == "POST" else b""
+            if not blocking:
+                answer: Response = handler(request, body)
+                return answer
             response: Response = await run_in_threadpool(handler, request, body)
             return response
 
@@ -398,15 +414,31 @@ def create_app(
 
     return Starlette(
         routes=[
-            Route("/", sync(index)),
+            Route("/", sync(index, blocking=False)),
             Route("/favicon.ico", lambda request: Response(status_code=204)),
-            Route("/static/{file}", sync(static_file)),
-            Route("/api/config", sync(config)),
+            Route("/static/{file}", sync(static_file, blocking=False)),
+            Route("/api/config", sync(config, blocking=False)),
             Route("/api/claims", sync(claims)),
-            Route("/api/claims/{rest:path}", sync(claim), methods=["GET", "POST"]),
+            Route("/api/claims/{rest:fenced_any}", sync(claim), methods=["GET", "POST"]),
         ],
+        exception_handlers={HTTPException: _http_error, Exception: _crash},
         middleware=[Middleware(_Headers, allowed_hosts=allowed_hosts)],
     )
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """A route that is not there, or a method it does not take: JSON, as every answer."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    if status == 405:
+        return _error(405, f"{request.method} is not taken here: see docs/web.md for the API")
+    if status == 404:
+        return _error(404, "no such page: the API is /api/config and /api/claims[/NAME[/runs]]")
+    return _error(status, exc.detail if isinstance(exc, HTTPException) else "error")
+
+
+async def _crash(request: Request, exc: Exception) -> Response:
+    """A bug: the server's log has the traceback; the answer names nothing of it."""
+    return _error(500, "internal error: fenced web's log (its stderr) has the details")
 
 
 def _limit(request: Request) -> int:

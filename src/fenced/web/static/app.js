@@ -6,7 +6,7 @@
 (function () {
   const SVG = "http://www.w3.org/2000/svg";
   const OUTCOMES = ["running", "ok", "failed", "lost", "released", "retried", "aborted", "skipped"];
-  const state = { config: null, selected: null, timer: null, token: "" };
+  const state = { config: null, selected: null, timer: null, token: "", since: null };
 
   function $(id) { return document.getElementById(id); }
 
@@ -58,8 +58,13 @@
   }
 
   async function getJSON(path) {
-    const response = await fetch(path, { headers: { Accept: "application/json" } });
-    const data = await response.json();
+    let response;
+    try {
+      response = await fetch(path, { headers: { Accept: "application/json" } });
+    } catch (err) {
+      throw new Error("cannot reach fenced web (" + err.message + ")");
+    }
+    const data = await response.json().catch(() => ({}));
     if (!response.ok) throw new Error(data.error || response.status + " " + response.statusText);
     return data;
   }
@@ -357,6 +362,17 @@
   // -- the loop ---------------------------------------------------------------------------
 
   async function refresh() {
+    if (state.since !== null) {
+      // The last refresh has no answer yet (a Redis that hangs rather than refuses):
+      // say so, and send no second request after it.
+      const waited = (Date.now() - state.since) / 1000;
+      if (waited > Math.max(2, 2 * state.config.refresh)) {
+        status("no answer for " + seconds(waited) + ": Redis (or fenced web) is slow or " +
+          "unreachable", true);
+      }
+      return;
+    }
+    state.since = Date.now();
     try {
       const data = await getJSON("/api/claims");
       renderClaims(data);
@@ -365,6 +381,8 @@
         " · every " + state.config.refresh + "s");
     } catch (err) {
       status(err.message, true);
+    } finally {
+      state.since = null;
     }
   }
 
