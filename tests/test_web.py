@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pty
 import re
 import signal
 import socket
@@ -400,7 +401,7 @@ def test_fenced_web_warns_when_release_is_allowed_beyond_loopback(
     redis_server: RedisServer,
 ) -> None:
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "FENCED_WEB_TOKEN"}
+    env = dict(os.environ, FENCED_WEB_TOKEN="env-token-1234")
     url = redis_server.url.replace("redis://", "redis://:hunter2@")  # a password to hide
     redis_server.client().config_set("requirepass", "hunter2")
     proc = subprocess.Popen(
@@ -432,7 +433,7 @@ def test_fenced_web_warns_when_release_is_allowed_beyond_loopback(
     said = "".join(lines) + proc.stderr.read()
     assert "Traceback" not in said
     assert "WARNING: --allow-release on 0.0.0.0" in said
-    assert "release token (shown once" in said
+    assert "env-token-1234" not in said
     assert "hunter2" not in said and ":***@" in said
 
 
@@ -610,3 +611,51 @@ def test_a_lost_run_a_retried_run_and_a_cooldown_skip_on_the_timeline(
     row = web.get("/api/claims").json()["claims"][0]
     assert row["holder"] is None and 55 < row["cooldown_left"] <= 60
     assert row["last_outcome"] == "ok" and 0 <= row["age"] < 5
+
+
+def test_fenced_demo_web_names_a_port_in_use_before_the_acts() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "fenced.cli", "demo", "--web", "--web-port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "pass --web-port with a free port" in done.stderr
+    assert "1. The same rebuild" not in done.stdout  # said before any act ran
+
+
+def test_a_made_token_is_shown_on_a_terminal_only(redis_server: RedisServer) -> None:
+    command = [
+        sys.executable, "-m", "fenced.cli", "web", "--redis", redis_server.url,
+        "--port", "0", "--allow-release",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "FENCED_WEB_TOKEN"}
+    logged = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+    assert logged.returncode == 2
+    assert "needs a token: pass --token-file F (mode 600) or set FENCED_WEB_TOKEN" in (
+        logged.stderr
+    )
+
+    main, terminal = pty.openpty()
+    proc = subprocess.Popen(command, stderr=terminal, stdout=subprocess.DEVNULL, env=env)
+    os.close(terminal)
+    seen = b""
+
+    def shown() -> bool:
+        nonlocal seen
+        seen += os.read(main, 4096)
+        return b"shows the claims" in seen
+
+    try:
+        wait_for("fenced web to start", shown, timeout=30, proc=proc)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+        os.close(main)
+    assert re.search(rb"release token \(shown once[^)]*\): [\w-]{20,}", seen), seen
+    assert proc.returncode == 0

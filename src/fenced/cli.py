@@ -217,7 +217,21 @@ if app is not None:
             raise typer.Exit(feeds_main())
         from .demo.runner import main as demo_main
 
-        raise typer.Exit(demo_main(web_port=web_port if web else None))
+        if not web:
+            raise typer.Exit(demo_main())
+        try:
+            from .web.app import listen
+        except ImportError:
+            _err("fenced demo --web needs the web extra: pip install 'fenced[web]'")
+            raise typer.Exit(EXIT_USAGE) from None
+        from ._errors import ConfigError
+
+        try:  # before the acts: a port in use is said now, not minutes later
+            sock = listen("127.0.0.1", web_port, option="--web-port")
+        except ConfigError as exc:
+            _err(f"fenced demo: {exc.message}")
+            raise typer.Exit(EXIT_USAGE) from None
+        raise typer.Exit(demo_main(web_port=web_port, web_socket=sock))
 
     @app.command()
     def doctor(
@@ -658,14 +672,14 @@ if app is not None:
 
         \b
         Exit status:
-          0   stopped with Ctrl-C
-          2   usage: no --redis, the web extra missing, an unreadable --token-file
+          0   stopped with Ctrl-C or SIGTERM
+          2   usage: no --redis, the web extra missing, an unreadable --token-file,
+              a port in use
           69  Redis unreachable at start
         """
         try:
-            import uvicorn
-
             from .web import create_app
+            from .web.app import listen, serve
         except ImportError:
             _err("fenced web needs its extra: pip install 'fenced[web]'")
             raise typer.Exit(EXIT_USAGE) from None
@@ -702,55 +716,21 @@ if app is not None:
                 if _loopback(host)
                 else None,
             )
+            sock = listen(host, port)
         except ConfigError as exc:
             _err(f"fenced web: {exc.message}")
             raise typer.Exit(EXIT_USAGE) from None
-        sock = _listen(host, port)
         port = sock.getsockname()[1]  # --port 0: the one the system chose
         shown = f"[{host.strip('[]')}]" if ":" in host else host
-        _err(
-            f"fenced web: http://{shown}:{port}/ shows the claims of namespace {namespace!r} "
-            f"on {label}{'; release allowed' if allow_release else ''} (Ctrl-C stops)"
+        serve(
+            web,
+            sock,
+            lambda: _err(
+                f"fenced web: http://{shown}:{port}/ shows the claims of namespace "
+                f"{namespace!r} on {label}{'; release allowed' if allow_release else ''} "
+                "(Ctrl-C stops)"
+            ),
         )
-        config = uvicorn.Config(web, log_level="warning", access_log=False, server_header=False)
-        import signal
-
-        # The server stops on SIGINT or SIGTERM, then raises it again: a stop asked for
-        # is the documented exit 0, not a KeyboardInterrupt (130) or a death by signal.
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
-        try:
-            uvicorn.Server(config).run(sockets=[sock])
-        except KeyboardInterrupt:
-            pass
-
-    def _listen(host: str, port: int) -> Any:
-        """A socket bound to host:port and listening, or a usage error naming the fix."""
-        import errno
-        import socket
-
-        address = host.strip("[]")
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((address, port))
-            sock.listen(128)
-        except socket.gaierror as exc:
-            sock.close()
-            _err(f"fenced web: --host {host}: {exc.strerror}; pass an address, e.g. 127.0.0.1")
-            raise typer.Exit(EXIT_USAGE) from None
-        except OSError as exc:
-            sock.close()
-            fix = {
-                errno.EADDRINUSE: "another program listens there: pass --port with a free "
-                "port (--port 0 lets the system choose)",
-                errno.EACCES: "ports below 1024 need root: pass --port 1024 or above",
-                errno.EADDRNOTAVAIL: "not an address of this machine: pass --host "
-                "127.0.0.1 (or an address it has)",
-            }.get(exc.errno or 0, "pass another --host or --port")
-            _err(f"fenced web: cannot listen on {host} port {port}: {exc.strerror}; {fix}")
-            raise typer.Exit(EXIT_USAGE) from None
-        return sock
 
     def _loopback(host: str) -> bool:
         import ipaddress
@@ -784,6 +764,13 @@ if app is not None:
         token = os.environ.get("FENCED_WEB_TOKEN", "").strip()
         if token:
             return token
+        if not sys.stderr.isatty():
+            # A made token goes to a terminal only: a log or a journal would keep it.
+            _err(
+                "fenced web: --allow-release needs a token: pass --token-file F (mode 600) "
+                "or set FENCED_WEB_TOKEN; one is made for you only when stderr is a terminal"
+            )
+            raise typer.Exit(EXIT_USAGE)
         import secrets
 
         token = secrets.token_urlsafe(24)

@@ -12,10 +12,14 @@ that a name holding ``/`` is never read as a route.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import math
+import signal
+import socket
 import time
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 from urllib.parse import unquote
@@ -37,7 +41,7 @@ from .._lease import MAX_RECORDS, UNREACHABLE, describe_client, read_slots, why_
 from .._printable import printable
 from ..records import consecutive_skips, history
 
-__all__ = ["HEADERS", "create_app"]
+__all__ = ["HEADERS", "create_app", "listen", "serve"]
 
 #: Sent with every response: nothing but the app's own files runs or loads in the page.
 HEADERS = {
@@ -493,3 +497,49 @@ def _body(request: Request, raw: bytes) -> dict[str, Any] | Response:
     if not isinstance(data, dict):
         return _error(400, 'the body is not a JSON object: send {"reason": "..."}')
     return data
+
+
+def listen(host: str, port: int, *, option: str = "--port") -> socket.socket:
+    """A socket bound to host:port and listening, or a ConfigError naming the fix
+    (``option`` is the flag that sets the port, for the message)."""
+    address = host.strip("[]")
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((address, port))
+        sock.listen(128)
+    except socket.gaierror as exc:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}: {exc.strerror}; pass --host with an address, e.g. 127.0.0.1"
+        ) from None
+    except OSError as exc:
+        sock.close()
+        fix = {
+            errno.EADDRINUSE: f"another program listens there: pass {option} with a free "
+            f"port ({option} 0 lets the system choose)",
+            errno.EACCES: f"ports below 1024 need root: pass {option} 1024 or above",
+            errno.EADDRNOTAVAIL: "not an address of this machine: pass --host 127.0.0.1 "
+            "(or an address it has)",
+        }.get(exc.errno or 0, f"pass another --host or {option}")
+        raise ConfigError(f"cannot listen on {host} port {port}: {exc.strerror}; {fix}") from None
+    return sock
+
+
+def serve(app: ASGIApp, sock: socket.socket, started: Callable[[], None] | None = None) -> None:
+    """Serve ``app`` with uvicorn on ``sock`` until Ctrl-C or SIGTERM, then return;
+    ``started`` is called once a stop is sure to be caught (to say the server is up)."""
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, server_header=False)
+    # uvicorn stops on SIGINT or SIGTERM, then raises it again: a stop asked for returns
+    # (exit 0), not a KeyboardInterrupt (130) or a death by signal, even one that comes
+    # before uvicorn's own handlers are in place.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        if started is not None:
+            started()
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
