@@ -17,6 +17,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
@@ -433,6 +435,7 @@ def test_fenced_web_warns_when_release_is_allowed_beyond_loopback(
     said = "".join(lines) + proc.stderr.read()
     assert "Traceback" not in said
     assert "WARNING: --allow-release on 0.0.0.0" in said
+    assert "WARNING: on 0.0.0.0 it answers to any Host name" in said and "--allow-host" in said
     assert "env-token-1234" not in said
     assert "hunter2" not in said and ":***@" in said
 
@@ -658,4 +661,40 @@ def test_a_made_token_is_shown_on_a_terminal_only(redis_server: RedisServer) -> 
         proc.wait(timeout=10)
         os.close(main)
     assert re.search(rb"release token \(shown once[^)]*\): [\w-]{20,}", seen), seen
+    assert proc.returncode == 0
+
+
+def test_fenced_web_beyond_loopback_answers_the_names_it_is_given(
+    redis_server: RedisServer,
+) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "fenced.cli", "web", "--redis", redis_server.url,
+            "--host", "0.0.0.0", "--port", str(port), "--allow-host", "dash.example",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+    def status(host: str) -> int:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/api/claims", headers={"Host": host}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=5) as answer:
+                return int(answer.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    try:
+        err = proc.stderr
+        assert err is not None
+        wait_for("fenced web", lambda: "shows the claims" in err.readline(), proc=proc)
+        assert status(f"dash.example:{port}") == 200
+        assert status(f"localhost:{port}") == 200
+        assert status(f"rebound.evil.example:{port}") == 400
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
     assert proc.returncode == 0

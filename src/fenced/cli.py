@@ -651,6 +651,14 @@ if app is not None:
                 "$FENCED_WEB_TOKEN, else one is made and printed once).",
             ),
         ] = None,
+        allow_host: Annotated[
+            list[str] | None,
+            typer.Option(
+                metavar="NAME",
+                help="A Host name the page may be opened by (repeat for more); beside the "
+                "loopback names, and --host's address when it is one.",
+            ),
+        ] = None,
         refresh: Annotated[
             float, typer.Option(metavar="S", min=0.2, help="Seconds between page refreshes.")
         ] = 2.0,
@@ -711,10 +719,7 @@ if app is not None:
                 refresh=refresh,
                 alert_after_skips=alert_after_skips,
                 redis_label=label,
-                # A loopback server answers only to its own names (no DNS rebinding).
-                allowed_hosts=sorted({host.strip("[]"), "127.0.0.1", "localhost"})
-                if _loopback(host)
-                else None,
+                allowed_hosts=_host_names(host, allow_host or []),
             )
             sock = listen(host, port)
         except ConfigError as exc:
@@ -731,6 +736,30 @@ if app is not None:
                 "(Ctrl-C stops)"
             ),
         )
+
+    def _host_names(host: str, given: list[str]) -> list[str] | None:
+        """The Host names the server answers to (None: any), so that a page elsewhere
+        that rebinds its DNS to this machine is refused; warns when that is any."""
+        import ipaddress
+
+        address = host.strip("[]")
+        names = set(given)
+        try:
+            wildcard = ipaddress.ip_address(address).is_unspecified
+        except ValueError:
+            wildcard = False
+        if wildcard or _loopback(host):  # 0.0.0.0 and :: listen on loopback too
+            names |= {"127.0.0.1", "localhost", "::1"}
+        if not wildcard:
+            names.add(address)
+        elif not given:
+            _err(
+                f"fenced web: WARNING: on {host} it answers to any Host name, so a web page "
+                "whose DNS is rebound to this machine could read the claims: pass "
+                "--allow-host NAME for each name the page is opened by"
+            )
+            return None
+        return sorted(names)
 
     def _loopback(host: str) -> bool:
         import ipaddress

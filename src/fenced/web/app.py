@@ -137,7 +137,8 @@ class _Headers:
                 send_to = _error(
                     400,
                     f"Host {host!r} is not a name this server answers to ({names}): "
-                    "open the page by one of them",
+                    "open the page by one of them, or start fenced web with --allow-host "
+                    "NAME",
                 )
                 await self._with_headers(send_to, scope, receive, send)
                 return
