@@ -7,13 +7,23 @@ test_web_browser.py.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import pty
+import re
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from importlib import resources
+from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import pytest
 import redis
@@ -23,12 +33,13 @@ from starlette.testclient import TestClient
 
 from _wait import wait_for
 from fenced import Claim, ConfigError, records
-from fenced.testing import RedisServer, free_port
+from fenced.testing import RedisCluster, RedisServer, find_binary, free_port
 from fenced.web import create_app
 from test_hostile import CASES, EVIL_HOST, good_claim
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -216,6 +227,55 @@ def test_release_of_a_name_held_by_several_needs_the_holder(r: Any) -> None:
     assert not second.release()
 
 
+@pytest.mark.parametrize(
+    ("headers", "says"),
+    [
+        ({"Origin": "http://evil.example"}, "'http://evil.example'"),
+        ({"Origin": "null"}, "'null'"),
+        ({"Origin": "http://testserver.evil.example"}, "not this server's"),
+        ({"Sec-Fetch-Site": "cross-site"}, "cross-site"),
+        ({"Origin": "http://testserver", "Sec-Fetch-Site": "same-site"}, "same-site"),
+    ],
+)
+def test_a_release_from_a_page_of_another_site_is_refused_even_with_the_token(
+    r: Any, headers: dict[str, str], says: str
+) -> None:
+    held(r, "job")
+    web = api(r, allow_release=True, token=TOKEN)
+    answer = web.post(
+        "/api/claims/job/release", json={"reason": "csrf"}, headers={**AUTH, **headers}
+    )
+    assert answer.status_code == 403 and says in answer.json()["error"]
+    assert r.exists("fenced:{job}:lock")
+
+
+def test_a_release_from_the_page_itself_and_a_token_only_in_the_url(r: Any) -> None:
+    held(r, "job")
+    held(r, "other")
+    web = api(r, allow_release=True, token=TOKEN)
+    in_url = web.post(f"/api/claims/job/release?token={TOKEN}", json={"reason": "x"})
+    assert in_url.status_code == 401 and r.exists("fenced:{job}:lock")
+    own = {"Origin": "http://testserver", "Sec-Fetch-Site": "same-origin"}
+    answer = web.post("/api/claims/job/release", json={"reason": "x"}, headers={**AUTH, **own})
+    assert answer.status_code == 200 and answer.json()["released"] is True
+    proxied = {"Origin": "https://dash.example", "X-Forwarded-Host": "dash.example"}
+    answer = web.post(
+        "/api/claims/other/release", json={"reason": "x"}, headers={**AUTH, **proxied}
+    )
+    assert answer.status_code == 200 and answer.json()["released"] is True
+
+
+def test_only_the_allowed_host_names_are_answered_ipv6_too(r: Any) -> None:
+    web = api(r, allowed_hosts=["::1", "localhost"], base_url="http://[::1]:8377")
+    assert web.get("/api/claims").status_code == 200
+    assert web.get("/api/claims", headers={"Host": "LOCALHOST:8377"}).status_code == 200
+    for rebound in ("evil.example:8377", "[::2]:8377", "", "localhost.evil.example"):
+        answer = web.get("/api/claims", headers={"Host": rebound})
+        assert answer.status_code == 400, rebound
+        assert "not a name this server answers to (::1, localhost)" in answer.json()["error"]
+        assert answer.headers["x-frame-options"] == "DENY"
+
+
 def test_allow_release_needs_a_token_and_other_bad_options_are_named(r: Any) -> None:
     with pytest.raises(ConfigError, match="needs a token"):
         create_app(r, allow_release=True)
@@ -343,7 +403,7 @@ def test_fenced_web_warns_when_release_is_allowed_beyond_loopback(
     redis_server: RedisServer,
 ) -> None:
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "FENCED_WEB_TOKEN"}
+    env = dict(os.environ, FENCED_WEB_TOKEN="env-token-1234")
     url = redis_server.url.replace("redis://", "redis://:hunter2@")  # a password to hide
     redis_server.client().config_set("requirepass", "hunter2")
     proc = subprocess.Popen(
@@ -365,13 +425,18 @@ def test_fenced_web_warns_when_release_is_allowed_beyond_loopback(
 
     try:
         wait_for("fenced web to start", started, timeout=30, proc=proc)
+        proc.send_signal(signal.SIGTERM)  # a service manager stopping it (Ctrl-C alike)
+        assert proc.wait(timeout=10) == 0
     finally:
-        proc.terminate()
+        proc.kill()
         proc.wait(timeout=10)
         redis_server.client(password="hunter2").config_set("requirepass", "")
-    said = "".join(lines)
+    assert proc.stderr is not None
+    said = "".join(lines) + proc.stderr.read()
+    assert "Traceback" not in said
     assert "WARNING: --allow-release on 0.0.0.0" in said
-    assert "release token (shown once" in said
+    assert "WARNING: on 0.0.0.0 it answers to any Host name" in said and "--allow-host" in said
+    assert "env-token-1234" not in said
     assert "hunter2" not in said and ":***@" in said
 
 
@@ -388,3 +453,248 @@ def test_fenced_web_refuses_an_empty_token_file(redis_server: RedisServer, tmp_p
         timeout=60,
     )  # fmt: skip
     assert done.returncode == 2 and "is empty: put the token in it" in done.stderr
+
+
+def test_fenced_web_names_the_fix_for_a_port_in_use_and_warns_of_an_open_token_file(
+    redis_server: RedisServer, tmp_path: Any
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    token.chmod(0o644)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [
+                sys.executable, "-m", "fenced.cli", "web", "--redis", redis_server.url,
+                "--port", str(port), "--allow-release", "--token-file", str(token),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"is open to other users (mode 644): chmod 600 {token}" in done.stderr
+    assert f"cannot listen on 127.0.0.1 port {port}" in done.stderr
+    assert "pass --port with a free port" in done.stderr
+    assert "shows the claims" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_redis_stopped_and_started_again_is_a_503_then_the_claims_again(
+    own_server: RedisServer,
+) -> None:
+    own_server.client().config_set("requirepass", "hunter2")
+    url = own_server.url.replace("redis://", "redis://:hunter2@")
+    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    held(client, "job")
+    web = api(client)  # the label made from the client itself
+    seen = [web.get("/api/config"), web.get("/api/claims"), web.get("/api/claims/job")]
+    assert [a.status_code for a in seen] == [200, 200, 200]
+
+    own_server.kill()
+    down = [web.get(p) for p in ("/api/claims", "/api/claims/job", "/api/claims/job/runs")]
+    assert [a.status_code for a in down] == [503, 503, 503]
+    assert all(a.json()["error"].startswith("cannot reach Redis at redis://") for a in down)
+
+    own_server.start()  # empty
+    own_server.client().config_set("requirepass", "hunter2")
+    back = web.get("/api/claims")
+    assert back.status_code == 200 and back.json()["claims"] == []
+    for answer in (*seen, *down, back):
+        assert "hunter2" not in answer.text and "Traceback" not in answer.text
+
+
+def test_a_cluster_lists_the_claims_of_every_primary() -> None:
+    from test_cluster_ops import names_on_every_master
+
+    with RedisCluster(masters=3, replicas=0, binary=find_binary()) as cluster:
+        client = cluster.client(decode_responses=True)
+        names = names_on_every_master(cluster, client, per_master=1)
+        claims = [held(client, name) for name in names]
+        web = api(client, allow_release=True, token=TOKEN)
+        listed = web.get("/api/claims").json()
+        assert sorted(c["name"] for c in listed["claims"]) == sorted(names)
+        assert abs(listed["now"] - time.time()) < 5
+        for claim in claims:
+            path = "/api/claims/" + quote(claim.name, safe="")
+            detail = web.get(path).json()
+            assert detail["holder"]["fence"] == claim.fence
+            assert [run["outcome"] for run in web.get(path + "/runs").json()["runs"]] == ["running"]
+        gone = web.post(path + "/release", json={"reason": "node test"}, headers=AUTH)
+        assert gone.status_code == 200 and gone.json()["released"] is True
+        assert len(web.get("/api/claims").json()["claims"]) == len(names) - 1
+        client.close()
+
+
+def test_any_name_is_one_path_segment_and_every_answer_is_json(r: Any) -> None:
+    claim = held(r, "line\nbreak")  # fenced keeps such a name under a readable key
+    web = api(r)
+    detail = web.get("/api/claims/line%0Abreak")
+    assert detail.status_code == 200, detail.text
+    assert detail.json()["holder"]["fence"] == claim.fence
+    assert web.get("/api/claims/line%0Abreak/runs").json()["runs"][0]["outcome"] == "running"
+    for path, name in (("%2E%2E", ".."), ("%2F", "/"), ("a%2F..%2Fb", "a/../b"), ("%zz", "_zz")):
+        answer = web.get("/api/claims/" + path)
+        assert answer.status_code == 200 and answer.json()["name"].startswith(name), path
+    long = web.get("/api/claims/" + "n" * 20_000)
+    assert long.status_code == 200 and len(long.json()["name"]) < 300
+    for method, path, status in (
+        ("GET", "/nowhere", 404),
+        ("GET", "/api", 404),
+        ("POST", "/api/config", 405),
+        ("DELETE", "/api/claims/x", 405),
+    ):
+        answer = web.request(method, path)
+        assert answer.status_code == status, (method, path)
+        assert answer.json()["error"] and answer.headers["x-content-type-options"] == "nosniff"
+
+
+def keys(data: Any) -> Any:
+    """The shape of a JSON answer: its keys, nested (a list by its first item)."""
+    if isinstance(data, dict):
+        return {k: keys(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [keys(data[0])] if data else []
+    return None
+
+
+def test_the_docs_examples_have_the_keys_of_the_real_answers(r: Any) -> None:
+    text = (ROOT / "docs" / "web.md").read_text()
+    shown = {}
+    for section in text.split("\n#### ")[1:]:
+        title = section.split("\n", 1)[0].strip("`")
+        blocks = re.findall(r"```json\n(.*?)```", section, re.S)
+        if blocks:
+            shown[title] = json.loads(blocks[-1])
+    with Claim(r, "backup:db", ttl=30, heartbeat=False, records=True):
+        pass
+    held(r, "backup:db")
+    assert not Claim(r, "backup:db", ttl=30, records=True, heartbeat=False).acquire()
+    web = api(r, allow_release=True, token=TOKEN)
+    real = {
+        "GET /api/config": web.get("/api/config"),
+        "GET /api/claims": web.get("/api/claims"),
+        "GET /api/claims/{name}": web.get("/api/claims/backup:db"),
+        "GET /api/claims/{name}/runs": web.get("/api/claims/backup:db/runs"),
+        "POST /api/claims/{name}/release": web.post(
+            "/api/claims/backup:db/release", json={"reason": "docs"}, headers=AUTH
+        ),
+    }
+    assert set(shown) == set(real)
+    for title, answer in real.items():
+        assert answer.status_code == 200, (title, answer.text)
+        assert keys(shown[title]) == keys(answer.json()), title
+
+
+def test_a_lost_run_a_retried_run_and_a_cooldown_skip_on_the_timeline(
+    r: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lost = Claim(r, "sync", ttl=0.3, records=True, heartbeat=False)
+    assert lost.acquire()
+    time.sleep(0.4)
+    retried = held(r, "sync")
+    assert not lost.release()  # its lease ran out under it: recorded as lost
+    retried.release(outcome="retried", reason="retry 1 of 3")
+    with Claim(r, "sync", ttl=30, records=True, heartbeat=False, cooldown=60):
+        pass
+    assert not Claim(r, "sync", ttl=30, records=True, heartbeat=False, cooldown=60).acquire()
+    # This host's clock an hour fast: ages and times left are the Redis server's.
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 3600)
+    web = api(r)
+
+    runs = web.get("/api/claims/sync/runs").json()
+    skip, ok, retry, loss = runs["runs"]
+    assert [run["outcome"] for run in runs["runs"]] == ["skipped", "ok", "retried", "lost"]
+    assert skip["reason"] == "ran recently" and runs["skips"] == [skip["start"]]
+    assert retry["reason"] == "retry 1 of 3" and retry["fence"] == retried.fence
+    assert loss["fence"] == lost.fence and runs["losses"] == [loss["end"]]
+    assert loss["start"] <= retry["start"] <= ok["start"] <= runs["now"] < real() + 5
+    row = web.get("/api/claims").json()["claims"][0]
+    assert row["holder"] is None and 55 < row["cooldown_left"] <= 60
+    assert row["last_outcome"] == "ok" and 0 <= row["age"] < 5
+
+
+def test_fenced_demo_web_names_a_port_in_use_before_the_acts() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "fenced.cli", "demo", "--web", "--web-port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "pass --web-port with a free port" in done.stderr
+    assert "1. The same rebuild" not in done.stdout  # said before any act ran
+
+
+def test_a_made_token_is_shown_on_a_terminal_only(redis_server: RedisServer) -> None:
+    command = [
+        sys.executable, "-m", "fenced.cli", "web", "--redis", redis_server.url,
+        "--port", "0", "--allow-release",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "FENCED_WEB_TOKEN"}
+    logged = subprocess.run(command, capture_output=True, text=True, timeout=60, env=env)
+    assert logged.returncode == 2
+    assert "needs a token: pass --token-file F (mode 600) or set FENCED_WEB_TOKEN" in (
+        logged.stderr
+    )
+
+    main, terminal = pty.openpty()
+    proc = subprocess.Popen(command, stderr=terminal, stdout=subprocess.DEVNULL, env=env)
+    os.close(terminal)
+    seen = b""
+
+    def shown() -> bool:
+        nonlocal seen
+        seen += os.read(main, 4096)
+        return b"shows the claims" in seen
+
+    try:
+        wait_for("fenced web to start", shown, timeout=30, proc=proc)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=10)
+        os.close(main)
+    assert re.search(rb"release token \(shown once[^)]*\): [\w-]{20,}", seen), seen
+    assert proc.returncode == 0
+
+
+def test_fenced_web_beyond_loopback_answers_the_names_it_is_given(
+    redis_server: RedisServer,
+) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "fenced.cli", "web", "--redis", redis_server.url,
+            "--host", "0.0.0.0", "--port", str(port), "--allow-host", "dash.example",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+    def status(host: str) -> int:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/api/claims", headers={"Host": host}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=5) as answer:
+                return int(answer.status)
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    try:
+        err = proc.stderr
+        assert err is not None
+        wait_for("fenced web", lambda: "shows the claims" in err.readline(), proc=proc)
+        assert status(f"dash.example:{port}") == 200
+        assert status(f"localhost:{port}") == 200
+        assert status(f"rebound.evil.example:{port}") == 400
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+    assert proc.returncode == 0

@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import pytest
 
 from _wait import wait_for
 from fenced import Claim, records
-from fenced.testing import RedisServer, free_port
+from fenced.testing import RedisServer, find_binary, free_port
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -40,12 +41,22 @@ def web(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> 
     """`fenced web --allow-release` on a free port, serving redis_server; its base URL."""
     token_file = tmp_path_factory.mktemp("web") / "token"
     token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    with serving(
+        redis_server.url, "--allow-release", "--token-file", str(token_file),
+        "--alert-after-skips", "3",
+    ) as base:  # fmt: skip
+        yield base
+
+
+@contextmanager
+def serving(url: str, *options: str) -> Iterator[str]:
+    """`fenced web` on a free port, serving the Redis at url; its base URL."""
     port = free_port()
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "fenced.cli", "web", "--redis", redis_server.url,
-            "--port", str(port), "--allow-release", "--token-file", str(token_file),
-            "--refresh", str(REFRESH), "--alert-after-skips", "3",
+            sys.executable, "-m", "fenced.cli", "web", "--redis", url, "--port", str(port),
+            "--refresh", str(REFRESH), *options,
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -186,6 +197,76 @@ def test_dashboard_in_a_browser(redis_server: RedisServer, web: str, browser: An
     logged = browser.get_log("browser")
     errors = [e["message"] for e in logged if e["level"] == "SEVERE"]
     assert all("/release - Failed to load resource" in m for m in errors), errors
+
+
+def test_a_name_held_by_several_in_a_browser(
+    redis_server: RedisServer, web: str, browser: Any
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.select import Select
+
+    r = redis_server.client()
+    r.flushall()
+    first, second = (
+        Claim(r, "pool", ttl=30, limit=2, records=True, heartbeat=False) for _ in range(2)
+    )
+    assert first.acquire() and second.acquire()
+    try:
+        # A link whose claim part is not percent-encoding: the page works on.
+        browser.get(web + "/#claim=%E0%A4")
+        browser.refresh()  # a new page, not the hash of the last test's
+        row = wait_for("the pool's row", lambda: rows(browser).get("pool"), timeout=10)
+        assert "2/2 slots held" in row and "slot 0:" in row and "slot 1:" in row
+
+        click_row(browser, "pool")
+        slots = wait_for(
+            "each holder of the pool",
+            lambda: len(browser.find_elements(By.CSS_SELECTOR, "#detail-slots li")) == 2,
+            timeout=10,
+        )
+        assert slots
+        holders = Select(browser.find_element(By.ID, "release-holder"))
+        prefix = str(second.token)[:8]
+        assert [o.get_attribute("value") for o in holders.options] == [
+            str(first.token)[:8],
+            prefix,
+        ]
+        holders.select_by_value(prefix)
+        browser.find_element(By.ID, "release-reason").send_keys("second worker is gone")
+        browser.find_element(By.ID, "release-token").send_keys(TOKEN)
+        browser.find_element(By.ID, "release-button").click()
+        said = wait_for("the release", lambda: message(browser), timeout=10)
+        assert "released 'pool'" in said, said
+        released = [run for run in records.history(r, "pool") if run.outcome == "released"]
+        assert [run.token for run in released] == [prefix]
+        assert first.refresh() and not second.refresh()
+    finally:
+        browser.find_element(By.ID, "release-token").clear()
+        browser.find_element(By.ID, "release-reason").clear()
+        first.release()
+        second.release()
+
+
+def test_the_page_says_when_redis_hangs_and_recovers(browser: Any) -> None:
+    # A Redis that refuses is a 503 the page shows (test_web.py stops and restarts one);
+    # one that answers nothing leaves a request open, and the page says that too.
+    from selenium.webdriver.common.by import By
+
+    def says(text: str, bad: bool) -> bool:
+        node = browser.find_element(By.ID, "status")
+        return text in node.text and ("bad" in (node.get_attribute("class") or "")) == bad
+
+    with RedisServer(find_binary()) as server, serving(server.url) as base:
+        Claim(server.client(), "nightly", ttl=60, heartbeat=False).acquire()
+        browser.get(base + "/")
+        wait_for("the claim", lambda: rows(browser).get("nightly"), timeout=10)
+
+        server.pause()  # a Redis that answers nothing: the request hangs
+        try:
+            wait_for("the wait said", lambda: says("no answer for", True), timeout=10)
+        finally:
+            server.resume()
+        wait_for("the page to recover", lambda: says("updated", False), timeout=10)
 
 
 def rows(driver: Any) -> dict[str, str]:

@@ -244,7 +244,21 @@ if app is not None:
             raise typer.Exit(feeds_main())
         from .demo.runner import main as demo_main
 
-        raise typer.Exit(demo_main(web_port=web_port if web else None))
+        if not web:
+            raise typer.Exit(demo_main())
+        try:
+            from .web.app import listen
+        except ImportError:
+            _err("fenced demo --web needs the web extra: pip install 'fenced[web]'")
+            raise typer.Exit(EXIT_USAGE) from None
+        from ._errors import ConfigError
+
+        try:  # before the acts: a port in use is said now, not minutes later
+            sock = listen("127.0.0.1", web_port, option="--web-port")
+        except ConfigError as exc:
+            _err(f"fenced demo: {exc.message}")
+            raise typer.Exit(EXIT_USAGE) from None
+        raise typer.Exit(demo_main(web_port=web_port, web_socket=sock))
 
     @app.command()
     def doctor(
@@ -684,6 +698,14 @@ if app is not None:
                 "$FENCED_WEB_TOKEN, else one is made and printed once).",
             ),
         ] = None,
+        allow_host: Annotated[
+            list[str] | None,
+            typer.Option(
+                metavar="NAME",
+                help="A Host name the page may be opened by (repeat for more); beside the "
+                "loopback names, and --host's address when it is one.",
+            ),
+        ] = None,
         refresh: Annotated[
             float, typer.Option(metavar="S", min=0.2, help="Seconds between page refreshes.")
         ] = 2.0,
@@ -705,14 +727,14 @@ if app is not None:
 
         \b
         Exit status:
-          0   stopped with Ctrl-C
-          2   usage: no --redis, the web extra missing, an unreadable --token-file
+          0   stopped with Ctrl-C or SIGTERM
+          2   usage: no --redis, the web extra missing, an unreadable --token-file,
+              a port in use
           69  Redis unreachable at start
         """
         try:
-            import uvicorn
-
             from .web import create_app
+            from .web.app import listen, serve
         except ImportError:
             _err("fenced web needs its extra: pip install 'fenced[web]'")
             raise typer.Exit(EXIT_USAGE) from None
@@ -744,23 +766,47 @@ if app is not None:
                 refresh=refresh,
                 alert_after_skips=alert_after_skips,
                 redis_label=label,
-                # A loopback server answers only to its own names (no DNS rebinding);
-                # Starlette's check cannot read an IPv6 Host header, so ::1 is left open.
-                allowed_hosts=["127.0.0.1", "localhost"]
-                if _loopback(host) and ":" not in host
-                else None,
+                allowed_hosts=_host_names(host, allow_host or []),
             )
+            sock = listen(host, port)
         except ConfigError as exc:
             _err(f"fenced web: {exc.message}")
             raise typer.Exit(EXIT_USAGE) from None
-        shown = f"[{host}]" if ":" in host else host
-        _err(
-            f"fenced web: http://{shown}:{port}/ shows the claims of namespace {namespace!r} "
-            f"on {label}{'; release allowed' if allow_release else ''} (Ctrl-C stops)"
+        port = sock.getsockname()[1]  # --port 0: the one the system chose
+        shown = f"[{host.strip('[]')}]" if ":" in host else host
+        serve(
+            web,
+            sock,
+            lambda: _err(
+                f"fenced web: http://{shown}:{port}/ shows the claims of namespace "
+                f"{namespace!r} on {label}{'; release allowed' if allow_release else ''} "
+                "(Ctrl-C stops)"
+            ),
         )
-        uvicorn.run(
-            web, host=host, port=port, log_level="warning", access_log=False, server_header=False
-        )
+
+    def _host_names(host: str, given: list[str]) -> list[str] | None:
+        """The Host names the server answers to (None: any), so that a page elsewhere
+        that rebinds its DNS to this machine is refused; warns when that is any."""
+        import ipaddress
+
+        address = host.strip("[]")
+        names = set(given)
+        try:
+            wildcard = ipaddress.ip_address(address).is_unspecified
+        except ValueError:
+            wildcard = False
+        if wildcard or _loopback(host):  # 0.0.0.0 and :: listen on loopback too
+            names |= {"127.0.0.1", "localhost", "::1"}
+        if not wildcard:
+            names.add(address)
+        elif not given:
+            _err(
+                f"fenced web: WARNING: on {host} it answers to any Host name, so a web page "
+                "whose DNS is rebound to this machine could read the claims: pass "
+                "--allow-host NAME for each name the page is opened by"
+            )
+            return None
+        return sorted(names)
 
     def _loopback(host: str) -> bool:
         import ipaddress
@@ -784,10 +830,23 @@ if app is not None:
             if not token:
                 _err(f"fenced web: --token-file {token_file} is empty: put the token in it")
                 raise typer.Exit(EXIT_USAGE)
+            mode = os.stat(token_file).st_mode & 0o777
+            if mode & 0o077:
+                _err(
+                    f"fenced web: WARNING: --token-file {token_file} is open to other "
+                    f"users (mode {mode:o}): chmod 600 {token_file}"
+                )
             return token
         token = os.environ.get("FENCED_WEB_TOKEN", "").strip()
         if token:
             return token
+        if not sys.stderr.isatty():
+            # A made token goes to a terminal only: a log or a journal would keep it.
+            _err(
+                "fenced web: --allow-release needs a token: pass --token-file F (mode 600) "
+                "or set FENCED_WEB_TOKEN; one is made for you only when stderr is a terminal"
+            )
+            raise typer.Exit(EXIT_USAGE)
         import secrets
 
         token = secrets.token_urlsafe(24)

@@ -29,11 +29,17 @@ class Demo:
     """The acts, their expectations, and what they print."""
 
     def __init__(
-        self, say: Callable[[str], None], binary: str | None = None, web_port: int | None = None
+        self,
+        say: Callable[[str], None],
+        binary: str | None = None,
+        web_port: int | None = None,
+        web_socket: Any = None,
     ) -> None:
         self.say = say
-        #: Serve ``fenced web`` on the demo's Redis after the acts, on this port.
+        #: Serve ``fenced web`` on the demo's Redis after the acts, on this port (and
+        #: this socket, bound to it before the acts, when given).
         self.web_port = web_port
+        self.web_socket = web_socket
         found = available_binaries()
         self.binary = binary or found.get("bundled") or found.get("system")
         self.failures: list[str] = []
@@ -166,9 +172,8 @@ class Demo:
         from urllib.parse import quote
 
         try:
-            import uvicorn
-
             from ..web import create_app
+            from ..web.app import listen, serve
         except ImportError:
             self.say("[red]fenced demo --web needs the web extra: pip install 'fenced[web]'[/]")
             return
@@ -176,12 +181,9 @@ class Demo:
         self.say(f"\n[bold]the dashboard[/]: {page} — fenced web --redis {url}, while it runs")
         for name in ("rebuild:acme:roads", "feed:weather", "export:acme"):
             self.say(f"     {page}#claim={quote(name, safe='')}")
-        self.say("     Ctrl-C stops it and the demo's Redis")
         app = create_app(self.locks, redis_label=url, allowed_hosts=["127.0.0.1", "localhost"])
-        try:
-            uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-        except KeyboardInterrupt:  # pragma: no cover - uvicorn handles it itself
-            pass
+        sock = self.web_socket or listen("127.0.0.1", port, option="--web-port")
+        serve(app, sock, lambda: self.say("     Ctrl-C stops it and the demo's Redis"))
 
     def act_twice(self) -> None:
         """Act 1: the same rebuild enqueued twice."""
@@ -423,6 +425,7 @@ def main(
     say: Callable[[str], None] | None = None,
     binary: str | None = None,
     web_port: int | None = None,
+    web_socket: Any = None,
 ) -> int:
     """Run the demo; returns the exit status."""
     if say is None:
@@ -437,6 +440,6 @@ def main(
 
     socket.setdefaulttimeout(None)
     start = time.monotonic()
-    status = Demo(say, binary, web_port).run()
+    status = Demo(say, binary, web_port, web_socket).run()
     say(f"demo finished in {time.monotonic() - start:.1f}s")
     return status

@@ -12,10 +12,14 @@ that a name holding ``/`` is never read as a route.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import math
+import signal
+import socket
 import time
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 from urllib.parse import unquote
@@ -23,8 +27,9 @@ from urllib.parse import unquote
 import redis
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.convertors import PathConvertor, register_url_convertor
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -36,7 +41,7 @@ from .._lease import MAX_RECORDS, UNREACHABLE, describe_client, read_slots, why_
 from .._printable import printable
 from ..records import consecutive_skips, history
 
-__all__ = ["HEADERS", "create_app"]
+__all__ = ["HEADERS", "create_app", "listen", "serve"]
 
 #: Sent with every response: nothing but the app's own files runs or loads in the page.
 HEADERS = {
@@ -60,6 +65,16 @@ MAX_BODY = 64 * 1024
 DEPTH = 32
 #: Runs the timeline shows by default.
 RUNS = 50
+
+
+class _Anything(PathConvertor):
+    """A path parameter of any characters: a claim name may hold a newline (``%0A``),
+    which Starlette's ``path`` (``.*``) does not match."""
+
+    regex = r"[\s\S]*"
+
+
+register_url_convertor("fenced_any", _Anything())
 
 
 def _safe(value: Any, depth: int = 0) -> Any:
@@ -91,16 +106,46 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return _json({"error": message}, status, headers)
 
 
-class _Headers:
-    """ASGI middleware: the security headers on every response."""
+def host_name(header: str) -> str:
+    """The name in a ``Host`` (or ``Origin`` netloc) value, without its port: ``[::1]:80``
+    is ``::1``, ``Localhost:8377`` is ``localhost``."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    if header.count(":") > 1:  # an IPv6 address as it is (an allowed name)
+        return header
+    return header.partition(":")[0]
 
-    def __init__(self, app: ASGIApp) -> None:
+
+class _Headers:
+    """ASGI middleware: the security headers on every response, and only the allowed
+    ``Host`` names answered (a page elsewhere that rebinds its DNS to this address sends
+    its own name)."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: list[str] | None = None) -> None:
         self.app = app
+        self.allowed = {host_name(h) for h in allowed_hosts} if allowed_hosts else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.allowed is not None:
+            host = Request(scope).headers.get("host", "")
+            if host_name(host) not in self.allowed:
+                names = ", ".join(sorted(self.allowed))
+                send_to = _error(
+                    400,
+                    f"Host {host!r} is not a name this server answers to ({names}): "
+                    "open the page by one of them, or start fenced web with --allow-host "
+                    "NAME",
+                )
+                await self._with_headers(send_to, scope, receive, send)
+                return
+        await self._with_headers(self.app, scope, receive, send)
+
+    @staticmethod
+    async def _with_headers(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
 
         async def send_with(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -113,7 +158,7 @@ class _Headers:
                 message["headers"] = [*message.get("headers", []), *extra]
             await send(message)
 
-        await self.app(scope, receive, send_with)
+        await app(scope, receive, send_with)
 
 
 def _server_now(client: Any) -> float:
@@ -293,6 +338,9 @@ def create_app(
                 "releasing is off: start fenced web with --allow-release (and --token-file "
                 "or FENCED_WEB_TOKEN) to release claims from the dashboard",
             )
+        foreign = _cross_site(request)
+        if foreign:
+            return _error(403, foreign)
         auth = request.headers.get("authorization", "")
         scheme, _sp, given = auth.partition(" ")
         if not auth or scheme.lower() != "bearer" or not given.strip():
@@ -352,14 +400,18 @@ def create_app(
             }
         )
 
-    def sync(handler: Any) -> Any:
-        """An endpoint running ``handler`` (blocking Redis calls) in the thread pool."""
+    def sync(handler: Any, blocking: bool = True) -> Any:
+        """An endpoint running ``handler``: in the thread pool if it talks to Redis (the
+        page and its files never wait behind requests a hung Redis holds there)."""
 
         async def endpoint(request: Request) -> Response:
             size = request.headers.get("content-length", "0")
             if not size.isdigit() or int(size) > MAX_BODY:
                 return _error(413, f"send at most {MAX_BODY} bytes, with a Content-Length")
             body = await request.body() if request.method == "POST" else b""
+            if not blocking:
+                answer: Response = handler(request, body)
+                return answer
             response: Response = await run_in_threadpool(handler, request, body)
             return response
 
@@ -367,18 +419,31 @@ def create_app(
 
     return Starlette(
         routes=[
-            Route("/", sync(index)),
+            Route("/", sync(index, blocking=False)),
             Route("/favicon.ico", lambda request: Response(status_code=204)),
-            Route("/static/{file}", sync(static_file)),
-            Route("/api/config", sync(config)),
+            Route("/static/{file}", sync(static_file, blocking=False)),
+            Route("/api/config", sync(config, blocking=False)),
             Route("/api/claims", sync(claims)),
-            Route("/api/claims/{rest:path}", sync(claim), methods=["GET", "POST"]),
+            Route("/api/claims/{rest:fenced_any}", sync(claim), methods=["GET", "POST"]),
         ],
-        middleware=[
-            Middleware(_Headers),
-            Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts or ["*"]),
-        ],
+        exception_handlers={HTTPException: _http_error, Exception: _crash},
+        middleware=[Middleware(_Headers, allowed_hosts=allowed_hosts)],
     )
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """A route that is not there, or a method it does not take: JSON, as every answer."""
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    if status == 405:
+        return _error(405, f"{request.method} is not taken here: see docs/web.md for the API")
+    if status == 404:
+        return _error(404, "no such page: the API is /api/config and /api/claims[/NAME[/runs]]")
+    return _error(status, exc.detail if isinstance(exc, HTTPException) else "error")
+
+
+async def _crash(request: Request, exc: Exception) -> Response:
+    """A bug: the server's log has the traceback; the answer names nothing of it."""
+    return _error(500, "internal error: fenced web's log (its stderr) has the details")
 
 
 def _limit(request: Request) -> int:
@@ -391,6 +456,33 @@ def _limit(request: Request) -> int:
     except ValueError:
         raise ConfigError(f"limit={text!r} is not a whole number of runs, e.g. 50") from None
     return max(1, min(value, MAX_RECORDS))
+
+
+def _cross_site(request: Request) -> str | None:
+    """Why a release comes from a page of another site, or None when it does not.
+
+    A browser names the page that sends a POST in ``Origin`` (and ``Sec-Fetch-Site``):
+    it must be this server, as the browser reached it (``Host``, or the
+    ``X-Forwarded-Host`` a proxy in front sets; a page elsewhere cannot set either).
+    Without ``Origin`` (curl, scripts) the token alone decides.
+    """
+    site = request.headers.get("sec-fetch-site", "").lower()
+    if site in ("cross-site", "same-site"):
+        return f"refused: a {site} request; release from the dashboard's own page or with curl"
+    origin = request.headers.get("origin")
+    if origin is None:
+        return None
+    scheme, _sep, netloc = origin.partition("://")
+    served = {request.headers.get("host", "").strip().lower()}
+    forwarded = request.headers.get("x-forwarded-host")
+    if forwarded:
+        served.add(forwarded.split(",", 1)[0].strip().lower())
+    if scheme.lower() in ("http", "https") and netloc.strip().lower() in served:
+        return None
+    return (
+        f"refused: a request from the page {origin!r}, not this server's; release from "
+        "the dashboard's own page or with curl"
+    )
 
 
 def _body(request: Request, raw: bytes) -> dict[str, Any] | Response:
@@ -406,3 +498,49 @@ def _body(request: Request, raw: bytes) -> dict[str, Any] | Response:
     if not isinstance(data, dict):
         return _error(400, 'the body is not a JSON object: send {"reason": "..."}')
     return data
+
+
+def listen(host: str, port: int, *, option: str = "--port") -> socket.socket:
+    """A socket bound to host:port and listening, or a ConfigError naming the fix
+    (``option`` is the flag that sets the port, for the message)."""
+    address = host.strip("[]")
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((address, port))
+        sock.listen(128)
+    except socket.gaierror as exc:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}: {exc.strerror}; pass --host with an address, e.g. 127.0.0.1"
+        ) from None
+    except OSError as exc:
+        sock.close()
+        fix = {
+            errno.EADDRINUSE: f"another program listens there: pass {option} with a free "
+            f"port ({option} 0 lets the system choose)",
+            errno.EACCES: f"ports below 1024 need root: pass {option} 1024 or above",
+            errno.EADDRNOTAVAIL: "not an address of this machine: pass --host 127.0.0.1 "
+            "(or an address it has)",
+        }.get(exc.errno or 0, f"pass another --host or {option}")
+        raise ConfigError(f"cannot listen on {host} port {port}: {exc.strerror}; {fix}") from None
+    return sock
+
+
+def serve(app: ASGIApp, sock: socket.socket, started: Callable[[], None] | None = None) -> None:
+    """Serve ``app`` with uvicorn on ``sock`` until Ctrl-C or SIGTERM, then return;
+    ``started`` is called once a stop is sure to be caught (to say the server is up)."""
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="warning", access_log=False, server_header=False)
+    # uvicorn stops on SIGINT or SIGTERM, then raises it again: a stop asked for returns
+    # (exit 0), not a KeyboardInterrupt (130) or a death by signal, even one that comes
+    # before uvicorn's own handlers are in place.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        if started is not None:
+            started()
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass

@@ -6,7 +6,7 @@
 (function () {
   const SVG = "http://www.w3.org/2000/svg";
   const OUTCOMES = ["running", "ok", "failed", "lost", "released", "retried", "aborted", "skipped"];
-  const state = { config: null, selected: null, timer: null, token: "" };
+  const state = { config: null, selected: null, timer: null, token: "", since: null };
 
   function $(id) { return document.getElementById(id); }
 
@@ -45,6 +45,12 @@
     return text;
   }
 
+  function slotText(s) {
+    let text = "slot " + s.slot + ": " + holderText(s) + " · token " + s.token;
+    if (s.expires_in !== null && s.expires_in !== undefined) text += " · " + seconds(s.expires_in) + " left";
+    return text;
+  }
+
   function badge(outcome) {
     const name = outcome || "";
     const cls = OUTCOMES.includes(name) || name === "unfinished" ? name : "unreadable";
@@ -52,8 +58,13 @@
   }
 
   async function getJSON(path) {
-    const response = await fetch(path, { headers: { Accept: "application/json" } });
-    const data = await response.json();
+    let response;
+    try {
+      response = await fetch(path, { headers: { Accept: "application/json" } });
+    } catch (err) {
+      throw new Error("cannot reach fenced web (" + err.message + ")");
+    }
+    const data = await response.json().catch(() => ({}));
     if (!response.ok) throw new Error(data.error || response.status + " " + response.statusText);
     return data;
   }
@@ -70,18 +81,28 @@
     const body = $("claims").tBodies[0];
     const rows = [];
     for (const c of data.claims) {
+      const path = encodeURIComponent(c.name);
       const tr = el("tr");
       tr.dataset.name = c.name;
+      tr.dataset.path = path;
       if (c.alert) {
         tr.classList.add("alert");
         tr.title = c.skips + " consecutive skips (alert at " + data.alert_after_skips + ")";
       }
-      if (c.name === state.selected) tr.classList.add("selected");
+      if (path === state.selected) tr.classList.add("selected");
       tr.append(el("td", c.name, "name"));
-      let who = holderText(c.holder);
-      if (c.limit > 1) who += "  (" + c.slots.length + "/" + c.limit + " slots)";
-      if (!c.holder && c.cooldown_left) who = "cooldown, " + seconds(c.cooldown_left) + " left";
-      tr.append(el("td", who));
+      const who = el("td");
+      if (c.slots.length > 1) {
+        // A name held by several at once: each holder, by slot.
+        who.append(el("div", c.slots.length + "/" + c.limit + " slots held"));
+        for (const s of c.slots) who.append(el("div", "slot " + s.slot + ": " + holderText(s), "slot"));
+      } else {
+        let text = holderText(c.holder);
+        if (c.limit > 1) text += "  (" + c.slots.length + "/" + c.limit + " slots)";
+        if (!c.holder && c.cooldown_left) text = "cooldown, " + seconds(c.cooldown_left) + " left";
+        who.textContent = text;
+      }
+      tr.append(who);
       tr.append(el("td", seconds(c.age), "num"));
       tr.append(el("td", seconds(c.expires_in), "num"));
       tr.append(el("td", c.fence === null ? "" : c.fence, "num"));
@@ -92,7 +113,7 @@
       if (c.last_outcome) last.append(badge(c.last_outcome));
       if (c.unreadable) last.append(el("span", " unreadable: " + c.unreadable));
       tr.append(last);
-      tr.addEventListener("click", () => select(c.name));
+      tr.addEventListener("click", () => select(path, c.name));
       rows.push(tr);
     }
     body.replaceChildren(...rows);
@@ -103,22 +124,38 @@
 
   // -- one claim: holder, timeline, runs --------------------------------------------------
 
-  function select(name) {
-    state.selected = name;
-    history.replaceState(null, "", "#claim=" + encodeURIComponent(name));
+  // A claim is kept as its API path segment (the name percent-encoded, "/" as %2F).
+  function select(path, name) {
+    state.selected = path;
+    history.replaceState(null, "", "#claim=" + path);
     $("detail").hidden = false;
     $("detail-name").textContent = name;
     $("release-message").textContent = "";
+    $("release-holder").replaceChildren();
+    delete $("release-holder").dataset.key;
     for (const tr of $("claims").tBodies[0].rows) {
-      tr.classList.toggle("selected", tr.dataset.name === name);
+      tr.classList.toggle("selected", tr.dataset.path === path);
     }
-    refreshDetail();
+    refreshDetail().catch(() => {});
+  }
+
+  function selectFromHash() {
+    const hash = location.hash.match(/^#claim=(.+)$/);
+    if (!hash) return;
+    let name;
+    try {
+      name = decodeURIComponent(hash[1]);
+    } catch (err) {
+      status("the address names no claim (" + hash[1] + "): pick one in the table", true);
+      return;
+    }
+    select(encodeURIComponent(name), name);
   }
 
   async function refreshDetail() {
     const name = state.selected;
     if (name === null) return;
-    const path = "/api/claims/" + encodeURIComponent(name);
+    const path = "/api/claims/" + name;
     let detail, runs;
     try {
       [detail, runs] = await Promise.all([getJSON(path), getJSON(path + "/runs")]);
@@ -127,6 +164,7 @@
       throw err;
     }
     if (name !== state.selected) return;
+    $("detail-name").textContent = detail.name;
     let line = detail.holder ? "held by " + holderText(detail.holder) : "not held";
     if (detail.holder && detail.holder.expires_in !== null) {
       line += ", " + seconds(detail.holder.expires_in) + " left";
@@ -135,8 +173,32 @@
     line += " · " + detail.skips + " consecutive skips";
     $("detail-holder").textContent = line;
     $("detail-holder").classList.toggle("alert", Boolean(detail.alert));
+    renderSlots(detail.slots);
     drawTimeline(runs);
     renderRuns(runs.runs);
+  }
+
+  function renderSlots(slots) {
+    const several = slots.length > 1;
+    $("detail-slots").hidden = !several;
+    $("detail-slots").replaceChildren(...(several ? slots.map((s) => el("li", slotText(s))) : []));
+    // A release of a name held by several names the holder: by the start of its token.
+    // Rebuilt only when the holders change: an open list stays open across refreshes.
+    const select = $("release-holder");
+    const options = several ? slots.map((s) => [s.token, "slot " + s.slot + ": " +
+      holderText(s) + " · token " + s.token]) : [];
+    const key = JSON.stringify(options);
+    if (select.dataset.key !== key) {
+      const chosen = select.value;
+      select.replaceChildren(...options.map(([token, text]) => {
+        const option = el("option", text);
+        option.value = token;
+        return option;
+      }));
+      if (options.some(([token]) => token === chosen)) select.value = chosen;
+      select.dataset.key = key;
+    }
+    $("release-holder-label").hidden = !several;
   }
 
   function renderRuns(runs) {
@@ -268,15 +330,19 @@
   async function release(event) {
     event.preventDefault();
     const message = $("release-message");
-    const name = state.selected;
+    const path = state.selected;
     const token = $("release-token").value.trim();
+    const body = { reason: $("release-reason").value };
+    if (!$("release-holder-label").hidden && $("release-holder").value) {
+      body.token = $("release-holder").value;
+    }
     message.className = "message";
     message.textContent = "releasing…";
     const headers = { "Content-Type": "application/json", Accept: "application/json" };
     if (token) headers.Authorization = "Bearer " + token;
     try {
-      const response = await fetch("/api/claims/" + encodeURIComponent(name) + "/release", {
-        method: "POST", headers, body: JSON.stringify({ reason: $("release-reason").value }),
+      const response = await fetch("/api/claims/" + path + "/release", {
+        method: "POST", headers, body: JSON.stringify(body),
       });
       const data = await response.json();
       if (!response.ok) {
@@ -296,6 +362,17 @@
   // -- the loop ---------------------------------------------------------------------------
 
   async function refresh() {
+    if (state.since !== null) {
+      // The last refresh has no answer yet (a Redis that hangs rather than refuses):
+      // say so, and send no second request after it.
+      const waited = (Date.now() - state.since) / 1000;
+      if (waited > Math.max(2, 2 * state.config.refresh)) {
+        status("no answer for " + seconds(waited) + ": Redis (or fenced web) is slow or " +
+          "unreachable", true);
+      }
+      return;
+    }
+    state.since = Date.now();
     try {
       const data = await getJSON("/api/claims");
       renderClaims(data);
@@ -304,6 +381,8 @@
         " · every " + state.config.refresh + "s");
     } catch (err) {
       status(err.message, true);
+    } finally {
+      state.since = null;
     }
   }
 
@@ -316,11 +395,10 @@
     $("lookup").addEventListener("submit", (event) => {
       event.preventDefault();
       const name = $("lookup-name").value.trim();
-      if (name) select(name);
+      if (name) select(encodeURIComponent(name), name);
     });
     legend();
-    const hash = location.hash.match(/^#claim=(.*)$/);
-    if (hash) select(decodeURIComponent(hash[1]));
+    selectFromHash();
     await refresh();
     state.timer = setInterval(refresh, state.config.refresh * 1000);
   }
