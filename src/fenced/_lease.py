@@ -539,6 +539,11 @@ class LeaseCalls:
             # The plain claim sends what it always sent: no cooldown key, no slots.
             return ACQUIRE, self._plain_keys, args
         args.append(cooldown_reason)
+        if cooldown_reason and task_id:
+            # A redelivery of a task whose run ended ok is not skipped by the window
+            # that run started: the script looks at its done marker first.
+            args += [self.limit, "1"]
+            return ACQUIRE, (*self._acquire_keys, self.keys.done(task_id)), args
         if self.limit > 1:
             args.append(self.limit)
         return ACQUIRE, self._acquire_keys, args
