@@ -641,17 +641,23 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('DEL', KEYS[4])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local fence = redis.call('INCR', KEYS[2])
+local fence = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
 if fence < now then
-  redis.call('SET', KEYS[2], string.format('%d', now))
   fence = now
+end
+-- as ACQUIRE mints it: one write gives the fence its value and its idle expiry
+local minted = string.format('%d', fence)
+local idle = tonumber(ARGV[6])
+if idle > 0 then
+  redis.call('SET', KEYS[2], minted, 'PX', idle)
+else
+  redis.call('SET', KEYS[2], minted)
 end
 if ARGV[3] ~= '' then
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*',
-             'event', 'started', 'token', ARGV[1], 'fence', string.format('%d', fence),
-             'r', ARGV[3])
+             'event', 'started', 'token', ARGV[1], 'fence', minted, 'r', ARGV[3])
 end
-touch(tonumber(ARGV[6]), KEYS[2], KEYS[3])
+touch(idle, KEYS[3])
 return {1, fence}
 """,
 )
