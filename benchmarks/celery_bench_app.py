@@ -68,6 +68,19 @@ try:
         """A claimed task: atomic fenced acquire, heartbeat, run records, release."""
         done("fenced")
 
+    @app.task(
+        base=ClaimedTask,
+        bind=True,
+        name="bench.fenced_enqueue",
+        claim="bench-enqueue:{i}",
+        claim_ttl=30,
+        claim_enqueue="until_finished",
+    )
+    def fenced_enqueue_task(self: Task, i: int) -> None:
+        """The same, deduplicated at enqueue too (as celery-once): one marker per name
+        from apply_async until the run ends."""
+        done("fenced_enqueue")
+
 except ImportError:  # pragma: no cover
     pass
 

@@ -10,6 +10,10 @@ Every task's body is one INCR; what each contender adds, in round trips per task
                      run record) and RELEASE (compare-token delete, "finished" run
                      record with the outcome, done marker of the task id); heartbeat
                      registration in process, no round trip for a run this short
+    fenced enqueue   the same with claim_enqueue="until_finished" (deduplicated at
+                     enqueue, as celery-once): 1 in the producer (the marker, set in
+                     apply_async) and still 2 in the worker, ACQUIRE and RELEASE
+                     handling the marker too (it restarts its expiry, then clears it)
     celery-once      QueueOnce, 1 in the producer (its lock, taken in apply_async) and
                      1 in the worker (the lock deleted after return)
     celery-singleton Singleton, 1 in the producer (SET NX in apply_async) and 1 in the
@@ -59,6 +63,7 @@ from fenced.testing import CeleryWorker, RedisServer  # noqa: E402
 CONTENDERS = {
     "plain": "bench.plain",
     "fenced": "bench.fenced",
+    "fenced enqueue": "bench.fenced_enqueue",
     "celery-once": "bench.once",
     "celery-singleton": "bench.singleton",
     "redis-py Lock": "bench.redis_lock",
@@ -71,6 +76,7 @@ METRICS_GOAL = 0.97
 COUNTER = {
     "plain": "plain",
     "fenced": "fenced",
+    "fenced enqueue": "fenced_enqueue",
     METRICS: "fenced",
     "celery-once": "once",
     "celery-singleton": "singleton",

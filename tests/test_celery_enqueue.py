@@ -420,3 +420,43 @@ def test_the_marker_sits_in_the_names_cluster_slot(cluster_server: RedisServer) 
         assert _enqueue.mark(client, keys, "t2", 60_000, None) is None
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("mode", ["until_started", "until_finished"])
+def test_a_run_handles_its_marker_in_its_acquire_and_release(
+    redis_server: RedisServer, mode: str
+) -> None:
+    # The marker is the lease scripts' business: a run makes two round trips for its
+    # claim and its marker together, not one more for the marker at each end.
+    app = Celery(f"fenced_enqueue_{mode}", set_as_current=False, broker="memory://")
+    app.conf.fenced_redis_url = redis_server.url
+    locks = redis_server.client()
+    seen: list[tuple[Any, int]] = []
+
+    @app.task(shared=False, base=ClaimedTask, bind=True, claim="q:{x}", claim_enqueue=mode)
+    def job(self: ClaimedTask, x: str) -> str:
+        marked = f"fenced:{{q:{x}}}:queued"
+        seen.append((locks.get(marked), locks.pttl(marked)))
+        return "done"
+
+    def scripts() -> int:
+        return int(locks.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+    x = key()
+    marked = f"fenced:{{q:{x}}}:queued"
+    locks.set(marked, "the-run", px=5_000)  # as apply_async marks it
+    locks.set(f"fenced:{{q:{x}-other}}:queued", "the-run", px=5_000)  # another name's
+    before = scripts()
+    assert job.apply((x,), task_id="the-run").get() == "done"
+    assert scripts() - before == 2  # ACQUIRE and RELEASE
+    value, pttl = seen[0]
+    if mode == "until_started":
+        assert value is None  # deleted as the run started
+    else:
+        assert value == b"the-run" and pttl > 3_600_000 - 60_000  # counts from the start
+    assert not locks.exists(marked)
+    assert locks.get(f"fenced:{{q:{x}-other}}:queued") == b"the-run"
+    # A marker that holds another task id (a newer message) stays.
+    locks.set(marked, "newer", px=5_000)
+    assert job.apply((x,), task_id="the-run").get() == "done"
+    assert locks.get(marked) == b"newer" and 0 < locks.pttl(marked) <= 5_000

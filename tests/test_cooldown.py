@@ -251,6 +251,74 @@ def test_an_asyncio_claim_has_the_same_window(server: RedisServer) -> None:
     assert plain  # a claim without a cooldown does not look at the window
 
 
+def test_a_redelivery_of_the_run_that_started_the_window_is_not_a_skip(
+    server: RedisServer,
+) -> None:
+    client = server.client()
+    name = f"again:{key()}"
+    opts: dict[str, Any] = {"ttl": 5, "cooldown": 60, "records": True, "redelivery_window": 60}
+    with Claim(client, name, task_id="first", **opts):
+        pass
+    # The same task id comes back inside the window: a redelivery, told by its done
+    # marker, not a trigger the window skips (and no skip is counted or recorded).
+    again = Claim(client, name, task_id="first", **opts)
+    assert again.acquire() and again.ran_recently is None
+    assert again.finished_ok()
+    again.release(outcome="skipped", reason="duplicate delivery")
+    assert records.consecutive_skips(client, name) == 0
+    assert "ran recently" not in [run.reason for run in records.history(client, name)]
+    # Another task id is still inside the window.
+    other = Claim(client, name, task_id="second", **opts)
+    assert not other.acquire() and other.ran_recently is not None
+    assert other.skips == 1
+
+
+def test_a_redelivery_holding_a_slot_finds_its_own_lease_not_the_window(
+    server: RedisServer,
+) -> None:
+    client = server.client()
+    name = f"slots:{key()}"
+    first = Claim(client, name, ttl=5, cooldown=60, limit=2, task_id="a", heartbeat=False)
+    assert first.acquire()
+    with Claim(client, name, ttl=5, cooldown=60, limit=2, task_id="b"):
+        pass  # ends ok while "a" still runs: the window starts
+    again = Claim(client, name, ttl=5, cooldown=60, limit=2, task_id="a", records=True)
+    assert not again.acquire()
+    assert again.ran_recently is None
+    assert again.holder is not None and again.holder.task_id == "a"
+    assert again.skips == 0 and records.consecutive_skips(client, name) == 0
+    first.release()
+
+
+def test_a_redelivered_celery_task_that_ended_ok_in_the_window_is_ignored(
+    server: RedisServer,
+) -> None:
+    from celery import Celery
+
+    from fenced.celery import ClaimedTask, metrics
+
+    app = Celery("fenced_cooldown_redelivery", set_as_current=False, broker="memory://")
+    app.conf.fenced_redis_url = server.url
+    ran: list[str] = []
+
+    @app.task(shared=False, base=ClaimedTask, bind=True, claim="cooled:{x}", claim_cooldown=60)
+    def job(self: ClaimedTask, x: str) -> str:
+        ran.append(x)
+        return "done"
+
+    x = key()
+    assert job.apply((x,), task_id=f"t-{x}").get() == "done"
+    duplicates = metrics["duplicates"]
+    # The same message again, as a redelivery arrives: a duplicate of a completed task.
+    again = job.apply((x,), task_id=f"t-{x}", retries=1)
+    assert str(again.state) == "IGNORED" and ran == [x]
+    assert metrics["duplicates"] == duplicates + 1
+    assert records.consecutive_skips(server.client(), f"cooled:{x}") == 0
+    # A new call inside the window is skipped.
+    skipped = job.apply((x,), task_id=f"u-{x}").get()
+    assert skipped["reason"] == "ran recently" and ran == [x]
+
+
 # -- bad values ------------------------------------------------------------------------
 
 

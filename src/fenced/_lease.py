@@ -541,16 +541,33 @@ class LeaseCalls:
         task_id: str | None,
         idle_ms: int,
         cooldown_reason: str = "",
+        queued: str = "",
     ) -> Call:
-        """ACQUIRE (see its contract); the answer is read by ``Claim``."""
+        """ACQUIRE (see its contract); the answer is read by ``Claim``.
+
+        ``queued`` is what the run of ``task_id`` does to the name's enqueue marker
+        (ACQUIRE's ARGV[12]: "-" deletes it, a number of ms gives it that expiry).
+        """
         args = [token, ttl_ms, record, skip_reason, max_records, rerun, task_id or "", idle_ms]
-        if self.limit == 1 and not cooldown_reason:
+        queued = queued if task_id else ""
+        if self.limit == 1 and not cooldown_reason and not queued:
             # The plain claim sends what it always sent: no cooldown key, no slots.
             return ACQUIRE, self._plain_keys, args
         args.append(cooldown_reason)
-        if self.limit > 1:
+        keys = self._acquire_keys
+        # A redelivery of a task whose run ended ok is not skipped by the window that
+        # run started: the script looks at its done marker first.
+        done = bool(cooldown_reason and task_id)
+        if done or queued:
+            args += [self.limit, "1" if done else "0"]
+            if done:
+                keys += (self.keys.done(task_id or ""),)
+            if queued:
+                args.append(queued)
+                keys += (self.keys.queued,)
+        elif self.limit > 1:
             args.append(self.limit)
-        return ACQUIRE, self._acquire_keys, args
+        return ACQUIRE, keys, args
 
     def refresh_call(self, token: str, ttl_ms: int, idle_ms: int = 0, slot: int = 0) -> Call:
         """REFRESH of ``token``'s lease (and the name's lasting keys); 1 when extended."""
@@ -571,8 +588,12 @@ class LeaseCalls:
         take_reruns: bool = True,
         cooldown_ms: int = 0,
         slot: int = 0,
+        unqueue: bool = False,
     ) -> Call:
-        """RELEASE of ``token``'s lease (in ``slot``); its answer is read by :func:`released`."""
+        """RELEASE of ``token``'s lease (in ``slot``); its answer is read by :func:`released`.
+
+        With ``unqueue``, the name's enqueue marker goes too while it holds ``task_id``.
+        """
         # Without a task id there is no marker to set; the key still names this slot.
         done = self.keys.done(task_id) if task_id else self._no_done
         lease = self._release_keys if slot == 0 else (self.keys.slot(slot), *self._release_keys[1:])
@@ -588,9 +609,12 @@ class LeaseCalls:
             idle_ms,
             done_ms if task_id else 0,
         ]
-        if cooldown_ms:
+        if cooldown_ms or (unqueue and task_id):
             keys += (self._cooldown,)
             args.append(cooldown_ms)
+        if unqueue and task_id:
+            keys += (self.keys.queued,)
+            args.append(task_id)
         return RELEASE, keys, args
 
     def handover_call(
@@ -739,6 +763,7 @@ class LeaseStore(LeaseCalls):
         task_id: str | None,
         idle_ms: int,
         cooldown_reason: str = "",
+        queued: str = "",
     ) -> list[Any]:
         """Run ACQUIRE (see its contract); unreachable errors propagate to the caller.
 
@@ -754,6 +779,7 @@ class LeaseStore(LeaseCalls):
             task_id,
             idle_ms,
             cooldown_reason,
+            queued,
         )
         if self.replicas:
             reply, acked = self.replicated(*call)
@@ -806,6 +832,7 @@ class LeaseStore(LeaseCalls):
         take_reruns: bool = True,
         cooldown_ms: int = 0,
         slot: int = 0,
+        unqueue: bool = False,
     ) -> tuple[bool, str, list[str]]:
         """Delete the lease if ``token`` holds it: (released, outcome recorded, reruns)."""
         call = self.release_call(
@@ -820,6 +847,7 @@ class LeaseStore(LeaseCalls):
             take_reruns,
             cooldown_ms,
             slot,
+            unqueue,
         )
         return released(self._run(call))
 

@@ -217,6 +217,8 @@ end
 # KEYS[7] (with ARGV[10] > 1) slots: a hash of each slot's fence ("0", "1", ...) and
 #         the limit it was last acquired with ("limit")
 # KEYS[8..] (with ARGV[10] > 1) slots 1 .. ARGV[10]-1, each a lease like KEYS[1]
+# then (with ARGV[11] = "1") the done marker of ARGV[7]'s task id, then (with ARGV[12])
+#         the enqueue marker of the name (``claim_enqueue``)
 # ARGV[1] token  ARGV[2] ttl in ms
 # ARGV[3] JSON of the run record (who, where, when), or "" to record nothing; written
 #         as the "started" entry, or with the skip reason as the "skipped" entry
@@ -231,11 +233,20 @@ end
 #         in any slot is reported, and no other slot is taken
 # ARGV[8] idle expiry of the name's lasting keys in ms (0 = never)
 # ARGV[9] (optional) the skip reason to record while the cooldown key lives, or "" for
-#         a claim without a cooldown: checked first, whatever the lease; such a skip is
-#         always counted and recorded, and asks no rerun
+#         a claim without a cooldown: checked before the lease, unless the caller is a
+#         redelivery of a task (ARGV[7]) that already holds a lease of the name or whose
+#         run ended ok (its done marker, with ARGV[11]): that goes on
+#         to the lease as without a window. Such a skip is always counted and recorded,
+#         and asks no rerun
 # ARGV[10] (optional) the limit: how many holders the name may have at once (1 when
 #         absent: KEYS[1] alone, and nothing else of slots is touched); the first free
 #         slot is taken
+# ARGV[11] (optional) "1" when KEYS carry the done marker of ARGV[7]'s task id (see
+#         RELEASE), after the slots
+# ARGV[12] (optional) what the run of ARGV[7] does to the enqueue marker, first and
+#         whatever the answer, when the marker still holds ARGV[7]: "-" deletes it (the
+#         message left the queue), a number of ms gives it that expiry (it now covers
+#         the run); "" or absent: nothing. A marker of another type is left alone
 # returns {1, fence}                                    when the claim is ours (also
 #                                                       when ARGV[1] already holds it:
 #                                                       a retried request is idempotent)
@@ -254,10 +265,47 @@ ACQUIRE = Script(
     + _RECORDABLE
     + """
 local idle = tonumber(ARGV[8])
+local limit = tonumber(ARGV[10] or '1')
+-- the leases: KEYS[1], then (limit > 1) the slots from KEYS[8]; the markers after them
+local last = #KEYS
+if ARGV[12] and ARGV[12] ~= '' then
+  local queued = KEYS[last]
+  last = last - 1
+  if redis.pcall('GET', queued) == ARGV[7] then
+    if ARGV[12] == '-' then
+      redis.call('DEL', queued)
+    else
+      redis.call('PEXPIRE', queued, ARGV[12])
+    end
+  end
+end
+local done
+if ARGV[11] == '1' then
+  done = KEYS[last]
+  last = last - 1
+end
+local function own_task(holder)
+  local _, _, _, task_id = string.match(holder, TOKEN_PATTERN)
+  return task_id == ARGV[7]
+end
+local function redelivered()
+  -- a run of this very task id ended ok (so it started the window) or holds a lease
+  if ARGV[7] == '' then return false end
+  if done and redis.call('EXISTS', done) == 1 then return true end
+  local holder = redis.call('GET', KEYS[1])
+  if holder and own_task(holder) then return true end
+  if limit > 1 then
+    for i = 8, last do
+      holder = redis.call('GET', KEYS[i])
+      if holder and own_task(holder) then return true end
+    end
+  end
+  return false
+end
 if ARGV[9] and ARGV[9] ~= '' then
   -- Redis's own expiry times the window: the hosts' clocks play no part
   local left = redis.call('PTTL', KEYS[6])
-  if left > 0 then
+  if left > 0 and not redelivered() then
     local bad = unrecordable(KEYS[3])
     if bad then return not_a_stream(KEYS[3], bad) end
     local skips = redis.call('INCR', KEYS[4])
@@ -290,11 +338,7 @@ local function mint()
   return fence
 end
 local function lose(holder, pttl, fence)
-  local own = false
-  if ARGV[7] ~= '' then
-    local _, _, _, task_id = string.match(holder, TOKEN_PATTERN)
-    own = task_id == ARGV[7]
-  end
+  local own = ARGV[7] ~= '' and own_task(holder)
   -- every key written below is checked first: a wrong one stops the script unwritten
   local rerun_kind
   if ARGV[6] ~= '' and not own then
@@ -326,7 +370,6 @@ local function lose(holder, pttl, fence)
   end
   return {0, holder, pttl, fence, skips, rerun}
 end
-local limit = tonumber(ARGV[10] or '1')
 if limit <= 1 then
   if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
     return {1, mint()}
@@ -341,7 +384,7 @@ if limit <= 1 then
   return lose(holder, redis.call('PTTL', KEYS[1]), fence)
 end
 local slots = {KEYS[1]}
-for i = 8, #KEYS do slots[#slots + 1] = KEYS[i] end
+for i = 8, last do slots[#slots + 1] = KEYS[i] end
 local free, own, first, first_pttl
 local holders = {}
 for i, key in ipairs(slots) do
@@ -351,10 +394,7 @@ for i, key in ipairs(slots) do
     return {1, tonumber(redis.call('HGET', KEYS[7], tostring(i - 1)) or '0'), i - 1}
   elseif holder then
     holders[i] = holder
-    if not own and ARGV[7] ~= '' then
-      local _, _, _, task_id = string.match(holder, TOKEN_PATTERN)
-      if task_id == ARGV[7] then own = i end
-    end
+    if not own and ARGV[7] ~= '' and own_task(holder) then own = i end
     local pttl = redis.call('PTTL', key)
     if first == nil or (pttl >= 0 and (first_pttl < 0 or pttl < first_pttl)) then
       first, first_pttl = i, pttl
@@ -414,6 +454,9 @@ return 0
 # ARGV[8] how long to remember that this task id finished "ok", in ms (0 = not at all)
 # ARGV[9] (optional) the cooldown window in ms that a run ending "ok" starts (0 = none);
 #         a failed or lost run starts none
+# KEYS[8] and ARGV[10] (optional) the name's enqueue marker (``claim_enqueue``) and the
+#         task id of this run: the marker is deleted if it still holds that task id
+#         (the run ended, not by a retry)
 # returns {1 if our token held the lease and it is now deleted else 0, the outcome
 #          recorded, {the rerun triggers taken}}, and two more items when the run was
 #          not recorded because KEYS[2] is not a stream: KEYS[2] and its type
@@ -479,6 +522,9 @@ if ARGV[2] ~= '' then
   if outcome == 'ok' then
     gone[#gone + 1] = KEYS[3]
   end
+end
+if ARGV[10] and ARGV[10] ~= '' and redis.pcall('GET', KEYS[8]) == ARGV[10] then
+  gone[#gone + 1] = KEYS[8]
 end
 local marked = outcome == 'ok' and tonumber(ARGV[8]) > 0
 if marked then

@@ -359,11 +359,7 @@ class ClaimedTask(Task[Any, Any]):
                 self._clear_queued(keys, task_id, "after a failed send")
             raise
 
-    def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
-        """With ``claim_enqueue``: the message left the queue (see apply_async)."""
-        opts = self._options()
-        if opts.enqueue is None or task_id is None or not enabled(self.app):
-            return
+    def _started_queued(self, opts: TaskOptions, task_id: str, args: Any, kwargs: Any) -> None:
         keys = ClaimKeys(opts.namespace, self.claim_name_for(args, kwargs))
         if opts.enqueue == "until_started":
             self._clear_queued(keys, task_id, "as its run starts")
@@ -371,11 +367,23 @@ class ClaimedTask(Task[Any, Any]):
             expiry = _enqueue.expiry_ms(opts.enqueue_ttl, {})
             self._clear_queued(keys, task_id, "as its run starts", expiry)
 
+    def _enqueue_marker(self, claim: Claim, opts: TaskOptions) -> None:
+        """With ``claim_enqueue``: the run's ACQUIRE handles the marker as its message
+        leaves the queue (``until_started`` deletes it; ``until_finished`` counts its
+        expiry from the run's start), and its RELEASE deletes it (``until_finished``)."""
+        request = self.request
+        if opts.enqueue is None or not request.id or request.called_directly:
+            return
+        until_started = opts.enqueue == "until_started"
+        expiry = "-" if until_started else str(_enqueue.expiry_ms(opts.enqueue_ttl, {}))
+        claim.handle_enqueue_marker(expiry, not until_started)
+
     def _unqueue_after(self, claim: Claim, exc: BaseException | None) -> None:
         """With ``until_finished``: the run ended (not by a retry) and released its claim.
 
-        Cleared here, before Celery stores the result, so a caller that waited for the
-        result and sends again is not handed the finished run's result back.
+        Cleared before Celery stores the result (by the release itself, or here when it
+        did not answer), so a caller that waited for the result and sends again is not
+        handed the finished run's result back.
         """
         request = self.request
         if self._options().enqueue != "until_finished" or not request.id:
@@ -384,7 +392,8 @@ class ClaimedTask(Task[Any, Any]):
             return  # its message is queued again, under the same id and name
         # A retry under another name marked that name as it was sent: this one is free.
         setattr(request, "fenced_unqueued", True)  # noqa: B010 - Context takes any field
-        self._clear_queued(claim.keys, request.id, "as its run ends")
+        if not claim.unqueued:
+            self._clear_queued(claim.keys, request.id, "as its run ends")
 
     def after_return(
         self, status: str, retval: Any, task_id: str, args: Any, kwargs: Any, einfo: Any
@@ -452,11 +461,14 @@ class ClaimedTask(Task[Any, Any]):
             label=opts.label if opts.label is not None else bounded_label(namer.label),
         )
         claim._front_end("task", self)
+        self._enqueue_marker(claim, opts)
         try:
             acquired = claim.acquire(
                 request_rerun=_trigger(args, kwargs) if opts.on_busy == "rerun" else False
             )
         except ClaimUnavailable as exc:
+            if opts.enqueue is not None and request.id:
+                self._started_queued(opts, request.id, args, kwargs)  # as ACQUIRE would
             raise self._unavailable(exc, opts) from None
         except BaseException as exc:  # e.g. a soft time limit: never leave a lease renewed
             claim.release(
@@ -594,6 +606,7 @@ class ClaimedTask(Task[Any, Any]):
             kept = self._keep_for_retry(claim, exc)
             if kept:
                 return kept
+            claim.handle_enqueue_marker("", False)  # its message is queued again
         try:
             outcome = finish(claim, exc, "the task", reason=reason, raise_lost=False)
         except Exception:  # never hide the run's own outcome behind a release error
