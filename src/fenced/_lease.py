@@ -878,6 +878,12 @@ def read_holder(client: Any, name: str, *, namespace: str = "fenced") -> Holder 
             token, pttl, fence = pipe.execute(raise_on_error=False)
         except UnicodeDecodeError:  # a client that decodes replies, and bytes that are not text
             return Holder.unknown("a value of the claim is not UTF-8")
+    return lock_holder(keys, token, pttl, fence)
+
+
+def lock_holder(keys: ClaimKeys, token: Any, pttl: Any, fence: Any) -> Holder | None:
+    """The holder of a plain claim from the GET and PTTL answers of its lease and the
+    fence counter (for callers that pipeline)."""
     if token is None:
         return None
     if isinstance(token, Exception):  # e.g. WRONGTYPE: not a string, not a token
