@@ -25,6 +25,7 @@ from ._lease import (
     Holder,
     int_or_none,
     lock_holder,
+    queue_slots,
     reachable,
     read_holder,
     read_slots,
@@ -355,12 +356,7 @@ def show_claim(
     to the one node that holds them all.
     """
     keys = ClaimKeys.of(name, namespace)
-    pipe = client.pipeline(transaction=False)
-    for i in range(MAX_LIMIT):
-        pipe.get(keys.slot(i))
-        pipe.pttl(keys.slot(i))
-    pipe.get(keys.fence)
-    pipe.hgetall(keys.slots)
+    pipe = queue_slots(client.pipeline(transaction=False), keys)
     pipe.xrevrange(keys.runs, count=entries_for(limit))
     pipe.pttl(keys.cooldown)
     with reachable(client, f"read claim {keys.name!r}", keys.name):

@@ -909,18 +909,24 @@ def read_slots(
     """Every holder of a name, by slot (a name held by up to ``limit`` at once), in slot
     order; one round trip. ``limit`` defaults to the most a name may have."""
     keys = ClaimKeys.of(name, namespace)
-    pipe = client.pipeline(transaction=False)
-    for i in range(limit):
-        pipe.get(keys.slot(i))
-        pipe.pttl(keys.slot(i))
-    pipe.get(keys.fence)
-    pipe.hgetall(keys.slots)
+    pipe = queue_slots(client.pipeline(transaction=False), keys, limit)
     with reachable(client, f"read claim {keys.name!r}", keys.name):
         try:
             *leases, fence, fences = pipe.execute(raise_on_error=False)
         except UnicodeDecodeError:  # a client that decodes replies, and bytes that are not text
             return [(0, Holder.unknown("a value of the claim is not UTF-8"))]
     return slot_holders(leases, fence, fences)
+
+
+def queue_slots(pipe: Any, keys: ClaimKeys, limit: int = MAX_LIMIT) -> Any:
+    """Queue on a pipeline what :func:`slot_holders` reads: each slot's GET and PTTL, the
+    fence counter, the slots' hash (in that order). The pipeline."""
+    for i in range(limit):
+        pipe.get(keys.slot(i))
+        pipe.pttl(keys.slot(i))
+    pipe.get(keys.fence)
+    pipe.hgetall(keys.slots)
+    return pipe
 
 
 def slot_holders(leases: Sequence[Any], fence: Any, fences: Any) -> list[tuple[int, Holder]]:
