@@ -186,6 +186,24 @@ def test_the_lock_redis_follows_settings_changed_after_its_first_use(
         assert lock_redis(app) is _lock_redis(app) is not lock_redis_before
 
 
+def test_the_lock_redis_follows_changed_client_options_for_the_same_url(app: Celery) -> None:
+    first = lock_redis(app)
+    assert first.connection_pool.connection_kwargs["socket_timeout"] == 5.0
+    app.conf.fenced_redis_options = {"socket_timeout": 7.5}
+    second = lock_redis(app)
+    assert second is not first
+    assert second.connection_pool.connection_kwargs["socket_timeout"] == 7.5
+    assert lock_redis(app) is second
+    app.conf.fenced_redis_options = {"socket_timeout": 9.0}
+    assert lock_redis(app).connection_pool.connection_kwargs["socket_timeout"] == 9.0
+    # A new settings object with the same URL and other options: a client with those.
+    url = app.conf.fenced_redis_url
+    app.config_from_object({"fenced_redis_url": url, "fenced_redis_options": {"client_name": "c"}})
+    kwargs = lock_redis(app).connection_pool.connection_kwargs
+    assert kwargs["client_name"] == "c" and kwargs["socket_timeout"] == 5.0
+    assert lock_redis(app).ping()
+
+
 def test_options_are_resolved_when_the_task_is_built(app: Celery) -> None:
     @app.task(shared=False, base=ClaimedTask, bind=True, claim="x:{t}")
     def task(self: Any, t: str) -> None: ...

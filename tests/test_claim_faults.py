@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from _wait import wait_for
 from fenced import Claim, ClaimLost, ClaimUnavailable, ConfigError, exclusive, records
+from fenced._guard import COOLDOWN_REASON
 from fenced._lease import short_token
-from fenced.testing import RedisServer
+from fenced.testing import RedisServer, TcpProxy
 
 
 def test_a_lease_gone_before_release_ends_the_block_as_lost(r: Any) -> None:
@@ -303,3 +308,68 @@ def test_an_address_that_is_not_redis_makes_acquire_raise_claim_unavailable(
     assert "not in the Redis protocol" in message and "not started" in message
     assert http_url.split("//")[1].split("/")[0] in message
     assert not claim.held
+
+
+def _script_calls(client: Any) -> int:
+    """How many scripts the server has run (EVALSHA and EVAL)."""
+    stats = client.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
+
+
+def test_a_lost_release_reply_retried_sets_the_cooldown_window_once(
+    redis_server: RedisServer,
+) -> None:
+    direct = redis_server.client(decode_responses=True)
+    direct.flushall()
+    name, window = "cooled-once", 3.0
+    with TcpProxy(redis_server.port) as proxy, ThreadPoolExecutor(1) as pool:
+        # No retries of redis-py's own: the retry under test is the claim's.
+        client = redis.Redis(
+            host="127.0.0.1",
+            port=proxy.port,
+            socket_timeout=0.5,
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=True,
+        )
+        warm = Claim(client, "warm", ttl=10, heartbeat=False, cooldown=window)
+        assert warm.acquire() and warm.release()  # the scripts are loaded: EVALSHA runs
+        claim = Claim(client, name, ttl=10, heartbeat=False, records=True, cooldown=window)
+        assert claim.acquire()
+        scripts = _script_calls(direct)
+        # The release lands and runs; its reply is held until the client has given up
+        # on it and sent the release again.
+        proxy.hold_replies()
+        released = pool.submit(claim.release)
+        first, seen = wait_for(
+            "the release to land",
+            lambda: (left := direct.pttl(claim.keys.cooldown)) > 0 and (left, time.monotonic()),
+            timeout=10,
+        )
+        wait_for("the release sent again", lambda: _script_calls(direct) - scripts >= 2)
+        proxy.heal()
+        assert released.result(timeout=30) is True
+        left = direct.pttl(claim.keys.cooldown)
+        since = time.monotonic() - seen
+        client.close()
+    assert not claim.vanished
+    # The window runs from the first release: a retry that set it again (0.5 s and more
+    # later, after the client's timeout) would leave that much more.
+    assert 0 < left <= first - since * 1000 + 100, (first, left, since)
+    assert direct.get(claim.keys.cooldown) == str(claim.fence)
+    assert [(run.outcome, run.fence) for run in records.history(direct, name)] == [
+        ("ok", claim.fence)
+    ]
+
+    # A trigger within the window is skipped as having run recently ...
+    assert not Claim(direct, name, ttl=10, heartbeat=False, records=True, cooldown=window).acquire()
+    skip = records.history(direct, name)[0]
+    assert skip.outcome == "skipped" and skip.reason == COOLDOWN_REASON
+    # ... and one after it runs.
+    wait_for("the window to end", lambda: not direct.exists(claim.keys.cooldown), timeout=10)
+    later = Claim(direct, name, ttl=10, heartbeat=False, records=True, cooldown=window)
+    assert later.acquire()
+    assert later.fence is not None and claim.fence is not None and later.fence > claim.fence
+    assert later.release() is True
+    outcomes = [run.outcome for run in records.history(direct, name)]
+    assert outcomes == ["ok", "skipped", "ok"]
+    direct.close()

@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
 from _wait import wait_for
 from fenced import Claim, claim_name, exclusive, hash_value
-from fenced._lease import ClaimKeys
+from fenced._inspect import ClaimReport, _show_apart, show_claim
+from fenced._lease import ClaimKeys, read_holder
 from fenced.testing import RedisServer, free_port
 
 FENCED = [sys.executable, "-m", "fenced.cli"]
@@ -402,6 +404,62 @@ def test_show_lists_runs_newest_first(url: str) -> None:
     assert text.index(" ok ") < text.index("failed")
     assert "$ true" in text and "exit status 3" in text
     assert "no run records" in fenced(url, "show", "never-ran").stdout
+
+
+class _Counting(redis.Connection):
+    """A connection that counts what it sends: one send is one round trip."""
+
+    sends = 0
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        type(self).sends += 1
+        super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]
+
+
+def _shown(report: ClaimReport) -> dict[str, Any]:
+    """A report as JSON, without the times left (the two reads are moments apart)."""
+    shown = report.as_dict()
+    for holder in [shown["holder"], *shown["slots"]]:
+        if holder:
+            holder["expires_in"] = holder["expires_in"] is not None
+    shown["cooldown_left"] = shown["cooldown_left"] is not None
+    return shown
+
+
+def test_show_reads_a_claim_in_one_round_trip_and_as_it_reads_part_by_part(
+    redis_server: RedisServer, r: Any
+) -> None:
+    r.flushall()
+    counted = redis.Redis(
+        connection_pool=redis.ConnectionPool(
+            connection_class=_Counting,
+            host="127.0.0.1",
+            port=redis_server.port,
+            decode_responses=True,
+        )
+    )
+    assert counted.ping()
+    plain = held(r, "plain", records=True, task_id="t-plain")
+    with Claim(r, "cooled", ttl=30, cooldown=60, records=True):
+        pass
+    several = [held(r, "several", limit=3, records=True, task_id=f"t{i}") for i in range(2)]
+    several[0].release()
+    r.set(ClaimKeys("fenced", "odd").slots, "not a hash")  # WRONGTYPE: read as a plain claim
+    r.set(ClaimKeys("fenced", "odd").runs, "not a stream")
+    held(r, "odd", task_id="t-odd")
+    for name in ("plain", "cooled", "several", "odd", "never-ran"):
+        before = _Counting.sends
+        report = show_claim(counted, name)
+        assert _Counting.sends - before == 1, name
+        assert _shown(report) == _shown(_show_apart(r, ClaimKeys("fenced", name), 20)), name
+    shown, read = show_claim(counted, "plain").holder, read_holder(r, "plain")
+    assert shown and read and (shown.token, shown.fence) == (read.token, read.fence)
+    assert plain.fence is not None and show_claim(counted, "plain").runs[0].fence == plain.fence
+    report = show_claim(counted, "several")
+    assert report.limit == 3 and [i for i, _h in report.slots] == [1]
+    assert 55 < (show_claim(counted, "cooled").cooldown_left or 0) <= 60
+    assert show_claim(counted, "odd").runs[0].unreadable
+    counted.close()
 
 
 # -- fenced release -----------------------------------------------------------------------

@@ -8,6 +8,7 @@ entries) and by a live counter each holder bumps. No test asserts on speed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -417,3 +418,86 @@ def test_a_slot_is_never_handed_over_or_taken_over(r: Any) -> None:
         claim.hand_over(5.0)
     assert claim.held
     assert claim.release()
+
+
+def test_a_redelivered_task_never_runs_beside_its_paused_attempt_in_a_free_slot(
+    redis_server: RedisServer,
+) -> None:
+    from celery_harness import Services, Worker, notes
+
+    # The lease outlives the visibility timeout: the message comes back while the
+    # paused attempt still holds slot 0, and slot 1 is free.
+    services = Services.on(redis_server, ttl=5.0)
+    client = services.client()
+    obs, locks = services.obs(), services.locks()
+    k = key()
+    name = f"limited:{k}"
+    paused: int | None = None
+    try:
+        with Worker(services, concurrency=1, visibility=2, name="paused") as first:
+            x = client.send_task("t.limited", args=(k,), queue=services.queue)
+            wait_for("the first run", lambda: notes(obs, f"runs:{k}"), proc=first.proc)
+            (held,) = read_slots(locks, name)
+            slot, attempt = held
+            assert slot == 0 and attempt.task_id == x.id and attempt.pid is not None
+            paused = attempt.pid
+            os.kill(paused, signal.SIGSTOP)  # a pool child frozen mid-run: no renewals
+            with Worker(services, pool="threads", concurrency=3, visibility=2, name="again"):
+                # Until the redelivered message runs: who holds which slot, by Redis's clock.
+                samples: list[tuple[float, list[tuple[int, Any]]]] = []
+
+                def sample() -> bool:
+                    secs, micros = locks.time()
+                    samples.append((secs + micros / 1e6, read_slots(locks, name, limit=2)))
+                    return len(notes(obs, f"runs:{k}")) >= 2
+
+                wait_for("the redelivered message to run", sample, every=0.02)
+                retried = [n for n in notes(obs, "signal:retry") if n["task_id"] == x.id]
+                assert retried and all("ClaimHeld" in n["reason"] for n in retried)
+                second = notes(obs, f"runs:{k}")[1]
+                assert second["task_id"] == x.id and second["fence"] > attempt.fence
+                # Both slots taken by two tasks: a third is skipped, the paused one is not
+                # among them.
+                y = client.send_task("t.limited", args=(k,), queue=services.queue)
+                wait_for("a second task to run", lambda: len(notes(obs, f"runs:{k}")) >= 3)
+                z = client.send_task("t.limited", args=(k,), queue=services.queue)
+                assert z.get(timeout=WAIT)["status"] == "skipped"
+                # The redelivered run found its earlier attempt's run unfinished ...
+                (earlier,) = [r for r in records.history(locks, name) if r.token == attempt.token]
+                assert earlier.outcome == "aborted"
+                # ... and resumed, that attempt finds its claim lost and takes no slot back.
+                os.kill(paused, signal.SIGCONT)
+                paused = None
+                failed = wait_for(
+                    "the first attempt to fail",
+                    lambda: [n for n in notes(obs, "signal:failure") if n["task_id"] == x.id],
+                )
+                assert [n["exc"].split("(")[0] for n in failed] == ["ClaimLost"]
+                (earlier,) = [r for r in records.history(locks, name) if r.token == attempt.token]
+                assert earlier.outcome == "lost" and earlier.fence == attempt.fence
+                holders = read_slots(locks, name)
+                assert sorted(h.task_id or "" for _i, h in holders) == sorted([x.id, y.id])
+                for n in (1, 2):
+                    obs.set(f"gate:{k}:{n}", 1)
+                assert y.get(timeout=WAIT)["status"] == "ok"
+                wait_for("the redelivered run to end", lambda: len(notes(obs, f"ends:{k}")) >= 2)
+    finally:
+        if paused is not None:
+            with contextlib.suppress(ProcessLookupError):  # killed with its worker
+                os.kill(paused, signal.SIGCONT)
+        client.close()
+    # Never more than two holders, never two of the same task, the paused attempt's
+    # lease ends before its redelivered message starts.
+    assert all(len(h) <= 2 for _t, h in samples)
+    assert all(len([1 for _i, h in hs if h.task_id == x.id]) <= 1 for _t, hs in samples)
+    last_paused = max(t for t, hs in samples if any(h.token == attempt.token for _i, h in hs))
+    runs = [r for r in records.history(locks, name) if r.outcome != "skipped"]
+    mine = [r for r in runs if r.task_id == x.id]
+    assert sorted((r.outcome, r.fence == attempt.fence) for r in mine) == [
+        ("lost", True),
+        ("ok", False),
+    ]
+    (again,) = [r for r in mine if r.outcome == "ok"]
+    assert again.started is not None and again.started >= last_paused - 0.002
+    assert [r.fence for r in runs if r.outcome == "ok" and r.fence == attempt.fence] == []
+    assert len([r for r in runs if r.outcome == "ok"]) == 2  # the redelivered run and y

@@ -24,13 +24,16 @@ from ._lease import (
     ClaimKeys,
     Holder,
     int_or_none,
+    lock_holder,
+    queue_slots,
+    reachable,
     read_holder,
     read_slots,
     slot_holders,
 )
 from ._nodes import is_cluster, node_of, scan_keys, server_times
 from ._printable import readable
-from .records import RunRecord, entries_for, from_entries, history
+from .records import UNREADABLE, RunRecord, entries_for, from_entries, history
 
 __all__ = [
     "ClaimInfo",
@@ -347,20 +350,56 @@ def _slots_hash(client: Any, keys: ClaimKeys) -> Any:
 def show_claim(
     client: Any, name: str, *, namespace: str = "fenced", limit: int = 20
 ) -> ClaimReport:
-    """The holder and the run records of one claim."""
+    """The holder and the run records of one claim.
+
+    One round trip: every key of a name shares its hash tag, so a Cluster pipeline goes
+    to the one node that holds them all.
+    """
     keys = ClaimKeys.of(name, namespace)
-    slots = read_slots(client, keys.name, namespace=namespace)
-    most = _limit_of(_slots_hash(client, keys))
+    pipe = queue_slots(client.pipeline(transaction=False), keys)
+    pipe.xrevrange(keys.runs, count=entries_for(limit))
+    pipe.pttl(keys.cooldown)
+    with reachable(client, f"read claim {keys.name!r}", keys.name):
+        try:
+            answers = pipe.execute(raise_on_error=False)
+        except UnicodeDecodeError:
+            # A client that decodes replies met bytes that are not text, and the whole
+            # answer is lost with them: read part by part, to show what can be read.
+            return _show_apart(client, keys, limit)
+    *leases, fence, fences, entries, cooldown = answers
+    slots = slot_holders(leases, fence, fences)
+    most = _limit_of(fences)
     if most == 1:
         # The plain claim: its holder's fence is the counter's.
-        holder = read_holder(client, keys.name, namespace=namespace)
+        holder = lock_holder(keys, leases[0], leases[1], fence)
         slots = [(0, holder)] if holder else [s for s in slots if s[0]]
+    if isinstance(entries, Exception):  # not a stream (WRONGTYPE): someone else's key
+        runs = [RunRecord(keys.name, UNREADABLE, unreadable=f"{keys.runs}: {entries}")]
+    else:
+        runs = from_entries(keys.name, entries, limit)
+    return _report(keys, slots, most, runs, cooldown)
+
+
+def _show_apart(client: Any, keys: ClaimKeys, limit: int) -> ClaimReport:
+    """:func:`show_claim` in a round trip per part, each read on its own terms."""
+    slots = read_slots(client, keys.name, namespace=keys.namespace)
+    most = _limit_of(_slots_hash(client, keys))
+    if most == 1:
+        holder = read_holder(client, keys.name, namespace=keys.namespace)
+        slots = [(0, holder)] if holder else [s for s in slots if s[0]]
+    runs = history(client, keys.name, limit=limit, namespace=keys.namespace)
+    return _report(keys, slots, most, runs, client.pttl(keys.cooldown))
+
+
+def _report(
+    keys: ClaimKeys, slots: list[tuple[int, Holder]], most: int, runs: list[RunRecord], pttl: Any
+) -> ClaimReport:
     return ClaimReport(
         keys.name,
-        namespace,
+        keys.namespace,
         slots[0][1] if slots else None,
-        history(client, keys.name, limit=limit, namespace=namespace),
-        _left(client.pttl(keys.cooldown)),
+        runs,
+        _left(pttl),
         max(most, max((i + 1 for i, _h in slots), default=1)),
         slots,
     )

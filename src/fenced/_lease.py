@@ -915,6 +915,12 @@ def read_holder(client: Any, name: str, *, namespace: str = "fenced") -> Holder 
             token, pttl, fence = pipe.execute(raise_on_error=False)
         except UnicodeDecodeError:  # a client that decodes replies, and bytes that are not text
             return Holder.unknown("a value of the claim is not UTF-8")
+    return lock_holder(keys, token, pttl, fence)
+
+
+def lock_holder(keys: ClaimKeys, token: Any, pttl: Any, fence: Any) -> Holder | None:
+    """The holder of a plain claim from the GET and PTTL answers of its lease and the
+    fence counter (for callers that pipeline)."""
     if token is None:
         return None
     if isinstance(token, Exception):  # e.g. WRONGTYPE: not a string, not a token
@@ -940,18 +946,24 @@ def read_slots(
     """Every holder of a name, by slot (a name held by up to ``limit`` at once), in slot
     order; one round trip. ``limit`` defaults to the most a name may have."""
     keys = ClaimKeys.of(name, namespace)
-    pipe = client.pipeline(transaction=False)
-    for i in range(limit):
-        pipe.get(keys.slot(i))
-        pipe.pttl(keys.slot(i))
-    pipe.get(keys.fence)
-    pipe.hgetall(keys.slots)
+    pipe = queue_slots(client.pipeline(transaction=False), keys, limit)
     with reachable(client, f"read claim {keys.name!r}", keys.name):
         try:
             *leases, fence, fences = pipe.execute(raise_on_error=False)
         except UnicodeDecodeError:  # a client that decodes replies, and bytes that are not text
             return [(0, Holder.unknown("a value of the claim is not UTF-8"))]
     return slot_holders(leases, fence, fences)
+
+
+def queue_slots(pipe: Any, keys: ClaimKeys, limit: int = MAX_LIMIT) -> Any:
+    """Queue on a pipeline what :func:`slot_holders` reads: each slot's GET and PTTL, the
+    fence counter, the slots' hash (in that order). The pipeline."""
+    for i in range(limit):
+        pipe.get(keys.slot(i))
+        pipe.pttl(keys.slot(i))
+    pipe.get(keys.fence)
+    pipe.hgetall(keys.slots)
+    return pipe
 
 
 def slot_holders(leases: Sequence[Any], fence: Any, fences: Any) -> list[tuple[int, Holder]]:

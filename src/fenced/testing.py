@@ -738,8 +738,11 @@ class TcpProxy:
 
     ``blackhole()`` keeps every connection open but forwards nothing either way (as a
     partition does: no reset, no answer, the client waits out its timeouts), and
-    accepts new connections that go nowhere; ``heal()`` forwards again; ``cut()``
-    closes every connection (a reset). Point a client at ``proxy.url``.
+    accepts new connections that go nowhere; ``hold_replies()`` still forwards what
+    clients send but holds what the server answers on the connections open now (a
+    command that lands and a reply lost on the way back; a new connection works);
+    ``heal()`` forwards again; ``cut()`` closes every connection (a reset). Point a
+    client at ``proxy.url``.
     """
 
     def __init__(self, target_port: int, target_host: str = "127.0.0.1") -> None:
@@ -748,6 +751,7 @@ class TcpProxy:
         self.port: int = self._listener.getsockname()[1]
         self._open = threading.Event()  # set: forwarding; clear: black-holed
         self._open.set()
+        self._replies: list[threading.Event] = []  # per connection, set: forwarding answers
         self._closed = False
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
@@ -762,14 +766,27 @@ class TcpProxy:
         """Stop forwarding, both ways, on every connection, old and new."""
         self._open.clear()
 
+    def hold_replies(self) -> None:
+        """Hold the replies on every connection open now (delivered when healed, if the
+        connection is still open then); requests are forwarded."""
+        with self._lock:
+            for gate in self._replies:
+                gate.clear()
+
     def heal(self) -> None:
         """Forward again."""
         self._open.set()
+        with self._lock:
+            for gate in self._replies:
+                gate.set()
 
     def cut(self) -> None:
         """Close every connection now (the client sees a reset)."""
         with self._lock:
             socks, self._sockets = self._sockets, []
+            gates, self._replies = self._replies, []
+        for gate in gates:
+            gate.set()  # a held reply goes nowhere now
         for s in socks:
             try:
                 s.shutdown(socket.SHUT_RDWR)
@@ -780,7 +797,7 @@ class TcpProxy:
     def close(self) -> None:
         """Stop the proxy and close every connection."""
         self._closed = True
-        self._open.set()
+        self.heal()
         self._listener.close()
         self.cut()
 
@@ -801,12 +818,15 @@ class TcpProxy:
             except OSError:
                 client.close()
                 continue
+            replies = threading.Event()
+            replies.set()
             with self._lock:
                 self._sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+                self._replies.append(replies)
+            for a, b, gate in ((client, upstream, None), (upstream, client, replies)):
+                threading.Thread(target=self._pump, args=(a, b, gate), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, gate: threading.Event | None) -> None:
         try:
             while True:
                 data = src.recv(65536)
@@ -815,6 +835,8 @@ class TcpProxy:
                 # A black hole holds the bytes until healed: they are never delivered
                 # while it lasts, and the connection stays open.
                 self._open.wait()
+                if gate is not None:
+                    gate.wait()
                 if self._closed:
                     break
                 dst.sendall(data)

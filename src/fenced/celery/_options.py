@@ -329,7 +329,7 @@ class PerApp:
 
 
 # The client each app was last given (read again when its settings change).
-_given = PerApp(("fenced_redis_client", "fenced_redis_url"))
+_given = PerApp(("fenced_redis_client", "fenced_redis_url", "fenced_redis_options"))
 
 
 def settings_seen(app: Any, names: tuple[str, ...]) -> tuple[Any, ...] | None:
@@ -388,15 +388,17 @@ def _lock_redis(app: Any) -> Any:
             "(the broker's Redis is not used by default: claims need a database with "
             "maxmemory-policy noeviction)"
         )
+    # A paused Redis must not hold a task forever: acquire fails closed instead.
+    options: dict[str, Any] = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0}
+    options.update(app.conf.get("fenced_redis_options") or {})
+    # Changed options for the same URL (a longer timeout, TLS files) are a new client.
+    key = ("url", url, options)
     with _clients_lock:
         cached = _clients.get(app)
-        if cached is not None and cached[0] == url:
+        if cached is not None and cached[0] == key:
             return cached[1]
-        # A paused Redis must not hold a task forever: acquire fails closed instead.
-        options: dict[str, Any] = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0}
-        options.update(app.conf.get("fenced_redis_options") or {})
         # redis-py pools notice a fork and reconnect, so one client serves the main
         # process and every pool child.
         client = connect(url, what="claims", **options)
-        _clients[app] = (url, client)
+        _clients[app] = (key, client)
         return client
