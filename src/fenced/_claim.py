@@ -276,6 +276,8 @@ class ClaimState:
         duration: float | None = None,
     ) -> None:
         """An event about the lease this process holds (its fence, slot and holder)."""
+        known = self._holder_text
+        holder = known[2] if known is not None and known[0] is self.token else self._own_holder()
         events.emit(
             _event(
                 events.ClaimEvent,
@@ -285,7 +287,7 @@ class ClaimState:
                     self.label,
                     self._source,
                     self.fence,
-                    self._own_holder(),
+                    holder,
                     outcome,
                     reason,
                     duration,

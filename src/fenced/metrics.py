@@ -446,12 +446,16 @@ class ClaimMetrics:
             self._collectors = [self._store]
         # Each label's values, found with one dict lookup per event; labels are added
         # under the lock (at most MAX_LABELS of them), values updated without it.
-        self._cells: dict[str, _Counts | _Children] = {}
+        # (Any: _Counts when ``_plain``, else _Children.)
+        self._cells: dict[str, Any] = {}
+        self._plain = isinstance(self._store, _Tally)
         self._lock = threading.Lock()
         self._warned = False
         # The leases counted as held: (name, slot, fence). Set operations are atomic.
         self._holding: set[tuple[str, int | None, int | None]] = set()
         self._handlers: dict[str, Callable[[ClaimEvent], None]] = {
+            "acquired": self._on_acquired,
+            "released": self._on_released,
             "skipped": self._on_skipped,
             "renewed": self._on_renewed,
             "renewal_failed": self._on_renewal_failed,
@@ -461,29 +465,36 @@ class ClaimMetrics:
 
     def __call__(self, event: ClaimEvent) -> None:
         """Count one event."""
-        # The two events of every run first, inline: this runs twice per claim cycle.
         kind = event.kind
-        if kind == "acquired":
-            cells = self._cells.get(event.label) or self._new_label(event.label)
+        # The two events of every run, inline (this runs twice a claim cycle) when the
+        # values are this process's own numbers; every other event through a handler.
+        if self._plain and (kind == "acquired" or kind == "released"):
+            counts: _Counts = self._cells.get(event.label) or self._new_label(event.label)
             key = (event.name, event.slot, event.fence)
-            holding = self._holding
-            if key in holding:
-                cells.on_acquired(False)
-            else:
-                holding.add(key)
-                cells.on_acquired(True)
-        elif kind == "released":
-            cells = self._cells.get(event.label) or self._new_label(event.label)
+            if kind == "acquired":
+                counts.acquired += 1.0
+                if key not in self._holding:
+                    self._holding.add(key)
+                    counts.held += 1.0
+                return
             outcome = event.outcome
-            cells.on_released(
-                outcome if outcome in OUTCOMES else OTHER,
-                self._held_until(event),
-                event.duration,
-            )
-        else:
-            handler = self._handlers.get(kind)
-            if handler is not None:
-                handler(event)
+            counts.released[outcome if outcome in OUTCOMES else OTHER] += 1.0
+            # After a loss of the same lease (outcome "lost"), the loss counted the gauge
+            # and the duration.
+            try:
+                self._holding.remove(key)
+            except KeyError:
+                return
+            counts.held -= 1.0
+            duration = event.duration
+            if duration is not None:
+                run = counts.run
+                run[bisect_left(RUN_BUCKETS, duration)] += 1.0
+                run[-1] += duration
+            return
+        handler = self._handlers.get(kind)
+        if handler is not None:
+            handler(event)
 
     def unregister(self) -> None:
         """Take the metrics out of the registry."""
@@ -493,7 +504,7 @@ class ClaimMetrics:
             except KeyError:
                 pass
 
-    def _new_label(self, label: str) -> _Counts | _Children:
+    def _new_label(self, label: str) -> Any:
         """The values of a label not seen yet: its own, or ``"other"``'s past MAX_LABELS."""
         with self._lock:
             cells = self._cells.get(label)
@@ -516,7 +527,8 @@ class ClaimMetrics:
             return cells
 
     def _of(self, event: ClaimEvent) -> _Counts | _Children:
-        return self._cells.get(event.label) or self._new_label(event.label)
+        cells: _Counts | _Children = self._cells.get(event.label) or self._new_label(event.label)
+        return cells
 
     def _held_until(self, event: ClaimEvent) -> bool:
         """The lease of ``event`` ended: True if it was counted as held until now."""
@@ -528,7 +540,18 @@ class ClaimMetrics:
             return False
         return True
 
-    # -- the other events -----------------------------------------------------------------
+    # -- every event, through its handler -----------------------------------------------
+
+    def _on_acquired(self, event: ClaimEvent) -> None:
+        key = (event.name, event.slot, event.fence)
+        fresh = key not in self._holding
+        if fresh:
+            self._holding.add(key)
+        self._of(event).on_acquired(fresh)
+
+    def _on_released(self, event: ClaimEvent) -> None:
+        outcome = event.outcome if event.outcome in OUTCOMES else OTHER
+        self._of(event).on_released(outcome, self._held_until(event), event.duration)
 
     def _on_lost(self, event: ClaimEvent) -> None:
         cells = self._of(event)
