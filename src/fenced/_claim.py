@@ -244,10 +244,12 @@ class ClaimState:
         kind: str,
         fence: int | None = None,
         holder: str | None = None,
+        outcome: str | None = None,
         reason: str | None = None,
+        duration: float | None = None,
+        slot: int | None = None,
     ) -> None:
-        """Send one event not about a lease this process holds (callers check
-        ``events.enabled()`` first: building costs)."""
+        """Send one event (callers check ``events.enabled()`` first: building costs)."""
         events.emit(
             _event(
                 events.ClaimEvent,
@@ -258,10 +260,10 @@ class ClaimState:
                     self._source,
                     fence,
                     holder,
-                    None,
+                    outcome,
                     reason,
-                    None,
-                    None,
+                    duration,
+                    slot,
                     self._task,
                     time.time(),
                 ),
@@ -278,25 +280,8 @@ class ClaimState:
         """An event about the lease this process holds (its fence, slot and holder)."""
         known = self._holder_text
         holder = known[2] if known is not None and known[0] is self.token else self._own_holder()
-        events.emit(
-            _event(
-                events.ClaimEvent,
-                (
-                    kind,
-                    self.name,
-                    self.label,
-                    self._source,
-                    self.fence,
-                    holder,
-                    outcome,
-                    reason,
-                    duration,
-                    self.slot if self.limit > 1 else None,
-                    self._task,
-                    time.time(),
-                ),
-            )
-        )
+        slot = self.slot if self.limit > 1 else None
+        self._emit(kind, self.fence, holder, outcome, reason, duration, slot)
 
     def renewal_event(self, duration: float, error: BaseException | None = None) -> None:
         """A renewal round trip of ``duration`` seconds ended (``error``: it failed)."""
@@ -318,9 +303,9 @@ class ClaimState:
         else:
             reason = SKIP_RERUN_REASON if rerun else SKIP_REASON
         if holder is None:
-            self._emit("skipped", None, None, reason)
+            self._emit("skipped", reason=reason)
         else:
-            self._emit("skipped", holder.fence, holder.text, reason)
+            self._emit("skipped", holder.fence, holder.text, reason=reason)
 
     def _released_event(self, outcome: str) -> None:
         if self.vanished and outcome == "ok":

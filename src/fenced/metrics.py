@@ -426,7 +426,8 @@ class ClaimMetrics:
     Call it with a :class:`~fenced.events.ClaimEvent` (it is a subscriber). Thread-safe:
     renewal events come from the heartbeat thread. In prometheus_client's multiprocess
     mode the values are prometheus_client's own metrics (in files); otherwise plain
-    numbers a collector hands to the registry when it is read, which costs less per event.
+    numbers a collector hands to the registry when it is read, which costs less per event:
+    events are then counted :data:`BATCH` at a time, and all of them before every read.
     ``in_files`` chooses (True: prometheus_client's metrics) instead of the environment.
     """
 
@@ -480,9 +481,9 @@ class ClaimMetrics:
     def __call__(self, event: ClaimEvent) -> None:
         """Count one event."""
         if self._plain:
-            # Appending is all a claim waits for; counting a batch at once, in a loop that
-            # stays in the processor's caches, costs less than counting each event
-            # amid a claim's own work. A read of the registry counts what waits first.
+            # Most events only wait in the deque: counting a batch at once, in a loop that
+            # stays in the processor's caches, costs less than counting each event amid
+            # a claim's own work. A read of the registry counts what waits first.
             pending = self._pending
             pending.append(event)
             if len(pending) >= BATCH:
