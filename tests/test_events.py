@@ -127,6 +127,14 @@ def test_acquire_skip_and_release_events(server: RedisServer, seen: Recorder) ->
     assert skipped.holder == acquired.holder and skipped.fence == claim.fence
     assert released.outcome == "ok" and released.duration is not None
     assert released.duration >= 0 and released.fence == claim.fence
+    # Subscribers share one event: it cannot be changed, only copied with a change.
+    with pytest.raises(AttributeError):
+        released.outcome = "failed"  # type: ignore[misc]
+    assert released._replace(outcome="failed").outcome == "failed" and released.outcome == "ok"
+    # A second lease of the same claim: its holder text again, its own fence.
+    assert claim.acquire() and claim.release()
+    again = seen.of("rebuild:acme:roads", "acquired")[1]
+    assert again.holder == acquired.holder and again.fence == claim.fence != acquired.fence
 
 
 def test_a_cooldown_skip_says_ran_recently_and_a_slot_is_named(

@@ -225,6 +225,47 @@ def test_reasons_and_causes_outside_the_vocabulary_are_other_and_labels_are_capp
     assert value(capped.registry, "fenced_claims_acquired_total", label="other") == 2
 
 
+def test_threads_counting_at_once_lose_no_counts() -> None:
+    # Values are updated without a lock: threads switched as often as the interpreter
+    # allows still add up to every event.
+    reg = CollectorRegistry()
+    metrics = ClaimMetrics(reg)
+    per_thread, threads = 3000, 4
+
+    def work(t: int) -> None:
+        for i in range(per_thread):
+            metrics(ClaimEvent("acquired", f"n{t}", "l", "claim", fence=i))
+            metrics(ClaimEvent("renewed", f"n{t}", "l", "claim", fence=i, duration=0.002))
+            outcome = "ok" if i % 3 else "failed"
+            metrics(
+                ClaimEvent("released", f"n{t}", "l", "claim", fence=i, outcome=outcome, duration=2)
+            )
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        sys.setswitchinterval(switch)
+    total = per_thread * threads
+    assert value(reg, "fenced_claims_acquired_total", label="l") == total
+    released = "fenced_claims_released_total"
+    assert value(reg, released, label="l", outcome="ok") == total * 2 // 3
+    assert value(reg, released, label="l", outcome="failed") == total // 3
+    assert value(reg, "fenced_claims_held", label="l") == 0
+    assert value(reg, "fenced_run_duration_seconds_count", label="l") == total
+    assert value(reg, "fenced_run_duration_seconds_bucket", label="l", le="1.0") == 0
+    assert value(reg, "fenced_run_duration_seconds_sum", label="l") == 2 * total
+    assert value(reg, "fenced_renewal_seconds_bucket", label="l", le="0.0025") == total
+    # Nothing else was counted: no series of a counter that never moved.
+    names = {s.name for family in reg.collect() for s in family.samples}
+    assert not names & {"fenced_claims_lost_total", "fenced_claims_skipped_total"}
+
+
 # -- a prefork worker, multiprocess mode ------------------------------------------------------
 
 

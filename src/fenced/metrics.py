@@ -30,6 +30,7 @@ import os
 import re
 import threading
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -99,6 +100,10 @@ LOSS_CAUSES = {
 #: How released work ended: the ``outcome`` label (anything else: ``"other"``).
 OUTCOMES = frozenset({"ok", "failed", "lost", "retried"})
 OTHER = "other"
+
+#: Events of this process's own numbers (not multiprocess mode) are counted this many
+#: at a time, and whenever the registry is read.
+BATCH = 512
 
 #: Distinct ``label`` values kept; more are counted under ``"other"`` (a label built
 #: from call arguments would otherwise make a series per call).
@@ -177,65 +182,99 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
 }
 
 
+#: Every word a worded counter takes, in a fixed order (what a label's counts start with).
+_SKIP_WORDS = (*dict.fromkeys(SKIP_REASONS.values()), OTHER)
+_LOSS_WORDS = (*dict.fromkeys(LOSS_CAUSES.values()), OTHER)
+_OUTCOME_WORDS = (*sorted(OUTCOMES), OTHER)
+
+
+class _Counts:
+    """One label's values in this process: plain floats, and dicts and lists of them.
+
+    Updated without a lock: each update is one ``+=`` on an attribute, a dict item whose
+    key exists already or a list item, which CPython's GIL never interrupts (no call, no
+    Python code runs inside it), so threads do not lose counts. (A free-threaded build
+    can lose one under a race.) A reader may see a histogram's count before its sum.
+    """
+
+    __slots__ = (
+        "acquired",
+        "failures",
+        "held",
+        "lost",
+        "released",
+        "renewal",
+        "run",
+        "skipped",
+        "unavailable",
+    )
+
+    def __init__(self) -> None:
+        self.acquired = 0.0
+        self.held = 0.0
+        self.skipped = dict.fromkeys(_SKIP_WORDS, 0.0)
+        self.lost = dict.fromkeys(_LOSS_WORDS, 0.0)
+        self.released = dict.fromkeys(_OUTCOME_WORDS, 0.0)
+        self.failures = 0.0
+        self.unavailable = 0.0
+        # Count per bucket (not cumulative; the last but one is +Inf), then the sum.
+        self.run = [0.0] * (len(RUN_BUCKETS) + 2)
+        self.renewal = [0.0] * (len(RENEWAL_BUCKETS) + 2)
+
+    def on_acquired(self, fresh: bool) -> None:
+        self.acquired += 1.0
+        if fresh:
+            self.held += 1.0
+
+    def on_ended(
+        self, counts: dict[str, float], word: str, was_held: bool, duration: float | None
+    ) -> None:
+        counts[word] += 1.0
+        if was_held:
+            self.held -= 1.0
+            if duration is not None:
+                run = self.run
+                run[bisect_left(RUN_BUCKETS, duration)] += 1.0
+                run[-1] += duration
+
+    def on_released(self, outcome: str, was_held: bool, duration: float | None) -> None:
+        self.on_ended(self.released, outcome, was_held, duration)
+
+    def on_lost(self, cause: str, was_held: bool, duration: float | None) -> None:
+        self.on_ended(self.lost, cause, was_held, duration)
+
+    def on_skipped(self, reason: str) -> None:
+        self.skipped[reason] += 1.0
+
+    def on_renewed(self, duration: float) -> None:
+        renewal = self.renewal
+        renewal[bisect_left(RENEWAL_BUCKETS, duration)] += 1.0
+        renewal[-1] += duration
+
+    def on_renewal_failed(self) -> None:
+        self.failures += 1.0
+
+    def on_unavailable(self) -> None:
+        self.unavailable += 1.0
+
+
 class _Tally:
-    """The values kept in this process, as plain numbers under one lock; a registry reads
+    """The values kept in this process, one :class:`_Counts` per label; a registry reads
     them as a collector. Cheaper per event than prometheus_client's own metrics."""
 
     def __init__(self, namespace: str) -> None:
         self.prefix = f"{namespace}_" if namespace else ""
         self.lock = threading.Lock()
-        self.counts: dict[tuple[str, tuple[str, ...]], float] = {}
-        # (metric, label) -> [count per bucket (not cumulative), sum]
-        self.spreads: dict[tuple[str, str], list[float]] = {}
-        self.held: dict[str, float] = {}
+        self.labels: dict[str, _Counts] = {}
+        #: Counts the events still waiting (set by ClaimMetrics): called before a read.
+        self.drain: Callable[[], None] = lambda: None
 
-    def count(self, metric: str, labels: tuple[str, ...]) -> None:
-        key = (metric, labels)
+    def cells(self, label: str) -> _Counts:
+        """A new label's values (the caller keeps them, to update)."""
+        counts = _Counts()
         with self.lock:
-            self.counts[key] = self.counts.get(key, 0.0) + 1.0
-
-    def observe(self, metric: str, label: str, value: float) -> None:
-        key = (metric, label)
-        buckets = METRICS[metric][3]
-        at = bisect_left(buckets, value)
-        with self.lock:
-            spread = self.spreads.get(key)
-            if spread is None:
-                spread = self.spreads[key] = [0.0] * (len(buckets) + 2)
-            spread[at] += 1.0
-            spread[-1] += value
-
-    def move(self, label: str, by: float) -> None:
-        with self.lock:
-            self.held[label] = self.held.get(label, 0.0) + by
-
-    # The two events of every run, each under one lock.
-
-    def acquired(self, label: str, fresh: bool) -> None:
-        key = ("claims_acquired", (label,))
-        with self.lock:
-            counts = self.counts
-            counts[key] = counts.get(key, 0.0) + 1.0
-            if fresh:
-                self.held[label] = self.held.get(label, 0.0) + 1.0
-
-    def ended(
-        self, metric: str, labels: tuple[str, str], was_held: bool, duration: float | None
-    ) -> None:
-        key, label = (metric, labels), labels[0]
-        at = -1 if duration is None or not was_held else bisect_left(RUN_BUCKETS, duration)
-        with self.lock:
-            counts = self.counts
-            counts[key] = counts.get(key, 0.0) + 1.0
-            if was_held:
-                self.held[label] = self.held.get(label, 0.0) - 1.0
-            if at >= 0:
-                spread = self.spreads.get(("run_duration_seconds", label))
-                if spread is None:
-                    spread = [0.0] * (len(RUN_BUCKETS) + 2)
-                    self.spreads["run_duration_seconds", label] = spread
-                spread[at] += 1.0
-                spread[-1] += duration or 0.0
+            self.labels[label] = counts
+        return counts
 
     def _families(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -254,24 +293,92 @@ class _Tally:
         return iter(self._families().values())
 
     def collect(self) -> Iterator[Any]:
-        """The families with the values of now."""
+        """The families with the values of now (a series shows once it was counted)."""
+        self.drain()
         with self.lock:
-            counts = dict(self.counts)
-            spreads = {key: list(spread) for key, spread in self.spreads.items()}
-            held = dict(self.held)
+            labels = list(self.labels.items())
         families = self._families()
-        for (metric, labels), value in counts.items():
-            families[metric].add_metric(list(labels), value)
-        for (metric, label), spread in spreads.items():
-            bounds = METRICS[metric][3]
-            cumulative, total = [], 0.0
-            for bound, n in zip((*bounds, float("inf")), spread[:-1]):
-                total += n
-                cumulative.append((floatToGoString(bound), total))  # type: ignore[no-untyped-call]
-            families[metric].add_metric([label], cumulative, spread[-1])
-        for label, value in held.items():
-            families["claims_held"].add_metric([label], value)
+
+        def add(metric: str, label: str, values: dict[str, float]) -> None:
+            for word, value in list(values.items()):
+                if value:
+                    families[metric].add_metric([label, word], value)
+
+        for label, counts in labels:
+            if counts.acquired:
+                families["claims_acquired"].add_metric([label], counts.acquired)
+                families["claims_held"].add_metric([label], counts.held)
+            add("claims_skipped", label, counts.skipped)
+            add("claims_lost", label, counts.lost)
+            add("claims_released", label, counts.released)
+            for metric, value in (
+                ("renewal_failures", counts.failures),
+                ("redis_unavailable", counts.unavailable),
+            ):
+                if value:
+                    families[metric].add_metric([label], value)
+            for metric, spread in (
+                ("run_duration_seconds", list(counts.run)),
+                ("renewal_seconds", list(counts.renewal)),
+            ):
+                bounds = METRICS[metric][3]
+                cumulative, total = [], 0.0
+                for bound, n in zip((*bounds, float("inf")), spread[:-1]):
+                    total += n
+                    cumulative.append((floatToGoString(bound), total))  # type: ignore[no-untyped-call]
+                if total:
+                    families[metric].add_metric([label], cumulative, spread[-1])
         return iter(families.values())
+
+
+class _Children:
+    """One label's prometheus_client metrics (``.labels(...)`` children), made when first
+    used (a child shows as a series, at 0, from then on)."""
+
+    __slots__ = ("label", "made", "metrics")
+
+    def __init__(self, metrics: dict[str, Any], label: str) -> None:
+        self.metrics = metrics
+        self.label = label
+        self.made: dict[tuple[str, str], Any] = {}
+
+    def child(self, metric: str, word: str = "") -> Any:
+        key = (metric, word)
+        made = self.made.get(key)
+        if made is None:
+            labels = (self.label, word) if word else (self.label,)
+            made = self.made[key] = self.metrics[metric].labels(*labels)
+        return made
+
+    def on_acquired(self, fresh: bool) -> None:
+        self.child("claims_acquired").inc()
+        if fresh:
+            self.child("claims_held").inc()
+
+    def on_ended(self, metric: str, word: str, was_held: bool, duration: float | None) -> None:
+        self.child(metric, word).inc()
+        if was_held:
+            self.child("claims_held").dec()
+            if duration is not None:
+                self.child("run_duration_seconds").observe(duration)
+
+    def on_released(self, outcome: str, was_held: bool, duration: float | None) -> None:
+        self.on_ended("claims_released", outcome, was_held, duration)
+
+    def on_lost(self, cause: str, was_held: bool, duration: float | None) -> None:
+        self.on_ended("claims_lost", cause, was_held, duration)
+
+    def on_skipped(self, reason: str) -> None:
+        self.child("claims_skipped", reason).inc()
+
+    def on_renewed(self, duration: float) -> None:
+        self.child("renewal_seconds").observe(duration)
+
+    def on_renewal_failed(self) -> None:
+        self.child("renewal_failures").inc()
+
+    def on_unavailable(self) -> None:
+        self.child("redis_unavailable").inc()
 
 
 class _Shared:
@@ -299,37 +406,10 @@ class _Shared:
                     multiprocess_mode="livesum",
                 )
             self.metrics[metric] = made
-        self.children: dict[tuple[str, tuple[str, ...]], Any] = {}
 
-    def _child(self, metric: str, labels: tuple[str, ...]) -> Any:
-        key = (metric, labels)
-        child = self.children.get(key)
-        if child is None:
-            child = self.children[key] = self.metrics[metric].labels(*labels)
-        return child
-
-    def count(self, metric: str, labels: tuple[str, ...]) -> None:
-        self._child(metric, labels).inc()
-
-    def observe(self, metric: str, label: str, value: float) -> None:
-        self._child(metric, (label,)).observe(value)
-
-    def move(self, label: str, by: float) -> None:
-        self._child("claims_held", (label,)).inc(by)
-
-    def acquired(self, label: str, fresh: bool) -> None:
-        self.count("claims_acquired", (label,))
-        if fresh:
-            self.move(label, 1.0)
-
-    def ended(
-        self, metric: str, labels: tuple[str, str], was_held: bool, duration: float | None
-    ) -> None:
-        self.count(metric, labels)
-        if was_held:
-            self.move(labels[0], -1.0)
-            if duration is not None:
-                self.observe("run_duration_seconds", labels[0], duration)
+    def cells(self, label: str) -> _Children:
+        """A new label's metrics (the caller keeps them)."""
+        return _Children(self.metrics, label)
 
     def collectors(self) -> list[Any]:
         return list(self.metrics.values())
@@ -346,7 +426,8 @@ class ClaimMetrics:
     Call it with a :class:`~fenced.events.ClaimEvent` (it is a subscriber). Thread-safe:
     renewal events come from the heartbeat thread. In prometheus_client's multiprocess
     mode the values are prometheus_client's own metrics (in files); otherwise plain
-    numbers a collector hands to the registry when it is read, which costs less per event.
+    numbers a collector hands to the registry when it is read, which costs less per event:
+    events are then counted :data:`BATCH` at a time, and all of them before every read.
     ``in_files`` chooses (True: prometheus_client's metrics) instead of the environment.
     """
 
@@ -372,22 +453,81 @@ class ClaimMetrics:
             self._store = _Tally(namespace)
             self.registry.register(self._store)
             self._collectors = [self._store]
-        self._labels: set[str] = set()
+        # Each label's values, found with one dict lookup per event; labels are added
+        # under the lock (at most MAX_LABELS of them), values updated without it.
+        # (Any: _Counts when ``_plain``, else _Children.)
+        self._cells: dict[str, Any] = {}
+        self._plain = isinstance(self._store, _Tally)
+        # This process's own numbers: the events wait here and are counted BATCH at a
+        # time, or when the registry is read (see __call__).
+        self._pending: deque[ClaimEvent] = deque()
+        self._drain_lock = threading.Lock()
+        if isinstance(self._store, _Tally):
+            self._store.drain = self._drain
+        self._lock = threading.Lock()
         self._warned = False
+        # The leases counted as held: (name, slot, fence). Set operations are atomic.
         self._holding: set[tuple[str, int | None, int | None]] = set()
         self._handlers: dict[str, Callable[[ClaimEvent], None]] = {
             "acquired": self._on_acquired,
+            "released": self._on_released,
             "skipped": self._on_skipped,
             "renewed": self._on_renewed,
             "renewal_failed": self._on_renewal_failed,
             "lost": self._on_lost,
-            "released": self._on_released,
             "unavailable": self._on_unavailable,
         }
 
     def __call__(self, event: ClaimEvent) -> None:
         """Count one event."""
-        handler = self._handlers.get(event.kind)
+        if self._plain:
+            # Most events only wait in the deque: counting a batch at once, in a loop that
+            # stays in the processor's caches, costs less than counting each event amid
+            # a claim's own work. A read of the registry counts what waits first.
+            pending = self._pending
+            pending.append(event)
+            if len(pending) >= BATCH:
+                self._drain()
+        else:
+            self._count(event)
+
+    def _drain(self) -> None:
+        """Count the events waiting, in the order they came (deque appends and pops are
+        atomic; the lock keeps two threads from counting at once)."""
+        pending, count = self._pending, self._count
+        with self._drain_lock:
+            while pending:
+                count(pending.popleft())
+
+    def _count(self, event: ClaimEvent) -> None:
+        kind = event.kind
+        # The two events of every run, inline (this runs twice a claim cycle) when the
+        # values are this process's own numbers; every other event through a handler.
+        if self._plain and (kind == "acquired" or kind == "released"):
+            counts: _Counts = self._cells.get(event.label) or self._new_label(event.label)
+            key = (event.name, event.slot, event.fence)
+            if kind == "acquired":
+                counts.acquired += 1.0
+                if key not in self._holding:
+                    self._holding.add(key)
+                    counts.held += 1.0
+                return
+            outcome = event.outcome
+            counts.released[outcome if outcome in OUTCOMES else OTHER] += 1.0
+            # After a loss of the same lease (outcome "lost"), the loss counted the gauge
+            # and the duration.
+            try:
+                self._holding.remove(key)
+            except KeyError:
+                return
+            counts.held -= 1.0
+            duration = event.duration
+            if duration is not None:
+                run = counts.run
+                run[bisect_left(RUN_BUCKETS, duration)] += 1.0
+                run[-1] += duration
+            return
+        handler = self._handlers.get(kind)
         if handler is not None:
             handler(event)
 
@@ -399,62 +539,71 @@ class ClaimMetrics:
             except KeyError:
                 pass
 
-    def _label(self, event: ClaimEvent) -> str:
-        label = event.label
-        if label in self._labels:
-            return label
-        if len(self._labels) >= MAX_LABELS:
-            if not self._warned:
-                self._warned = True
-                log.warning(
-                    "fenced.metrics: more than %d claim labels; further ones are counted as "
-                    "%r (give claims a label= that does not carry call arguments)",
-                    MAX_LABELS,
-                    OTHER,
-                )
-            return OTHER
-        self._labels.add(label)
-        return label
+    def _new_label(self, label: str) -> Any:
+        """The values of a label not seen yet: its own, or ``"other"``'s past MAX_LABELS."""
+        with self._lock:
+            cells = self._cells.get(label)
+            if cells is not None:
+                return cells
+            if len(self._cells) >= MAX_LABELS:
+                if not self._warned:
+                    self._warned = True
+                    log.warning(
+                        "fenced.metrics: more than %d claim labels; further ones are counted "
+                        "as %r (give claims a label= that does not carry call arguments)",
+                        MAX_LABELS,
+                        OTHER,
+                    )
+                cells = self._cells.get(OTHER)
+                if cells is None:
+                    cells = self._cells[OTHER] = self._store.cells(OTHER)
+                return cells
+            cells = self._cells[label] = self._store.cells(label)
+            return cells
 
-    # -- the events -----------------------------------------------------------------------
+    def _of(self, event: ClaimEvent) -> _Counts | _Children:
+        cells: _Counts | _Children = self._cells.get(event.label) or self._new_label(event.label)
+        return cells
+
+    def _held_until(self, event: ClaimEvent) -> bool:
+        """The lease of ``event`` ended: True if it was counted as held until now."""
+        # A loss is often followed by a release (outcome "lost") of the same claim: the
+        # gauge and the duration count the first of the two.
+        try:
+            self._holding.remove((event.name, event.slot, event.fence))
+        except KeyError:
+            return False
+        return True
+
+    # -- every event, through its handler -----------------------------------------------
 
     def _on_acquired(self, event: ClaimEvent) -> None:
         key = (event.name, event.slot, event.fence)
         fresh = key not in self._holding
         if fresh:
             self._holding.add(key)
-        self._store.acquired(self._label(event), fresh)
-
-    def _ended(self, event: ClaimEvent, metric: str, labels: tuple[str, str]) -> None:
-        # A loss is often followed by a release (outcome "lost") of the same claim: the
-        # gauge and the duration count the first of the two.
-        try:
-            self._holding.remove((event.name, event.slot, event.fence))
-            was_held = True
-        except KeyError:
-            was_held = False
-        self._store.ended(metric, labels, was_held, event.duration)
+        self._of(event).on_acquired(fresh)
 
     def _on_released(self, event: ClaimEvent) -> None:
         outcome = event.outcome if event.outcome in OUTCOMES else OTHER
-        self._ended(event, "claims_released", (self._label(event), outcome))
+        self._of(event).on_released(outcome, self._held_until(event), event.duration)
 
     def _on_lost(self, event: ClaimEvent) -> None:
-        self._ended(event, "claims_lost", (self._label(event), loss_cause(event.reason)))
+        cells = self._of(event)
+        cells.on_lost(loss_cause(event.reason), self._held_until(event), event.duration)
 
     def _on_skipped(self, event: ClaimEvent) -> None:
-        label = self._label(event)
-        self._store.count("claims_skipped", (label, skip_reason(event.reason)))
+        self._of(event).on_skipped(skip_reason(event.reason))
 
     def _on_renewed(self, event: ClaimEvent) -> None:
         if event.duration is not None:
-            self._store.observe("renewal_seconds", self._label(event), event.duration)
+            self._of(event).on_renewed(event.duration)
 
     def _on_renewal_failed(self, event: ClaimEvent) -> None:
-        self._store.count("renewal_failures", (self._label(event),))
+        self._of(event).on_renewal_failed()
 
     def _on_unavailable(self, event: ClaimEvent) -> None:
-        self._store.count("redis_unavailable", (self._label(event),))
+        self._of(event).on_unavailable()
 
 
 # -- one set per process ----------------------------------------------------------------
