@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import settings as examples
+from hypothesis import strategies as st
 from celery import Celery
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
@@ -264,6 +267,58 @@ def test_threads_counting_at_once_lose_no_counts() -> None:
     # Nothing else was counted: no series of a counter that never moved.
     names = {s.name for family in reg.collect() for s in family.samples}
     assert not names & {"fenced_claims_lost_total", "fenced_claims_skipped_total"}
+
+
+_LEASES = [("a", None), ("a", 1), ("b", None)]
+_EVENTS = st.lists(
+    st.tuples(
+        st.sampled_from(["acquired", "lost", "released", "skipped", "renewed", "unavailable"]),
+        st.integers(0, len(_LEASES) - 1),
+        st.integers(1, 3),  # the fence
+        st.sampled_from(["ok", "failed", "lost", "retried", "strange"]),
+        st.sampled_from([None, 0.0, 0.3, 7.0, 1e6]),
+    ),
+    max_size=60,
+)
+
+
+def _samples(reg: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in reg.collect()
+        for s in family.samples
+        if not s.name.endswith("_created") and s.value
+    }
+
+
+@examples(max_examples=150, deadline=None)
+@given(_EVENTS, st.integers(1, 8))
+def test_counting_in_batches_gives_what_counting_each_event_gives(
+    steps: list[tuple[str, int, int, str, float | None]], batch: int
+) -> None:
+    # This process's own numbers are counted a batch at a time (and before each read);
+    # prometheus_client's own metrics, one event at a time: for any sequence of events,
+    # both give the same samples (the held gauge pairs a loss with its release).
+    batched = ClaimMetrics(CollectorRegistry(), in_files=False)
+    each = ClaimMetrics(CollectorRegistry(), in_files=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fenced.metrics, "BATCH", batch)
+        for kind, lease, fence, outcome, duration in steps:
+            name, slot = _LEASES[lease]
+            event = ClaimEvent(
+                kind,
+                name,
+                f"label-{name}",
+                "claim",
+                fence=fence,
+                outcome=outcome if kind == "released" else None,
+                reason="expired" if kind == "lost" else None,
+                duration=duration,
+                slot=slot,
+            )
+            batched.subscriber(event)
+            each.subscriber(event)
+    assert _samples(batched.registry) == _samples(each.registry)
 
 
 # -- a prefork worker, multiprocess mode ------------------------------------------------------
