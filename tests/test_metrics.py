@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from celery import Celery
 from hypothesis import given
 from hypothesis import settings as examples
 from hypothesis import strategies as st
-from celery import Celery
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
