@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import threading
+import weakref
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -104,6 +105,9 @@ OTHER = "other"
 #: Events of this process's own numbers (not multiprocess mode) are counted this many
 #: at a time, and whenever the registry is read.
 BATCH = 512
+
+#: Multiprocess mode: what was counted is written to the files at least this often.
+FLUSH_SECONDS = 1.0
 
 #: Distinct ``label`` values kept; more are counted under ``"other"`` (a label built
 #: from call arguments would otherwise make a series per call).
@@ -210,6 +214,10 @@ class _Counts:
     )
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Every value back to zero."""
         self.acquired = 0.0
         self.held = 0.0
         self.skipped = dict.fromkeys(_SKIP_WORDS, 0.0)
@@ -333,14 +341,16 @@ class _Tally:
 
 class _Children:
     """One label's prometheus_client metrics (``.labels(...)`` children), made when first
-    used (a child shows as a series, at 0, from then on)."""
+    written (a child shows as a series from then on), and the label's counts not yet
+    written to them."""
 
-    __slots__ = ("label", "made", "metrics")
+    __slots__ = ("counts", "label", "made", "metrics")
 
     def __init__(self, metrics: dict[str, Any], label: str) -> None:
         self.metrics = metrics
         self.label = label
         self.made: dict[tuple[str, str], Any] = {}
+        self.counts = _Counts()
 
     def child(self, metric: str, word: str = "") -> Any:
         key = (metric, word)
@@ -350,35 +360,47 @@ class _Children:
             made = self.made[key] = self.metrics[metric].labels(*labels)
         return made
 
-    def on_acquired(self, fresh: bool) -> None:
-        self.child("claims_acquired").inc()
-        if fresh:
-            self.child("claims_held").inc()
-
-    def on_ended(self, metric: str, word: str, was_held: bool, duration: float | None) -> None:
-        self.child(metric, word).inc()
-        if was_held:
-            self.child("claims_held").dec()
-            if duration is not None:
-                self.child("run_duration_seconds").observe(duration)
-
-    def on_released(self, outcome: str, was_held: bool, duration: float | None) -> None:
-        self.on_ended("claims_released", outcome, was_held, duration)
-
-    def on_lost(self, cause: str, was_held: bool, duration: float | None) -> None:
-        self.on_ended("claims_lost", cause, was_held, duration)
-
-    def on_skipped(self, reason: str) -> None:
-        self.child("claims_skipped", reason).inc()
-
-    def on_renewed(self, duration: float) -> None:
-        self.child("renewal_seconds").observe(duration)
-
-    def on_renewal_failed(self) -> None:
-        self.child("renewal_failures").inc()
-
-    def on_unavailable(self) -> None:
-        self.child("redis_unavailable").inc()
+    def write(self) -> None:
+        """Add the counts to the metrics (a write to a file each, in multiprocess mode),
+        and start them again from zero. The caller holds the lock of the counts."""
+        counts = self.counts
+        if counts.acquired:
+            self.child("claims_acquired").inc(counts.acquired)
+            counts.acquired = 0.0
+            self.child("claims_held").inc(counts.held)  # the series shows, at 0 too
+        elif counts.held:
+            self.child("claims_held").inc(counts.held)
+        counts.held = 0.0
+        for metric, values in (
+            ("claims_skipped", counts.skipped),
+            ("claims_lost", counts.lost),
+            ("claims_released", counts.released),
+        ):
+            for word, n in values.items():
+                if n:
+                    self.child(metric, word).inc(n)
+                    values[word] = 0.0
+        if counts.failures:
+            self.child("renewal_failures").inc(counts.failures)
+            counts.failures = 0.0
+        if counts.unavailable:
+            self.child("redis_unavailable").inc(counts.unavailable)
+            counts.unavailable = 0.0
+        for metric, spread in (
+            ("run_duration_seconds", counts.run),
+            ("renewal_seconds", counts.renewal),
+        ):
+            if any(spread[:-1]):
+                # A histogram child keeps a value per bucket (not cumulative, as here) and
+                # the sum: prometheus_client's _buckets and _sum, the values observe() adds
+                # to (tests/test_metrics.py checks the two ways agree).
+                histogram = self.child(metric)
+                for i, n in enumerate(spread[:-1]):
+                    if n:
+                        histogram._buckets[i].inc(n)
+                        spread[i] = 0.0
+                histogram._sum.inc(spread[-1])
+                spread[-1] = 0.0
 
 
 class _Shared:
@@ -387,6 +409,7 @@ class _Shared:
 
     def __init__(self, registry: CollectorRegistry, namespace: str) -> None:
         self.metrics: dict[str, Any] = {}
+        self.labels: list[_Children] = []
         for metric, (kind, text, more, buckets) in METRICS.items():
             labels = ("label", *more)
             if kind == "counter":
@@ -407,9 +430,22 @@ class _Shared:
                 )
             self.metrics[metric] = made
 
-    def cells(self, label: str) -> _Children:
-        """A new label's metrics (the caller keeps them)."""
-        return _Children(self.metrics, label)
+    def cells(self, label: str) -> _Counts:
+        """A new label's counts (the caller keeps them, to update; :meth:`write` adds them
+        to the metrics)."""
+        children = _Children(self.metrics, label)
+        self.labels.append(children)
+        return children.counts
+
+    def write(self) -> None:
+        """Add every label's counts to its metrics (the caller holds the counts' lock)."""
+        for children in list(self.labels):
+            children.write()
+
+    def forget(self) -> None:
+        """A forked child: the counts it inherited are its parent's, to be written there."""
+        for children in list(self.labels):
+            children.counts.reset()
 
     def collectors(self) -> list[Any]:
         return list(self.metrics.values())
@@ -423,12 +459,17 @@ def _in_files() -> bool:
 class ClaimMetrics:
     """The claim metrics in one registry, kept up to date by the events it is called with.
 
-    Call it with a :class:`~fenced.events.ClaimEvent` (it is a subscriber). Thread-safe:
-    renewal events come from the heartbeat thread. In prometheus_client's multiprocess
-    mode the values are prometheus_client's own metrics (in files); otherwise plain
-    numbers a collector hands to the registry when it is read, which costs less per event:
-    events are then counted :data:`BATCH` at a time, and all of them before every read.
-    ``in_files`` chooses (True: prometheus_client's metrics) instead of the environment.
+    Subscribe :attr:`subscriber` (or call the object) with each
+    :class:`~fenced.events.ClaimEvent`. Thread-safe: renewal events come from the
+    heartbeat thread. Events wait in a queue and are counted :data:`BATCH` at a time,
+    which costs far less per event than counting each amid a claim's own work. Without
+    multiprocess mode the values are plain numbers that a collector hands to the registry
+    when it is read (all waiting events are counted first). In prometheus_client's
+    multiprocess mode they are prometheus_client's own metrics, whose values live in
+    files other processes read: what was counted is added to them at each batch, at
+    least every :data:`FLUSH_SECONDS` (a thread of this process), and by :meth:`flush`
+    (a Celery pool child flushes as it exits). ``in_files`` chooses (True:
+    prometheus_client's metrics) instead of the environment.
     """
 
     def __init__(
@@ -453,17 +494,19 @@ class ClaimMetrics:
             self._store = _Tally(namespace)
             self.registry.register(self._store)
             self._collectors = [self._store]
-        # Each label's values, found with one dict lookup per event; labels are added
-        # under the lock (at most MAX_LABELS of them), values updated without it.
-        # (Any: _Counts when ``_plain``, else _Children.)
-        self._cells: dict[str, Any] = {}
+        # Each label's counts, found with one dict lookup per event; labels are added
+        # under the lock (at most MAX_LABELS of them), counts updated by _drain.
+        self._cells: dict[str, _Counts] = {}
         self._plain = isinstance(self._store, _Tally)
-        # This process's own numbers: the events wait here and are counted BATCH at a
-        # time, or when the registry is read (see __call__).
+        # The events wait here and are counted BATCH at a time (see _take).
         self._pending: deque[ClaimEvent] = deque()
         self._drain_lock = threading.Lock()
         if isinstance(self._store, _Tally):
             self._store.drain = self._drain
+        # Multiprocess mode: whether this process's thread that writes at least every
+        # FLUSH_SECONDS runs (a forked child starts its own with its first event).
+        self._flushing = False
+        self._stop_flushing = threading.Event()
         self._lock = threading.Lock()
         self._warned = False
         # The leases counted as held: (name, slot, fence). Set operations are atomic.
@@ -479,21 +522,27 @@ class ClaimMetrics:
         }
         #: What to subscribe (:func:`install` does): counts one event. A bound method,
         #: which Python calls faster than the object itself.
-        self.subscriber: Callable[[ClaimEvent], None] = self._take if self._plain else self._count
+        self.subscriber: Callable[[ClaimEvent], None] = self._take
+        _every_metrics.add(self)  # see _forget
 
     def __call__(self, event: ClaimEvent) -> None:
         """Count one event (as :attr:`subscriber` does, through one call more)."""
         self.subscriber(event)
 
     def _take(self, event: ClaimEvent) -> None:
-        """This process's own numbers: most events only wait in the deque. Counting a
-        batch at once, in a loop that stays in the processor's caches, costs less than
-        counting each event amid a claim's own work; a read of the registry counts what
-        waits first."""
+        """Most events only wait in the deque: counting a batch at once, in a loop that
+        stays in the processor's caches, costs less than counting each event amid a
+        claim's own work. A read of the registry counts what waits first; in
+        multiprocess mode the first event of a process also starts its flushing thread."""
         pending = self._pending
         pending.append(event)
-        if len(pending) >= BATCH:
+        if len(pending) >= BATCH or not (self._plain or self._flushing):
             self._drain()
+
+    def flush(self) -> None:
+        """Count every event waiting now and, in multiprocess mode, write the counts to
+        this process's files (before it exits, say)."""
+        self._drain()
 
     def _drain(self) -> None:
         """Count the events waiting, in the order they came (deque appends and pops are
@@ -532,6 +581,31 @@ class ClaimMetrics:
                         run[-1] += duration
                 else:
                     count(event)
+            if isinstance(self._store, _Shared):
+                self._store.write()
+                if not self._flushing:
+                    self._start_flushing()
+
+    def _start_flushing(self) -> None:
+        """This process's thread that writes what waits at least every FLUSH_SECONDS."""
+        self._flushing = True
+        self._stop_flushing = stop = threading.Event()
+        thread = threading.Thread(
+            target=_flush_every,
+            args=(weakref.ref(self), stop),
+            name="fenced-metrics-flush",
+            daemon=True,
+        )
+        thread.start()
+
+    def _forget(self) -> None:
+        """In a forked child: what the parent had not written yet is the parent's."""
+        self._drain_lock = threading.Lock()
+        self._flushing = False
+        if isinstance(self._store, _Shared):
+            self._pending.clear()
+            self._holding.clear()
+            self._store.forget()
 
     def _count(self, event: ClaimEvent) -> None:
         kind = event.kind
@@ -540,14 +614,17 @@ class ClaimMetrics:
             handler(event)
 
     def unregister(self) -> None:
-        """Take the metrics out of the registry."""
+        """Write what waits, stop this process's flushing thread, and take the metrics out
+        of the registry."""
+        self.flush()
+        self._stop_flushing.set()
         for collector in self._collectors:
             try:
                 self.registry.unregister(collector)
             except KeyError:
                 pass
 
-    def _new_label(self, label: str) -> Any:
+    def _new_label(self, label: str) -> _Counts:
         """The values of a label not seen yet: its own, or ``"other"``'s past MAX_LABELS."""
         with self._lock:
             cells = self._cells.get(label)
@@ -569,9 +646,8 @@ class ClaimMetrics:
             cells = self._cells[label] = self._store.cells(label)
             return cells
 
-    def _of(self, event: ClaimEvent) -> _Counts | _Children:
-        cells: _Counts | _Children = self._cells.get(event.label) or self._new_label(event.label)
-        return cells
+    def _of(self, event: ClaimEvent) -> _Counts:
+        return self._cells.get(event.label) or self._new_label(event.label)
 
     def _held_until(self, event: ClaimEvent) -> bool:
         """The lease of ``event`` ended: True if it was counted as held until now."""
@@ -612,6 +688,33 @@ class ClaimMetrics:
 
     def _on_unavailable(self, event: ClaimEvent) -> None:
         self._of(event).on_unavailable()
+
+
+def _flush_every(ref: weakref.ReferenceType[ClaimMetrics], stop: threading.Event) -> None:
+    """A thread of a process in multiprocess mode: write what waits every FLUSH_SECONDS,
+    until the metrics are unregistered or gone."""
+    while not stop.wait(FLUSH_SECONDS):
+        metrics = ref()
+        if metrics is None:
+            return
+        try:
+            metrics.flush()
+        except Exception:  # a full disk, say: try again next time, never die silently
+            log.exception("fenced.metrics: writing the claim metrics failed")
+        del metrics
+
+
+#: Every ClaimMetrics of this process: a forked child makes each forget what its
+#: parent had not written yet.
+_every_metrics: weakref.WeakSet[ClaimMetrics] = weakref.WeakSet()
+
+
+def _forget_all() -> None:
+    for metrics in list(_every_metrics):
+        metrics._forget()
+
+
+os.register_at_fork(after_in_child=_forget_all)
 
 
 # -- one set per process ----------------------------------------------------------------

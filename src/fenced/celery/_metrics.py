@@ -161,7 +161,10 @@ def _on_child_init(**_: Any) -> None:
 
 @celery_signals.worker_process_shutdown.connect(weak=False)
 def _on_child_exit(pid: int | None = None, **_: Any) -> None:
-    """A pool child that exits leaves ``claims_held`` (multiprocess mode)."""
+    """A pool child that exits writes what it counted last, and leaves ``claims_held``
+    (multiprocess mode)."""
     metrics = sys.modules.get("fenced.metrics")
-    if metrics is not None and metrics.installed() is not None:
+    installed = metrics.installed() if metrics is not None else None
+    if metrics is not None and installed is not None:
+        installed.flush()  # what the last FLUSH_SECONDS counted
         metrics.mark_process_dead(pid if pid is not None else os.getpid())
