@@ -230,10 +230,15 @@ def main() -> int:
                     rates[name].append(rate)
                     cpus[name].append(cpu)
             if metrics_dir is not None and not args.control:
-                # Every task the metrics worker ran was counted (the warm-up's too).
-                seen = counted(metrics_dir)
-                if seen < args.tasks * args.rounds:
-                    raise RuntimeError(f"fenced.metrics counted only {seen:.0f} claims")
+                # Every task the metrics worker ran was counted (the warm-up's too); each
+                # pool child writes its counts to the files at least once a second.
+                from fenced.metrics import FLUSH_SECONDS
+
+                deadline = time.monotonic() + 5 * FLUSH_SECONDS
+                while (seen := counted(metrics_dir)) < args.tasks * args.rounds:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"fenced.metrics counted only {seen:.0f} claims")
+                    time.sleep(0.1)
         finally:
             worker.stop(timeout=15)
             if metrics_worker is not None:
