@@ -63,10 +63,61 @@ def plain(i: int) -> None:
 try:
     from fenced.celery import ClaimedTask
 
-    @app.task(base=ClaimedTask, bind=True, name="bench.fenced", claim="bench:{i}", claim_ttl=30)
+    FencedBase: type[Any] = ClaimedTask
+    SWITCH = os.environ.get("BENCH_METRICS")  # "on" or "control": see celery_throughput
+
+    if SWITCH:
+        from fenced import events
+
+        _subscribed: list[Any] = []  # the unsubscribe function while subscribed
+
+        class _Switched(ClaimedTask):  # type: ignore[misc]
+            """Each run first subscribes fenced.metrics in this pool child (or takes it
+            away), so fenced and fenced+metrics run on the same worker and children."""
+
+            abstract = True
+            with_metrics = False
+
+            def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                if self.with_metrics != bool(_subscribed):
+                    if _subscribed:
+                        _subscribed.pop()()
+                    else:
+                        _subscribed.append(events.subscribe(_child_metrics().subscriber))
+                return super().__call__(*args, **kwargs)
+
+        _made: list[Any] = []
+
+        def _child_metrics() -> Any:
+            """This pool child's metrics, made in the child (multiprocess mode's files)."""
+            if not _made:
+                from prometheus_client import CollectorRegistry
+
+                from fenced.metrics import ClaimMetrics
+
+                _made.append(ClaimMetrics(CollectorRegistry()))
+            return _made[0]
+
+        FencedBase = _Switched
+
+    @app.task(base=FencedBase, bind=True, name="bench.fenced", claim="bench:{i}", claim_ttl=30)
     def fenced_task(self: Task, i: int) -> None:
         """A claimed task: atomic fenced acquire, heartbeat, run records, release."""
         done("fenced")
+
+    if SWITCH:
+
+        @app.task(
+            base=FencedBase,
+            bind=True,
+            name="bench.fenced_metrics",
+            claim="bench:{i}",
+            claim_ttl=30,
+            with_metrics=SWITCH == "on",
+        )
+        def fenced_metrics_task(self: Task, i: int) -> None:
+            """The same, with fenced.metrics subscribed (with --control: without)."""
+            done("fenced_metrics")
 
     @app.task(
         base=ClaimedTask,

@@ -30,11 +30,13 @@ machine's cores are shared by the producer, the worker and redis-server).
 Each contender's claims are distinct (one per task), so nothing is skipped: this
 measures what the protection costs when there is no conflict.
 
-``--metrics`` adds ``fenced+metrics``: the same ClaimedTask on a second worker (prefork,
-concurrency 2, its own queue) started with ``FENCED_METRICS=1`` and
-``PROMETHEUS_MULTIPROC_DIR``, so each pool child counts its claims in
-prometheus_client's multiprocess files (:mod:`fenced.metrics`); its rounds interleave
-with the others and its rate is compared with ``fenced``'s, round by round.
+``--metrics`` adds ``fenced+metrics``: the same ClaimedTask on the same worker, whose
+runs first subscribe :mod:`fenced.metrics` in their pool child (``fenced``'s runs take
+it away again), so each child counts its claims in prometheus_client's multiprocess
+files (``PROMETHEUS_MULTIPROC_DIR``, set for the whole worker); its rounds interleave
+with the others and its rate is compared with ``fenced``'s, round by round. Two
+workers would not do: the same task on two identical workers differed by up to 27%.
+``--control`` runs ``fenced+metrics`` without subscribing (the method's own noise).
 
     python benchmarks/celery_throughput.py [--tasks 400] [--rounds 5] [--metrics] [--json]
 
@@ -68,16 +70,15 @@ CONTENDERS = {
     "celery-singleton": "bench.singleton",
     "redis-py Lock": "bench.redis_lock",
 }
-#: With --metrics: the fenced task on the worker that keeps metrics (its own queue).
+#: With --metrics: the fenced task that subscribes fenced.metrics in its pool child.
 METRICS = "fenced+metrics"
-METRICS_QUEUE = "bench-metrics"
 #: fenced.metrics may cost at most 3% of the tasks per second.
 METRICS_GOAL = 0.97
 COUNTER = {
     "plain": "plain",
     "fenced": "fenced",
     "fenced enqueue": "fenced_enqueue",
-    METRICS: "fenced",
+    METRICS: "fenced_metrics",
     "celery-once": "once",
     "celery-singleton": "singleton",
     "redis-py Lock": "redis_lock",
@@ -85,19 +86,15 @@ COUNTER = {
 
 
 def start_worker(url: str, metrics_dir: str | None = None, control: bool = False) -> CeleryWorker:
-    """The benchmark's worker; with ``metrics_dir``, one keeping fenced.metrics there (with
-    ``control``, the same second worker without metrics)."""
+    """The benchmark's worker; with ``metrics_dir``, its pool children count the
+    ``fenced+metrics`` runs' claims there (with ``control``, they do not)."""
     env = dict(os.environ, BENCH_REDIS=url, PYTHONPATH=f"{HERE}:{HERE.parent / 'src'}")
     for name in ("FENCED_METRICS", "FENCED_METRICS_PORT", "PROMETHEUS_MULTIPROC_DIR"):
         env.pop(name, None)
-    name, queues = "bench", None
     if metrics_dir is not None:
-        if not control:
-            env.update(FENCED_METRICS="1", PROMETHEUS_MULTIPROC_DIR=metrics_dir)
-        name, queues = "bench-metrics", METRICS_QUEUE
-    worker = CeleryWorker(
-        "celery_bench_app", name=name, concurrency=2, cwd=HERE, env=env, queues=queues
-    )
+        env.update(BENCH_METRICS="control" if control else "on")
+        env.update(PROMETHEUS_MULTIPROC_DIR=metrics_dir)
+    worker = CeleryWorker("celery_bench_app", name="bench", concurrency=2, cwd=HERE, env=env)
     return worker.start().ready(timeout=60)
 
 
@@ -153,8 +150,7 @@ def one_round(
     """One round: tasks per second, and CPU µs per task of the enqueue, worker and Redis."""
     import celery_bench_app as bench  # type: ignore[import-not-found]
 
-    task = bench.app.tasks[CONTENDERS.get(name) or CONTENDERS["fenced"]]
-    options = {"queue": METRICS_QUEUE} if name == METRICS else {}
+    task = bench.app.tasks[CONTENDERS.get(name) or "bench.fenced_metrics"]
     key = f"done:{COUNTER[name]}"
     bench.counter.delete(key)
     worker_before = sum(_cpu_of(p) for p in worker_pids)
@@ -162,7 +158,7 @@ def one_round(
     start = time.perf_counter()
     enqueue_before = time.process_time()
     for i in range(n):
-        task.apply_async((offset + i,), **options)
+        task.apply_async((offset + i,))
     enqueue = time.process_time() - enqueue_before
     deadline = time.monotonic() + 120
     while int(bench.counter.get(key) or 0) < n:
@@ -187,12 +183,12 @@ def main() -> int:
     parser.add_argument(
         "--metrics",
         action="store_true",
-        help="also fenced with fenced.metrics on (a second worker), against fenced (ratio)",
+        help="also fenced with fenced.metrics on (same worker), against fenced (ratio)",
     )
     parser.add_argument(
         "--control",
         action="store_true",
-        help="with --metrics: the second worker without metrics (how much two workers differ)",
+        help="with --metrics: fenced+metrics without subscribing (the method's own noise)",
     )
     args = parser.parse_args()
     if args.quick:
@@ -202,20 +198,18 @@ def main() -> int:
         url = f"redis://127.0.0.1:{server.port}"
         os.environ["BENCH_REDIS"] = url
         sys.path.insert(0, str(HERE))
+        if args.metrics:  # the app defines fenced+metrics's task (see celery_bench_app.py)
+            os.environ["BENCH_METRICS"] = "control" if args.control else "on"
         import celery_bench_app as bench
 
         available = [n for n in CONTENDERS if CONTENDERS[n] in bench.app.tasks]
-        worker = start_worker(url)
+        metrics_dir = tempfile.mkdtemp(prefix="fenced-bench-metrics-") if args.metrics else None
+        worker = start_worker(url, metrics_dir, args.control)
         assert worker.proc is not None
+        if args.metrics:
+            available.insert(available.index("fenced") + 1, METRICS)
         pids = _tree(worker.proc.pid)  # prefork: the pool's children live as long as it
         tree = dict.fromkeys(available, pids)
-        metrics_worker = metrics_dir = None
-        if args.metrics:
-            metrics_dir = tempfile.mkdtemp(prefix="fenced-bench-metrics-")
-            metrics_worker = start_worker(url, metrics_dir, args.control)
-            assert metrics_worker.proc is not None
-            available.insert(available.index("fenced") + 1, METRICS)
-            tree[METRICS] = _tree(metrics_worker.proc.pid)
         rates: dict[str, list[float]] = {n: [] for n in available}
         cpus: dict[str, list[dict[str, float]]] = {n: [] for n in available}
         try:
@@ -241,8 +235,6 @@ def main() -> int:
                     time.sleep(0.1)
         finally:
             worker.stop(timeout=15)
-            if metrics_worker is not None:
-                metrics_worker.stop(timeout=15)
 
     median = {n: statistics.median(v) for n, v in rates.items()}
     base = median["plain"]
@@ -271,8 +263,7 @@ def main() -> int:
         out = {"tasks": args.tasks, "rounds": args.rounds, "rows": rows, "metrics": versus}
         print(json.dumps(out, indent=2))
         return 0 if versus is None or versus["ratio"] >= METRICS_GOAL else 1
-    workers = "one worker" if versus is None else f"one worker (and one for {METRICS})"
-    print(f"{workers}, prefork -c 2; {args.tasks} tasks x {args.rounds} interleaved rounds")
+    print(f"one worker, prefork -c 2; {args.tasks} tasks x {args.rounds} interleaved rounds")
     print(
         f"{'contender':<18}{'tasks/s':>10}{'x plain':>10}   {'min..max':<11}"
         f"{'enqueue':>8}{'worker':>8}{'redis':>7}  cpu µs/task"
@@ -293,7 +284,7 @@ def main() -> int:
         met = versus["ratio"] >= METRICS_GOAL
         lo, hi = versus["spread"]
         what = (
-            "control: fenced on a second worker, both without metrics"
+            "control: fenced+metrics's task without subscribing, vs fenced"
             if args.control
             else "fenced with fenced.metrics vs without"
         )
