@@ -562,3 +562,57 @@ def test_textfile_counts_only_inside_its_block(r: Any, tmp_path: Path) -> None:
     with Claim(r, name, ttl=5):
         pass
     assert parsed(out)[("fenced_claims_acquired_total", (("label", name),))] == 1
+
+
+# -- multiprocess mode: written behind, in batches ----------------------------------------
+
+_FORKED = r"""
+import os, sys, time
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+from fenced.events import ClaimEvent
+from fenced.metrics import FLUSH_SECONDS, ClaimMetrics
+
+metrics = ClaimMetrics(CollectorRegistry())
+assert metrics._store.__class__.__name__ == "_Shared", "not in multiprocess mode"
+
+def acquired(name):
+    metrics.subscriber(ClaimEvent("acquired", name, "forked", "claim", fence=1))
+
+def total():
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=os.environ["PROMETHEUS_MULTIPROC_DIR"])
+    return registry.get_sample_value("fenced_claims_acquired_total", {"label": "forked"}) or 0
+
+for name in ("a", "b", "c"):  # the first is written at once; b and c wait
+    acquired(name)
+written_before_fork = total()
+pid = os.fork()
+if pid == 0:  # the child counts its own two; the parent's waiting two are not its
+    acquired("d")
+    acquired("e")
+    time.sleep(FLUSH_SECONDS * 2.5)  # its thread writes them, with no flush() called
+    os._exit(0)
+os.waitpid(pid, 0)
+after_child = total()
+metrics.flush()
+print(written_before_fork, after_child, total())
+"""
+
+
+def test_a_forked_child_writes_its_own_counts_never_its_parents_waiting_ones(
+    tmp_path: Path,
+) -> None:
+    folder = tmp_path / "prom"
+    folder.mkdir()
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(folder))
+    res = subprocess.run(
+        [sys.executable, "-c", _FORKED], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert res.returncode == 0, res.stderr
+    before, after_child, after_parent = (float(x) for x in res.stdout.split())
+    assert before == 1  # one written at once, two waiting for the batch or the second
+    # The child's thread wrote its two within its flush interval; the parent's two that
+    # waited at the fork were written once, by the parent.
+    assert after_child in (3, 5)  # the parent's own thread may have written its two
+    assert after_parent == 5
