@@ -616,3 +616,50 @@ def test_a_forked_child_writes_its_own_counts_never_its_parents_waiting_ones(
     # waited at the fork were written once, by the parent.
     assert after_child in (3, 5)  # the parent's own thread may have written its two
     assert after_parent == 5
+
+
+_FORK_WHILE_WRITING = r"""
+import os, threading, time
+from prometheus_client import CollectorRegistry
+from fenced.events import ClaimEvent
+from fenced.metrics import ClaimMetrics
+
+metrics = ClaimMetrics(CollectorRegistry())
+event = ClaimEvent("acquired", "n", "forked", "claim", fence=1)
+metrics.subscriber(event)
+writing = threading.Event()
+
+def write_slowly():  # as a flushing thread in the middle of a write
+    with metrics._drain_lock:
+        writing.set()
+        time.sleep(0.5)
+
+threading.Thread(target=write_slowly).start()
+writing.wait()
+started = time.monotonic()
+pid = os.fork()
+if pid == 0:
+    metrics.subscriber(event)
+    metrics.flush()  # would wait forever on a lock held at the fork
+    os._exit(0)
+waited = time.monotonic() - started
+_, status = os.waitpid(pid, 0)
+print(round(waited, 2), status)
+"""
+
+
+def test_a_fork_waits_for_a_write_in_progress_and_the_child_writes(tmp_path: Path) -> None:
+    folder = tmp_path / "prom"
+    folder.mkdir()
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(folder))
+    res = subprocess.run(
+        [sys.executable, "-c", _FORK_WHILE_WRITING],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    waited, status = res.stdout.split()
+    assert float(waited) >= 0.3  # the fork came after the write
+    assert status == "0"

@@ -704,17 +704,38 @@ def _flush_every(ref: weakref.ReferenceType[ClaimMetrics], stop: threading.Event
         del metrics
 
 
-#: Every ClaimMetrics of this process: a forked child makes each forget what its
-#: parent had not written yet.
+#: Every ClaimMetrics of this process: none writes while the process forks, and a
+#: forked child makes each forget what its parent had not written yet.
 _every_metrics: weakref.WeakSet[ClaimMetrics] = weakref.WeakSet()
 
 
-def _forget_all() -> None:
+_locked_for_fork: list[ClaimMetrics] = []
+
+
+def _before_fork() -> None:
+    # No counts are being written while the process forks: prometheus_client guards its
+    # files with one lock, and a child forked while a flushing thread held it would
+    # wait for it forever at its first write.
+    _locked_for_fork[:] = list(_every_metrics)
+    for metrics in _locked_for_fork:
+        metrics._drain_lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    for metrics in _locked_for_fork:
+        metrics._drain_lock.release()
+    _locked_for_fork.clear()
+
+
+def _after_fork_in_child() -> None:
+    _locked_for_fork.clear()
     for metrics in list(_every_metrics):
         metrics._forget()
 
 
-os.register_at_fork(after_in_child=_forget_all)
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+)
 
 
 # -- one set per process ----------------------------------------------------------------
