@@ -6,6 +6,7 @@ difference between contenders is what each one's locking costs.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -86,17 +87,14 @@ try:
                         _subscribed.append(events.subscribe(_child_metrics().subscriber))
                 return super().__call__(*args, **kwargs)
 
-        _made: list[Any] = []
-
+        @functools.cache
         def _child_metrics() -> Any:
             """This pool child's metrics, made in the child (multiprocess mode's files)."""
-            if not _made:
-                from prometheus_client import CollectorRegistry
+            from prometheus_client import CollectorRegistry
 
-                from fenced.metrics import ClaimMetrics
+            from fenced.metrics import ClaimMetrics
 
-                _made.append(ClaimMetrics(CollectorRegistry()))
-            return _made[0]
+            return ClaimMetrics(CollectorRegistry())
 
         FencedBase = _Switched
 

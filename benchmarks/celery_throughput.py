@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -85,14 +86,13 @@ COUNTER = {
 }
 
 
-def start_worker(url: str, metrics_dir: str | None = None, control: bool = False) -> CeleryWorker:
+def start_worker(url: str, metrics_dir: str | None = None) -> CeleryWorker:
     """The benchmark's worker; with ``metrics_dir``, its pool children count the
-    ``fenced+metrics`` runs' claims there (with ``control``, they do not)."""
+    ``fenced+metrics`` runs' claims there (``BENCH_METRICS``, inherited, says whether)."""
     env = dict(os.environ, BENCH_REDIS=url, PYTHONPATH=f"{HERE}:{HERE.parent / 'src'}")
     for name in ("FENCED_METRICS", "FENCED_METRICS_PORT", "PROMETHEUS_MULTIPROC_DIR"):
         env.pop(name, None)
     if metrics_dir is not None:
-        env.update(BENCH_METRICS="control" if control else "on")
         env.update(PROMETHEUS_MULTIPROC_DIR=metrics_dir)
     worker = CeleryWorker("celery_bench_app", name="bench", concurrency=2, cwd=HERE, env=env)
     return worker.start().ready(timeout=60)
@@ -198,13 +198,13 @@ def main() -> int:
         url = f"redis://127.0.0.1:{server.port}"
         os.environ["BENCH_REDIS"] = url
         sys.path.insert(0, str(HERE))
-        if args.metrics:  # the app defines fenced+metrics's task (see celery_bench_app.py)
+        if args.metrics:  # the app (here and in the worker) defines fenced+metrics's task
             os.environ["BENCH_METRICS"] = "control" if args.control else "on"
         import celery_bench_app as bench
 
         available = [n for n in CONTENDERS if CONTENDERS[n] in bench.app.tasks]
         metrics_dir = tempfile.mkdtemp(prefix="fenced-bench-metrics-") if args.metrics else None
-        worker = start_worker(url, metrics_dir, args.control)
+        worker = start_worker(url, metrics_dir)
         assert worker.proc is not None
         if args.metrics:
             available.insert(available.index("fenced") + 1, METRICS)
@@ -235,6 +235,8 @@ def main() -> int:
                     time.sleep(0.1)
         finally:
             worker.stop(timeout=15)
+            if metrics_dir is not None:
+                shutil.rmtree(metrics_dir, ignore_errors=True)
 
     median = {n: statistics.median(v) for n, v in rates.items()}
     base = median["plain"]
