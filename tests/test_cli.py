@@ -515,6 +515,21 @@ def test_release_of_a_running_command_stops_it_and_both_are_recorded(
     assert runs[0]["reason"] == "hung"
 
 
+def test_run_durations_take_units(url: str, r: Any, tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    proc = spawn(
+        url, "run", "--ttl", "10m", "--grace", "1s", "--on-busy", "wait", "--wait-timeout",
+        "1m", "job:units", "--", "sh", "-c", f"touch {ready}; sleep 60",
+    )  # fmt: skip
+    try:
+        wait_for("the ready file", ready.exists, 30, proc=proc)
+        left = r.pttl("fenced:{job:units}:lock")
+        assert 590_000 < left <= 600_000, left  # ten minutes, not ten seconds
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+
 def test_release_takes_the_token_ls_json_prints_and_a_refusal_names_the_holder(
     url: str, r: Any
 ) -> None:
@@ -606,11 +621,16 @@ def test_version_and_namespace_follow_one_rule(url: str) -> None:
 
 def test_run_ttl_hints_name_only_options_the_command_has(url: str, tmp_path: Path) -> None:
     marker = tmp_path / "ran"
-    for ttl in ("inf", "1e400"):
+    for ttl, hint in (
+        ("inf", "e.g. 90, 30s, 5m"),
+        ("1e400", "e.g. 90, 30s, 5m"),
+        ("0.01", "e.g. --ttl 30"),
+        ("10 minutes", "e.g. 90, 30s, 5m"),
+    ):
         res = fenced(url, "run", "--ttl", ttl, "job:ttl", "--", "touch", str(marker))
         assert res.returncode == 2, res.stdout + res.stderr
         text = flat(res.stderr)
-        assert "--ttl" in text and "e.g. --ttl 30" in text, text
+        assert "--ttl" in text and hint in text, text
         for python_only in ("refresh_every", "idle_ttl", "records=", "ttl="):
             assert python_only not in text, text
     assert not marker.exists()

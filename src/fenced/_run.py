@@ -85,6 +85,8 @@ EXIT_BUSY = 75  # sysexits.h EX_TEMPFAIL: "try again later" is what a busy claim
 EXIT_LOST = 76
 EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
+#: The shortest lease ``fenced run`` takes, in seconds (renewals come every ttl/3).
+MIN_TTL = 0.05
 
 #: The busy policies a command can carry out (see fenced._guard); "fail" is "raise".
 ON_BUSY = ("skip", "wait", "raise")
@@ -137,11 +139,12 @@ class RunOptions:
         """Raise ConfigError for options that cannot work together."""
         if not self.argv:
             raise ConfigError("no command given: put it after '--', e.g. fenced run NAME -- CMD")
-        if not (isinstance(self.ttl, (int, float)) and 0 < self.ttl < math.inf):
+        if not (isinstance(self.ttl, (int, float)) and MIN_TTL <= self.ttl < math.inf):
             # A lease must end by itself when its holder dies; renewals come every ttl/3.
             raise ConfigError(
-                f"--ttl {self.ttl!r} must be a finite number of seconds above 0 (the lease "
-                "ends by itself this long after its holder dies), e.g. --ttl 30"
+                f"--ttl {self.ttl!r} must be a finite duration of at least {MIN_TTL}s (the "
+                "lease ends by itself this long after its holder dies), e.g. --ttl 30 or "
+                "--ttl 10m"
             )
         self.on_busy = check_on_busy(
             self.on_busy, ON_BUSY, option="--on-busy", aliases=ON_BUSY_ALIASES

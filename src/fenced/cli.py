@@ -39,8 +39,11 @@ def main() -> None:
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
-def parse_duration(text: str) -> float:
-    """Seconds from ``90``, ``1.5``, ``30s``, ``5m``, ``1h`` or ``2d`` (a CLI option's value)."""
+def parse_duration(text: str | float) -> float:
+    """Seconds from ``90``, ``1.5``, ``30s``, ``5m``, ``1h`` or ``2d`` (a CLI option's value;
+    an option's default comes as a number)."""
+    if isinstance(text, (int, float)):
+        return float(text)
     raw = text.strip().lower()
     unit = raw[-1:] if raw[-1:] in "smhd" else ""
     try:
@@ -429,7 +432,9 @@ if app is not None:
         ttl: Annotated[
             float,
             typer.Option(
-                metavar="S", min=0.05, help="Lease in seconds; renewed every ttl/3 while it runs."
+                metavar="DURATION",
+                parser=parse_duration,
+                help="The lease (30s, 10m, 2h, or seconds); renewed every ttl/3 while it runs.",
             ),
         ] = 30.0,
         redis_url: RedisOpt = None,
@@ -439,10 +444,19 @@ if app is not None:
         ] = OnBusy.skip,  # type: ignore[attr-defined]
         wait_timeout: Annotated[
             float | None,
-            typer.Option(metavar="S", help="With --on-busy wait: give up after S seconds."),
+            typer.Option(
+                metavar="DURATION",
+                parser=parse_duration,
+                help="With --on-busy wait: give up after this long (90s, 5m, or seconds).",
+            ),
         ] = None,
         grace: Annotated[
-            float, typer.Option(metavar="S", help="Claim lost: SIGKILL this long after SIGTERM.")
+            float,
+            typer.Option(
+                metavar="DURATION",
+                parser=parse_duration,
+                help="Claim lost: SIGKILL this long after SIGTERM (10s, or seconds).",
+            ),
         ] = 10.0,
         quiet: Annotated[
             bool, typer.Option("--quiet", "-q", help="Print nothing on a skip.")
@@ -456,7 +470,12 @@ if app is not None:
             ),
         ] = 0,
         replica_timeout: Annotated[
-            float, typer.Option(metavar="S", help="How long to wait for --replicas.")
+            float,
+            typer.Option(
+                metavar="DURATION",
+                parser=parse_duration,
+                help="How long to wait for --replicas (0.5, 2s, or seconds).",
+            ),
         ] = 1.0,
         cooldown: Annotated[
             float | None,
