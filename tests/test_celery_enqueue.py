@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -203,6 +205,81 @@ def test_a_lost_message_unblocks_its_name_when_the_marker_expires(services: Serv
     fresh = task.delay(k)
     assert fresh.id != lost.id
     assert queued(services) == 1
+
+
+def cli(services: Services, *args: str) -> subprocess.CompletedProcess[str]:
+    """The fenced command on the test's claims Redis."""
+    env = dict(os.environ, FENCED_REDIS_URL=services.lock_url)
+    return subprocess.run(
+        [sys.executable, "-m", "fenced.cli", *args], capture_output=True, text=True, env=env,
+        timeout=60,
+    )  # fmt: skip
+
+
+def test_a_purged_queue_blocks_its_names_until_fenced_unqueue_clears_them(
+    services: Services,
+) -> None:
+    app = sender(services)
+    task = app.tasks["e.finished"]
+    a, b, c = key(), key(), key()
+    lost = {k: task.delay(k).id for k in (a, b)}
+    assert app.control.purge() == 2  # celery purge: both messages are gone, not their marks
+    assert task.delay(a).id == lost[a] and queued(services) == 0  # blocked: nothing sent
+
+    listed = {i["name"]: i for i in json.loads(cli(services, "ls", "--json").stdout)}
+    for k in (a, b):
+        mark = listed[f"hold:{k}"]
+        assert mark["holder"] is None
+        assert mark["queued"]["task_id"] == lost[k]
+        assert 3000 < mark["queued"]["expires_in"] <= 3600  # claim_enqueue_ttl: an hour
+    table = cli(services, "ls").stdout
+    assert f"queued: task {lost[a][:8]}" in table, table
+    shown = json.loads(cli(services, "show", f"hold:{a}", "--json").stdout)
+    assert shown["queued"]["task_id"] == lost[a]
+    title = " ".join(cli(services, "show", f"hold:{a}", "--wide").stdout.split())
+    assert f"not held; queued: task {lost[a]} (marked 59m" in title, title
+
+    one = cli(services, "unqueue", f"hold:{a}", f"hold:{c}", "--reason", "purged")
+    assert one.returncode == 0, one.stderr
+    assert f"cleared the enqueue marker of 'hold:{a}' (task {lost[a]})" in one.stdout
+    assert f"'hold:{c}' had no enqueue marker" in one.stdout
+    assert "enqueue marker of 'hold:" in one.stderr and "reason: purged" in one.stderr  # audit
+    fresh = task.delay(a)
+    assert fresh.id != lost[a] and queued(services) == 1  # a publishes again
+    assert task.delay(b).id == lost[b]  # b is still blocked
+
+    every = json.loads(cli(services, "unqueue", "--all", "--json").stdout)
+    # every marker of the namespace (the module's other tests leave theirs too)
+    assert {(f"hold:{a}", fresh.id), (f"hold:{b}", lost[b])} <= {
+        (r["name"], r["task_id"]) for r in every
+    }
+    assert not cli(services, "unqueue", "--all", "--json").stdout.strip("[]\n")
+    assert task.delay(b).id != lost[b] and queued(services) == 2
+    gone = json.loads(cli(services, "show", f"hold:{c}", "--json").stdout)
+    assert gone["queued"] is None
+
+
+def test_fenced_unqueue_refuses_bad_input_and_leaves_foreign_keys_alone(
+    services: Services,
+) -> None:
+    for args in ((), ("hold:x", "--all")):
+        res = cli(services, "unqueue", *args)
+        assert res.returncode == 2, res
+        assert "--all" in res.stderr, res.stderr
+    app = sender(services)
+    marked = app.tasks["e.finished"].delay(k := key()).id
+    foreign = f"fenced:{{hold:{key()}}}:queued"
+    services.locks().hset(foreign, "not", "ours")
+    res = cli(services, "unqueue", "--all", "--json")
+    assert res.returncode == 1, res
+    assert "is a hash, not fenced's enqueue marker: left alone" in res.stderr, res.stderr
+    assert services.locks().hgetall(foreign) == {"not": "ours"}
+    cleared = [r for r in json.loads(res.stdout) if "error" not in r]
+    assert {"name": f"hold:{k}", "task_id": marked} in cleared  # the others went on
+    # ls and show name the foreign key instead of failing
+    listed = {i["name"]: i for i in json.loads(cli(services, "ls", "--json").stdout)}
+    assert "WRONGTYPE" in listed[foreign.split(":{")[1].split("}:")[0]]["unreadable"]
+    services.locks().delete(foreign)
 
 
 def test_a_failed_publish_leaves_no_marker(services: Services) -> None:

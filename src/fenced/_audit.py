@@ -1,4 +1,5 @@
-"""The audit trail of operator acts (one ``fenced.audit`` log line per force release),
+"""The audit trail of operator acts (one ``fenced.audit`` log line per force release, and
+per enqueue marker cleared by hand),
 and the ``fenced_*`` fields of every other log line about a claim (:func:`claim_fields`).
 
 The run record of a force release lives in the claim's run stream, which is capped and
@@ -10,10 +11,12 @@ answered, and goes wherever the process's logging sends it. Each line carries th
 ``extra`` fields (every structured fenced log field is named ``fenced_*``):
 
 ==================== ==================================================================
-fenced_action        what was done: ``"force_release"``
+fenced_action        what was done: ``"force_release"``, or ``"unqueue"`` (an enqueue
+                     marker cleared: ``fenced unqueue``, :func:`fenced.celery.clear_queued`)
 fenced_name          the claim name
 fenced_token_prefix  the start of the cleared holder's token (never the whole token); when
-                     nothing was cleared, the prefix asked for, or None
+                     nothing was cleared, the prefix asked for, or None; for
+                     ``"unqueue"``, the task id the marker held
 fenced_fence         the cleared holder's fence; None when nothing was cleared
 fenced_by            who the caller says it is (``by=``, else the login name): self-declared
 fenced_uid           the real uid of the acting process (``os.getuid()``)
@@ -21,7 +24,8 @@ fenced_host          the host of the acting process
 fenced_pid           the pid of the acting process
 fenced_reason        why, as the caller gave it
 fenced_outcome       ``"released"``; ``"not_held"`` (nothing held, or not by the holder
-                     named); ``"unreachable"`` (Redis did not answer); ``"error"``
+                     named); ``"unreachable"`` (Redis did not answer); ``"error"``; for
+                     ``"unqueue"``: ``"cleared"`` or ``"not_marked"``
 ==================== ==================================================================
 """
 
@@ -42,6 +46,7 @@ __all__ = [
     "claimed_user",
     "echo_to_stderr",
     "force_released",
+    "unqueued",
 ]
 
 #: The audit logger's name; its lines go wherever the process's logging goes.
@@ -106,6 +111,20 @@ def claimed_user() -> str:
         return str(os.getuid())
 
 
+def _act(
+    action: str,
+    name: str,
+    token_prefix: str | None,
+    fence: int | None,
+    by: str | None,
+    reason: str | None,
+    outcome: str,
+) -> dict[str, Any]:
+    """The FIELDS of one audit line: the act, and who did it from where."""
+    who = (by or claimed_user(), os.getuid(), socket.gethostname(), os.getpid())
+    return dict(zip(FIELDS, (action, name, token_prefix, fence, *who, reason, outcome), strict=True))
+
+
 def force_released(
     name: str,
     *,
@@ -116,24 +135,7 @@ def force_released(
     outcome: str,
 ) -> None:
     """Log one force release on ``fenced.audit`` (at INFO, with the FIELDS as extra)."""
-    extra = dict(
-        zip(
-            FIELDS,
-            (
-                "force_release",
-                name,
-                token_prefix,
-                fence,
-                by or claimed_user(),
-                os.getuid(),
-                socket.gethostname(),
-                os.getpid(),
-                reason,
-                outcome,
-            ),
-            strict=True,
-        )
-    )
+    extra = _act("force_release", name, token_prefix, fence, by, reason, outcome)
     log.info(
         "fenced: force release of %r: %s (holder %s, fence %s; by %s, uid %d, on %s "
         "pid %d; reason: %s)",
@@ -141,6 +143,26 @@ def force_released(
         outcome,
         token_prefix or "-",
         "-" if fence is None else fence,
+        extra["fenced_by"],
+        extra["fenced_uid"],
+        extra["fenced_host"],
+        extra["fenced_pid"],
+        reason,
+        extra=extra,
+    )
+
+
+def unqueued(
+    name: str, *, task_id: str | None, by: str | None, reason: str | None, outcome: str
+) -> None:
+    """Log one enqueue marker cleared by hand on ``fenced.audit`` (the FIELDS as extra;
+    the marker's task id where a lease's token prefix would be)."""
+    extra = _act("unqueue", name, task_id, None, by, reason, outcome)
+    log.info(
+        "fenced: enqueue marker of %r: %s (task %s; by %s, uid %d, on %s pid %d; reason: %s)",
+        name,
+        outcome,
+        task_id or "-",
         extra["fenced_by"],
         extra["fenced_uid"],
         extra["fenced_host"],

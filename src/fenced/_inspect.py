@@ -16,8 +16,9 @@ from typing import Any
 
 import redis
 
-from . import _lease
+from . import _audit, _lease
 from ._audit import claimed_user
+from ._errors import ClaimUnavailable, ConfigError
 from ._lease import (
     MAX_LIMIT,
     MAX_RECORDS,
@@ -33,13 +34,16 @@ from ._lease import (
 )
 from ._nodes import is_cluster, node_of, scan_keys, server_times
 from ._printable import readable
+from ._scripts import Script
 from .records import UNREADABLE, RunRecord, entries_for, from_entries, history
 
 __all__ = [
     "ClaimInfo",
     "ClaimReport",
+    "clear_queued",
     "force_release",
     "list_claims",
+    "list_queued",
     "operator",
     "release_slot",
     "show_claim",
@@ -73,6 +77,10 @@ class ClaimInfo:
     #: by slot; ``holder`` is the first of them.
     limit: int = 1
     slots: list[tuple[int, Holder]] = field(default_factory=list)
+    #: The name's enqueue marker (``claim_enqueue``): the task id of the message it
+    #: holds for, and the seconds it has left (None: no marker).
+    queued: str | None = None
+    queued_left: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form (the secret part of the token shortened)."""
@@ -90,7 +98,20 @@ class ClaimInfo:
             "extra": self.extra,
             "unreadable": self.unreadable,
             "cooldown_left": self.cooldown_left,
+            "queued": _queued_dict(self.queued, self.queued_left),
         }
+
+
+def _queued_dict(task_id: str | None, left: float | None) -> dict[str, Any] | None:
+    return None if task_id is None else {"task_id": task_id, "expires_in": left}
+
+
+def _marker(value: Any, problems: list[str]) -> str | None:
+    """An enqueue marker's task id as text (None: no marker, or one of another type)."""
+    if isinstance(value, Exception):
+        problems.append(f"queued: {value}")
+        return None
+    return None if value is None else readable(value)
 
 
 def _glob_escape(text: str) -> str:
@@ -132,8 +153,9 @@ def _clocks(client: Any, results: list[Any], timed: bool) -> Callable[[str], flo
 
 
 def list_claims(client: Any, namespace: str = "fenced") -> list[ClaimInfo]:
-    """Every claim held now under a namespace, and every one in its cooldown window,
-    sorted by name.
+    """Every claim held now under a namespace, every one in its cooldown window, and
+    every name marked at enqueue (``claim_enqueue``: a message for it is queued), sorted
+    by name.
 
     What cannot be read (a key name or a value that is not UTF-8, a key of the wrong
     type, a fence that is not an integer) is listed with ``unreadable`` saying what,
@@ -141,7 +163,7 @@ def list_claims(client: Any, namespace: str = "fenced") -> list[ClaimInfo]:
     """
     names: set[str] = set()
     foreign: dict[str, ClaimInfo] = {}
-    for part in ("lock", "cooldown", "slot:*"):
+    for part in ("lock", "cooldown", "slot:*", "queued"):
         for key in _lock_keys(client, namespace, part):
             name = ClaimKeys.name_from_key(key, namespace)
             if name and isinstance(key, bytes):
@@ -176,7 +198,9 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
         pipe.get(keys.skips)
         pipe.xrevrange(keys.runs, count=entries_for(LS_RUNS))
         pipe.pttl(keys.cooldown)
-        pipe.hgetall(keys.slots)
+        pipe.get(keys.queued)
+        pipe.pttl(keys.queued)
+        pipe.hgetall(keys.slots)  # last: _read_slots finds it there
     try:
         results = pipe.execute(raise_on_error=False)
     except UnicodeDecodeError:
@@ -186,17 +210,20 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
             return [_unread(names[0], "a value of the claim is not UTF-8")]
         return [info for name in names for info in _read_batch(client, [name], namespace)]
     clock = _clocks(client, results, timed)
-    per = 7
+    per = 9
     slotted = _read_slots(client, names, results, namespace, per)
     infos: list[ClaimInfo] = []
     for i, name in enumerate(names):
-        token, pttl, fence, skips, entries, cooldown, _slots = results[per * i : per * i + per]
+        token, pttl, fence, skips, entries, cooldown, mark, mark_pttl, _slots = results[
+            per * i : per * i + per
+        ]
         window = _left(cooldown)
         limit, slots = slotted.get(name, (1, []))
-        if token is None and window is None and not slots:
-            continue  # released (or its window ended) between the scan and the read
+        if token is None and window is None and not slots and mark is None:
+            continue  # released (its window ended, its marker cleared) since the scan
         keys = ClaimKeys(namespace, name)
         problems: list[str] = []
+        queued = _marker(mark, problems)
         fence_int = _number(fence, "fence", problems)
         holder: Holder | None = None
         if isinstance(token, Exception):
@@ -220,6 +247,8 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
             cooldown_left=window,
             limit=limit,
             slots=slots,
+            queued=queued,
+            queued_left=_left(mark_pttl) if queued is not None else None,
         )
         if isinstance(entries, Exception):
             problems.append(f"runs: {entries}")
@@ -325,6 +354,9 @@ class ClaimReport:
     #: by slot; ``holder`` is the first of them.
     limit: int = 1
     slots: list[tuple[int, Holder]] = field(default_factory=list)
+    #: The name's enqueue marker: the queued message's task id and its seconds left.
+    queued: str | None = None
+    queued_left: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -336,6 +368,7 @@ class ClaimReport:
             "slots": [{"slot": i, **h.as_dict()} for i, h in self.slots],
             "runs": [run.as_dict() for run in self.runs],
             "cooldown_left": self.cooldown_left,
+            "queued": _queued_dict(self.queued, self.queued_left),
         }
 
 
@@ -359,6 +392,8 @@ def show_claim(
     pipe = queue_slots(client.pipeline(transaction=False), keys)
     pipe.xrevrange(keys.runs, count=entries_for(limit))
     pipe.pttl(keys.cooldown)
+    pipe.get(keys.queued)
+    pipe.pttl(keys.queued)
     with reachable(client, f"read claim {keys.name!r}", keys.name):
         try:
             answers = pipe.execute(raise_on_error=False)
@@ -366,7 +401,7 @@ def show_claim(
             # A client that decodes replies met bytes that are not text, and the whole
             # answer is lost with them: read part by part, to show what can be read.
             return _show_apart(client, keys, limit)
-    *leases, fence, fences, entries, cooldown = answers
+    *leases, fence, fences, entries, cooldown, mark, mark_pttl = answers
     slots = slot_holders(leases, fence, fences)
     most = _limit_of(fences)
     if most == 1:
@@ -377,7 +412,7 @@ def show_claim(
         runs = [RunRecord(keys.name, UNREADABLE, unreadable=f"{keys.runs}: {entries}")]
     else:
         runs = from_entries(keys.name, entries, limit)
-    return _report(keys, slots, most, runs, cooldown)
+    return _report(keys, slots, most, runs, cooldown, mark, mark_pttl)
 
 
 def _show_apart(client: Any, keys: ClaimKeys, limit: int) -> ClaimReport:
@@ -388,12 +423,27 @@ def _show_apart(client: Any, keys: ClaimKeys, limit: int) -> ClaimReport:
         holder = read_holder(client, keys.name, namespace=keys.namespace)
         slots = [(0, holder)] if holder else [s for s in slots if s[0]]
     runs = history(client, keys.name, limit=limit, namespace=keys.namespace)
-    return _report(keys, slots, most, runs, client.pttl(keys.cooldown))
+    try:
+        mark: Any = client.get(keys.queued)
+    except (redis.ResponseError, UnicodeDecodeError) as exc:
+        mark = redis.ResponseError(str(exc))
+    pttl = client.pttl(keys.cooldown)
+    return _report(keys, slots, most, runs, pttl, mark, client.pttl(keys.queued))
 
 
 def _report(
-    keys: ClaimKeys, slots: list[tuple[int, Holder]], most: int, runs: list[RunRecord], pttl: Any
+    keys: ClaimKeys,
+    slots: list[tuple[int, Holder]],
+    most: int,
+    runs: list[RunRecord],
+    pttl: Any,
+    mark: Any,
+    mark_pttl: Any,
 ) -> ClaimReport:
+    problems: list[str] = []
+    queued = _marker(mark, problems)
+    if problems:  # a marker key of another type: shown as the runs key's would be
+        runs = [*runs, RunRecord(keys.name, UNREADABLE, unreadable=f"{keys.queued}: {mark}")]
     return ClaimReport(
         keys.name,
         keys.namespace,
@@ -402,6 +452,8 @@ def _report(
         _left(pttl),
         max(most, max((i + 1 for i, _h in slots), default=1)),
         slots,
+        queued,
+        _left(mark_pttl) if queued is not None else None,
     )
 
 
@@ -464,3 +516,67 @@ def force_release(
     if before is not None and before.token == cleared.token:
         return before
     return cleared
+
+
+# KEYS[1] a name's enqueue marker: deleted. Returns the task id it held (nil: none); a key
+# of another type is an error reply, and is left alone.
+_UNQUEUE = Script(
+    "unqueue",
+    """
+local held = redis.call('GET', KEYS[1])
+if held then redis.call('DEL', KEYS[1]) end
+return held
+""",
+)
+
+
+def list_queued(client: Any, namespace: str = "fenced") -> list[str]:
+    """The names marked at enqueue (``claim_enqueue``) under a namespace, sorted."""
+    keys = _lock_keys(client, namespace, "queued")
+    return sorted({name for key in keys if (name := ClaimKeys.name_from_key(key, namespace))})
+
+
+def clear_queued(
+    client: Any,
+    name: str,
+    *,
+    namespace: str = "fenced",
+    by: str | None = None,
+    reason: str | None = None,
+) -> str | None:
+    """Delete a name's enqueue marker (``claim_enqueue``): the task id it held, or None.
+
+    The next ``apply_async`` of the name publishes again. For a message that will never
+    run (a purged queue, a revoked task), whose marker would otherwise block the name
+    until ``claim_enqueue_ttl``; a message still queued runs as it would have (the
+    claim skips a second run while one runs). Logged on ``fenced.audit``.
+    """
+    keys = ClaimKeys.of(name, namespace)
+    outcome = "error"
+    held: Any = None
+    try:
+        with reachable(client, f"clear the enqueue marker of {keys.name!r}", keys.name):
+            try:
+                held = _UNQUEUE(client, [keys.queued], [])
+            except redis.ResponseError as exc:
+                if "WRONGTYPE" not in str(exc):
+                    raise
+                kind = readable(client.type(keys.queued))
+                raise ConfigError(
+                    f"{keys.queued} is a {kind}, not fenced's enqueue marker: left alone "
+                    "(delete it by hand if nothing else owns it)",
+                    name=keys.name,
+                ) from None
+        outcome = "not_marked" if held is None else "cleared"
+    except ClaimUnavailable:
+        outcome = "unreachable"
+        raise
+    finally:
+        _audit.unqueued(
+            keys.name,
+            task_id=None if held is None else readable(held),
+            by=by or operator(),
+            reason=reason,
+            outcome=outcome,
+        )
+    return None if held is None else readable(held)

@@ -101,6 +101,19 @@ def _window(left: float | None) -> str:
     return f"ran recently: window ends in {duration(left)}" if left is not None else ""
 
 
+def _queued(task_id: str | None, left: float | None, *, short: bool = False) -> str:
+    """The enqueue marker: ``queued: task 1f2e... (marked 59m more)``."""
+    if task_id is None:
+        return ""
+    shown = _short(task_id) if short else task_id
+    more = f" (marked {duration(left)} more)" if left is not None else " (no expiry)"
+    return printable(f"queued: task {shown}{more}")
+
+
+def _notes(*texts: str) -> str:
+    return "; ".join(text for text in texts if text)
+
+
 def _held(limit: int, slots: list[tuple[int, Holder]], short: bool = False) -> str:
     """``2/3 held: host pid 1, host pid 2`` for a name held by several at once."""
     who = ", ".join(holder_text(h, short=short) for _i, h in slots)
@@ -115,8 +128,8 @@ def _who(info: ClaimInfo, *, short: bool = False) -> str:
         who = _holder_cell(info, info.holder, short=short)
     else:
         who = _unreadable(info.unreadable) or "-"
-    window = _window(info.cooldown_left)
-    return f"{who}; {window}" if (info.holder or info.limit > 1) and window else window or who
+    notes = _notes(_window(info.cooldown_left), _queued(info.queued, info.queued_left, short=short))
+    return _notes(who, notes) if (info.holder or info.limit > 1) or not notes else notes
 
 
 def _outcome(outcome: str | None) -> Text:
@@ -218,7 +231,9 @@ def claims_list(infos: list[ClaimInfo], title: str) -> Group:
 
 def _title(report: ClaimReport, *, short: bool = False) -> str:
     name = printable(report.name)
-    window = _window(report.cooldown_left)
+    window = _notes(
+        _window(report.cooldown_left), _queued(report.queued, report.queued_left, short=short)
+    )
     if report.limit > 1:
         parts = [f"{name}: {len(report.slots)}/{report.limit} held"]
         for i, h in report.slots:

@@ -1009,6 +1009,90 @@ if app is not None:
                 _err(msg)
             raise typer.Exit(code)
 
+    @app.command("unqueue")
+    def unqueue_cmd(
+        names: Annotated[
+            list[str] | None,
+            typer.Argument(metavar="[NAME]...", help="Claim names whose markers to clear."),
+        ] = None,
+        every: Annotated[
+            bool, typer.Option("--all", help="Clear every enqueue marker of the namespace.")
+        ] = False,
+        reason: Annotated[
+            str | None, typer.Option(metavar="TEXT", help="Why; kept in the audit line.")
+        ] = None,
+        redis_url: RedisOpt = None,
+        namespace: NamespaceOpt = "fenced",
+        as_json: JsonOpt = False,
+    ) -> None:
+        """Clear enqueue markers (claim_enqueue): the next call of each name publishes.
+
+        A marker holds a name from apply_async until its message's run starts or
+        ends; a message that will never run (celery purge, a revoked task, a lost
+        broker) keeps its name blocked until claim_enqueue_ttl. fenced ls lists
+        marked names. A message still queued runs as before: clearing its marker
+        lets a second one be sent, and the claim skips one of them if they meet.
+
+        \b
+        Exit status:
+          0   cleared, or nothing was marked
+          1   a marker key holds another type (left alone; the others are cleared)
+          2   usage: neither NAME nor --all, or both
+          69  Redis unreachable
+        """
+        from ._audit import echo_to_stderr
+        from ._inspect import clear_queued, list_queued, operator
+
+        if bool(names) == every:
+            _err(
+                "fenced: name the markers to clear (fenced unqueue NAME...) or clear every "
+                "one with --all, not both"
+                if every
+                else "fenced: give the names whose markers to clear, or --all for every one"
+            )
+            raise typer.Exit(EXIT_USAGE)
+        client = _client(redis_url)
+        by = operator()
+        echo_to_stderr()
+        from . import ConfigError
+
+        results: list[dict[str, Any]] = []
+        with _talking_to(client):
+            targets = list_queued(client, namespace) if every else list(names or [])
+            for name in targets:
+                try:
+                    task_id = clear_queued(client, name, namespace=namespace, by=by, reason=reason)
+                except ConfigError as exc:  # a key of another type: the others go on
+                    results.append({"name": name, "task_id": None, "error": str(exc)})
+                    continue
+                results.append({"name": name, "task_id": task_id})
+        from ._printable import printable
+
+        errors = [r["error"] for r in results if "error" in r]
+        for error in errors:
+            _err(f"fenced: {error}")
+        if as_json:
+            _print_json(results)
+            if errors:
+                raise typer.Exit(EXIT_REFUSED)
+            return
+
+        if not results:
+            print(f"fenced: no enqueue markers in namespace {namespace!r}", flush=True)
+        for result in results:
+            if "error" in result:
+                continue
+            if result["task_id"] is None:
+                line = f"fenced: {result['name']!r} had no enqueue marker"
+            else:
+                line = (
+                    f"fenced: cleared the enqueue marker of {result['name']!r} (task "
+                    f"{result['task_id']}): its next call publishes"
+                )
+            print(printable(line), flush=True)
+        if errors:
+            raise typer.Exit(EXIT_REFUSED)
+
 
 if __name__ == "__main__":
     main()

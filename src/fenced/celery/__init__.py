@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 from .._errors import ClaimInterrupted
+from .._inspect import clear_queued
 from . import _metrics, signals  # noqa: F401  (_metrics: the worker's signal receivers)
 from ._disabled import LocalClaim
 from ._options import DEFAULTS, ON_BUSY, lock_redis
@@ -35,6 +36,7 @@ __all__ = [
     "ClaimedRequest",
     "ClaimedTask",
     "LocalClaim",
+    "clear_queued",
     "lock_redis",
     "metrics",
     "signals",

@@ -100,7 +100,14 @@
         let text = holderText(c.holder);
         if (c.limit > 1) text += "  (" + c.slots.length + "/" + c.limit + " slots)";
         if (!c.holder && c.cooldown_left) text = "cooldown, " + seconds(c.cooldown_left) + " left";
+        if (!c.holder && !c.cooldown_left && c.queued) text = "";
         who.textContent = text;
+      }
+      if (c.queued) {
+        // claim_enqueue: a message for the name is queued (or runs, until_finished)
+        let mark = "queued: task " + c.queued.task_id;
+        if (c.queued.expires_in) mark += ", marked " + seconds(c.queued.expires_in) + " more";
+        who.append(el("div", mark, "slot"));
       }
       tr.append(who);
       tr.append(el("td", seconds(c.age), "num"));
