@@ -122,7 +122,9 @@ def _act(
 ) -> dict[str, Any]:
     """The FIELDS of one audit line: the act, and who did it from where."""
     who = (by or claimed_user(), os.getuid(), socket.gethostname(), os.getpid())
-    return dict(zip(FIELDS, (action, name, token_prefix, fence, *who, reason, outcome), strict=True))
+    return dict(
+        zip(FIELDS, (action, name, token_prefix, fence, *who, reason, outcome), strict=True)
+    )
 
 
 def force_released(
