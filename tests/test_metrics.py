@@ -8,6 +8,7 @@ run --metrics-file`` runs the real command line.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -401,6 +402,31 @@ def test_prefork_worker_serves_the_sum_of_its_children_over_http(
         assert not list(folder.glob("gauge_livesum_*.db"))
 
 
+def test_a_pool_child_killed_holding_a_claim_leaves_claims_held(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SIGKILL (the OOM killer, a hard time limit): the child's own exit hook never runs;
+    # the main process, freeing the dead child's claim, takes it out of claims_held.
+    folder = tmp_path / "prom"
+    folder.mkdir()
+    port = free_port()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(folder))
+    monkeypatch.setenv("FENCED_METRICS", "1")
+    monkeypatch.setenv("FENCED_METRICS_PORT", str(port))
+    services = Services.on(redis_server)
+    client = services.client()
+    obs = services.obs()
+    held = ("fenced_claims_held", (("label", "sleep:{key}"),))
+    with Worker(services, name="metrics-kill", concurrency=2):
+        busy = unique("busy")
+        client.send_task("t.sleeper", (busy, 60.0), queue=services.queue)
+        (start,) = wait_for("the run to start", lambda: notes(obs, f"sleeper:{busy}"), WAIT)
+        wait_for("claims_held to count it", lambda: scrape(port).get(held) == 1, WAIT, every=0.2)
+        os.kill(start["pid"], signal.SIGKILL)
+        wait_for("claims_held to drop it", lambda: scrape(port).get(held) == 0, WAIT, every=0.2)
+        assert not (folder / f"gauge_livesum_{start['pid']}.db").exists()
+
+
 def test_threads_pool_worker_serves_its_own_numbers_without_a_directory(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -584,7 +610,7 @@ def total():
     MultiProcessCollector(registry, path=os.environ["PROMETHEUS_MULTIPROC_DIR"])
     return registry.get_sample_value("fenced_claims_acquired_total", {"label": "forked"}) or 0
 
-for name in ("a", "b", "c"):  # the first is written at once; b and c wait
+for name in ("a", "b", "c"):  # they wait for this process's counting thread
     acquired(name)
 written_before_fork = total()
 pid = os.fork()
@@ -611,10 +637,10 @@ def test_a_forked_child_writes_its_own_counts_never_its_parents_waiting_ones(
     )
     assert res.returncode == 0, res.stderr
     before, after_child, after_parent = (float(x) for x in res.stdout.split())
-    assert before == 1  # one written at once, two waiting for the batch or the second
-    # The child's thread wrote its two within its flush interval; the parent's two that
+    assert before == 0  # the three wait for the counting thread
+    # The child's thread wrote its two within its flush interval; the parent's three that
     # waited at the fork were written once, by the parent.
-    assert after_child in (3, 5)  # the parent's own thread may have written its two
+    assert after_child in (2, 5)  # the parent's own thread may have written its three
     assert after_parent == 5
 
 
@@ -663,3 +689,150 @@ def test_a_fork_waits_for_a_write_in_progress_and_the_child_writes(tmp_path: Pat
     waited, status = res.stdout.split()
     assert float(waited) >= 0.3  # the fork came after the write
     assert status == "0"
+
+
+def _python(script: str, folder: Path | None = None) -> str:
+    """Run a script in a fresh interpreter (multiprocess mode in ``folder``): its stdout."""
+    env = dict(os.environ)
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    if folder is not None:
+        folder.mkdir()
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(folder)
+    res = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+_TWO_FORKS = r"""
+import os, threading, time
+from prometheus_client import CollectorRegistry
+from fenced.metrics import ClaimMetrics
+
+metrics = ClaimMetrics(CollectorRegistry(), in_files=False)
+counting = threading.Event()
+
+def count_slowly():  # as a scrape in the middle of counting
+    with metrics._drain_lock:
+        counting.set()
+        time.sleep(0.5)
+
+threading.Thread(target=count_slowly).start()
+counting.wait()
+
+def fork():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+forks = [threading.Thread(target=fork) for _ in range(2)]  # both wait for the same lock
+for t in forks:
+    t.start()
+for t in forks:
+    t.join()
+print(metrics._drain_lock.acquire(timeout=5))
+"""
+
+
+def test_two_threads_forking_at_once_leave_no_lock_held() -> None:
+    assert _python(_TWO_FORKS).split() == ["True"]
+
+
+def test_a_claims_thread_never_counts_its_events() -> None:
+    # Counting runs in the metrics' own thread, where no exception raised into a claim's
+    # thread (ClaimInterrupted, Ctrl-C) can cut it in half, nor can counting slow a run.
+    metrics = ClaimMetrics(CollectorRegistry(), in_files=False)
+    counted_in: set[int] = set()
+    drain = metrics._drain
+
+    def watched() -> None:
+        counted_in.add(threading.get_ident())
+        drain()
+
+    metrics._drain = watched  # type: ignore[method-assign]
+    try:
+        for fence in range(3 * fenced.metrics.BATCH):
+            metrics.subscriber(ClaimEvent("acquired", "n", "label", "claim", fence=fence))
+            metrics.subscriber(ClaimEvent("released", "n", "label", "claim", fence=fence))
+        wait_for("the batches to be counted", lambda: not metrics._pending, 10)
+        assert counted_in and threading.get_ident() not in counted_in
+        samples = _samples(metrics.registry)
+        assert samples[("fenced_claims_acquired_total", (("label", "label"),))] == 3 * 512
+    finally:
+        metrics.unregister()
+
+
+_EXITS = r"""
+from prometheus_client import CollectorRegistry
+from fenced.events import ClaimEvent
+from fenced.metrics import ClaimMetrics
+
+metrics = ClaimMetrics(CollectorRegistry())
+metrics.subscriber(ClaimEvent("acquired", "n", "exits", "claim", fence=1))
+metrics.subscriber(ClaimEvent("released", "n", "exits", "claim", fence=1, outcome="ok"))
+"""  # and the interpreter exits at once, before the counting thread's first second
+
+_READ = r"""
+import os
+from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
+registry = CollectorRegistry()
+MultiProcessCollector(registry, path=os.environ["PROMETHEUS_MULTIPROC_DIR"])
+labels = {"label": "exits", "outcome": "ok"}
+print(registry.get_sample_value("fenced_claims_released_total", labels))
+"""
+
+
+def test_a_process_that_exits_writes_what_it_counted_last(tmp_path: Path) -> None:
+    folder = tmp_path / "prom"
+    _python(_EXITS, folder)
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(folder))
+    out = subprocess.run(
+        [sys.executable, "-c", _READ], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.stdout.split() == ["1.0"], out.stderr
+
+
+_FORK_WHILE_OTHERS_WRITE = r"""
+import os, signal, threading, time
+from prometheus_client import CollectorRegistry, Counter
+from fenced.events import ClaimEvent
+from fenced.metrics import ClaimMetrics, _files_lock
+
+metrics = ClaimMetrics(CollectorRegistry())
+lock = _files_lock()
+assert lock is not None, "prometheus_client's lock was not found"
+writing = threading.Event()
+
+def write_slowly():  # the application's own metric, in the middle of a write
+    with lock:
+        writing.set()
+        time.sleep(0.5)
+
+threading.Thread(target=write_slowly).start()
+writing.wait()
+pid = os.fork()
+if pid == 0:
+    signal.alarm(10)
+    metrics.subscriber(ClaimEvent("acquired", "n", "forked", "claim", fence=1))
+    metrics.flush()  # would wait forever on prometheus_client's lock held at the fork
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(status)
+"""
+
+
+def test_a_fork_waits_for_prometheus_clients_own_writes(tmp_path: Path) -> None:
+    assert _python(_FORK_WHILE_OTHERS_WRITE, tmp_path / "prom").split() == ["0"]
+
+
+def test_an_event_after_unregister_is_counted_as_it_comes() -> None:
+    metrics = ClaimMetrics(CollectorRegistry(), in_files=False)
+    take = metrics.subscriber  # as emit() holds it while unsubscribing happens
+    take(ClaimEvent("acquired", "n", "late", "claim", fence=1))
+    metrics.unregister()
+    take(ClaimEvent("released", "n", "late", "claim", fence=1, outcome="ok"))
+    assert not metrics._pending
+    assert metrics._cells["late"].held == 0.0

@@ -25,6 +25,7 @@ collector (:class:`Textfile`).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -102,11 +103,12 @@ LOSS_CAUSES = {
 OUTCOMES = frozenset({"ok", "failed", "lost", "retried"})
 OTHER = "other"
 
-#: Events of this process's own numbers (not multiprocess mode) are counted this many
-#: at a time, and whenever the registry is read.
+#: Events wait to be counted by a thread of their own, woken when this many wait; and
+#: whenever the registry is read (this process's own numbers), or :meth:`flush` is called.
 BATCH = 512
 
-#: Multiprocess mode: what was counted is written to the files at least this often.
+#: What waits is counted (and in multiprocess mode written to the files) at least this
+#: often.
 FLUSH_SECONDS = 1.0
 
 #: Distinct ``label`` values kept; more are counted under ``"other"`` (a label built
@@ -461,15 +463,17 @@ class ClaimMetrics:
 
     Subscribe :attr:`subscriber` (or call the object) with each
     :class:`~fenced.events.ClaimEvent`. Thread-safe: renewal events come from the
-    heartbeat thread. Events wait in a queue and are counted :data:`BATCH` at a time,
-    which costs far less per event than counting each amid a claim's own work. Without
-    multiprocess mode the values are plain numbers that a collector hands to the registry
-    when it is read (all waiting events are counted first). In prometheus_client's
-    multiprocess mode they are prometheus_client's own metrics, whose values live in
-    files other processes read: what was counted is added to them at each batch, at
-    least every :data:`FLUSH_SECONDS` (a thread of this process), and by :meth:`flush`
-    (a Celery pool child flushes as it exits). ``in_files`` chooses (True:
-    prometheus_client's metrics) instead of the environment.
+    heartbeat thread. Events wait in a queue, counted by a thread of this process (started
+    by its first event) when :data:`BATCH` of them wait and at least every
+    :data:`FLUSH_SECONDS`: that costs far less per event than counting each amid a claim's
+    own work, and no exception raised into a claim's thread (``ClaimInterrupted``, Ctrl-C)
+    can land in the middle of counting. Without multiprocess mode the values are plain
+    numbers that a collector hands to the registry when it is read (all waiting events
+    are counted first). In prometheus_client's multiprocess mode they are
+    prometheus_client's own metrics, whose values live in files other processes read:
+    what was counted is added to them each time, by :meth:`flush`, and as the process
+    exits (a Celery pool child as it shuts down; any other process at interpreter exit).
+    ``in_files`` chooses (True: prometheus_client's metrics) instead of the environment.
     """
 
     def __init__(
@@ -503,10 +507,12 @@ class ClaimMetrics:
         self._drain_lock = threading.Lock()
         if isinstance(self._store, _Tally):
             self._store.drain = self._drain
-        # Multiprocess mode: whether this process's thread that writes at least every
-        # FLUSH_SECONDS runs (a forked child starts its own with its first event).
-        self._flushing = False
-        self._stop_flushing = threading.Event()
+        # Whether this process's counting thread runs (a forked child starts its own
+        # with its first event); after unregister() events are counted where they come.
+        self._counting = False
+        self._closed = False
+        self._wake = threading.Event()
+        self._stop = threading.Event()
         self._lock = threading.Lock()
         self._warned = False
         # The leases counted as held: (name, slot, fence). Set operations are atomic.
@@ -530,14 +536,16 @@ class ClaimMetrics:
         self.subscriber(event)
 
     def _take(self, event: ClaimEvent) -> None:
-        """Most events only wait in the deque: counting a batch at once, in a loop that
-        stays in the processor's caches, costs less than counting each event amid a
-        claim's own work. A read of the registry counts what waits first; in
-        multiprocess mode the first event of a process also starts its flushing thread."""
+        """An event only waits in the deque, for the counting thread: counting a batch
+        at once, in a loop that stays in the processor's caches, costs less than counting
+        each event amid a claim's own work. A read of the registry counts what waits
+        first; the first event of a process starts its counting thread."""
         pending = self._pending
         pending.append(event)
-        if len(pending) >= BATCH or not (self._plain or self._flushing):
-            self._drain()
+        if not self._counting:
+            self._start_counting()
+        elif len(pending) >= BATCH:
+            self._wake.set()
 
     def flush(self) -> None:
         """Count every event waiting now and, in multiprocess mode, write the counts to
@@ -583,29 +591,39 @@ class ClaimMetrics:
                     count(event)
             if isinstance(self._store, _Shared):
                 self._store.write()
-                if not self._flushing:
-                    self._start_flushing()
 
-    def _start_flushing(self) -> None:
-        """This process's thread that writes what waits at least every FLUSH_SECONDS."""
-        self._flushing = True
-        self._stop_flushing = stop = threading.Event()
-        thread = threading.Thread(
-            target=_flush_every,
-            args=(weakref.ref(self), stop),
-            name="fenced-metrics-flush",
-            daemon=True,
-        )
-        thread.start()
+    def _start_counting(self) -> None:
+        """This process's thread that counts what waits (see :func:`_count_in_thread`);
+        after :meth:`unregister`, the event that came is counted at once instead."""
+        with self._lock:
+            closed = self._closed
+            if not (closed or self._counting):
+                self._wake = wake = threading.Event()
+                self._stop = stop = threading.Event()
+                thread = threading.Thread(
+                    target=_count_in_thread,
+                    args=(weakref.ref(self), wake, stop),
+                    name="fenced-metrics",
+                    daemon=True,
+                )
+                thread.start()
+                self._counting = True
+        if closed:
+            self._drain()
 
     def _forget(self) -> None:
-        """In a forked child: what the parent had not written yet is the parent's."""
+        """In a forked child: the locks are new (a thread of the parent may have held
+        them), no counting thread runs yet, and in multiprocess mode what the parent had
+        not written yet is the parent's."""
         self._drain_lock = threading.Lock()
-        self._flushing = False
+        self._lock = threading.Lock()
+        self._counting = False
         if isinstance(self._store, _Shared):
             self._pending.clear()
             self._holding.clear()
             self._store.forget()
+        else:
+            self._store.lock = threading.Lock()
 
     def _count(self, event: ClaimEvent) -> None:
         kind = event.kind
@@ -614,10 +632,14 @@ class ClaimMetrics:
             handler(event)
 
     def unregister(self) -> None:
-        """Write what waits, stop this process's flushing thread, and take the metrics out
-        of the registry."""
+        """Stop this process's counting thread, write what waits, and take the metrics out
+        of the registry (an event still on its way is counted as it comes)."""
+        with self._lock:
+            self._closed = True
+            self._counting = False
+            self._stop.set()
+            self._wake.set()
         self.flush()
-        self._stop_flushing.set()
         for collector in self._collectors:
             try:
                 self.registry.unregister(collector)
@@ -690,17 +712,22 @@ class ClaimMetrics:
         self._of(event).on_unavailable()
 
 
-def _flush_every(ref: weakref.ReferenceType[ClaimMetrics], stop: threading.Event) -> None:
-    """A thread of a process in multiprocess mode: write what waits every FLUSH_SECONDS,
-    until the metrics are unregistered or gone."""
-    while not stop.wait(FLUSH_SECONDS):
+def _count_in_thread(
+    ref: weakref.ReferenceType[ClaimMetrics], wake: threading.Event, stop: threading.Event
+) -> None:
+    """A process's counting thread: count what waits (and in multiprocess mode write it)
+    when woken and at least every FLUSH_SECONDS, until the metrics are unregistered or
+    gone. Only this thread, a registry read and flush() count: never a claim's thread."""
+    while True:
+        wake.wait(FLUSH_SECONDS)
+        wake.clear()
         metrics = ref()
-        if metrics is None:
+        if metrics is None or stop.is_set():
             return
         try:
-            metrics.flush()
+            metrics._drain()
         except Exception:  # a full disk, say: try again next time, never die silently
-            log.exception("fenced.metrics: writing the claim metrics failed")
+            log.exception("fenced.metrics: counting the claim metrics failed")
         del metrics
 
 
@@ -708,34 +735,66 @@ def _flush_every(ref: weakref.ReferenceType[ClaimMetrics], stop: threading.Event
 #: forked child makes each forget what its parent had not written yet.
 _every_metrics: weakref.WeakSet[ClaimMetrics] = weakref.WeakSet()
 
+#: The locks the forking thread took before the fork (each forking thread its own).
+_forking = threading.local()
 
-_locked_for_fork: list[ClaimMetrics] = []
+
+def _files_lock() -> Any:
+    """prometheus_client's one lock over its multiprocess files (a closure variable of its
+    value class), or None when not in multiprocess mode or not found."""
+    if not _in_files():
+        return None
+    for method in ("inc", "set", "get"):
+        for cell in getattr(getattr(_values.ValueClass, method, None), "__closure__", None) or ():
+            value = cell.cell_contents
+            if isinstance(value, _LOCK_TYPE):
+                return value
+    return None
+
+
+_LOCK_TYPE = type(threading.Lock())
 
 
 def _before_fork() -> None:
-    # No counts are being written while the process forks: prometheus_client guards its
-    # files with one lock, and a child forked while a flushing thread held it would
-    # wait for it forever at its first write.
-    _locked_for_fork[:] = list(_every_metrics)
-    for metrics in _locked_for_fork:
-        metrics._drain_lock.acquire()
+    # No counts are being written while the process forks, by fenced or by anyone else:
+    # prometheus_client guards its files with one lock, and a child forked while another
+    # thread held it would wait for it forever at its first write.
+    locks = [metrics._drain_lock for metrics in list(_every_metrics)]
+    files = _files_lock()
+    if files is not None:
+        locks.append(files)
+    for lock in locks:
+        lock.acquire()
+    _forking.locks = locks
 
 
-def _after_fork_in_parent() -> None:
-    for metrics in _locked_for_fork:
-        metrics._drain_lock.release()
-    _locked_for_fork.clear()
+def _release_fork_locks() -> None:
+    locks = getattr(_forking, "locks", ())
+    _forking.locks = ()
+    for lock in reversed(locks):
+        lock.release()
 
 
 def _after_fork_in_child() -> None:
-    _locked_for_fork.clear()
+    _release_fork_locks()
     for metrics in list(_every_metrics):
         metrics._forget()
 
 
+def _flush_at_exit() -> None:
+    """Multiprocess mode: a process that exits writes what it counted last."""
+    for metrics in list(_every_metrics):
+        if not metrics._plain and not metrics._closed:
+            try:
+                metrics.flush()
+            except Exception:  # pragma: no cover - the process is going away
+                pass
+
+
 os.register_at_fork(
-    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+    before=_before_fork, after_in_parent=_release_fork_locks, after_in_child=_after_fork_in_child
 )
+atexit.register(_flush_at_exit)
 
 
 # -- one set per process ----------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 try:
@@ -44,6 +45,19 @@ class ClaimedRequest(Request):
                 )
             except Exception:
                 log.exception("fenced: could not release the claim of %s[%s]", self.name, self.id)
+            _count_out(int(self.worker_pid))
         return super().on_failure(
             exc_info, send_failed_event=send_failed_event, return_ok=return_ok
         )
+
+
+def _count_out(pid: int) -> None:
+    """fenced.metrics in multiprocess mode: the dead child held its claims no longer (its
+    own exit hook, which would say so, never ran), and a new child given its pid must not
+    start with them."""
+    metrics = sys.modules.get("fenced.metrics")
+    if metrics is not None:
+        try:
+            metrics.mark_process_dead(pid)
+        except Exception:
+            log.exception("fenced: could not take process %d out of the claim metrics", pid)
