@@ -201,6 +201,46 @@ def test_a_deleted_lease_is_lost_from_the_heartbeat_thread_with_json_log_fields(
     assert line["fenced_holder"] == lost.holder
 
 
+class Stall(logging.Handler):
+    """Holds the heartbeat's thread at its "lost" log line until the test lets it go."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.stalled = threading.Event()
+        self.go = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if getattr(record, "fenced_event", None) == "lost" and not self.stalled.is_set():
+            self.stalled.set()
+            self.go.wait(15)
+
+
+def test_a_lost_event_carries_the_lease_lost_when_the_claim_is_taken_again_meanwhile(
+    server: RedisServer, seen: Recorder
+) -> None:
+    # The heartbeat declares the loss, and before it builds the event the owner (another
+    # thread) releases and acquires again: the event is still about the lease lost.
+    client = server.client()
+    claim = fenced.Claim(client, "sync:race", ttl=0.9)
+    stall = Stall()
+    logger = logging.getLogger("fenced")
+    logger.addHandler(stall)
+    try:
+        assert claim.acquire()
+        first = claim.fence
+        client.delete(claim.key)
+        assert stall.stalled.wait(15), "the heartbeat never found the lease gone"
+        assert not claim.release()
+        assert claim.acquire() and claim.fence != first
+        stall.go.set()
+        lost = seen.wait("sync:race", "lost")
+        assert lost.fence == first, (lost.fence, first, claim.fence)
+        assert claim.release()
+    finally:
+        stall.go.set()
+        logger.removeHandler(stall)
+
+
 def test_a_paused_server_fails_renewals_then_the_claim_expires(seen: Recorder) -> None:
     with RedisServer() as srv:
         claim = fenced.Claim(srv.client(), "ingest", ttl=1.2)
@@ -381,3 +421,32 @@ def test_a_label_is_printable_and_bounded(server: RedisServer) -> None:
     _check_refused(lambda: events.subscribe("not callable"), "needs a callable")  # type: ignore[arg-type]
     res = fenced_run("redis://127.0.0.1:1/0", "bad\x1blabel", "job")
     assert res.returncode == 2 and "--label" in res.stderr and "printable" in res.stderr
+
+
+_FORK_WHILE_SUBSCRIBING = r"""
+import os, signal, threading, time
+from fenced import events
+
+held = threading.Event()
+
+def subscribing_slowly():  # another thread in the middle of subscribe()
+    with events._lock:
+        held.set()
+        time.sleep(0.5)
+
+threading.Thread(target=subscribing_slowly).start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    signal.alarm(10)
+    events.subscribe(print)()  # would wait forever on a lock held at the fork
+    os._exit(0)
+print(os.waitpid(pid, 0)[1])
+"""
+
+
+def test_a_child_forked_while_another_thread_subscribes_can_subscribe() -> None:
+    res = subprocess.run(
+        [sys.executable, "-c", _FORK_WHILE_SUBSCRIBING], capture_output=True, text=True, timeout=60
+    )
+    assert res.stdout.split() == ["0"], res.stdout + res.stderr

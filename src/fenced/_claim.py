@@ -454,18 +454,21 @@ class ClaimState:
                 return
             self._state = _LOST
             self._lost_reason = reason
+            # The lease lost, as it was: this may be the heartbeat's thread, and the
+            # owner may release and acquire again before the event is built.
+            lease = (self.token, self.fence, self.slot, self._started_at)
         # Not discarded from the heartbeat here: it drops claims no longer held by
         # itself, and a discard from this (maybe another) thread could remove the entry
         # of a lease this object acquired again meanwhile.
         log.warning(
             "fenced: claim %r (fence %s) lost: %s",
             self.name,
-            self.fence,
+            lease[1],
             reason,
             extra=self.log_fields("lost", "lost"),
         )
         if events.enabled():
-            self._emit_lost(reason)
+            self._emit_lost(reason, lease)
         self._stop_work()
         if self.on_lost is not None:
             try:
@@ -477,10 +480,23 @@ class ClaimState:
                     extra=self.log_fields("lost", "lost"),
                 )
 
-    def _emit_lost(self, reason: str) -> None:
-        held_for = self._clock() - self._started_at
-        self._emit_held(
-            "lost", None, _CAUSES.get(reason, reason), held_for if held_for > 0.0 else 0.0
+    def _emit_lost(
+        self, reason: str, lease: tuple[str | None, int | None, int | None, float] | None = None
+    ) -> None:
+        if lease is None:
+            lease = (self.token, self.fence, self.slot, self._started_at)
+        token, fence, slot, started_at = lease
+        held_for = self._clock() - started_at
+        known = self._holder_text
+        holder = known[2] if known is not None and known[0] is token else self._own_holder()
+        self._emit(
+            "lost",
+            fence,
+            holder,
+            None,
+            _CAUSES.get(reason, reason),
+            held_for if held_for > 0.0 else 0.0,
+            slot if self.limit > 1 else None,
         )
 
     def _stop_work(self) -> None:

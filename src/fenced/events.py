@@ -26,6 +26,7 @@ tuple (immutable, and built in a tenth of a microsecond: two are sent per claim 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -82,6 +83,15 @@ Subscriber = Callable[[ClaimEvent], None]
 _subscribers: tuple[Subscriber, ...] = ()
 _lock = threading.Lock()
 _last_error_log: dict[int, float] = {}
+
+
+def _after_fork_in_child() -> None:
+    # A thread of the parent may have held the lock at the fork: the child's is new.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def subscribe(fn: Subscriber) -> Callable[[], None]:
