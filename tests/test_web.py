@@ -33,6 +33,7 @@ from starlette.testclient import TestClient
 
 from _wait import wait_for
 from fenced import Claim, ConfigError, records
+from fenced._lease import ClaimKeys
 from fenced.testing import RedisCluster, RedisServer, find_binary, free_port
 from fenced.web import create_app
 from test_hostile import CASES, EVIL_HOST, good_claim
@@ -103,6 +104,21 @@ def test_claims_are_listed_live_with_holder_age_time_left_fence_and_skips(r: Any
 
     claim.release()
     assert [c["name"] for c in web.get("/api/claims").json()["claims"]] == ["export"]
+
+
+def test_a_name_marked_at_enqueue_is_listed_with_its_task_id(r: Any) -> None:
+    from fenced.celery._enqueue import MARK
+
+    keys = ClaimKeys.of("feed:acme")
+    assert MARK(r, [keys.queued], ["task-1", 60_000, ""]) is None  # as apply_async marks
+    web = api(r)
+    (listed,) = web.get("/api/claims").json()["claims"]
+    assert listed["name"] == "feed:acme" and listed["holder"] is None
+    assert listed["queued"]["task_id"] == "task-1"
+    assert 50 < listed["queued"]["expires_in"] <= 60
+    assert web.get("/api/claims/feed:acme").json()["queued"]["task_id"] == "task-1"
+    r.delete(keys.queued)
+    assert web.get("/api/claims").json()["claims"] == []
 
 
 def test_claims_whose_skips_reach_the_threshold_are_marked(r: Any) -> None:
