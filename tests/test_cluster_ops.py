@@ -185,6 +185,29 @@ def test_cli_ls_show_and_release_on_a_cluster(ha_cluster: RedisCluster, client: 
     assert {c["name"] for c in after} == set(names) - {gone}
 
 
+def test_cli_lists_and_clears_the_enqueue_markers_of_every_primary(
+    ha_cluster: RedisCluster, client: Any
+) -> None:
+    from fenced._lease import ClaimKeys
+    from fenced.celery import _enqueue
+
+    names = [f"feed:{n}" for n in names_on_every_master(ha_cluster, client)]
+    for i, name in enumerate(names):
+        assert _enqueue.mark(client, ClaimKeys.of(name), f"task-{i}", 60_000, None) is None
+    url = ha_cluster.startup_url
+    listed = {c["name"]: c for c in json.loads(fenced(url, "ls", "--json").stdout)}
+    assert {n: listed[n]["queued"]["task_id"] for n in names} == {
+        n: f"task-{i}" for i, n in enumerate(names)
+    }
+    cleared = fenced(url, "unqueue", "--all", "--json")
+    assert cleared.returncode == 0, cleared.stderr
+    assert {(c["name"], c["task_id"]) for c in json.loads(cleared.stdout)} >= {
+        (n, f"task-{i}") for i, n in enumerate(names)
+    }
+    after = {c["name"] for c in json.loads(fenced(url, "ls", "--json").stdout)}
+    assert not after & set(names)
+
+
 def test_cli_run_records_a_run_on_a_cluster(ha_cluster: RedisCluster) -> None:
     url = ha_cluster.startup_url
     done = fenced(url, "run", "backup:db", "--ttl", "5", "--", sys.executable, "-c", "pass")
