@@ -836,3 +836,28 @@ def test_an_event_after_unregister_is_counted_as_it_comes() -> None:
     take(ClaimEvent("released", "n", "late", "claim", fence=1, outcome="ok"))
     assert not metrics._pending
     assert metrics._cells["late"].held == 0.0
+
+
+_FAILING = r"""
+import logging, os, shutil, time
+from prometheus_client import CollectorRegistry
+from fenced.events import ClaimEvent
+from fenced.metrics import ClaimMetrics
+
+lines = []
+class Count(logging.Handler):
+    def emit(self, record):
+        lines.append(record.getMessage())
+logging.getLogger("fenced").addHandler(Count())
+metrics = ClaimMetrics(CollectorRegistry())
+shutil.rmtree(os.environ["PROMETHEUS_MULTIPROC_DIR"])  # every write fails from now on
+until = time.monotonic() + 3.5
+while time.monotonic() < until:
+    metrics.subscriber(ClaimEvent("acquired", "n", "failing", "claim", fence=1))
+    time.sleep(0.1)
+print(len(lines))
+"""
+
+
+def test_counting_that_keeps_failing_is_logged_once_a_minute(tmp_path: Path) -> None:
+    assert _python(_FAILING, tmp_path / "prom").split() == ["1"]

@@ -30,6 +30,7 @@ import logging
 import os
 import re
 import threading
+import time
 import weakref
 from bisect import bisect_left
 from collections import deque
@@ -110,6 +111,9 @@ BATCH = 512
 #: What waits is counted (and in multiprocess mode written to the files) at least this
 #: often.
 FLUSH_SECONDS = 1.0
+
+#: The seconds between two log lines about counting that keeps failing.
+ERROR_LOG_INTERVAL = 60.0
 
 #: Distinct ``label`` values kept; more are counted under ``"other"`` (a label built
 #: from call arguments would otherwise make a series per call).
@@ -718,6 +722,7 @@ def _count_in_thread(
     """A process's counting thread: count what waits (and in multiprocess mode write it)
     when woken and at least every FLUSH_SECONDS, until the metrics are unregistered or
     gone. Only this thread, a registry read and flush() count: never a claim's thread."""
+    logged = -ERROR_LOG_INTERVAL
     while True:
         wake.wait(FLUSH_SECONDS)
         wake.clear()
@@ -727,7 +732,14 @@ def _count_in_thread(
         try:
             metrics._drain()
         except Exception:  # a full disk, say: try again next time, never die silently
-            log.exception("fenced.metrics: counting the claim metrics failed")
+            now = time.monotonic()
+            if now - logged >= ERROR_LOG_INTERVAL:
+                logged = now
+                log.exception(
+                    "fenced.metrics: counting the claim metrics failed (tried again every "
+                    "%.0fs; logged at most once a minute)",
+                    FLUSH_SECONDS,
+                )
         del metrics
 
 
