@@ -247,6 +247,23 @@ def test_a_name_held_by_several_in_a_browser(
         second.release()
 
 
+def test_a_name_marked_at_enqueue_shows_its_queued_task(
+    redis_server: RedisServer, web: str, browser: Any
+) -> None:
+    from fenced._lease import ClaimKeys
+    from fenced.celery._enqueue import MARK
+
+    r = redis_server.client()
+    r.flushall()
+    assert MARK(r, [ClaimKeys.of("feed:acme").queued], ["task-1", 600_000, ""]) is None
+    browser.get(web + "/")
+    browser.refresh()
+    row = wait_for("the marked name's row", lambda: rows(browser).get("feed:acme"), timeout=10)
+    assert "queued: task task-1" in row and "more" in row, row
+    r.delete(ClaimKeys.of("feed:acme").queued)
+    wait_for("the row to go", lambda: "feed:acme" not in rows(browser), timeout=10)
+
+
 def test_the_page_says_when_redis_hangs_and_recovers(browser: Any) -> None:
     # A Redis that refuses is a 503 the page shows (test_web.py stops and restarts one);
     # one that answers nothing leaves a request open, and the page says that too.
