@@ -270,16 +270,21 @@ def test_fenced_unqueue_refuses_bad_input_and_leaves_foreign_keys_alone(
     marked = app.tasks["e.finished"].delay(k := key()).id
     foreign = f"fenced:{{hold:{key()}}}:queued"
     services.locks().hset(foreign, "not", "ours")
+    undecodable = b"fenced:{hold:\xff}:queued"  # a name that cannot be named back
+    redis.Redis.from_url(services.lock_url).set(undecodable, "t-x")
     res = cli(services, "unqueue", "--all", "--json")
     assert res.returncode == 1, res
     assert "is a hash, not fenced's enqueue marker: left alone" in res.stderr, res.stderr
     assert services.locks().hgetall(foreign) == {"not": "ours"}
     cleared = [r for r in json.loads(res.stdout) if "error" not in r]
     assert {"name": f"hold:{k}", "task_id": marked} in cleared  # the others went on
+    assert all(r["task_id"] is not None for r in cleared)  # none claims a marker it missed
+    assert redis.Redis.from_url(services.lock_url).get(undecodable) == b"t-x"
     # ls and show name the foreign key instead of failing
     listed = {i["name"]: i for i in json.loads(cli(services, "ls", "--json").stdout)}
     assert "WRONGTYPE" in listed[foreign.split(":{")[1].split("}:")[0]]["unreadable"]
     services.locks().delete(foreign)
+    redis.Redis.from_url(services.lock_url).delete(undecodable)
 
 
 def test_a_failed_publish_leaves_no_marker(services: Services) -> None:

@@ -282,12 +282,17 @@ class ClaimState:
         outcome: str | None = None,
         reason: str | None = None,
         duration: float | None = None,
+        lease: tuple[str | None, int | None, int | None] | None = None,
     ) -> None:
-        """An event about the lease this process holds (its fence, slot and holder)."""
+        """An event about the lease this process holds (its fence, slot and holder), or
+        about ``lease`` (its token, fence and slot) when given."""
+        if lease is None:
+            token, fence, slot = self.token, self.fence, self.slot
+        else:
+            token, fence, slot = lease
         known = self._holder_text
-        holder = known[2] if known is not None and known[0] is self.token else self._own_holder()
-        slot = self.slot if self.limit > 1 else None
-        self._emit(kind, self.fence, holder, outcome, reason, duration, slot)
+        holder = known[2] if known is not None and known[0] is token else self._own_holder()
+        self._emit(kind, fence, holder, outcome, reason, duration, slot if self.limit > 1 else None)
 
     def renewal_event(self, duration: float, error: BaseException | None = None) -> None:
         """A renewal round trip of ``duration`` seconds ended (``error``: it failed)."""
@@ -485,19 +490,9 @@ class ClaimState:
     ) -> None:
         if lease is None:
             lease = (self.token, self.fence, self.slot, self._started_at)
-        token, fence, slot, started_at = lease
-        held_for = self._clock() - started_at
-        known = self._holder_text
-        holder = known[2] if known is not None and known[0] is token else self._own_holder()
-        self._emit(
-            "lost",
-            fence,
-            holder,
-            None,
-            _CAUSES.get(reason, reason),
-            held_for if held_for > 0.0 else 0.0,
-            slot if self.limit > 1 else None,
-        )
+        held_for = self._clock() - lease[3]
+        cause = _CAUSES.get(reason, reason)
+        self._emit_held("lost", None, cause, held_for if held_for > 0.0 else 0.0, lease[:3])
 
     def _stop_work(self) -> None:
         """The claim was just declared lost: a front end's hook to stop the work under it."""

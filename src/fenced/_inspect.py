@@ -531,9 +531,18 @@ return held
 
 
 def list_queued(client: Any, namespace: str = "fenced") -> list[str]:
-    """The names marked at enqueue (``claim_enqueue``) under a namespace, sorted."""
-    keys = _lock_keys(client, namespace, "queued")
-    return sorted({name for key in keys if (name := ClaimKeys.name_from_key(key, namespace))})
+    """The names marked at enqueue (``claim_enqueue``) under a namespace, sorted; a key
+    whose name is not UTF-8 cannot be named back (``fenced ls`` shows it as unreadable)."""
+    names = set()
+    for key in _lock_keys(client, namespace, "queued"):
+        try:
+            text = key.decode() if isinstance(key, bytes) else key
+        except UnicodeDecodeError:
+            continue
+        name = ClaimKeys.name_from_key(text, namespace)
+        if name:
+            names.add(name)
+    return sorted(names)
 
 
 def clear_queued(

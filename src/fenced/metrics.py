@@ -622,6 +622,8 @@ class ClaimMetrics:
         self._drain_lock = threading.Lock()
         self._lock = threading.Lock()
         self._counting = False
+        self._wake = threading.Event()
+        self._stop = threading.Event()
         if isinstance(self._store, _Shared):
             self._pending.clear()
             self._holding.clear()
