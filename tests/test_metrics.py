@@ -351,15 +351,22 @@ def scrape(port: int) -> Samples:
     }
 
 
-def test_prefork_worker_serves_the_sum_of_its_children_over_http(
-    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def metrics_served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, int]:
+    """A worker started now counts in multiprocess mode and serves its metrics: the
+    directory of the files, and the port."""
     folder = tmp_path / "prom"
     folder.mkdir()
     port = free_port()
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(folder))
     monkeypatch.setenv("FENCED_METRICS", "1")
     monkeypatch.setenv("FENCED_METRICS_PORT", str(port))
+    return folder, port
+
+
+def test_prefork_worker_serves_the_sum_of_its_children_over_http(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder, port = metrics_served(tmp_path, monkeypatch)
     services = Services.on(redis_server)
     client = services.client()
     obs = services.obs()
@@ -409,12 +416,7 @@ def test_a_pool_child_killed_holding_a_claim_leaves_claims_held(
     # the main process, freeing the dead child's claim, takes it out of claims_held. The
     # message comes back (acks_late, reject_on_worker_lost) and its new run holds the
     # claim again: one held, not two.
-    folder = tmp_path / "prom"
-    folder.mkdir()
-    port = free_port()
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(folder))
-    monkeypatch.setenv("FENCED_METRICS", "1")
-    monkeypatch.setenv("FENCED_METRICS_PORT", str(port))
+    folder, port = metrics_served(tmp_path, monkeypatch)
     services = Services.on(redis_server)
     client = services.client()
     obs = services.obs()
