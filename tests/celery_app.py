@@ -338,13 +338,20 @@ class PausesRedisBeforeTakeover(ClaimedTask):
     """Stops the claims' Redis (SIGSTOP) just before a retried message takes over its
     kept lease, once for each key a test arms (``pause:<key>`` holds the server's pid)."""
 
-    def _took_over(self, claim: Any, opts: Any) -> bool:
-        pid = obs().getdel(f"pause:{claim.name.split(':', 1)[1]}")
-        if pid:
-            note(f"paused:{claim.name}")
-            os.kill(int(pid), signal.SIGSTOP)
-        took: bool = super()._took_over(claim, opts)
-        return took
+    def _enqueue_marker(self, claim: Any, opts: Any) -> None:
+        # Called on each run's claim just before it is taken: wrap its take_over.
+        super()._enqueue_marker(claim, opts)
+        take_over = claim.take_over
+
+        def pausing() -> bool:
+            pid = obs().getdel(f"pause:{claim.name.split(':', 1)[1]}")
+            if pid:
+                note(f"paused:{claim.name}")
+                os.kill(int(pid), signal.SIGSTOP)
+            took: bool = take_over()
+            return took
+
+        claim.take_over = pausing
 
 
 @app.task(base=PausesRedisBeforeTakeover, bind=True, name="t.retry_paused", claim="retry:{key}")

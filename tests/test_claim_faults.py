@@ -192,8 +192,6 @@ def test_a_release_that_cannot_reach_redis_reports_no_success(own_server: RedisS
 
 
 def test_a_claim_lost_before_its_release_never_ends_ok(r: Any) -> None:
-    from fenced._guard import finish
-
     claim = Claim(r, "lost-first", ttl=5, heartbeat=False, records=True)
     assert claim.acquire()
     r.set(claim.key, "thief")
@@ -205,7 +203,7 @@ def test_a_claim_lost_before_its_release_never_ends_ok(r: Any) -> None:
     assert other.acquire()
     r.delete(other.key)
     with pytest.raises(ClaimLost):
-        finish(other, None)
+        other.end(None)
 
 
 def test_a_release_sent_again_gets_the_first_answer(r: Any) -> None:

@@ -33,7 +33,21 @@ from . import records as _records
 from ._audit import claim_fields
 from ._client import connect
 from ._errors import ClaimLost, ClaimUnavailable, ConfigError, FencedError, NotOwner
-from ._guard import COOLDOWN_REASON, SKIP_REASON, SKIP_RERUN_REASON, busy_error, finish
+from ._guard import (
+    COOLDOWN_REASON,
+    RAISE,
+    RUN,
+    SKIP_REASON,
+    SKIP_RERUN_REASON,
+    TAKEN_OVER,
+    Action,
+    BusyPolicy,
+    Run,
+    busy_error,
+    ended_as,
+    outcome_of,
+    settle,
+)
 from ._heartbeat import RETRY_SHARE, Renewal
 from ._heartbeat import heartbeat as _heartbeat
 from ._lease import (
@@ -200,6 +214,8 @@ class ClaimState:
         self._bind_store()
 
     _SOURCE = "claim"
+    #: What runs under the claim, as loss messages name it.
+    _what = "the block"
 
     def _connect(self, redis: Any) -> Any:
         """The client this front end talks through (a URL becomes one)."""
@@ -319,8 +335,7 @@ class ClaimState:
             self._emit("skipped", holder.fence, holder.text, reason=reason)
 
     def _released_event(self, outcome: str) -> None:
-        if self.vanished and outcome == "ok":
-            outcome = "lost"  # as the guard settles it: not known to have ended held
+        outcome = ended_as(outcome, self.vanished)
         held_for = self._clock() - self._started_at
         self._emit_held("released", outcome, None, held_for if held_for > 0.0 else 0.0)
 
@@ -747,7 +762,7 @@ class ClaimState:
             describe_client(self.redis),
             exc,
             self.ttl,
-            extra=self.log_fields("released", "lost" if outcome == "ok" else outcome),
+            extra=self.log_fields("released", ended_as(outcome, True)),
         )
         if events.enabled():
             self._released_event(outcome)
@@ -777,6 +792,39 @@ class ClaimState:
         if events.enabled():
             self._released_event(outcome)
         return released
+
+    # -- what the drivers (enter, end) decide -------------------------------------------
+
+    def _acquire_as(self, policy: BusyPolicy) -> tuple[bool, float | None]:
+        """How ``policy`` acquires: (blocking, timeout)."""
+        return policy.blocks, policy.timeout if policy.blocks else None
+
+    def _kept_for_us(self) -> bool:
+        """Whether the holder is an earlier attempt of this task id, which may have kept
+        the lease for this attempt (``hand_over``): one slot names no such lease."""
+        holder = self.holder
+        return (
+            holder is not None
+            and bool(self.task_id)
+            and holder.task_id == self.task_id
+            and self.limit == 1
+        )
+
+    def _ending(
+        self, exc: BaseException | None, outcome: str | None, reason: str | None
+    ) -> tuple[str, str | None]:
+        """The outcome to release with: the front end's, else from how the work ended."""
+        return (outcome, reason) if outcome is not None else outcome_of(self, exc, reason)
+
+    def _release_failed(self) -> None:
+        """A release raised: the run's own outcome is never hidden behind it, and whether
+        the lease lasted is unknown (the vanished rule makes ``ok`` into ``lost``)."""
+        log.exception(
+            "fenced: releasing claim %r failed", self.name, extra=self.log_fields("released")
+        )
+        self.vanished = True
+        if self._lost_reason is None:
+            self._lost_reason = _UNCONFIRMED
 
     def _finished_record(self, duration: float, reason: str | None) -> str:
         if not self.records:
@@ -1056,6 +1104,45 @@ class Claim(ClaimState):
         """Whether a run of this claim's task id ended ``ok`` within its redelivery window."""
         return self.task_id is not None and self._store.finished_ok(self.task_id)
 
+    # -- work under the claim: the drivers of fenced._guard -----------------------------
+
+    def enter(self, policy: BusyPolicy = RAISE, trigger: bool | str = True) -> Action:
+        """Take the claim under a busy ``policy``: ``RUN`` when held, else its action.
+
+        ``trigger`` names the call for a policy that asks for a rerun (see
+        :meth:`acquire`). A lease an earlier attempt of this task id kept for its retry
+        (:meth:`hand_over`) is taken over (``TAKEN_OVER``).
+        """
+        blocking, timeout = self._acquire_as(policy)
+        rerun = trigger if policy.asks_rerun else False
+        if self.acquire(blocking, timeout, request_rerun=rerun):
+            return RUN
+        if self._kept_for_us() and self.take_over():
+            return TAKEN_OVER
+        return policy.on_busy(self)
+
+    def end(
+        self,
+        exc: BaseException | None,
+        what: str = "the work",
+        *,
+        outcome: str | None = None,
+        reason: str | None = None,
+        raise_lost: bool = True,
+    ) -> str:
+        """Release with the outcome of work that ended with ``exc`` (None: it returned),
+        or with the ``outcome`` its front end decided; returns the outcome recorded.
+
+        Work that returned although its lease was gone (lost, evicted, failed over,
+        unconfirmed) ended ``lost``: with ``raise_lost`` that raises ClaimLost.
+        """
+        outcome, reason = self._ending(exc, outcome, reason)
+        try:
+            self.release(outcome=outcome, reason=reason)
+        except Exception:
+            self._release_failed()
+        return settle(self, outcome, exc, what, raise_lost)
+
     # -- context manager --------------------------------------------------------------
 
     def __enter__(self) -> Claim:
@@ -1063,7 +1150,7 @@ class Claim(ClaimState):
             # Acquired before the block (the skip idiom): enter only while still ours.
             self.check()
             return self
-        if not self.acquire():
+        if not isinstance(self.enter(), Run):
             raise busy_error(self)
         return self
 
@@ -1075,4 +1162,4 @@ class Claim(ClaimState):
     ) -> None:
         if self.token is None or self._state in (_IDLE, _RELEASED):
             return
-        finish(self, exc, "the block")
+        self.end(exc, self._what)

@@ -28,7 +28,7 @@ from typing import Any, TypeVar, cast
 from ._claim import Claim
 from ._client import connect, connect_async, parse_url
 from ._errors import ConfigError
-from ._guard import Guard, Skipped, busy_error, check_on_busy, skips
+from ._guard import Run, Skip, Skipped, accepted, busy_policy
 from ._lease import (
     IDLE_TTL,
     check_cooldown,
@@ -42,8 +42,9 @@ from ._naming import Namer, NameSource, bounded_label, check_label
 __all__ = ["ON_BUSY", "Skipped", "exclusive"]
 
 F = TypeVar("F", bound=Callable[..., Any])
-#: The busy policies a plain function can carry out (see fenced._guard).
-ON_BUSY = ("skip", "wait", "raise")
+#: The busy policies a plain function refuses (see fenced._guard): it has no queue.
+REFUSES = ("retry", "rerun")
+ON_BUSY = accepted(REFUSES)
 
 
 def _client(redis: Any) -> Callable[[], Any]:
@@ -117,8 +118,8 @@ def exclusive(
     kind of claim in :mod:`fenced.events` and log fields (default: the template, or the
     name callable's ``__qualname__``).
     """
-    on_busy = check_on_busy(on_busy, ON_BUSY)
-    if wait_timeout is not None and (on_busy != "wait" or wait_timeout < 0):
+    policy = busy_policy(on_busy, REFUSES, wait_timeout=wait_timeout)
+    if wait_timeout is not None and (not policy.blocks or wait_timeout < 0):
         raise ConfigError(
             f"wait_timeout={wait_timeout!r} needs on_busy='wait' and a value >= 0 "
             "(seconds to wait for the holder before raising ClaimHeld)"
@@ -159,7 +160,7 @@ def exclusive(
                 call_extra["arg_text"] = readable
             return name, call_extra
 
-        def guard_for(args: Any, kwargs: Any) -> Guard:
+        def claim_for(args: Any, kwargs: Any) -> Claim:
             assert client is not None
             name, call_extra = named(args, kwargs)
             claim = Claim(
@@ -177,7 +178,8 @@ def exclusive(
                 label=claim_label,
             )
             claim._front_end("exclusive")
-            return Guard(claim, on_busy, wait_timeout)
+            claim._what = "the function"
+            return claim
 
         if inspect.iscoroutinefunction(fn) and async_client is not None:
             from . import aio
@@ -199,11 +201,9 @@ def exclusive(
                 )
                 claim._what = "the function"
                 claim._front_end("exclusive")
-                wait = on_busy == "wait"
-                if not await claim.acquire(blocking=wait, timeout=wait_timeout if wait else None):
-                    if skips(claim, on_busy):
-                        return Skipped.of(claim)
-                    raise busy_error(claim, wait_timeout if wait else None)
+                action = await claim.enter(policy)
+                if not isinstance(action, Run):
+                    return _refused(action)
                 # Entered already acquired; a loss cancels the function and ends in ClaimLost.
                 async with claim:
                     return await fn(*args, **kwargs)
@@ -214,30 +214,38 @@ def exclusive(
 
             @functools.wraps(fn)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                guard = guard_for(args, kwargs)
-                if on_busy == "wait":
+                claim = claim_for(args, kwargs)
+                if policy.blocks:
                     import asyncio  # only coroutine functions pay for the import
 
                     # The blocking wait must not stall the event loop.
-                    skipped = await asyncio.to_thread(guard.enter)
+                    action = await asyncio.to_thread(claim.enter, policy)
                 else:
-                    skipped = guard.enter()
-                if skipped is not None:
-                    return skipped
-                with guard.running("the function"):
+                    action = claim.enter(policy)
+                if not isinstance(action, Run):
+                    return _refused(action)
+                with claim:
                     return await fn(*args, **kwargs)
 
             return cast(F, async_wrapper)
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            guard = guard_for(args, kwargs)
-            skipped = guard.enter()
-            if skipped is not None:
-                return skipped
-            with guard.running("the function"):
+            claim = claim_for(args, kwargs)
+            action = claim.enter(policy)
+            if not isinstance(action, Run):
+                return _refused(action)
+            with claim:
                 return fn(*args, **kwargs)
 
         return cast(F, wrapper)
 
     return decorate
+
+
+def _refused(action: Any) -> Skipped:
+    """A function's busy call: its Skipped result, or the action's ClaimHeld raised (a
+    function has no queue to retry from)."""
+    if isinstance(action, Skip):
+        return action.skipped
+    raise action.error

@@ -1,89 +1,83 @@
-"""Work under a claim: the one core every front end shares.
+"""Work under a claim: what every front end decides alike, without I/O.
 
-``with Claim``, ``@exclusive``, ``ClaimedTask`` and ``fenced run`` all do the same three
-things, and do them here:
+The core decides, the front ends drive. A **busy policy** is one object: given a claim
+whose acquire found the name taken, ``policy.on_busy(claim)`` returns an action::
 
-1. **take the claim, or handle "busy"** by one vocabulary of policies::
+    Skip(skipped)          return a falsy Skipped result (not an error)
+    Refuse(error)          raise ClaimHeld
+    RetryAfter(s, error)   retry the work once the holder's lease has ended (a task)
 
-       skip    return a falsy Skipped result (a cron job's "already running": not an error)
-       wait    block until the holder lets go (or wait_timeout passes, then raise)
-       rerun   skip, and ask the holder to run once more when it finishes (Celery)
-       retry   retry the task once the holder's lease has ended (Celery)
-       raise   raise ClaimHeld
+and ``policy.blocks`` / ``policy.asks_rerun`` say how to acquire (``wait`` blocks;
+``rerun`` asks the holder for one more run). The drivers, ``Claim.enter`` and
+``Claim.end`` (``fenced.aio.Claim`` awaits the same two), carry the actions out; each
+front end names the policies it refuses. How work ended maps to its outcome in
+:func:`outcome_of`, and :func:`settle` applies the vanished rule: work that returned
+while its lease was gone (lost, evicted, failed over) ended ``lost``.
 
-   Each front end accepts the policies it can carry out and refuses the others with
-   an error naming the ones it has.
-2. **run the work** — never without the claim;
-3. **map how the work ended to an outcome** (:func:`outcome_of`) and release with it.
-   Work that finished after its claim was lost ends in ``ClaimLost``: its writes were
-   not protected, and saying "ok" would hide that.
+This module sits below ``_claim``: it reads a claim's state, never sends anything.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar, Protocol
 
 from ._errors import ClaimHeld, ClaimLost, ConfigError
 from ._lease import Holder
 from ._redact import REASON_MAX, exception_text, redact
 
-if TYPE_CHECKING:
-    from ._claim import Claim, ClaimState
-
 __all__ = [
     "COOLDOWN_REASON",
     "ON_BUSY",
-    "Guard",
+    "RUN",
+    "TAKEN_OVER",
+    "BusyPolicy",
+    "Refuse",
+    "RetryAfter",
+    "Run",
+    "Skip",
     "Skipped",
     "busy_error",
-    "check_on_busy",
-    "finish",
+    "busy_policy",
+    "ended_as",
     "is_skipped",
     "lost_error",
     "outcome_of",
     "settle",
-    "skips",
 ]
 
-#: Every busy policy, and what it does.
-ON_BUSY: Mapping[str, str] = {
-    "skip": "return a skipped result",
-    "wait": "wait for the holder to let go",
-    "rerun": "skip, and have the holder run once more after it finishes",
-    "retry": "retry after the holder's lease",
-    "raise": "raise ClaimHeld",
-}
 #: Reason recorded for a skip.
 SKIP_REASON = "already running"
 SKIP_RERUN_REASON = "already running; rerun requested"
 #: Reason recorded for a trigger within a cooldown window after a run that ended ok.
 COOLDOWN_REASON = "ran recently"
+#: Why a wait ended without the claim.
+GAVE_UP_REASON = "gave up waiting"
+#: Added to a holder's remaining lease before retrying, so the retry finds it gone.
+RETRY_MARGIN = 0.25
 
 
-def check_on_busy(
-    value: Any,
-    allowed: Collection[str],
-    *,
-    option: str = "on_busy",
-    where: str = "",
-    aliases: Mapping[str, str] | None = None,
-) -> str:
-    """The busy policy ``value`` if this front end has it; a ConfigError naming them if not."""
-    if aliases and value in aliases:
-        value = aliases[value]
-    if value in allowed:
-        return str(value)
-    prefix = f"{where}: " if where else ""
-    choices = ", ".join(f"{p!r} ({ON_BUSY[p]})" for p in allowed)
-    extra = ""
-    if value == "wait" and "retry" in allowed:
-        extra = "; a task should not block its worker while it waits: use 'retry'"
-    elif value in ("retry", "rerun"):
-        extra = f"; {value!r} needs a task queue (fenced.celery.ClaimedTask)"
-    raise ConfigError(f"{prefix}{option}={value!r} is not one of: {choices}{extra}")
+class Seen(Protocol):
+    """What the core reads of a claim (``ClaimState`` has it all)."""
+
+    name: str
+    holder: Holder | None
+    ran_recently: float | None
+    skips: int
+    task_id: str | None
+    vanished: bool
+    token: str | None
+    fence: int | None
+
+    @property
+    def lost(self) -> bool: ...
+
+    @property
+    def lost_reason(self) -> str | None: ...
+
+
+# -- what a busy claim gives -----------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -110,7 +104,7 @@ class Skipped:
         return f"skipped {self.claim!r}: {held_by}"
 
     @classmethod
-    def of(cls, claim: ClaimState, reason: str = SKIP_REASON) -> Skipped:
+    def of(cls, claim: Seen, reason: str = SKIP_REASON) -> Skipped:
         """What a busy claim's last acquire saw (``expires_in``: of the holder's lease, or
         of the cooldown window when the name ran recently)."""
         if claim.ran_recently is not None:
@@ -149,19 +143,12 @@ def is_skipped(result: Any) -> bool:
     )
 
 
-def skips(claim: ClaimState, on_busy: str) -> bool:
-    """Whether a busy ``claim`` is skipped under ``on_busy`` (else it waits, retries or
-    raises): a name that ran recently is skipped under every policy but ``raise``, since
-    waiting out its cooldown window would run the work twice in one window."""
-    return on_busy == "skip" or (claim.ran_recently is not None and on_busy != "raise")
-
-
 def _ran_recently(left: float | None) -> str:
     ends = f"; its cooldown window ends in {left:.1f}s" if left is not None else ""
     return f"{COOLDOWN_REASON}{ends}"
 
 
-def busy_error(claim: ClaimState, waited: float | None = None) -> ClaimHeld:
+def busy_error(claim: Seen, waited: float | None = None) -> ClaimHeld:
     """ClaimHeld for a claim whose last acquire found another holder (or a window)."""
     if claim.ran_recently is not None:
         return ClaimHeld(
@@ -181,7 +168,187 @@ def busy_error(claim: ClaimState, waited: float | None = None) -> ClaimHeld:
     )
 
 
-def lost_error(claim: ClaimState, what: str = "the work", interrupted: bool = False) -> ClaimLost:
+# -- actions ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    """The claim is held: run the work (``taken_over``: from this task id's earlier
+    attempt, which kept it for its retry)."""
+
+    taken_over: bool = False
+
+
+RUN = Run()
+TAKEN_OVER = Run(taken_over=True)
+
+
+@dataclass(frozen=True)
+class Skip:
+    """Do not run; the caller gets ``skipped`` (falsy), which is not an error."""
+
+    skipped: Skipped
+
+    @property
+    def reason(self) -> str:
+        return self.skipped.reason
+
+
+@dataclass(frozen=True)
+class Refuse:
+    """Do not run; raise ``error`` (ClaimHeld). ``reason`` is what a record or report says."""
+
+    error: ClaimHeld
+    reason: str
+
+
+@dataclass(frozen=True)
+class RetryAfter:
+    """Do not run now; run again in ``seconds``, when the holder's lease has ended.
+
+    ``redelivered``: the holder is an earlier attempt of this very task id (its worker
+    died holding the claim, and the message came back): not a competitor. A front end
+    that cannot retry raises ``error``.
+    """
+
+    seconds: float
+    error: ClaimHeld
+    redelivered: bool = False
+
+
+Action = Run | Skip | Refuse | RetryAfter
+
+
+# -- busy policies ---------------------------------------------------------------------
+
+
+class BusyPolicy:
+    """What to do when the claim is busy. A subclass is one policy: its ``name``, its
+    ``help``, how it acquires, and :meth:`decide`."""
+
+    name: ClassVar[str]
+    help: ClassVar[str]
+    #: Acquire by waiting for the holder (``timeout``: at most that long; None: forever).
+    blocks: ClassVar[bool] = False
+    #: A loser asks the holder for one more run after its own.
+    asks_rerun: ClassVar[bool] = False
+    timeout: float | None = None
+
+    def on_busy(self, claim: Seen) -> Action:
+        """The action for a claim whose acquire did not get it.
+
+        Shared by every policy: a name that ran recently is skipped under all but
+        ``raise`` (waiting out a cooldown window would run the work twice in it), and a
+        holder carrying this claim's own task id is an earlier attempt that died
+        holding it (its message came back): run once its lease has ended.
+        """
+        if claim.ran_recently is not None:
+            if self.name == "raise":
+                return Refuse(busy_error(claim), COOLDOWN_REASON)
+            return Skip(Skipped.of(claim))
+        holder = claim.holder
+        if holder is not None and claim.task_id and holder.task_id == claim.task_id:
+            return RetryAfter(_left(holder) + RETRY_MARGIN, busy_error(claim), redelivered=True)
+        return self.decide(claim)
+
+    def decide(self, claim: Seen) -> Action:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<busy policy {self.name!r}>"
+
+
+def _left(holder: Holder | None) -> float:
+    return (holder.expires_in if holder else None) or 0.0
+
+
+class SkipPolicy(BusyPolicy):
+    name, help = "skip", "return a skipped result"
+
+    def decide(self, claim: Seen) -> Action:
+        return Skip(Skipped.of(claim))
+
+
+class WaitPolicy(BusyPolicy):
+    name, help = "wait", "wait for the holder to let go"
+    blocks = True
+
+    def __init__(self, timeout: float | None = None) -> None:
+        self.timeout = timeout
+
+    def decide(self, claim: Seen) -> Action:
+        return Refuse(busy_error(claim, self.timeout), GAVE_UP_REASON)
+
+
+class RerunPolicy(BusyPolicy):
+    name, help = "rerun", "skip, and have the holder run once more after it finishes"
+    asks_rerun = True
+
+    def decide(self, claim: Seen) -> Action:
+        return Skip(Skipped.of(claim, SKIP_RERUN_REASON))
+
+
+class RetryPolicy(BusyPolicy):
+    name, help = "retry", "retry after the holder's lease"
+
+    def decide(self, claim: Seen) -> Action:
+        return RetryAfter(_left(claim.holder) + RETRY_MARGIN, busy_error(claim))
+
+
+class RaisePolicy(BusyPolicy):
+    name, help = "raise", "raise ClaimHeld"
+
+    def decide(self, claim: Seen) -> Action:
+        return Refuse(busy_error(claim), SKIP_REASON)
+
+
+#: Every busy policy, in the order errors list them.
+POLICIES: Mapping[str, type[BusyPolicy]] = {
+    p.name: p for p in (SkipPolicy, WaitPolicy, RerunPolicy, RetryPolicy, RaisePolicy)
+}
+#: Every busy policy, and what it does.
+ON_BUSY: Mapping[str, str] = {name: p.help for name, p in POLICIES.items()}
+#: ``with Claim``: a busy claim raises.
+RAISE = RaisePolicy()
+
+
+def accepted(refuses: Collection[str]) -> tuple[str, ...]:
+    """The policies a front end has: all but the ones it ``refuses``."""
+    return tuple(name for name in POLICIES if name not in refuses)
+
+
+def busy_policy(
+    value: Any,
+    refuses: Collection[str] = (),
+    *,
+    option: str = "on_busy",
+    where: str = "",
+    aliases: Mapping[str, str] | None = None,
+    wait_timeout: float | None = None,
+) -> BusyPolicy:
+    """The policy named ``value`` if this front end has it; a ConfigError naming them if not."""
+    if isinstance(value, BusyPolicy):
+        value = value.name
+    if aliases and value in aliases:
+        value = aliases[value]
+    if value in POLICIES and value not in refuses:
+        policy = POLICIES[value]
+        return WaitPolicy(wait_timeout) if policy is WaitPolicy else policy()
+    prefix = f"{where}: " if where else ""
+    allowed = accepted(refuses)
+    choices = ", ".join(f"{p!r} ({ON_BUSY[p]})" for p in allowed)
+    extra = ""
+    if value == "wait" and "retry" in allowed:
+        extra = "; a task should not block its worker while it waits: use 'retry'"
+    elif value in ("retry", "rerun"):
+        extra = f"; {value!r} needs a task queue (fenced.celery.ClaimedTask)"
+    raise ConfigError(f"{prefix}{option}={value!r} is not one of: {choices}{extra}")
+
+
+# -- how the work ended ----------------------------------------------------------------
+
+
+def lost_error(claim: Seen, what: str = "the work", interrupted: bool = False) -> ClaimLost:
     """ClaimLost for work that ran on after its claim was lost (or was interrupted)."""
     stopped = f"{what} was interrupted" if interrupted else "its writes were not protected"
     return ClaimLost.about(
@@ -192,7 +359,7 @@ def lost_error(claim: ClaimState, what: str = "the work", interrupted: bool = Fa
 
 
 def outcome_of(
-    claim: ClaimState, exc: BaseException | None, reason: str | None = None
+    claim: Seen, exc: BaseException | None, reason: str | None = None
 ) -> tuple[str, str | None]:
     """How work under ``claim`` ended: (outcome for the run record, reason).
 
@@ -210,72 +377,25 @@ def outcome_of(
     return "ok", reason
 
 
-def finish(
-    claim: Claim,
-    exc: BaseException | None,
-    what: str = "the work",
-    *,
-    reason: str | None = None,
-    raise_lost: bool = True,
-) -> str:
-    """Release ``claim`` with the outcome of work that ended with ``exc`` (None: returned).
-
-    Returns the outcome recorded. Work that returned although its claim was lost, or
-    whose lease was found gone at release (evicted, failed over, cleared), ended
-    ``lost``: with ``raise_lost`` that raises ClaimLost, since its writes were not
-    protected and another holder may have the name.
-    """
-    outcome, why = outcome_of(claim, exc, reason)
-    claim.release(outcome=outcome, reason=why)
-    return settle(claim, outcome, exc, what, raise_lost)
+def ended_as(outcome: str, vanished: bool) -> str:
+    """The vanished rule: a run released ``ok`` whose lease was gone at its release (or
+    could not be confirmed) is not known to have ended under the claim: ``lost``."""
+    return "lost" if vanished and outcome == "ok" else outcome
 
 
 def settle(
-    claim: ClaimState,
+    claim: Seen,
     outcome: str,
     exc: BaseException | None,
     what: str = "the work",
     raise_lost: bool = True,
 ) -> str:
-    """The outcome of work once ``claim`` was released with ``outcome`` (see :func:`finish`)."""
-    if claim.vanished and outcome == "ok":
-        outcome = "lost"
+    """The outcome of work once ``claim`` was released with ``outcome``.
+
+    Work that returned although its lease was gone ended ``lost``: with ``raise_lost``
+    that raises ClaimLost, since its writes were not protected.
+    """
+    outcome = ended_as(outcome, claim.vanished)
     if raise_lost and outcome == "lost" and exc is None:
         raise lost_error(claim, what)
     return outcome
-
-
-class Guard:
-    """One run of work under a claim, for the front ends that run it in this process."""
-
-    def __init__(
-        self, claim: Claim, on_busy: str = "raise", wait_timeout: float | None = None
-    ) -> None:
-        self.claim = claim
-        self.on_busy = on_busy
-        self.wait_timeout = wait_timeout
-
-    def enter(self) -> Skipped | None:
-        """Take the claim; None when held, a Skipped result for ``skip``; else raise."""
-        claim = self.claim
-        wait = self.on_busy == "wait"
-        if claim.acquire(blocking=wait, timeout=self.wait_timeout if wait else None):
-            return None
-        return self.busy()
-
-    def busy(self) -> Skipped:
-        """The claim is busy: a Skipped result, or ClaimHeld under ``raise`` and ``wait``
-        (see :func:`skips`)."""
-        if skips(self.claim, self.on_busy):
-            return Skipped.of(self.claim)
-        raise busy_error(self.claim, self.wait_timeout if self.on_busy == "wait" else None)
-
-    @contextmanager
-    def running(self, what: str = "the work") -> Iterator[Claim]:
-        """The work's block: on the way out, release with its outcome (see :func:`finish`)."""
-        try:
-            yield self.claim
-        except BaseException as exc:
-            finish(self.claim, exc, what)
-            raise
-        finish(self.claim, None, what)

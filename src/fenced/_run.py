@@ -59,8 +59,8 @@ from types import FrameType
 from typing import Any
 
 from ._claim import Claim
-from ._errors import ClaimHeld, ClaimUnavailable, ConfigError
-from ._guard import COOLDOWN_REASON, Guard, Skipped, check_on_busy
+from ._errors import ClaimUnavailable, ConfigError
+from ._guard import BusyPolicy, Run, Skip, Skipped, accepted, busy_policy
 from ._lease import IDLE_TTL, check_cooldown, check_limit, check_replicas
 from ._naming import SECRET_KEY_ENV, check_label, check_secret_key, hash_value, secret_digest
 from ._watchdog import ENDED_AT_DEADLINE, Watchdog, dies_with_runner
@@ -88,8 +88,10 @@ EXIT_NOT_FOUND = 127
 #: The shortest lease ``fenced run`` takes, in seconds (renewals come every ttl/3).
 MIN_TTL = 0.05
 
-#: The busy policies a command can carry out (see fenced._guard); "fail" is "raise".
-ON_BUSY = ("skip", "wait", "raise")
+#: The busy policies a command refuses (see fenced._guard): it has no queue to retry
+#: from. "fail" is another name for "raise".
+REFUSES = ("retry", "rerun")
+ON_BUSY = accepted(REFUSES)
 ON_BUSY_ALIASES = {"fail": "raise"}
 TO_GROUP = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 TO_CHILD = (signal.SIGUSR1, signal.SIGUSR2)
@@ -135,6 +137,17 @@ class RunOptions:
     #: The claim's label in events and log fields (None: the name).
     label: str | None = None
 
+    @property
+    def policy(self) -> BusyPolicy:
+        """The busy policy ``on_busy`` names (a ConfigError if a command cannot have it)."""
+        return busy_policy(
+            self.on_busy,
+            REFUSES,
+            option="--on-busy",
+            aliases=ON_BUSY_ALIASES,
+            wait_timeout=self.wait_timeout,
+        )
+
     def check(self) -> None:
         """Raise ConfigError for options that cannot work together."""
         if not self.argv:
@@ -146,11 +159,9 @@ class RunOptions:
                 "lease ends by itself this long after its holder dies), e.g. --ttl 30 or "
                 "--ttl 10m"
             )
-        self.on_busy = check_on_busy(
-            self.on_busy, ON_BUSY, option="--on-busy", aliases=ON_BUSY_ALIASES
-        )
+        self.on_busy = self.policy.name
         if self.wait_timeout is not None:
-            if self.on_busy != "wait":
+            if not self.policy.blocks:
                 raise ConfigError(
                     "a wait timeout only applies when waiting: add --on-busy wait",
                     name=self.name,
@@ -309,9 +320,8 @@ class _Runner:
 
     def _run(self) -> int:
         opts = self.opts
-        guard = Guard(self.claim, opts.on_busy, opts.wait_timeout)
         try:
-            skipped = guard.enter()
+            action = self.claim.enter(opts.policy)
         except _Interrupted as stop:
             self.say(f"fenced: {_signame(stop.signum)} while waiting for {opts.name!r}; not run")
             self.result.update(outcome="aborted", reason=f"{_signame(stop.signum)} while waiting")
@@ -320,28 +330,26 @@ class _Runner:
             self.say(f"fenced: {exc}")
             self.result.update(outcome="unavailable", reason=str(exc))
             return EXIT_UNAVAILABLE
-        except ClaimHeld as busy:
+        if isinstance(action, Skip):
+            self._busy("skipped", action.reason)
+            return self._skipped(action.skipped)
+        if not isinstance(action, Run):  # raise, a wait that gave up (a command never retries)
+            busy = action.error
             self.say(
-                f"fenced: gave up waiting: {busy}" if opts.on_busy == "wait" else f"fenced: {busy}"
+                f"fenced: gave up waiting: {busy}" if opts.policy.blocks else f"fenced: {busy}"
             )
-            if self.claim.ran_recently is not None:
-                self._busy("busy", COOLDOWN_REASON)
-            else:
-                self._busy(
-                    "busy", "gave up waiting" if opts.on_busy == "wait" else "already running"
-                )
+            self._busy("busy", getattr(action, "reason", "already running"))
             return EXIT_BUSY
-        if skipped is not None:
-            self._busy("skipped", skipped.reason)
-            return self._skipped(skipped)
         self.result["fence"] = self.claim.fence
         outcome, reason, code = "failed", None, 1
         try:
             outcome, reason, code = self._run_child()
         finally:
-            self.claim.release(outcome=outcome, reason=reason)
+            ended = self.claim.end(
+                None, "the command", outcome=outcome, reason=reason, raise_lost=False
+            )
             self.result.update(outcome=outcome, reason=reason)
-        if self.claim.vanished and outcome == "ok":
+        if ended != outcome:
             # It ended well, but the lease was gone (or unconfirmed) at the end: the
             # command may have run beside another.
             self.say(

@@ -35,7 +35,7 @@ from .. import events
 from .._claim import _HELD, _LATE, _UNCONFIRMABLE, RELEASE_RETRY, ClaimState
 from .._client import require_async
 from .._errors import ConfigError
-from .._guard import busy_error, lost_error, outcome_of, settle
+from .._guard import RAISE, RUN, Action, BusyPolicy, Run, busy_error, lost_error, settle
 from .._lease import UNREACHABLE, LeaseCalls, new_token, released
 from .._scripts import Call
 from ._renewer import renewer
@@ -57,8 +57,6 @@ class Claim(ClaimState):
 
     _store: LeaseCalls
     _SOURCE = "aio"
-    #: What runs under the claim, as loss messages name it.
-    _what = "the block"
 
     def _connect(self, redis: Any) -> Any:
         return require_async(redis, "fenced.aio.Claim", "fenced.Claim")
@@ -242,6 +240,34 @@ class Claim(ClaimState):
             return False
         return bool(await self.redis.exists(self.keys.done(self.task_id)))
 
+    # -- work under the claim: the drivers of fenced._guard -----------------------------
+
+    async def enter(self, policy: BusyPolicy = RAISE, trigger: bool | str = True) -> Action:
+        """Take the claim under a busy ``policy``: ``RUN`` when held, else its action
+        (``fenced.Claim.enter``; no lease is taken over: asyncio claims keep none)."""
+        blocking, timeout = self._acquire_as(policy)
+        rerun = trigger if policy.asks_rerun else False
+        if await self.acquire(blocking, timeout, request_rerun=rerun):
+            return RUN
+        return policy.on_busy(self)
+
+    async def end(
+        self,
+        exc: BaseException | None,
+        what: str = "the work",
+        *,
+        outcome: str | None = None,
+        reason: str | None = None,
+        raise_lost: bool = True,
+    ) -> str:
+        """Release with the outcome of how the work ended (``fenced.Claim.end``)."""
+        outcome, reason = self._ending(exc, outcome, reason)
+        try:
+            await self.release(outcome=outcome, reason=reason)
+        except Exception:
+            self._release_failed()
+        return settle(self, outcome, exc, what, raise_lost)
+
     # -- the block ----------------------------------------------------------------------
 
     def _stop_work(self) -> None:
@@ -257,7 +283,7 @@ class Claim(ClaimState):
         if self._mine():
             # Acquired before the block (the skip idiom): enter only while still ours.
             self.check()
-        elif not await self.acquire():
+        elif not isinstance(await self.enter(), Run):
             raise busy_error(self)
         task = asyncio.current_task()
         self._block = task
@@ -290,11 +316,9 @@ class Claim(ClaimState):
                         pass
         if not self._releasable():
             return
-        outcome, why = outcome_of(self, exc)
-        await self.release(outcome=outcome, reason=why)
+        await self.end(exc, self._what, raise_lost=not interrupted)
         if interrupted:
             raise lost_error(self, self._what, interrupted=True) from exc
-        settle(self, outcome, exc, self._what)
 
 
 def _current_task() -> asyncio.Task[Any] | None:

@@ -25,7 +25,7 @@ from typing import Any
 
 from .._client import client_from_setting, connect
 from .._errors import ConfigError
-from .._guard import check_on_busy
+from .._guard import accepted, busy_policy
 from .._lease import (
     IDLE_TTL,
     check_cooldown,
@@ -39,11 +39,21 @@ from .._naming import check_label
 from . import _enqueue
 from ._enqueue import ENQUEUE_TTL
 
-__all__ = ["DEFAULTS", "ON_BUSY", "SETTINGS", "TaskOptions", "lock_redis", "resolve", "validate"]
+__all__ = [
+    "DEFAULTS",
+    "ON_BUSY",
+    "REFUSES",
+    "SETTINGS",
+    "TaskOptions",
+    "lock_redis",
+    "resolve",
+    "validate",
+]
 
-#: The busy policies a task can carry out (see fenced._guard): a worker does not block
+#: The busy policies a task refuses (see fenced._guard): a worker does not block
 #: waiting for a holder, it retries.
-ON_BUSY = ("skip", "rerun", "retry", "raise")
+REFUSES = ("wait",)
+ON_BUSY = accepted(REFUSES)
 #: Built-in defaults; ``app.conf.fenced_<option>`` overrides them, a task option wins.
 DEFAULTS: dict[str, Any] = {
     "claim_ttl": 60.0,
@@ -150,9 +160,9 @@ def validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:
         if values.get("claim_namespace") is not None:
             out["claim_namespace"] = check_namespace(values["claim_namespace"])
         if values.get("claim_on_busy") is not None:
-            out["claim_on_busy"] = check_on_busy(
-                values["claim_on_busy"], ON_BUSY, option="claim_on_busy"
-            )
+            out["claim_on_busy"] = busy_policy(
+                values["claim_on_busy"], REFUSES, option="claim_on_busy"
+            ).name
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc.message}") from None
     if "claim_alert_after_skips" in values and values["claim_alert_after_skips"] is not None:

@@ -75,11 +75,11 @@ if TYPE_CHECKING:
     from celery import Celery
     from celery.result import AsyncResult
 
-from .. import _guard, _interrupt, records
+from .. import _interrupt, records
 from .._audit import claim_fields
 from .._claim import Claim
-from .._errors import ClaimHeld, ClaimInterrupted, ClaimUnavailable, ConfigError, NotOwner
-from .._guard import SKIP_RERUN_REASON, Skipped, busy_error, finish, lost_error, outcome_of
+from .._errors import ClaimInterrupted, ClaimUnavailable, ConfigError, NotOwner
+from .._guard import BusyPolicy, RetryAfter, Run, Skip, busy_policy, lost_error
 from .._lease import HOST, ClaimKeys, Holder, force_release, short_token
 from .._naming import Namer, bounded_label
 from .._redact import exception_text
@@ -87,6 +87,7 @@ from . import _enqueue, signals
 from ._disabled import LocalClaim, enabled
 from ._options import (
     OPTIONS,
+    REFUSES,
     RENAMED,
     TaskOptions,
     as_attribute,
@@ -105,8 +106,6 @@ UNAVAILABLE_MAX_DELAY = 60.0
 #: Retries a redelivered task makes while an earlier attempt's lease runs out. Each
 #: waits for the lease, so this bounds only an attempt that keeps renewing (alive).
 REDELIVERY_MAX_RETRIES = 100
-#: Added to a holder's remaining lease before retrying, so the retry finds it gone.
-RETRY_MARGIN = 0.25
 
 
 #: In-process counters: runs, ok, failed, lost, skipped, skips_exceeded, reruns,
@@ -198,6 +197,7 @@ class ClaimedTask(Task[Any, Any]):
 
     _fenced_namer: Namer | None = None
     _fenced_options: TaskOptions | None = None
+    _fenced_policy: BusyPolicy | None = None
     # Whether Task.__call__ is the next __call__ after ours (see _traced); per class.
     _fenced_plain_call: bool | None = None
 
@@ -251,6 +251,7 @@ class ClaimedTask(Task[Any, Any]):
         # is built (at the latest when a worker starts), not at its first run.
         options = resolve({k: getattr(cls, k) for k in OPTIONS}, app.conf, f"task {cls.name}")
         cls._fenced_options = options
+        cls._fenced_policy = None
         if cls._fenced_namer.secret:  # no key: fail when the task is built
             cls._fenced_namer.key(app.conf.get("fenced_secret_key"))
         for option, value in zip(OPTIONS, _values(options)):
@@ -297,6 +298,7 @@ class ClaimedTask(Task[Any, Any]):
                 {k: getattr(self, k) for k in OPTIONS}, self.app.conf, f"task {self.name}"
             )
             type(self)._fenced_options = options
+            type(self)._fenced_policy = None
         return options
 
     # -- deduplication at enqueue (claim_enqueue) ---------------------------------------
@@ -462,10 +464,9 @@ class ClaimedTask(Task[Any, Any]):
         )
         claim._front_end("task", self)
         self._enqueue_marker(claim, opts)
+        policy = self._policy()
         try:
-            acquired = claim.acquire(
-                request_rerun=_trigger(args, kwargs) if opts.on_busy == "rerun" else False
-            )
+            action = claim.enter(policy, _trigger(args, kwargs) if policy.asks_rerun else False)
         except ClaimUnavailable as exc:
             if opts.enqueue is not None and request.id:
                 self._started_queued(opts, request.id, args, kwargs)  # as ACQUIRE would
@@ -475,8 +476,18 @@ class ClaimedTask(Task[Any, Any]):
                 outcome="failed", reason=f"interrupted while acquiring: {exception_text(exc)}"
             )
             raise
-        if not acquired and not self._took_over(claim, opts):
-            return self._busy(claim, opts)
+        if not isinstance(action, Run):
+            return self._busy(claim, action, opts)
+        if action.taken_over:
+            count("takeovers")
+            log.info(
+                "fenced: %s[%s] took over claim %r from its earlier attempt (fence %s)",
+                self.name,
+                claim.task_id,
+                claim.name,
+                claim.fence,
+                extra=claim.log_fields("acquired"),
+            )
         if request.id and (request.retries or (request.delivery_info or {}).get("redelivered")):
             try:
                 self._settle_earlier_attempts(claim, request.id, args, kwargs)
@@ -607,16 +618,7 @@ class ClaimedTask(Task[Any, Any]):
             if kept:
                 return kept
             claim.handle_enqueue_marker("", False)  # its message is queued again
-        try:
-            outcome = finish(claim, exc, "the task", reason=reason, raise_lost=False)
-        except Exception:  # never hide the run's own outcome behind a release error
-            log.exception(
-                "fenced: releasing claim %r failed", claim.name, extra=claim.log_fields("released")
-            )
-            # Whether the lease lasted is unknown: not a success.
-            outcome = outcome_of(claim, exc, reason)[0]
-            if outcome == "ok":
-                outcome = "lost"
+        outcome = claim.end(exc, "the task", reason=reason, raise_lost=False)
         count(outcome)
         self._unqueue_after(claim, exc)
         if claim.rerun_triggers:
@@ -632,13 +634,7 @@ class ClaimedTask(Task[Any, Any]):
         kwargs: dict[str, Any],
     ) -> None:
         """Release with an outcome decided before the body ran (a duplicate, a failure)."""
-        try:
-            claim.release(outcome=outcome, reason=reason)
-        except Exception:  # never hide the run's own outcome behind a release error
-            log.exception(
-                "fenced: releasing claim %r failed", claim.name, extra=claim.log_fields("released")
-            )
-            return
+        claim.end(None, "the task", outcome=outcome, reason=reason, raise_lost=False)
         if claim.rerun_triggers:
             self._send_reruns(claim, args, kwargs)
 
@@ -729,94 +725,57 @@ class ClaimedTask(Task[Any, Any]):
         except Exception:
             return None
 
-    def _took_over(self, claim: Claim, opts: TaskOptions) -> bool:
-        """Take over a lease an earlier attempt of this task id kept for it (it retried).
-
-        Only a lease handed over (:meth:`_keep_for_retry`) is taken: an earlier attempt
-        that is still running, or died holding the claim, keeps it until it ends or
-        expires (see :meth:`_busy`), so two attempts of one task never both hold it.
-        """
-        holder = claim.holder
-        if holder is None or not claim.task_id or holder.task_id != claim.task_id:
-            return False
-        if claim.limit > 1:
-            return False  # no slot is handed over (see _keep_for_retry)
-        try:
-            took = claim.take_over()
-        except ClaimUnavailable as exc:
-            raise self._unavailable(exc, opts) from None
-        if took:
-            count("takeovers")
-            log.info(
-                "fenced: %s[%s] took over claim %r from its earlier attempt (fence %s)",
-                self.name,
-                claim.task_id,
-                claim.name,
-                claim.fence,
-                extra=claim.log_fields("acquired"),
-            )
-        return took
-
     # -- when the claim is not ours -----------------------------------------------------
 
-    def _busy(self, claim: Claim, opts: TaskOptions) -> Any:
-        if claim.ran_recently is not None:
-            # A window is not waited out (a retry would run twice in it), and its skips
-            # are expected: they raise no alert.
-            if not _guard.skips(claim, opts.on_busy):
-                raise busy_error(claim)
-            count("skipped")
-            skipped = Skipped.of(claim)
-            log.info(
-                "fenced: %s skipped: %r %s",
-                self.name,
-                claim.name,
-                skipped,
-                extra=claim.log_fields("skipped", "skipped"),
-            )
-            return skipped.as_dict()
+    def _policy(self) -> BusyPolicy:
+        """The task's busy policy (``claim_on_busy``), made once per task class."""
+        cls = type(self)
+        policy = cls._fenced_policy
+        if policy is None:
+            policy = busy_policy(self._options().on_busy, REFUSES, option="claim_on_busy")
+            cls._fenced_policy = policy
+        return policy
+
+    def _busy(self, claim: Claim, action: Skip | RetryAfter | Any, opts: TaskOptions) -> Any:
+        """Carry out the busy policy's action: a skipped result, a retry, or ClaimHeld."""
         holder = claim.holder
-        left = (holder.expires_in if holder else None) or 0.0
-        task_id = self.request.id
-        held = ClaimHeld(
-            f"claim {claim.name!r} is held by {holder}",
-            name=claim.name,
-            token=None,
-            fence=holder.fence if holder else None,
-            expires_in=left,
-        )
-        if holder is not None and task_id and holder.task_id == task_id:
-            # An earlier attempt of this very task died holding the claim and its
-            # message came back: not a duplicate. Run once that lease has ended.
-            count("redelivery_retries")
-            log.info(
-                "fenced: %s[%s] was redelivered while an earlier attempt's lease on %r "
-                "runs (%.1fs left): retrying after it",
-                self.name,
-                task_id,
-                claim.name,
-                left,
-                extra=claim.log_fields(),
-            )
-            raise self.retry(
-                countdown=left + RETRY_MARGIN, max_retries=REDELIVERY_MAX_RETRIES, exc=held
-            )
-        self._after_skip(claim, opts)
-        if opts.on_busy == "retry":
+        if isinstance(action, RetryAfter):
+            if action.redelivered:
+                # An earlier attempt of this very task died holding the claim and its
+                # message came back: not a duplicate. Run once that lease has ended.
+                count("redelivery_retries")
+                log.info(
+                    "fenced: %s[%s] was redelivered while an earlier attempt's lease on %r "
+                    "runs (%.1fs left): retrying after it",
+                    self.name,
+                    claim.task_id,
+                    claim.name,
+                    holder.expires_in if holder and holder.expires_in else 0.0,
+                    extra=claim.log_fields(),
+                )
+                raise self.retry(
+                    countdown=action.seconds,
+                    max_retries=REDELIVERY_MAX_RETRIES,
+                    exc=action.error,
+                )
+            self._after_skip(claim, opts)
             count("conflict_retries")
-            raise self.retry(countdown=left + RETRY_MARGIN, exc=held)
-        if opts.on_busy == "raise":
-            raise held
+            raise self.retry(countdown=action.seconds, exc=action.error)
+        if not isinstance(action, Skip):
+            if claim.ran_recently is None:
+                self._after_skip(claim, opts)
+            raise action.error
+        # A window's skips are expected: they raise no alert.
+        if claim.ran_recently is None:
+            self._after_skip(claim, opts)
         count("skipped")
-        skipped = Skipped.of(claim)
-        if opts.on_busy == "rerun":
-            skipped = Skipped.of(claim, SKIP_RERUN_REASON)
+        skipped = action.skipped
         log.info(
-            "fenced: %s skipped: %r %s (held by %s)",
+            "fenced: %s skipped: %r %s%s",
             self.name,
             claim.name,
-            skipped.reason,
-            holder,
+            skipped if claim.ran_recently is not None else skipped.reason,
+            f" (held by {holder})" if claim.ran_recently is None else "",
             extra=claim.log_fields("skipped", "skipped"),
         )
         # A plain dict: what every result backend can store.
