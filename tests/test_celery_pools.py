@@ -12,7 +12,8 @@ import pytest
 from _wait import wait_for
 from celery_harness import WAIT, Services, Worker, key, notes
 from fenced import Claim, ClaimLost, records
-from fenced._lease import ClaimKeys, new_token, read_holder
+from fenced._inspect import read_holder
+from fenced._lease import ClaimKeys, new_token
 from fenced.testing import RedisServer
 
 

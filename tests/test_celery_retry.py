@@ -26,7 +26,8 @@ from celery.result import AsyncResult
 from _wait import wait_for
 from celery_harness import WAIT, Services, Worker, key, notes
 from fenced import Claim, records
-from fenced._lease import ClaimKeys, read_holder, short_token
+from fenced._inspect import read_holder
+from fenced._lease import ClaimKeys, short_token
 from fenced.testing import RedisServer
 
 

@@ -12,7 +12,7 @@ import pytest
 from _wait import wait_for
 from celery_harness import WAIT, Services, Worker, key, notes
 from fenced import records
-from fenced._lease import read_holder
+from fenced._inspect import read_holder
 from fenced.testing import RedisServer
 
 if TYPE_CHECKING:

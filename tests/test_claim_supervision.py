@@ -7,7 +7,8 @@ import os
 from typing import Any
 
 from fenced import Claim, records
-from fenced._lease import force_release, read_holder, short_token
+from fenced._inspect import force_release, read_holder
+from fenced._lease import short_token
 
 
 def test_record_extra_rides_on_every_record(r: Any) -> None:

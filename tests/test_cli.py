@@ -17,8 +17,8 @@ import redis
 
 from _wait import wait_for
 from fenced import Claim, claim_name, exclusive, hash_value
-from fenced._inspect import ClaimReport, _show_apart, show_claim
-from fenced._lease import ClaimKeys, read_holder
+from fenced._inspect import ClaimReport, _show_apart, read_holder, show_claim
+from fenced._lease import ClaimKeys
 from fenced.testing import RedisServer, free_port
 
 FENCED = [sys.executable, "-m", "fenced.cli"]

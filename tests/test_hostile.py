@@ -32,8 +32,8 @@ import fenced.aio
 from _wait import wait_for
 from celery_harness import WAIT, Services, Worker, key
 from fenced import Claim, ClaimUnavailable, CorruptKey, exclusive, records
-from fenced._inspect import ClaimInfo, ClaimReport, list_claims, show_claim
-from fenced._lease import ClaimKeys, Holder, read_holder
+from fenced._inspect import ClaimInfo, ClaimReport, list_claims, read_holder, show_claim
+from fenced._lease import ClaimKeys, Holder
 from fenced._lock import fence_key
 from fenced._printable import printable
 from fenced._views import claims_list, claims_table, report_list, report_table

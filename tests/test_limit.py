@@ -24,7 +24,8 @@ import redis
 from _wait import wait_for
 from celery_harness import WAIT, key
 from fenced import Claim, ClaimLost, ConfigError, aio, exclusive, records
-from fenced._lease import MAX_LIMIT, ClaimKeys, LeaseStore, new_token, read_slots
+from fenced._inspect import read_slots
+from fenced._lease import MAX_LIMIT, ClaimKeys, LeaseStore, new_token
 from fenced.celery._options import resolve, validate
 from fenced.testing import RedisServer
 

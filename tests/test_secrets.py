@@ -30,8 +30,8 @@ from fenced import (
     read_holder,
     records,
 )
-from fenced._inspect import list_claims, show_claim
-from fenced._lease import ClaimKeys, LeaseStore, force_release
+from fenced._inspect import force_release, list_claims, show_claim
+from fenced._lease import ClaimKeys, LeaseStore
 from fenced._naming import KEYED_PREFIX
 from fenced._redact import exception_text, redact
 from fenced.celery import ClaimedTask

@@ -19,7 +19,8 @@ from ._errors import (
 )
 from ._exclusive import exclusive
 from ._guard import Skipped, is_skipped
-from ._lease import Holder, force_release, read_holder
+from ._inspect import force_release, read_holder
+from ._lease import Holder
 from ._lock import Lock
 from ._naming import claim_name, hash_value
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,22 +20,20 @@ from . import _audit, _lease
 from ._audit import claimed_user
 from ._errors import ClaimUnavailable, ConfigError
 from ._lease import (
+    IDLE_TTL,
     MAX_LIMIT,
     MAX_RECORDS,
     ClaimKeys,
     Holder,
+    holder_filter,
     int_or_none,
-    lock_holder,
-    queue_slots,
     reachable,
-    read_holder,
-    read_slots,
-    slot_holders,
+    short_token,
 )
 from ._nodes import is_cluster, node_of, scan_keys, server_times
 from ._printable import readable
-from ._scripts import Script
-from .records import UNREADABLE, RunRecord, entries_for, from_entries, history
+from ._scripts import FORCE_RELEASE, Script
+from .records import UNREADABLE, RunRecord, encode_release, entries_for, from_entries, history
 
 __all__ = [
     "ClaimInfo",
@@ -45,6 +43,8 @@ __all__ = [
     "list_claims",
     "list_queued",
     "operator",
+    "read_holder",
+    "read_slots",
     "release_slot",
     "show_claim",
 ]
@@ -457,6 +457,78 @@ def _report(
     )
 
 
+def read_holder(client: Any, name: str, *, namespace: str = "fenced") -> Holder | None:
+    """The current holder of a claim, or None when nobody holds it (one round trip)."""
+    keys = ClaimKeys.of(name, namespace)
+    pipe = client.pipeline(transaction=False)
+    pipe.get(keys.lock)
+    pipe.pttl(keys.lock)
+    pipe.get(keys.fence)
+    with reachable(client, f"read claim {keys.name!r}", keys.name):
+        try:
+            token, pttl, fence = pipe.execute(raise_on_error=False)
+        except UnicodeDecodeError:  # a client that decodes replies, and bytes that are not text
+            return Holder.unknown("a value of the claim is not UTF-8")
+    return lock_holder(keys, token, pttl, fence)
+
+
+def lock_holder(keys: ClaimKeys, token: Any, pttl: Any, fence: Any) -> Holder | None:
+    """The holder of a plain claim from the GET and PTTL answers of its lease and the
+    fence counter (for callers that pipeline)."""
+    if token is None:
+        return None
+    if isinstance(token, Exception):  # e.g. WRONGTYPE: not a string, not a token
+        return Holder.unknown(f"{keys.lock}: {token}")
+    return Holder.parse(token, pttl if isinstance(pttl, int) else None, int_or_none(fence))
+
+
+def read_slots(
+    client: Any, name: str, *, namespace: str = "fenced", limit: int = MAX_LIMIT
+) -> list[tuple[int, Holder]]:
+    """Every holder of a name, by slot (a name held by up to ``limit`` at once), in slot
+    order; one round trip. ``limit`` defaults to the most a name may have."""
+    keys = ClaimKeys.of(name, namespace)
+    pipe = queue_slots(client.pipeline(transaction=False), keys, limit)
+    with reachable(client, f"read claim {keys.name!r}", keys.name):
+        try:
+            *leases, fence, fences = pipe.execute(raise_on_error=False)
+        except UnicodeDecodeError:  # a client that decodes replies, and bytes that are not text
+            return [(0, Holder.unknown("a value of the claim is not UTF-8"))]
+    return slot_holders(leases, fence, fences)
+
+
+def queue_slots(pipe: Any, keys: ClaimKeys, limit: int = MAX_LIMIT) -> Any:
+    """Queue on a pipeline what :func:`slot_holders` reads: each slot's GET and PTTL, the
+    fence counter, the slots' hash (in that order). The pipeline."""
+    for i in range(limit):
+        pipe.get(keys.slot(i))
+        pipe.pttl(keys.slot(i))
+    pipe.get(keys.fence)
+    pipe.hgetall(keys.slots)
+    return pipe
+
+
+def slot_holders(leases: Sequence[Any], fence: Any, fences: Any) -> list[tuple[int, Holder]]:
+    """Holders from the GET and PTTL answers of each slot, the fence counter and the
+    slots' hash (a slot's fence; slot 0 without one holds the counter's)."""
+    # Any of them may hold what fenced never wrote there: read, never fail.
+    by_slot = fences if isinstance(fences, dict) else {}
+    slot_fences = {readable(k): int_or_none(v) for k, v in by_slot.items()}
+    found = []
+    for i in range(len(leases) // 2):
+        token, pttl = leases[2 * i], leases[2 * i + 1]
+        if token is None:
+            continue
+        minted = slot_fences.get(str(i))
+        if minted is None and i == 0:
+            minted = int_or_none(fence)
+        if isinstance(token, Exception):  # e.g. WRONGTYPE: not a string, not a token
+            found.append((i, Holder.unknown(f"slot {i}: {token}")))
+            continue
+        found.append((i, Holder.parse(token, int_or_none(pttl), minted)))
+    return found
+
+
 def operator() -> str:
     """Who is at the keyboard: user@host, for the record of a manual release."""
     return f"{claimed_user()}@{socket.gethostname()}"
@@ -477,32 +549,59 @@ def force_release(
     client: Any,
     name: str,
     *,
-    reason: str,
+    reason: str | None = None,
     namespace: str = "fenced",
     by: str | None = None,
     token_prefix: str = "",
     slot: int = 0,
+    task_id: str | None = None,
+    pid: int | None = None,
+    host: str | None = None,
+    outcome: str | None = None,
+    max_records: int = MAX_RECORDS,
+    idle_ttl: float | None = IDLE_TTL,
+    **data: Any,
 ) -> Holder | None:
-    """Delete a claim whatever its token; record who did it and why. The holder, or None.
+    """Clear a claim whatever its token; with ``task_id``/``pid``, only such a holder's.
 
-    ``slot`` names one holder of a name held by several at once (see ``read_slots``).
+    For a supervisor that knows the holder is gone (a killed process) or an operator:
+    ``by`` names who (default: user@host of this process) and ``reason`` why, in the
+    holder's run record and on the ``fenced.audit`` log. ``pid`` matches a holder
+    process on ``host`` (default: this host); ``slot`` names one holder of a name held
+    by several at once (see ``read_slots``). ``outcome`` (e.g. ``"aborted"``) ends the
+    holder's run record; without it the record says ``released``. Returns the holder
+    cleared (as read just before: how long its lease had left, its fence), or None.
     """
     keys = ClaimKeys.of(name, namespace)
-    # Read first, so the answer can say how long the lease had left and its fence.
-    if slot == 0:
-        before = read_holder(client, keys.name, namespace=namespace)
-    else:
-        before = dict(read_slots(client, keys.name, namespace=namespace)).get(slot)
+    by = by or operator()
+    record = encode_release(reason, by=by, **data)
+    answer: Any = None
+    before: Holder | None = None
+    outcome_seen = "error"
     try:
-        cleared = _lease.force_release(
-            client,
-            keys.name,
-            namespace=namespace,
-            token_prefix=token_prefix,
-            reason=reason,
-            by=by or operator(),
-            slot=slot,
-        )
+        # Read first, so the answer can say how long the lease had left and its fence.
+        if slot == 0:
+            before = read_holder(client, keys.name, namespace=namespace)
+        else:
+            before = dict(read_slots(client, keys.name, namespace=namespace)).get(slot)
+        with reachable(client, f"release claim {keys.name!r}", keys.name):
+            answer = FORCE_RELEASE(
+                client,
+                [keys.slot(slot), keys.runs, keys.fence],
+                [
+                    token_prefix,
+                    record,
+                    max_records,
+                    task_id or "",
+                    outcome or "",
+                    holder_filter(host, pid),
+                    int(idle_ttl * 1000) if idle_ttl else 0,
+                ],
+            )
+        outcome_seen = "released" if answer[0] else "not_held"
+    except ClaimUnavailable:
+        outcome_seen = "unreachable"
+        raise
     except redis.ResponseError as exc:
         corrupt = _lease.LeaseStore(client, keys).find_corrupt_key()
         if corrupt is None:
@@ -511,8 +610,22 @@ def force_release(
         gone = before is not None and not client.exists(keys.slot(slot))
         doing = "record the release of claim" if gone else "release claim"
         raise _lease.corrupt_key_error(keys.name, *corrupt, exc, doing=doing) from exc
-    if cleared is None:
+    finally:
+        # Logged whatever happened: the run stream is capped and anyone with Redis
+        # access can rewrite it, so operators ship this line somewhere else.
+        # Whatever the keys held: an audit line is written even for garbage.
+        text, fence = (readable(v) for v in answer) if answer else ("", "")
+        _audit.force_released(
+            keys.name,
+            token_prefix=short_token(text or token_prefix) or None,
+            fence=int_or_none(fence) if text else None,
+            by=by,
+            reason=reason,
+            outcome=outcome_seen,
+        )
+    if not text:
         return None
+    cleared = Holder.parse(text)
     if before is not None and before.token == cleared.token:
         return before
     return cleared

@@ -29,14 +29,12 @@ from typing import Any
 
 import redis
 
-from . import _audit
 from ._client import describe_client, node_client, refresh_slots
 from ._errors import ClaimUnavailable, ConfigError, CorruptKey
 from ._naming import validate_name
 from ._printable import printable, readable
 from ._scripts import (
     ACQUIRE,
-    FORCE_RELEASE,
     HANDOVER,
     REFRESH,
     RELEASE,
@@ -60,11 +58,8 @@ __all__ = [
     "check_timing",
     "current_pid",
     "describe_client",
-    "force_release",
     "new_token",
     "reachable",
-    "read_holder",
-    "read_slots",
     "released",
     "why_unreachable",
 ]
@@ -903,31 +898,6 @@ class LeaseStore(LeaseCalls):
             pass
 
 
-def read_holder(client: Any, name: str, *, namespace: str = "fenced") -> Holder | None:
-    """The current holder of a claim, or None when nobody holds it (one round trip)."""
-    keys = ClaimKeys.of(name, namespace)
-    pipe = client.pipeline(transaction=False)
-    pipe.get(keys.lock)
-    pipe.pttl(keys.lock)
-    pipe.get(keys.fence)
-    with reachable(client, f"read claim {keys.name!r}", keys.name):
-        try:
-            token, pttl, fence = pipe.execute(raise_on_error=False)
-        except UnicodeDecodeError:  # a client that decodes replies, and bytes that are not text
-            return Holder.unknown("a value of the claim is not UTF-8")
-    return lock_holder(keys, token, pttl, fence)
-
-
-def lock_holder(keys: ClaimKeys, token: Any, pttl: Any, fence: Any) -> Holder | None:
-    """The holder of a plain claim from the GET and PTTL answers of its lease and the
-    fence counter (for callers that pipeline)."""
-    if token is None:
-        return None
-    if isinstance(token, Exception):  # e.g. WRONGTYPE: not a string, not a token
-        return Holder.unknown(f"{keys.lock}: {token}")
-    return Holder.parse(token, pttl if isinstance(pttl, int) else None, int_or_none(fence))
-
-
 def int_or_none(value: Any) -> int | None:
     """A reply as an int; None when absent, an error, or not an integer as Redis reads one
     (``INCR``, Lua's ``tonumber``): someone else's value."""
@@ -938,118 +908,3 @@ def int_or_none(value: Any) -> int | None:
     if isinstance(value, str) and _INTEGER.fullmatch(value):
         return int(value)
     return None
-
-
-def read_slots(
-    client: Any, name: str, *, namespace: str = "fenced", limit: int = MAX_LIMIT
-) -> list[tuple[int, Holder]]:
-    """Every holder of a name, by slot (a name held by up to ``limit`` at once), in slot
-    order; one round trip. ``limit`` defaults to the most a name may have."""
-    keys = ClaimKeys.of(name, namespace)
-    pipe = queue_slots(client.pipeline(transaction=False), keys, limit)
-    with reachable(client, f"read claim {keys.name!r}", keys.name):
-        try:
-            *leases, fence, fences = pipe.execute(raise_on_error=False)
-        except UnicodeDecodeError:  # a client that decodes replies, and bytes that are not text
-            return [(0, Holder.unknown("a value of the claim is not UTF-8"))]
-    return slot_holders(leases, fence, fences)
-
-
-def queue_slots(pipe: Any, keys: ClaimKeys, limit: int = MAX_LIMIT) -> Any:
-    """Queue on a pipeline what :func:`slot_holders` reads: each slot's GET and PTTL, the
-    fence counter, the slots' hash (in that order). The pipeline."""
-    for i in range(limit):
-        pipe.get(keys.slot(i))
-        pipe.pttl(keys.slot(i))
-    pipe.get(keys.fence)
-    pipe.hgetall(keys.slots)
-    return pipe
-
-
-def slot_holders(leases: Sequence[Any], fence: Any, fences: Any) -> list[tuple[int, Holder]]:
-    """Holders from the GET and PTTL answers of each slot, the fence counter and the
-    slots' hash (a slot's fence; slot 0 without one holds the counter's)."""
-    # Any of them may hold what fenced never wrote there: read, never fail.
-    by_slot = fences if isinstance(fences, dict) else {}
-    slot_fences = {readable(k): int_or_none(v) for k, v in by_slot.items()}
-    found = []
-    for i in range(len(leases) // 2):
-        token, pttl = leases[2 * i], leases[2 * i + 1]
-        if token is None:
-            continue
-        minted = slot_fences.get(str(i))
-        if minted is None and i == 0:
-            minted = int_or_none(fence)
-        if isinstance(token, Exception):  # e.g. WRONGTYPE: not a string, not a token
-            found.append((i, Holder.unknown(f"slot {i}: {token}")))
-            continue
-        found.append((i, Holder.parse(token, int_or_none(pttl), minted)))
-    return found
-
-
-def force_release(
-    client: Any,
-    name: str,
-    *,
-    namespace: str = "fenced",
-    task_id: str | None = None,
-    pid: int | None = None,
-    host: str | None = None,
-    token_prefix: str = "",
-    outcome: str | None = None,
-    reason: str | None = None,
-    max_records: int = MAX_RECORDS,
-    idle_ttl: float | None = IDLE_TTL,
-    slot: int = 0,
-    **data: Any,
-) -> Holder | None:
-    """Clear a claim whatever its token; with ``task_id``/``pid``, only such a holder's.
-
-    ``slot`` names the lease of a name held by several at once (0: the plain claim's).
-
-    For a supervisor that knows the holder is gone (a killed process) or an operator
-    (``by=`` names them in the record). ``pid`` matches a holder process on ``host``
-    (default: this host). ``outcome`` (e.g. ``"aborted"``) ends the holder's run record;
-    without it the record says ``released``. Returns the holder that was cleared, or
-    None (one round trip).
-    """
-    # Run records own their encoding, and they build on this module.
-    from .records import encode_release
-
-    keys = ClaimKeys.of(name, namespace)
-    record = encode_release(reason, **data)
-    answer: Any = None
-    outcome_seen = "error"
-    try:
-        with reachable(client, f"release claim {keys.name!r}", keys.name):
-            answer = FORCE_RELEASE(
-                client,
-                [keys.slot(slot), keys.runs, keys.fence],
-                [
-                    token_prefix,
-                    record,
-                    max_records,
-                    task_id or "",
-                    outcome or "",
-                    holder_filter(host, pid),
-                    int(idle_ttl * 1000) if idle_ttl else 0,
-                ],
-            )
-        outcome_seen = "released" if answer[0] else "not_held"
-    except ClaimUnavailable:
-        outcome_seen = "unreachable"
-        raise
-    finally:
-        # Logged whatever happened: the run stream is capped and anyone with Redis
-        # access can rewrite it, so operators ship this line somewhere else.
-        # Whatever the keys held: an audit line is written even for garbage.
-        text, fence = (readable(v) for v in answer) if answer else ("", "")
-        _audit.force_released(
-            keys.name,
-            token_prefix=short_token(text or token_prefix) or None,
-            fence=int_or_none(fence) if text else None,
-            by=data.get("by"),
-            reason=reason,
-            outcome=outcome_seen,
-        )
-    return Holder.parse(text) if text else None

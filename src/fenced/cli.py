@@ -913,8 +913,8 @@ if app is not None:
           2   usage: no --reason, no --redis
           69  Redis unreachable
         """
-        from ._inspect import force_release, operator, release_slot
-        from ._lease import read_holder, read_slots, short_token
+        from ._inspect import force_release, operator, read_holder, read_slots, release_slot
+        from ._lease import short_token
 
         client = _client(redis_url)
         if not force:

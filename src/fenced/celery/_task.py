@@ -80,7 +80,8 @@ from .._audit import claim_fields
 from .._claim import Claim
 from .._errors import ClaimInterrupted, ClaimUnavailable, ConfigError, NotOwner
 from .._guard import BusyPolicy, RetryAfter, Run, Skip, busy_policy, lost_error
-from .._lease import HOST, ClaimKeys, Holder, force_release, short_token
+from .._inspect import force_release
+from .._lease import HOST, ClaimKeys, Holder, short_token
 from .._naming import Namer, bounded_label
 from .._redact import exception_text
 from . import _enqueue, signals

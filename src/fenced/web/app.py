@@ -36,8 +36,15 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._errors import ClaimUnavailable, ConfigError
-from .._inspect import force_release, list_claims, operator, release_slot, show_claim
-from .._lease import MAX_RECORDS, UNREACHABLE, describe_client, read_slots, why_unreachable
+from .._inspect import (
+    force_release,
+    list_claims,
+    operator,
+    read_slots,
+    release_slot,
+    show_claim,
+)
+from .._lease import MAX_RECORDS, UNREACHABLE, describe_client, why_unreachable
 from .._printable import printable
 from ..records import consecutive_skips, history
 
