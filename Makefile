@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml
 demo: install
 	$(BIN)/fenced demo
 
+# The suite spread over TEST_WORKERS processes, one file each at a time (a file's
+# servers and workers are started once); most tests wait on servers, not the CPU.
+TEST_WORKERS ?= 4
 test: install
-	$(BIN)/pytest $(PYTEST_ARGS)
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks examples chaos

@@ -4,6 +4,7 @@ runs called directly or eagerly in this process (including interrupts)."""
 from __future__ import annotations
 
 import pickle
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -509,3 +510,40 @@ def test_a_finished_task_id_is_found_however_many_runs_came_after(app: Celery, r
     job.apply(("a",), task_id="first", retries=1)  # the message comes back
     assert ran.count("first") == 1
     assert len(ran) == 111
+
+
+@pytest.mark.parametrize(
+    ("given", "fix"),
+    [
+        ({"claim_ttll": 5}, "did you mean claim_ttl?"),
+        ({"fenced_on_busy": "raise"}, "did you mean claim_on_busy?"),
+        ({"claim_debounce": "whenever"}, "the options are: claim_alert_after_skips"),
+    ],
+)
+def test_an_unknown_claim_option_is_refused_when_the_task_is_defined(
+    given: dict[str, Any], fix: str
+) -> None:
+    # Kept silently, a typo would define fine and do nothing.
+    app = Celery("fenced_unknown_option", set_as_current=False, broker="memory://")
+    with pytest.raises(ConfigError, match=rf"unknown option {next(iter(given))}; {re.escape(fix)}"):
+
+        @app.task(shared=False, base=ClaimedTask, claim="x:{a}", **given)
+        def job(a: str) -> None:
+            pass
+
+        app.finalize()
+
+
+def test_an_unknown_fenced_setting_is_refused_when_the_task_is_bound() -> None:
+    app = Celery("fenced_unknown_setting", set_as_current=False, broker="memory://")
+    app.conf.fenced_redis_urll = "redis://127.0.0.1:1/0"
+
+    @app.task(shared=False, base=ClaimedTask, claim="x:{a}")
+    def job(a: str) -> None:
+        pass
+
+    with pytest.raises(
+        ConfigError, match="unknown setting fenced_redis_urll; did you mean fenced_redis_url"
+    ):
+        app.finalize()
+        job.name  # noqa: B018 (builds the task)

@@ -14,6 +14,7 @@ off for tests without Redis: :mod:`fenced.celery._disabled`), ``fenced_metrics``
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
 import threading
@@ -41,11 +42,13 @@ from ._enqueue import ENQUEUE_TTL
 
 __all__ = [
     "DEFAULTS",
+    "KNOWN_SETTINGS",
     "ON_BUSY",
     "REFUSES",
     "SETTINGS",
     "TaskOptions",
     "lock_redis",
+    "refuse_unknown",
     "resolve",
     "validate",
 ]
@@ -90,6 +93,36 @@ SETTINGS = {
 }
 #: Earlier names of options, still read (with a DeprecationWarning).
 RENAMED = {"claim_on_conflict": "claim_on_busy"}
+#: Every ``fenced_*`` setting an app may give; any other is a typo, refused.
+KNOWN_SETTINGS = frozenset(
+    (
+        *SETTINGS.values(),
+        "fenced_claim_on_conflict",
+        "fenced_redis_url",
+        "fenced_redis_client",
+        "fenced_redis_options",
+        "fenced_secret_key",
+        "fenced_enabled",
+        "fenced_metrics",
+        "fenced_metrics_port",
+    )
+)
+
+
+def refuse_unknown(names: Any, known: Any, where: str, kind: str) -> None:
+    """ConfigError for the first of ``names`` not in ``known``, naming the closest one:
+    an option given with a typo would otherwise be kept and do nothing."""
+    for name in names:
+        if name not in known:
+            as_option = "claim_" + name.removeprefix("fenced_").removeprefix("claim_")
+            close = [as_option] if as_option in known else []
+            close = close or difflib.get_close_matches(name, list(known), n=1, cutoff=0.8)
+            fix = (
+                f"did you mean {close[0]}?"
+                if close
+                else f"the {kind}s are: {', '.join(sorted(known))}"
+            )
+            raise ConfigError(f"{where}: unknown {kind} {name}; {fix}")
 
 
 def renamed(values: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -268,6 +301,12 @@ class TaskOptions:
 
 def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
     """The options of a task: what it gives, else the app's settings, else the defaults."""
+    refuse_unknown(
+        [k for k in conf if isinstance(k, str) and k.startswith("fenced_")],
+        KNOWN_SETTINGS,
+        f"{where}: app.conf",
+        "setting",
+    )
     raw: dict[str, Any] = {}
     for option in OPTIONS:
         value = given.get(option)

@@ -93,6 +93,7 @@ from ._options import (
     TaskOptions,
     as_attribute,
     lock_redis,
+    refuse_unknown,
     renamed,
     resolve,
     validate,
@@ -212,6 +213,12 @@ class ClaimedTask(Task[Any, Any]):
                 delattr(cls, old)
                 if new not in ns:
                     setattr(cls, new, value)
+        refuse_unknown(
+            [k for k in ns if k.startswith(("claim_", "fenced_")) and not hasattr(ClaimedTask, k)],
+            (*OPTIONS, *RENAMED),
+            where,
+            "option",
+        )
         given = {k: ns[k] for k in OPTIONS if k in ns}
         if "claim_ttl" not in given:
             given["claim_ttl"] = getattr(cls, "claim_ttl", None)  # to check refresh_every
