@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
@@ -48,8 +47,9 @@ from ._guard import (
     outcome_of,
     settle,
 )
-from ._heartbeat import RETRY_SHARE, Renewal
+from ._heartbeat import Renewal
 from ._heartbeat import heartbeat as _heartbeat
+from ._held import HELD, IDLE, LOST, RELEASED, LeaseState, Snapshot
 from ._lease import (
     IDLE_TTL,
     MAX_RECORDS,
@@ -79,11 +79,8 @@ __all__ = ["Claim", "ClaimState"]
 log = logging.getLogger("fenced")
 T = TypeVar("T")
 
-_IDLE, _HELD, _LOST, _RELEASED = "idle", "held", "lost", "released"
 #: How often a blocking acquire looks again while the holder's lease runs.
 RETRY_INTERVAL = 0.05
-_DEADLINE_PASSED = "no refresh was confirmed before the local deadline"
-_TAKEN = "the lease is gone or held under another token"
 _LATE = "granted after its own deadline; given back"
 _UNREPLICATED = "not acknowledged by the replicas asked for; given back"
 _VANISHED = "the lease was gone before release (evicted, failed over, or cleared)"
@@ -94,13 +91,17 @@ RELEASE_PATIENCE = 5.0
 _UNCONFIRMABLE: tuple[type[BaseException], ...] = (*UNREACHABLE, redis.ResponseError)
 RELEASE_RETRY = 0.1
 #: The cause a "lost" event gives (a short word, fit for a metrics label) for each reason.
-_CAUSES = {_DEADLINE_PASSED: "expired", _TAKEN: "taken", _VANISHED: "vanished"}
+_CAUSES = {
+    LeaseState.expired_reason: "expired",
+    LeaseState.taken_reason: "taken",
+    _VANISHED: "vanished",
+}
 #: Builds a ClaimEvent (a named tuple) from all its fields in order: a third of the cost
 #: of calling the class with keywords.
 _event = tuple.__new__
 
 
-class ClaimState:
+class ClaimState(LeaseState):
     """The state of one lease and every decision about it that needs no I/O.
 
     :class:`Claim` (threads) and :class:`fenced.aio.Claim` (asyncio) are thin shells
@@ -134,12 +135,12 @@ class ClaimState:
         try:
             if label is not None:
                 check_label(label)
-            self.ttl, self.refresh_every = check_timing(ttl, refresh_every)
-            self._idle_ms = check_idle_ttl(idle_ttl, self.ttl)
+            ttl, refresh_every = check_timing(ttl, refresh_every)
+            self._idle_ms = check_idle_ttl(idle_ttl, ttl)
             self._cooldown_ms = check_cooldown(cooldown, self._idle_ms)
             #: How many holders the name may have at once, each in a slot of its own.
             self.limit = check_limit(limit)
-            self.replicas, self._replica_ms = check_replicas(replicas, replica_timeout, self.ttl)
+            self.replicas, self._replica_ms = check_replicas(replicas, replica_timeout, ttl)
             if not isinstance(redelivery_window, (int, float)) or redelivery_window < 0:
                 raise ConfigError(
                     f"redelivery_window={redelivery_window!r} must be seconds >= 0 (0 "
@@ -151,6 +152,7 @@ class ClaimState:
             redis = self._connect(redis)
         except ConfigError as exc:
             raise ConfigError(exc.message, name=name) from None
+        super().__init__(ttl, refresh_every, clock)
         self.redis = redis
         self.keys = ClaimKeys.of(name, namespace)
         self.name: str = self.keys.name
@@ -174,25 +176,11 @@ class ClaimState:
         #: Seconds after a run that ended ``ok`` during which triggers skip (None: none).
         self.cooldown = self._cooldown_ms / 1000 if self._cooldown_ms else None
         self._done_ms = int(redelivery_window * 1000)
-        self._clock = clock
         self._sleep = sleep
-        self._ttl_ms = max(1, int(self.ttl * 1000))
-        # Clock drift between this host and Redis, and the time a PEXPIRE takes to
-        # apply, eat into the lease: give up slightly before it ends.
-        self._drift = self.ttl * 0.01 + 0.002
-        self._mutex = threading.Lock()
-        self._state = _IDLE
-        self._pid = current_pid()
-        self._deadline = 0.0
-        self._next_refresh = 0.0
-        self._started_at = 0.0
-        self.token: str | None = None
-        self.fence: int | None = None
         #: The slot held (0 .. limit-1; always 0 for a limit of 1), None before a grant.
         self.slot: int | None = None
         self._lease_key = self.key
         self.holder: Holder | None = None
-        self._lost_reason: str | None = None
         self.skips = 0
         #: Seconds left of the cooldown window when the last acquire found the name ran
         #: recently (it is then not held by anyone), else None.
@@ -354,35 +342,7 @@ class ClaimState:
         """Make the store this claim sends its scripts through."""
         raise NotImplementedError
 
-    # -- state (reading it never acts) -----------------------------------------------------
-
-    def _mine(self) -> bool:
-        """Held by this object in this process (a forked child holds none of it)."""
-        return self._state == _HELD and self._pid == current_pid()
-
-    @property
-    def held(self) -> bool:
-        """True while this process holds the claim and its local deadline has not passed."""
-        return self._mine() and self._clock() < self._deadline
-
-    @property
-    def lost(self) -> bool:
-        """True once the claim was lost (or its local deadline passed); it never comes back."""
-        return self._state == _LOST or (self._mine() and self._clock() >= self._deadline)
-
-    @property
-    def lost_reason(self) -> str | None:
-        """Why the claim was lost (None while it is not)."""
-        if self._lost_reason is None and self.lost:
-            return _DEADLINE_PASSED  # lost by the clock, not declared yet
-        return self._lost_reason
-
-    @property
-    def expires_in(self) -> float:
-        """Seconds until the local deadline (0 when not held)."""
-        if not self._mine():
-            return 0.0
-        return max(0.0, self._deadline - self._clock())
+    # -- state (reading it never acts: LeaseState's held, lost, lost_reason, expires_in) --
 
     def __bool__(self) -> bool:
         return self.held
@@ -397,8 +357,8 @@ class ClaimState:
         if self._mine():
             if self._clock() < self._deadline:
                 return
-            self._declare_lost(_DEADLINE_PASSED)
-        if self._state == _LOST:
+            self._declare_lost(self.expired_reason)
+        if self._state == LOST:
             raise ClaimLost.about(
                 self,
                 f"claim {self.name!r} was lost ({self.lost_reason}); stop writing: another "
@@ -439,51 +399,17 @@ class ClaimState:
                 self._replica_ms,  # the heartbeat keeps it below its socket timeout
             )
 
-    def renewed(self, sent: float, token: str) -> None:
-        """Redis extended the lease of ``token`` by a request sent at ``sent``."""
-        with self._mutex:
-            if self._state != _HELD or token != self.token:
-                return
-            if self._clock() < self._deadline:
-                # The server applied PEXPIRE no earlier than we sent it, so the lease
-                # runs at least until sent + ttl.
-                self._deadline = max(self._deadline, sent + self.ttl - self._drift)
-                self._next_refresh = sent + self.refresh_every
-                return
-        # Confirmed only after the local deadline: the claim was lost at the deadline
-        # (it may have been seen as not held meanwhile) and does not come back.
-        self._declare_lost(_DEADLINE_PASSED, token)
+    def _snapshot(self) -> Snapshot:
+        return Snapshot(self.token, self.fence, self.slot, self._started_at)
 
-    def retry_soon(self) -> None:
-        """No confirmed answer yet (a renewal on its way, or none came): look again soon."""
-        with self._mutex:
-            if self._state == _HELD:
-                self._next_refresh = self._clock() + self.refresh_every * RETRY_SHARE
-
-    def renewal_refused(self, token: str) -> None:
-        """The lease of ``token`` is gone or held under another token."""
-        self._declare_lost(_TAKEN, token)
-
-    def expired(self, token: str) -> None:
-        """The local deadline of ``token``'s lease passed with no renewal confirmed."""
-        self._declare_lost(_DEADLINE_PASSED, token)
-
-    def _declare_lost(self, reason: str, token: str | None = None) -> None:
-        with self._mutex:
-            if self._state != _HELD or (token is not None and token != self.token):
-                return
-            self._state = _LOST
-            self._lost_reason = reason
-            # The lease lost, as it was: this may be the heartbeat's thread, and the
-            # owner may release and acquire again before the event is built.
-            lease = (self.token, self.fence, self.slot, self._started_at)
+    def _report_lost(self, reason: str, lease: Snapshot) -> None:
         # Not discarded from the heartbeat here: it drops claims no longer held by
         # itself, and a discard from this (maybe another) thread could remove the entry
         # of a lease this object acquired again meanwhile.
         log.warning(
             "fenced: claim %r (fence %s) lost: %s",
             self.name,
-            lease[1],
+            lease.fence,
             reason,
             extra=self.log_fields("lost", "lost"),
         )
@@ -500,12 +426,10 @@ class ClaimState:
                     extra=self.log_fields("lost", "lost"),
                 )
 
-    def _emit_lost(
-        self, reason: str, lease: tuple[str | None, int | None, int | None, float] | None = None
-    ) -> None:
+    def _emit_lost(self, reason: str, lease: Snapshot | None = None) -> None:
         if lease is None:
-            lease = (self.token, self.fence, self.slot, self._started_at)
-        held_for = self._clock() - lease[3]
+            lease = self._snapshot()
+        held_for = self._clock() - lease.started_at
         cause = _CAUSES.get(reason, reason)
         self._emit_held("lost", None, cause, held_for if held_for > 0.0 else 0.0, lease[:3])
 
@@ -603,7 +527,7 @@ class ClaimState:
         """Seconds the grant took when it came after the lease's own local deadline."""
         # A stalled or paused Redis, a client retrying through an outage: another holder
         # may take the name any moment, so a late grant is given back and starts nothing.
-        if int(res[0]) == 1 and self._clock() >= sent + self.ttl - self._drift:
+        if int(res[0]) == 1 and self._clock() >= self._deadline_from(sent):
             return self._clock() - sent
         return None
 
@@ -656,20 +580,13 @@ class ClaimState:
         if int(res[0]) == 1:
             slot = self._granted_slot(res)
             with self._mutex:
-                self.token = token
-                self.fence = int(res[1])
                 self.slot = slot
                 self._lease_key = self.key if slot == 0 else self.keys.slot(slot)
                 self.holder = None
                 self.ran_recently = None
-                self._lost_reason = None
                 self.vanished = False
                 self.rerun_triggers = []
-                self._pid = current_pid()
-                self._state = _HELD
-                self._started_at = sent
-                self._deadline = sent + self.ttl - self._drift
-                self._next_refresh = sent + self.refresh_every
+                self._hold(token, int(res[1]), sent)
             if events.enabled():
                 self._emit_held("acquired")
             return True
@@ -706,21 +623,16 @@ class ClaimState:
     def _releasable(self) -> bool:
         # A forked child never releases its parent's lease: the token is the parent's.
         return not (
-            self._pid != current_pid() or self.token is None or self._state in (_IDLE, _RELEASED)
+            self._pid != current_pid() or self.token is None or self._state in (IDLE, RELEASED)
         )
 
     def _begin_release(self, outcome: str | None, reason: str | None) -> tuple[str, str, str]:
         """Mark the claim given back: (the state before, the outcome, the finished record)."""
-        if self._state == _HELD and self._clock() >= self._deadline:
-            self._declare_lost(_DEADLINE_PASSED)
+        self._expire_if_due()
         if outcome is None:
-            outcome = "lost" if self._state == _LOST else "ok"
+            outcome = "lost" if self._state == LOST else "ok"
         record = self._finished_record(self._clock() - self._started_at, reason or self.lost_reason)
-        with self._mutex:
-            # Given back from here on: a renewal already in flight that reaches Redis
-            # after the lease is deleted finds it gone, and that is not a loss.
-            before, self._state = self._state, _RELEASED
-        return before, outcome, record
+        return self._end_hold(), outcome, record
 
     def _release_give_up(self, before: str) -> float:
         """Until when (``time.monotonic()``) a release that cannot reach Redis tries again."""
@@ -729,7 +641,7 @@ class ClaimState:
         # lasted (a Redis restarted without persistence has forgotten it), and "ok" must
         # not be said unconfirmed. A retry of a release that did land gets its answer.
         patience = min(max(0.0, self._deadline - self._clock()), RELEASE_PATIENCE)
-        return time.monotonic() + (patience if before == _HELD else 0.0)
+        return time.monotonic() + (patience if before == HELD else 0.0)
 
     def _release_args(
         self, outcome: str, record: str
@@ -779,14 +691,14 @@ class ClaimState:
         self.unqueued = self._unqueue
         self.rerun_triggers = triggers
         self.rerun_requested = len(triggers)
-        lost_first = before == _LOST and outcome == "ok"
-        if lost_first or recorded != outcome or (not released and before == _HELD):
+        lost_first = before == LOST and outcome == "ok"
+        if lost_first or recorded != outcome or (not released and before == HELD):
             # Ours until the end as far as the caller knew, but it was not: lost before
             # the release, or Redis had no lease for us when it came.
             self.vanished = True
-            if self._lost_reason is None or before == _HELD:
+            if self._lost_reason is None or before == HELD:
                 self._lost_reason = _VANISHED
-            if before == _HELD and events.enabled():
+            if before == HELD and events.enabled():
                 # Found gone only now: the loss is known here, not by the heartbeat.
                 self._emit_lost(_VANISHED)
         if events.enabled():
@@ -1018,7 +930,7 @@ class Claim(ClaimState):
             return "lost"
         except BaseException:
             self._release_undone(before)
-            if self.heartbeat and before == _HELD:
+            if self.heartbeat and before == HELD:
                 _heartbeat().add(self)
             raise
         if not kept:
@@ -1095,7 +1007,7 @@ class Claim(ClaimState):
                 return False
             except BaseException:
                 self._release_undone(before)
-                if self.heartbeat and before == _HELD:
+                if self.heartbeat and before == HELD:
                     _heartbeat().add(self)
                 raise
         return self._ended(before, outcome, released, recorded, triggers)
@@ -1160,6 +1072,6 @@ class Claim(ClaimState):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self.token is None or self._state in (_IDLE, _RELEASED):
+        if self.token is None or self._state in (IDLE, RELEASED):
             return
         self.end(exc, self._what)

@@ -32,10 +32,11 @@ from typing import Any
 import redis
 
 from .. import events
-from .._claim import _HELD, _LATE, _UNCONFIRMABLE, RELEASE_RETRY, ClaimState
+from .._claim import _LATE, _UNCONFIRMABLE, RELEASE_RETRY, ClaimState
 from .._client import require_async
 from .._errors import ConfigError
 from .._guard import RAISE, RUN, Action, BusyPolicy, Run, busy_error, lost_error, settle
+from .._held import HELD
 from .._lease import UNREACHABLE, LeaseCalls, new_token, released
 from .._scripts import Call
 from ._renewer import renewer
@@ -229,7 +230,7 @@ class Claim(ClaimState):
                 raise  # not undone: the caller sends it again
             except BaseException:
                 self._release_undone(before)
-                if self.heartbeat and before == _HELD:
+                if self.heartbeat and before == HELD:
                     renewer().add(self)
                 raise
         return self._ended(before, outcome, *answer)

@@ -18,8 +18,9 @@ from typing import Any
 
 from celery import signals as celery_signals
 
-from .._claim import _HELD, _RELEASED, Claim
+from .._claim import Claim
 from .._errors import ConfigError
+from .._held import HELD, RELEASED
 from ._options import PerApp
 
 __all__ = ["SETTING", "LocalClaim", "enabled"]
@@ -104,7 +105,7 @@ class LocalClaim(Claim):
         with self._mutex:
             self.token = f"local:{self.task_id or ''}"
             self.fence = _next_fence()
-            self._state = _HELD
+            self._state = HELD
             self._started_at = self._clock()
             self._deadline = float("inf")
         return True
@@ -120,7 +121,7 @@ class LocalClaim(Claim):
     def release(self, outcome: str | None = None, reason: str | None = None) -> bool:
         """Give the claim back (nothing is sent anywhere)."""
         with self._mutex:
-            was_held, self._state = self._state == _HELD, _RELEASED
+            was_held, self._state = self._state == HELD, RELEASED
         return was_held
 
     def hand_over(self, keep_for: float, reason: str | None = None) -> str:
