@@ -23,7 +23,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 
@@ -51,19 +51,12 @@ from ._heartbeat import Renewal
 from ._heartbeat import heartbeat as _heartbeat
 from ._held import HELD, IDLE, LOST, RELEASED, LeaseState, Snapshot
 from ._lease import (
-    IDLE_TTL,
-    MAX_RECORDS,
     UNREACHABLE,
     ClaimKeys,
     Holder,
     LeaseCalls,
     LeaseStore,
     NotReplicated,
-    check_cooldown,
-    check_idle_ttl,
-    check_limit,
-    check_replicas,
-    check_timing,
     corrupt_key_error,
     current_pid,
     describe_client,
@@ -71,7 +64,7 @@ from ._lease import (
     new_token,
     why_unreachable,
 )
-from ._naming import check_label
+from ._options import ClaimOptions
 from ._redact import SHORT_MAX, exception_text
 
 __all__ = ["Claim", "ClaimState"]
@@ -113,69 +106,53 @@ class ClaimState(LeaseState):
         redis: Any,
         name: str,
         *,
-        ttl: float = 30.0,
-        refresh_every: float | None = None,
-        namespace: str = "fenced",
+        options: ClaimOptions | None = None,
         heartbeat: bool = True,
         on_lost: Callable[[Any], object] | None = None,
         task_id: str | None = None,
-        records: bool = False,
         record_extra: Mapping[str, Any] | None = None,
-        max_records: int = MAX_RECORDS,
-        idle_ttl: float | None = IDLE_TTL,
-        redelivery_window: float = 0.0,
-        replicas: int = 0,
-        replica_timeout: float = 1.0,
-        cooldown: float | None = None,
-        limit: int = 1,
-        label: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Any] = time.sleep,
+        **given: Any,
     ) -> None:
         try:
-            if label is not None:
-                check_label(label)
-            ttl, refresh_every = check_timing(ttl, refresh_every)
-            self._idle_ms = check_idle_ttl(idle_ttl, ttl)
-            self._cooldown_ms = check_cooldown(cooldown, self._idle_ms)
-            #: How many holders the name may have at once, each in a slot of its own.
-            self.limit = check_limit(limit)
-            self.replicas, self._replica_ms = check_replicas(replicas, replica_timeout, ttl)
-            if not isinstance(redelivery_window, (int, float)) or redelivery_window < 0:
-                raise ConfigError(
-                    f"redelivery_window={redelivery_window!r} must be seconds >= 0 (0 "
-                    "remembers nothing), e.g. 86400"
-                )
-        except ConfigError as exc:
-            raise ConfigError(exc.message, name=name) from None
-        try:
+            # A front end passes the options it checked once; a caller gives keywords.
+            opts = ClaimOptions.of(given, base=options) if given or options is None else options
             redis = self._connect(redis)
         except ConfigError as exc:
             raise ConfigError(exc.message, name=name) from None
-        super().__init__(ttl, refresh_every, clock)
+        super().__init__(opts.ttl, cast(float, opts.refresh_every), clock)
+        self.options = opts
         self.redis = redis
-        self.keys = ClaimKeys.of(name, namespace)
+        self.keys = ClaimKeys.of(name, opts.namespace)
         self.name: str = self.keys.name
         self.key: str = self.keys.lock
         #: The bounded name of this kind of claim in events and log fields: the label
         #: given, else the name (a front end passes its template or callable's name).
-        self.label: str = label if label is not None else self.name
+        self.label: str = opts.label if opts.label is not None else self.name
         # What events say of the front end (see fenced.events): set by _front_end().
         self._source = self._SOURCE
         self._task: Any = None
+        #: How many holders the name may have at once, each in a slot of its own.
+        self.limit = opts.limit
+        self.replicas, self._replica_ms = opts.replicas, opts.replica_ms
+        self._idle_ms, self._cooldown_ms, self._done_ms = (
+            opts.idle_ms,
+            opts.cooldown_ms,
+            opts.done_ms,
+        )
         # What each renewal keeps from expiring while the name is held.
         self._lasting = self.keys.lasting(self.limit) if self._idle_ms else ()
-        self.namespace = namespace
+        self.namespace = opts.namespace
         self.heartbeat = heartbeat
         self.on_lost = on_lost
         self.task_id = task_id
-        self.records = records
+        self.records = opts.records
         # Written into every run record of this claim (e.g. the command a run executes).
         self.record_extra = dict(record_extra or {})
-        self.max_records = max_records
+        self.max_records = opts.max_records
         #: Seconds after a run that ended ``ok`` during which triggers skip (None: none).
-        self.cooldown = self._cooldown_ms / 1000 if self._cooldown_ms else None
-        self._done_ms = int(redelivery_window * 1000)
+        self.cooldown = opts.cooldown_seconds
         self._sleep = sleep
         #: The slot held (0 .. limit-1; always 0 for a limit of 1), None before a grant.
         self.slot: int | None = None

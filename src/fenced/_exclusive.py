@@ -29,15 +29,8 @@ from ._claim import Claim
 from ._client import connect, connect_async, parse_url
 from ._errors import ConfigError
 from ._guard import Run, Skip, Skipped, accepted, busy_policy
-from ._lease import (
-    IDLE_TTL,
-    check_cooldown,
-    check_limit,
-    check_namespace,
-    check_replicas,
-    check_timing,
-)
-from ._naming import Namer, NameSource, bounded_label, check_label
+from ._naming import Namer, NameSource, bounded_label
+from ._options import ClaimOptions
 
 __all__ = ["ON_BUSY", "Skipped", "exclusive"]
 
@@ -95,28 +88,22 @@ def exclusive(
     name: NameSource,
     *,
     redis: Any,
-    ttl: float = 30.0,
     on_busy: str = "skip",
     wait_timeout: float | None = None,
-    namespace: str = "fenced",
-    refresh_every: float | None = None,
-    records: bool = True,
-    replicas: int = 0,
-    replica_timeout: float = 1.0,
-    cooldown: float | None = None,
-    limit: int = 1,
     secret_key: str | bytes | None = None,
-    label: str | None = None,
+    **options: Any,
 ) -> Callable[[F], F]:
     """Hold a claim named from the arguments while the function runs; skip, wait or raise.
 
-    With ``cooldown`` (seconds), calls within that long after a run that returned are
-    skipped ("ran recently"), whatever ``on_busy`` says but ``raise``. With ``limit``,
-    up to that many calls of one name run at once (each with a fence of its own).
-    ``secret_key`` keys the digests of template fields marked secret (``{key:secret}``);
-    without it, the ``FENCED_SECRET_KEY`` environment variable. ``label`` names this
-    kind of claim in :mod:`fenced.events` and log fields (default: the template, or the
-    name callable's ``__qualname__``).
+    ``options`` are :class:`fenced.ClaimOptions` (``ttl=30``, ``refresh_every``,
+    ``namespace``, ``records=True``, ``cooldown``, ``limit``, ``replicas``, ``label``,
+    ...), checked here. With ``cooldown`` (seconds), calls within that long after a run
+    that returned are skipped ("ran recently"), whatever ``on_busy`` says but ``raise``.
+    With ``limit``, up to that many calls of one name run at once (each with a fence of
+    its own). ``secret_key`` keys the digests of template fields marked secret
+    (``{key:secret}``); without it, the ``FENCED_SECRET_KEY`` environment variable.
+    ``label`` names this kind of claim in :mod:`fenced.events` and log fields (default:
+    the template, or the name callable's ``__qualname__``).
     """
     policy = busy_policy(on_busy, REFUSES, wait_timeout=wait_timeout)
     if wait_timeout is not None and (not policy.blocks or wait_timeout < 0):
@@ -124,13 +111,8 @@ def exclusive(
             f"wait_timeout={wait_timeout!r} needs on_busy='wait' and a value >= 0 "
             "(seconds to wait for the holder before raising ClaimHeld)"
         )
-    ttl, refresh_every = check_timing(ttl, refresh_every)
-    check_namespace(namespace)
-    check_replicas(replicas, replica_timeout, ttl)
-    check_cooldown(cooldown, int(IDLE_TTL * 1000))
-    check_limit(limit)
-    if label is not None:
-        check_label(label)
+    opts = ClaimOptions.of({"records": True, **options}, where="exclusive()")
+    replicas = opts.replicas
     async_client = _async_client(redis, replicas)
     # A URL serves both kinds of function; a redis.asyncio client only coroutines.
     client = None if async_client is not None and not isinstance(redis, str) else _client(redis)
@@ -146,7 +128,7 @@ def exclusive(
         if namer.secret:
             namer.key()  # no key: fail where the function is defined, not at a call
         extra = {"function": f"{fn.__module__}.{fn.__qualname__}"}
-        claim_label = label if label is not None else bounded_label(namer.label)
+        fn_opts = opts if opts.label is not None else opts.replace(label=bounded_label(namer.label))
 
         def named(args: Any, kwargs: Any) -> tuple[str, dict[str, Any]]:
             # The template and its values go in the run records, as Celery tasks' do: the
@@ -163,20 +145,7 @@ def exclusive(
         def claim_for(args: Any, kwargs: Any) -> Claim:
             assert client is not None
             name, call_extra = named(args, kwargs)
-            claim = Claim(
-                client(),
-                name,
-                ttl=ttl,
-                refresh_every=refresh_every,
-                namespace=namespace,
-                records=records,
-                record_extra=call_extra,
-                replicas=replicas,
-                replica_timeout=replica_timeout,
-                cooldown=cooldown,
-                limit=limit,
-                label=claim_label,
-            )
+            claim = Claim(client(), name, options=fn_opts, record_extra=call_extra)
             claim._front_end("exclusive")
             claim._what = "the function"
             return claim
@@ -187,18 +156,7 @@ def exclusive(
             @functools.wraps(fn)
             async def aio_wrapper(*args: Any, **kwargs: Any) -> Any:
                 name, call_extra = named(args, kwargs)
-                claim = aio.Claim(
-                    async_client(),
-                    name,
-                    ttl=ttl,
-                    refresh_every=refresh_every,
-                    namespace=namespace,
-                    records=records,
-                    record_extra=call_extra,
-                    cooldown=cooldown,
-                    limit=limit,
-                    label=claim_label,
-                )
+                claim = aio.Claim(async_client(), name, options=fn_opts, record_extra=call_extra)
                 claim._what = "the function"
                 claim._front_end("exclusive")
                 action = await claim.enter(policy)

@@ -61,8 +61,9 @@ from typing import Any
 from ._claim import Claim
 from ._errors import ClaimUnavailable, ConfigError
 from ._guard import BusyPolicy, Run, Skip, Skipped, accepted, busy_policy
-from ._lease import IDLE_TTL, check_cooldown, check_limit, check_replicas
-from ._naming import SECRET_KEY_ENV, check_label, check_secret_key, hash_value, secret_digest
+from ._lease import IDLE_TTL
+from ._naming import SECRET_KEY_ENV, check_secret_key, hash_value, secret_digest
+from ._options import DEFAULT, ClaimOptions
 from ._watchdog import ENDED_AT_DEADLINE, Watchdog, dies_with_runner
 
 __all__ = [
@@ -136,6 +137,8 @@ class RunOptions:
     limit: int = 1
     #: The claim's label in events and log fields (None: the name).
     label: str | None = None
+    #: The claim's options, made from the above by :meth:`check`.
+    claim: ClaimOptions = field(init=False, repr=False, default=DEFAULT)
 
     @property
     def policy(self) -> BusyPolicy:
@@ -170,13 +173,18 @@ class RunOptions:
                 raise ConfigError(f"wait timeout {self.wait_timeout} must be >= 0")
         if self.grace < 0:
             raise ConfigError(f"grace {self.grace} must be >= 0 seconds")
-        check_replicas(
-            self.replicas, self.replica_timeout, self.ttl, names=("--replicas", "--replica-timeout")
+        self.claim = ClaimOptions(
+            ttl=self.ttl,
+            namespace=self.namespace,
+            records=True,
+            idle_ttl=idle_ttl(self.ttl),
+            replicas=self.replicas,
+            replica_timeout=self.replica_timeout,
+            cooldown=self.cooldown,
+            limit=self.limit,
+            label=self.label,
+            prefix="--",
         )
-        check_cooldown(self.cooldown, int(idle_ttl(self.ttl) * 1000), "--cooldown")
-        check_limit(self.limit, "--limit")
-        if self.label is not None:
-            check_label(self.label, "--label")
 
 
 def idle_ttl(ttl: float) -> float:
@@ -237,17 +245,9 @@ class _Runner:
         self.claim = Claim(
             client,
             opts.name,
-            ttl=opts.ttl,
-            namespace=opts.namespace,
+            options=opts.claim,
             on_lost=lambda _claim: self.lost.set(),
-            records=True,
-            idle_ttl=idle_ttl(opts.ttl),
             record_extra={**command_record(opts.argv, opts.record_command), **opts.extra},
-            replicas=opts.replicas,
-            replica_timeout=opts.replica_timeout,
-            cooldown=opts.cooldown,
-            limit=opts.limit,
-            label=opts.label,
             sleep=self._sleep,
         )
         self.claim._front_end("run")

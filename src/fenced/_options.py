@@ -1,0 +1,166 @@
+"""A claim's options: each declared once, with its default, its check and its help.
+
+:class:`ClaimOptions` is frozen and checked when it is made; every front end makes one
+(``Claim(..., ttl=60)``, ``@exclusive(..., ttl=60)``, ``fenced run --ttl 60``, a
+task's ``claim_ttl=60``) and every claim it builds shares it. The scripts' arguments
+in milliseconds are worked out here, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Collection, Mapping
+from dataclasses import InitVar, dataclass, field
+from typing import Any
+
+from ._errors import ConfigError
+from ._lease import (
+    IDLE_TTL,
+    MAX_RECORDS,
+    check_cooldown,
+    check_idle_ttl,
+    check_limit,
+    check_namespace,
+    check_replicas,
+    check_timing,
+)
+from ._naming import check_label
+
+__all__ = ["DEFAULT", "ClaimOptions", "closest", "refuse_unknown"]
+
+
+def _option(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class ClaimOptions:
+    """What a claim is made with. ``ClaimOptions.of(given)`` refuses unknown names."""
+
+    ttl: float = _option(30.0, "seconds the lease lasts; renewed every refresh_every")
+    refresh_every: float | None = _option(None, "seconds between renewals (None: ttl/3)")
+    namespace: str = _option("fenced", "the prefix of the name's keys")
+    records: bool = _option(False, "keep run records (started, finished, skipped)")
+    max_records: int = _option(MAX_RECORDS, "how many run records a name keeps")
+    idle_ttl: float | None = _option(
+        IDLE_TTL, "seconds a name's keys are kept once nobody uses it (None: forever)"
+    )
+    redelivery_window: float = _option(
+        0.0, "seconds a task id's run that ended ok is remembered (0: not at all)"
+    )
+    replicas: int = _option(0, "replicas that must acknowledge each grant and renewal")
+    replica_timeout: float = _option(1.0, "seconds to wait for those replicas")
+    cooldown: float | None = _option(
+        None, "seconds after a run that ended ok during which triggers skip"
+    )
+    limit: int = _option(1, "how many runs of one name may go at once")
+    label: str | None = _option(None, "the claim's label in events and log fields")
+    #: How the user spells the options in errors: ``claim_`` for a Celery task, ``--``
+    #: for the command line.
+    prefix: InitVar[str] = ""
+
+    # Worked out once, for the scripts.
+    ttl_ms: int = field(init=False, repr=False, compare=False)
+    idle_ms: int = field(init=False, repr=False, compare=False)
+    cooldown_ms: int = field(init=False, repr=False, compare=False)
+    replica_ms: int = field(init=False, repr=False, compare=False)
+    done_ms: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self, prefix: str) -> None:
+        def n(option: str) -> str:  # as the user spells it: claim_ttl, --replica-timeout
+            return "--" + option.replace("_", "-") if prefix == "--" else prefix + option
+
+        ttl, refresh = check_timing(
+            self.ttl, self.refresh_every, names=(n("ttl"), n("refresh_every"))
+        )
+        idle_ms = check_idle_ttl(self.idle_ttl, ttl, n("idle_ttl"))
+        replicas, replica_ms = check_replicas(
+            self.replicas, self.replica_timeout, ttl, (n("replicas"), n("replica_timeout"))
+        )
+        window = self.redelivery_window
+        if isinstance(window, bool) or not isinstance(window, (int, float)) or window < 0:
+            raise ConfigError(
+                f"{n('redelivery_window')}={window!r} must be seconds >= 0 (0 remembers "
+                "nothing), e.g. 86400"
+            )
+        records = self.max_records
+        if isinstance(records, bool) or not isinstance(records, int) or records < 1:
+            raise ConfigError(f"{n('max_records')}={records!r} must be a whole number >= 1")
+        derived = {
+            "ttl": ttl,
+            "refresh_every": refresh,
+            "namespace": check_namespace(self.namespace),
+            "records": bool(self.records),
+            "limit": check_limit(self.limit, n("limit")),
+            "label": None if self.label is None else check_label(self.label, n("label")),
+            "ttl_ms": max(1, int(ttl * 1000)),
+            "idle_ms": idle_ms,
+            "cooldown_ms": check_cooldown(self.cooldown, idle_ms, n("cooldown")),
+            "replicas": replicas,
+            "replica_ms": replica_ms,
+            "done_ms": int(window * 1000),
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def of(
+        cls,
+        given: Mapping[str, Any],
+        *,
+        base: ClaimOptions | None = None,
+        prefix: str = "",
+        where: str = "",
+    ) -> ClaimOptions:
+        """``base`` (default: the defaults) with the options ``given``, checked; an
+        unknown name is refused, naming the closest one."""
+        refuse_unknown(given, NAMES, where, "option")
+        if base is not None and not given:
+            return base
+        values = {k: getattr(base, k) for k in NAMES} if base is not None else {}
+        values.update(given)
+        try:
+            return cls(**values, prefix=prefix)
+        except ConfigError as exc:
+            if not where:
+                raise
+            raise ConfigError(f"{where}: {exc.message}") from None
+
+    def replace(self, **changes: Any) -> ClaimOptions:
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def cooldown_seconds(self) -> float | None:
+        """The cooldown window in seconds, None without one."""
+        return self.cooldown_ms / 1000 if self.cooldown_ms else None
+
+
+#: The options' names, in the order they are declared.
+NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(ClaimOptions) if f.init)
+#: Each option's help (a CLI or an error shows it).
+HELP: Mapping[str, str] = {
+    f.name: f.metadata["help"] for f in dataclasses.fields(ClaimOptions) if f.init
+}
+DEFAULT = ClaimOptions()
+
+
+def closest(name: str, known: Collection[str]) -> str | None:
+    """The known name ``name`` most likely meant, if one is close."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
+def refuse_unknown(names: Any, known: Collection[str], where: str, kind: str) -> None:
+    """ConfigError for the first of ``names`` not in ``known``, naming the closest one:
+    an option given with a typo would otherwise be kept and do nothing."""
+    for name in names:
+        if name not in known:
+            # fenced_ttl, claim_ttl and ttl name one option in different front ends.
+            bare = name.removeprefix("fenced_").removeprefix("claim_")
+            alike = [k for k in known if k.removeprefix("claim_") == bare]
+            guess = alike[0] if alike else closest(name, known)
+            fix = f"did you mean {guess}?" if guess else f"the {kind}s are: {', '.join(known)}"
+            prefix = f"{where}: " if where else ""
+            raise ConfigError(f"{prefix}unknown {kind} {name}; {fix}")
