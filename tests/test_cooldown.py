@@ -351,9 +351,10 @@ def test_celery_options_check_the_cooldown() -> None:
     class Conf(dict[str, Any]):
         pass
 
-    assert resolve({}, Conf(), "task t").cooldown is None
-    assert resolve({}, Conf(fenced_claim_cooldown=300), "task t").cooldown == 300
-    assert resolve({"claim_cooldown": 60}, Conf(fenced_claim_cooldown=300), "task t").cooldown == 60
+    assert resolve({}, Conf(), "task t").claim.cooldown_seconds is None
+    assert resolve({}, Conf(fenced_claim_cooldown=300), "task t").claim.cooldown_seconds == 300
+    given = resolve({"claim_cooldown": 60}, Conf(fenced_claim_cooldown=300), "task t")
+    assert given.claim.cooldown_seconds == 60
     with pytest.raises(ConfigError, match="task t: claim_cooldown=-1"):
         validate({"claim_cooldown": -1}, "task t")
     with pytest.raises(ConfigError, match="claim_on_busy='skip' with a cooldown"):

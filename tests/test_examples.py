@@ -420,7 +420,7 @@ from fenced.doctor import check_celery
 app.loader.import_default_modules()
 print(json.dumps({
     "url": lock_url(app),
-    "ttl": app.tasks["feed.import"]._options().ttl,
+    "ttl": app.tasks["feed.import"]._options().claim.ttl,
     "findings": sorted(f.code for f in check_celery(app) if f.severity != "info"),
 }))
 """

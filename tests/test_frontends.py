@@ -16,6 +16,7 @@ The outcome is read back from the run records, as an operator would.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
@@ -356,3 +357,51 @@ def test_work_whose_claim_is_lost_mid_run_ends_lost(
         assert isinstance(ended.error, ClaimLost), ended
     assert _outcomes(r, name)[0] == "lost"
     assert r.get(ClaimKeys.of(name).lock) == b"someone-else"  # the new holder's, untouched
+
+
+# -- options ---------------------------------------------------------------------------
+
+
+def test_an_unknown_option_is_refused_by_every_front_end_naming_the_closest(
+    r: Any, redis_server: RedisServer
+) -> None:
+    from celery import Celery
+
+    from fenced.celery import ClaimedTask
+
+    fix = r"unknown option ttll; did you mean ttl\?"
+    with pytest.raises(ConfigError, match=fix):
+        Claim(r, "x", ttll=5)
+    with pytest.raises(ConfigError, match=fix):
+        fenced.aio.Claim(redis.asyncio.Redis.from_url(redis_server.url), "x", ttll=5)
+    with pytest.raises(ConfigError, match=fix):
+        exclusive("x", redis=r, ttll=5)
+    app = Celery("contract-options", set_as_current=False, broker="memory://")
+    with pytest.raises(ConfigError, match=r"unknown option claim_ttll; did you mean claim_ttl\?"):
+
+        @app.task(shared=False, base=ClaimedTask, claim="x", claim_ttll=5)
+        def job() -> None:
+            pass
+
+        app.finalize()
+    done = subprocess.run(
+        [sys.executable, "-m", "fenced", "run", "--ttll", "5", "x", "--", "true"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert done.returncode == 2 and "--ttl" in done.stderr, done.stderr
+
+
+def test_one_options_struct_is_checked_once_and_shared(r: Any) -> None:
+    opts = fenced.ClaimOptions(ttl=6, limit=2, records=True)
+    assert opts.refresh == 2.0 and opts.ttl_ms == 6000  # worked out once
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.ttl = 1  # type: ignore[misc]
+    a, b = Claim(r, "a", options=opts), Claim(r, "b", options=opts, cooldown=60)
+    assert a.options is opts and a.ttl == 6 and a.limit == 2 and a.records
+    assert b.options.cooldown == 60 and b.options.limit == 2  # keywords change a copy
+    with pytest.raises(ConfigError, match=r"claim_refresh_every=5 .* at most claim_ttl/2"):
+        fenced.ClaimOptions(ttl=6, refresh_every=5, prefix="claim_")
+    with pytest.raises(ConfigError, match=r"--replica-timeout=3 must be below half the ttl"):
+        fenced.ClaimOptions(ttl=6, replicas=1, replica_timeout=3, prefix="--")

@@ -320,9 +320,9 @@ def test_celery_and_run_options_check_the_limit() -> None:
     class Conf(dict[str, Any]):
         pass
 
-    assert resolve({}, Conf(), "task t").limit == 1
-    assert resolve({}, Conf(fenced_claim_limit=3), "task t").limit == 3
-    assert resolve({"claim_limit": 2}, Conf(fenced_claim_limit=3), "task t").limit == 2
+    assert resolve({}, Conf(), "task t").claim.limit == 1
+    assert resolve({}, Conf(fenced_claim_limit=3), "task t").claim.limit == 3
+    assert resolve({"claim_limit": 2}, Conf(fenced_claim_limit=3), "task t").claim.limit == 2
     with pytest.raises(ConfigError, match="task t: claim_limit=0"):
         validate({"claim_limit": 0}, "task t")
     with pytest.raises(ConfigError, match="--limit=65"):

@@ -23,6 +23,7 @@ from ._inspect import force_release, read_holder
 from ._lease import Holder
 from ._lock import Lock
 from ._naming import claim_name, hash_value
+from ._options import ClaimOptions
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "ClaimHeld",
     "ClaimInterrupted",
     "ClaimLost",
+    "ClaimOptions",
     "ClaimUnavailable",
     "ConfigError",
     "CorruptKey",

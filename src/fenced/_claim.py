@@ -23,7 +23,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import redis
 
@@ -121,7 +121,7 @@ class ClaimState(LeaseState):
             redis = self._connect(redis)
         except ConfigError as exc:
             raise ConfigError(exc.message, name=name) from None
-        super().__init__(opts.ttl, cast(float, opts.refresh_every), clock)
+        super().__init__(opts.ttl, opts.refresh, clock)
         self.options = opts
         self.redis = redis
         self.keys = ClaimKeys.of(name, opts.namespace)
@@ -738,39 +738,16 @@ class Claim(ClaimState):
         name: the resource two runs would collide on, e.g. ``"rebuild:acme:roads"``;
             unsafe names are made safe (see ``fenced.claim_name``), and ``claim.name``
             is the name used.
-        ttl: seconds the lease lasts without renewal; a paused or dead holder loses the
-            claim after this long.
-        refresh_every: seconds between renewals (default ttl/3); must be below ttl.
-        namespace: prefix of every Redis key of the claim.
+        options: a :class:`fenced.ClaimOptions`, or its fields as keywords (``ttl=60``,
+            ``refresh_every``, ``namespace``, ``records``, ``max_records``, ``idle_ttl``,
+            ``redelivery_window``, ``replicas``, ``replica_timeout``, ``limit``,
+            ``cooldown``, ``label``); keywords given with ``options`` change those.
         heartbeat: renew in the background while held (off: call ``refresh()``).
         on_lost: called once (from the heartbeat thread, or from ``check()``) when the
             claim is lost; reading ``lost`` or ``held`` never calls it.
         task_id: the Celery task id this claim runs for: carried in the token, so a
             redelivered message of the same task is known as itself.
-        records: write run records (``fenced.records``) with each acquire and release.
         record_extra: fields written into every run record of this claim.
-        max_records: run records kept for the name (approximately).
-        idle_ttl: seconds the name's lasting keys (fence, run records, skip count,
-            rerun triggers) are kept after its last use (default a week; None: forever).
-            The fence still increases after its key expired.
-        redelivery_window: seconds to remember that the run of ``task_id`` ended ``ok``
-            (see ``finished_ok``), so a redelivered message of it does not run again.
-        replicas: replicas that must acknowledge the acquire (and each renewal) within
-            ``replica_timeout`` seconds (Redis ``WAIT``). An acquire they do not
-            acknowledge removes its lease and raises ClaimUnavailable; a renewal they do
-            not acknowledge is not confirmed (the claim is lost at its deadline unless a
-            later one is). Narrows the window in which a failover forgets a fresh lease.
-        limit: how many holders the name may have at once (1 to 64), each with a lease
-            and a fence of its own (one fence counter: fences increase across every
-            slot); busy when all are held. Limit 1 is the plain claim, on the same key.
-        cooldown: seconds after a run that ended ``ok`` during which every acquire is a
-            skip ("ran recently", whatever the busy policy: a window is not waited
-            out), timed by Redis's own expiry, so hosts with skewed clocks agree. A
-            failed or lost run, and an operator's release, start no window. At most
-            ``idle_ttl``.
-        label: the bounded name of this kind of claim in :mod:`fenced.events` and the
-            ``fenced_label`` log field (printable, at most 200 characters), e.g.
-            ``"rebuild:{tenant}"`` for a name built per tenant; default: the name itself.
         clock, sleep: time seams for tests (``time.monotonic``, ``time.sleep``).
     """
 

@@ -12,7 +12,7 @@ import dataclasses
 import difflib
 from collections.abc import Collection, Mapping
 from dataclasses import InitVar, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from ._errors import ConfigError
 from ._lease import (
@@ -38,29 +38,60 @@ def _option(default: Any, help: str) -> Any:
 class ClaimOptions:
     """What a claim is made with. ``ClaimOptions.of(given)`` refuses unknown names."""
 
-    ttl: float = _option(30.0, "seconds the lease lasts; renewed every refresh_every")
-    refresh_every: float | None = _option(None, "seconds between renewals (None: ttl/3)")
-    namespace: str = _option("fenced", "the prefix of the name's keys")
-    records: bool = _option(False, "keep run records (started, finished, skipped)")
-    max_records: int = _option(MAX_RECORDS, "how many run records a name keeps")
+    ttl: float = _option(
+        30.0,
+        "seconds the lease lasts without renewal; a paused or dead holder loses the claim "
+        "after this long",
+    )
+    refresh_every: float | None = _option(
+        None, "seconds between renewals (default ttl/3); at most ttl/2"
+    )
+    namespace: str = _option("fenced", "prefix of every Redis key of the claim")
+    records: bool = _option(
+        False, "write run records (fenced.records) with each acquire and release"
+    )
+    max_records: int = _option(MAX_RECORDS, "run records kept for the name (approximately)")
     idle_ttl: float | None = _option(
-        IDLE_TTL, "seconds a name's keys are kept once nobody uses it (None: forever)"
+        IDLE_TTL,
+        "seconds the name's lasting keys (fence, run records, skip count, rerun triggers) "
+        "are kept after its last use (default a week; None: forever); the fence still "
+        "increases after its key expired",
     )
     redelivery_window: float = _option(
-        0.0, "seconds a task id's run that ended ok is remembered (0: not at all)"
+        0.0,
+        "seconds to remember that the run of a task id ended ok (Claim.finished_ok), so a "
+        "redelivered message of it does not run again",
     )
-    replicas: int = _option(0, "replicas that must acknowledge each grant and renewal")
-    replica_timeout: float = _option(1.0, "seconds to wait for those replicas")
+    replicas: int = _option(
+        0,
+        "replicas that must acknowledge the acquire (and each renewal) within "
+        "replica_timeout (Redis WAIT): an acquire they do not acknowledge removes its lease "
+        "and raises ClaimUnavailable; a renewal they do not acknowledge is not confirmed",
+    )
+    replica_timeout: float = _option(1.0, "seconds to wait for the replicas (below ttl/2)")
     cooldown: float | None = _option(
-        None, "seconds after a run that ended ok during which triggers skip"
+        None,
+        "seconds after a run that ended ok during which every acquire is a skip ('ran "
+        "recently', whatever the busy policy), timed by Redis's own expiry; a failed or "
+        "lost run, and an operator's release, start no window; at most idle_ttl",
     )
-    limit: int = _option(1, "how many runs of one name may go at once")
-    label: str | None = _option(None, "the claim's label in events and log fields")
+    limit: int = _option(
+        1,
+        "how many holders the name may have at once (1 to 64), each with a lease and a "
+        "fence of its own (fences increase across every slot); busy when all are held",
+    )
+    label: str | None = _option(
+        None,
+        "the bounded name of this kind of claim in fenced.events and the fenced_label log "
+        "field (printable, at most 200 characters), e.g. 'rebuild:{tenant}'; default: the "
+        "claim's name",
+    )
     #: How the user spells the options in errors: ``claim_`` for a Celery task, ``--``
     #: for the command line.
     prefix: InitVar[str] = ""
 
-    # Worked out once, for the scripts.
+    # Worked out once: the renewal interval, and the scripts' milliseconds.
+    refresh: float = field(init=False, repr=False, compare=False)
     ttl_ms: int = field(init=False, repr=False, compare=False)
     idle_ms: int = field(init=False, repr=False, compare=False)
     cooldown_ms: int = field(init=False, repr=False, compare=False)
@@ -89,7 +120,7 @@ class ClaimOptions:
             raise ConfigError(f"{n('max_records')}={records!r} must be a whole number >= 1")
         derived = {
             "ttl": ttl,
-            "refresh_every": refresh,
+            "refresh": refresh,
             "namespace": check_namespace(self.namespace),
             "records": bool(self.records),
             "limit": check_limit(self.limit, n("limit")),
@@ -144,6 +175,10 @@ HELP: Mapping[str, str] = {
     f.name: f.metadata["help"] for f in dataclasses.fields(ClaimOptions) if f.init
 }
 DEFAULT = ClaimOptions()
+ClaimOptions.__doc__ = "\n".join(
+    [cast(str, ClaimOptions.__doc__), "", "Options:"]
+    + [f"    {name}: {text}." for name, text in HELP.items()]
+)
 
 
 def closest(name: str, known: Collection[str]) -> str | None:

@@ -14,7 +14,6 @@ off for tests without Redis: :mod:`fenced.celery._disabled`), ``fenced_metrics``
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import os
 import threading
@@ -28,7 +27,6 @@ from .._client import client_from_setting, connect
 from .._errors import ConfigError
 from .._guard import accepted, busy_policy
 from .._lease import (
-    IDLE_TTL,
     check_cooldown,
     check_idle_ttl,
     check_limit,
@@ -37,6 +35,7 @@ from .._lease import (
     check_timing,
 )
 from .._naming import check_label
+from .._options import DEFAULT, NAMES, ClaimOptions, refuse_unknown
 from . import _enqueue
 from ._enqueue import ENQUEUE_TTL
 
@@ -57,33 +56,27 @@ __all__ = [
 #: waiting for a holder, it retries.
 REFUSES = ("wait",)
 ON_BUSY = accepted(REFUSES)
+#: The claim's options a task takes as ``claim_<option>`` (fenced.ClaimOptions): all but
+#: the run records, which a task always keeps.
+CLAIM_OPTIONS = tuple(n for n in NAMES if n not in ("records", "max_records"))
+#: Where a task's defaults differ from a claim's: a longer lease, and a redelivery
+#: window of a day, longer than a Redis broker's visibility timeout (an hour by
+#: default) and RabbitMQ's consumer timeout (30 minutes), after which a message comes back.
+TASK_CLAIM = DEFAULT.replace(ttl=60.0, redelivery_window=86400.0, records=True)
 #: Built-in defaults; ``app.conf.fenced_<option>`` overrides them, a task option wins.
 DEFAULTS: dict[str, Any] = {
-    "claim_ttl": 60.0,
-    "claim_refresh_every": None,
+    **{f"claim_{n}": getattr(TASK_CLAIM, n) for n in CLAIM_OPTIONS},
     "claim_on_busy": "skip",
+    # Alert when this many runs in a row were skipped (0: never), and what to call.
     "claim_alert_after_skips": 5,
     "claim_on_skips_exceeded": None,
     "claim_interrupt": True,
-    "claim_namespace": "fenced",
+    # While the lock Redis is unreachable: retry after this long, this many times.
     "claim_unavailable_backoff": 1.0,
     "claim_unavailable_retries": 10,
-    # A day: longer than a Redis broker's visibility timeout (an hour by default) and
-    # RabbitMQ's consumer timeout (30 minutes), after which a message comes back.
-    "claim_redelivery_window": 86400.0,
-    "claim_idle_ttl": IDLE_TTL,
-    # Replicas that must acknowledge each acquire and renewal (WAIT), and for how long.
-    "claim_replicas": 0,
-    "claim_replica_timeout": 1.0,
     # Deduplication at enqueue (fenced.celery._enqueue): off, or one of its MODES.
     "claim_enqueue": None,
     "claim_enqueue_ttl": ENQUEUE_TTL,
-    # Seconds after a run that ended ok during which the name's triggers skip (None: none).
-    "claim_cooldown": None,
-    # How many runs of one name may go at once, each in a slot with its own fence.
-    "claim_limit": 1,
-    # The task's claims in fenced.events, signals and log fields (None: the template).
-    "claim_label": None,
 }
 OPTIONS = tuple(DEFAULTS)
 #: The setting that gives each option its default.
@@ -107,22 +100,6 @@ KNOWN_SETTINGS = frozenset(
         "fenced_metrics_port",
     )
 )
-
-
-def refuse_unknown(names: Any, known: Any, where: str, kind: str) -> None:
-    """ConfigError for the first of ``names`` not in ``known``, naming the closest one:
-    an option given with a typo would otherwise be kept and do nothing."""
-    for name in names:
-        if name not in known:
-            as_option = "claim_" + name.removeprefix("fenced_").removeprefix("claim_")
-            close = [as_option] if as_option in known else []
-            close = close or difflib.get_close_matches(name, list(known), n=1, cutoff=0.8)
-            fix = (
-                f"did you mean {close[0]}?"
-                if close
-                else f"the {kind}s are: {', '.join(sorted(known))}"
-            )
-            raise ConfigError(f"{where}: unknown {kind} {name}; {fix}")
 
 
 def renamed(values: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -279,24 +256,17 @@ def _check_cooldown(values: Mapping[str, Any], where: str) -> float | None:
 class TaskOptions:
     """A task's options after settings and defaults are applied."""
 
-    ttl: float
-    refresh_every: float | None
+    claim: ClaimOptions
     on_busy: str
     alert_after: int
     on_skips_exceeded: Callable[..., Any] | None
     interrupt: bool
-    namespace: str
     backoff: float
     unavailable_retries: int
-    redelivery_window: float
-    idle_ttl: float
-    replicas: int
-    replica_timeout: float
     enqueue: str | None
     enqueue_ttl: float
-    cooldown: float | None = None
-    limit: int = 1
-    label: str | None = None
+    #: Every option (``claim_ttl``, ...) as resolved: what the task's attributes say.
+    values: Mapping[str, Any]
 
 
 def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
@@ -316,25 +286,20 @@ def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
             value = conf.get("fenced_claim_on_conflict")  # the setting's earlier name
         raw[option] = DEFAULTS[option] if value is None else value
     merged = {**raw, **validate(raw, where)}
+    claim = TASK_CLAIM.replace(prefix="claim_", **{n: merged[f"claim_{n}"] for n in CLAIM_OPTIONS})
+    values = {**merged, **{f"claim_{n}": getattr(claim, n) for n in CLAIM_OPTIONS}}
+    values["claim_cooldown"] = claim.cooldown_seconds
     return TaskOptions(
-        ttl=merged["claim_ttl"],
-        refresh_every=merged["claim_refresh_every"],
+        claim=claim,
         on_busy=merged["claim_on_busy"],
         alert_after=merged["claim_alert_after_skips"],
         on_skips_exceeded=merged["claim_on_skips_exceeded"],
         interrupt=merged["claim_interrupt"],
-        namespace=merged["claim_namespace"],
         backoff=float(merged["claim_unavailable_backoff"]),
         unavailable_retries=int(merged["claim_unavailable_retries"]),
-        redelivery_window=float(merged["claim_redelivery_window"]),
-        idle_ttl=float(merged["claim_idle_ttl"]),
-        replicas=int(merged["claim_replicas"]),
-        replica_timeout=float(merged["claim_replica_timeout"]),
         enqueue=merged["claim_enqueue"],
         enqueue_ttl=float(merged["claim_enqueue_ttl"]),
-        cooldown=merged["claim_cooldown"] or None,
-        limit=merged["claim_limit"],
-        label=merged["claim_label"],
+        values=values,
     )
 
 

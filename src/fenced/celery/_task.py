@@ -83,6 +83,7 @@ from .._guard import BusyPolicy, RetryAfter, Run, Skip, busy_policy, lost_error
 from .._inspect import force_release
 from .._lease import HOST, ClaimKeys, Holder, short_token
 from .._naming import Namer, bounded_label
+from .._options import ClaimOptions
 from .._redact import exception_text
 from . import _enqueue, signals
 from ._disabled import LocalClaim, enabled
@@ -200,6 +201,7 @@ class ClaimedTask(Task[Any, Any]):
     _fenced_namer: Namer | None = None
     _fenced_options: TaskOptions | None = None
     _fenced_policy: BusyPolicy | None = None
+    _fenced_claim: ClaimOptions | None = None
     # Whether Task.__call__ is the next __call__ after ours (see _traced); per class.
     _fenced_plain_call: bool | None = None
 
@@ -262,7 +264,8 @@ class ClaimedTask(Task[Any, Any]):
         cls._fenced_policy = None
         if cls._fenced_namer.secret:  # no key: fail when the task is built
             cls._fenced_namer.key(app.conf.get("fenced_secret_key"))
-        for option, value in zip(OPTIONS, _values(options)):
+        cls._fenced_claim = None
+        for option, value in options.values.items():
             setattr(cls, option, as_attribute(value))
         return bound
 
@@ -307,7 +310,20 @@ class ClaimedTask(Task[Any, Any]):
             )
             type(self)._fenced_options = options
             type(self)._fenced_policy = None
+            type(self)._fenced_claim = None
         return options
+
+    def _claim_options(self) -> ClaimOptions:
+        """The options of the task's claims (labelled by the template unless a label is
+        given), made once per task class."""
+        cls = type(self)
+        claim = cls._fenced_claim
+        if claim is None:
+            claim = self._options().claim
+            if claim.label is None:
+                claim = claim.replace(label=bounded_label(self._namer().label))
+            cls._fenced_claim = claim
+        return claim
 
     # -- deduplication at enqueue (claim_enqueue) ---------------------------------------
 
@@ -330,7 +346,7 @@ class ClaimedTask(Task[Any, Any]):
             # Claims switched off (tests without Redis): nothing is marked either.
             return super().apply_async(args, kwargs, task_id, *more, **options)
         name = self.claim_name_for(args or (), kwargs or {})
-        keys = ClaimKeys(opts.namespace, name)
+        keys = ClaimKeys(opts.claim.namespace, name)
         task_id = task_id or uuid()
         request = self.request
         running = None if request.called_directly else request.id
@@ -370,7 +386,7 @@ class ClaimedTask(Task[Any, Any]):
             raise
 
     def _started_queued(self, opts: TaskOptions, task_id: str, args: Any, kwargs: Any) -> None:
-        keys = ClaimKeys(opts.namespace, self.claim_name_for(args, kwargs))
+        keys = ClaimKeys(opts.claim.namespace, self.claim_name_for(args, kwargs))
         if opts.enqueue == "until_started":
             self._clear_queued(keys, task_id, "as its run starts")
         else:  # the marker's expiry counts from the start of the run it now covers
@@ -414,7 +430,7 @@ class ClaimedTask(Task[Any, Any]):
             return
         if getattr(self.request, "fenced_unqueued", False):
             return  # cleared as the body's run ended
-        keys = ClaimKeys(opts.namespace, self.claim_name_for(args, kwargs))
+        keys = ClaimKeys(opts.claim.namespace, self.claim_name_for(args, kwargs))
         self._clear_queued(keys, task_id, "as its run ends")
 
     def _clear_queued(
@@ -455,20 +471,10 @@ class ClaimedTask(Task[Any, Any]):
         claim = Claim(
             client,
             name,
-            ttl=opts.ttl,
-            refresh_every=opts.refresh_every,
-            namespace=opts.namespace,
+            options=self._claim_options(),
             on_lost=interrupter.on_lost if interrupter is not None else None,
             task_id=request.id,
-            records=True,
             record_extra=extra,
-            idle_ttl=opts.idle_ttl,
-            redelivery_window=opts.redelivery_window,
-            replicas=opts.replicas,
-            replica_timeout=opts.replica_timeout,
-            cooldown=opts.cooldown,
-            limit=opts.limit,
-            label=opts.label if opts.label is not None else bounded_label(namer.label),
         )
         claim._front_end("task", self)
         self._enqueue_marker(claim, opts)
@@ -511,8 +517,7 @@ class ClaimedTask(Task[Any, Any]):
         opts = self._options()
         claim = LocalClaim(
             self.claim_name_for(args, kwargs),
-            ttl=opts.ttl,
-            namespace=opts.namespace,
+            options=opts.claim,
             task_id=self.request.id,
         )
         claim.acquire()
@@ -554,7 +559,7 @@ class ClaimedTask(Task[Any, Any]):
                         token=run.token,
                         reason="its worker died mid-run (found by a later delivery)",
                         task_id=task_id,
-                        idle_ttl=self._options().idle_ttl,
+                        idle_ttl=self._options().claim.idle_ttl,
                     )
         except (redis.RedisError, OSError):  # cannot tell: running again is safe under the claim
             log.warning(
@@ -709,7 +714,7 @@ class ClaimedTask(Task[Any, Any]):
         countdown = _seconds_until(self.app, retry.when)
         try:
             outcome = claim.hand_over(
-                countdown + self._options().ttl, reason=f"retrying in {countdown:.1f}s"
+                countdown + self._options().claim.ttl, reason=f"retrying in {countdown:.1f}s"
             )
         except Exception:
             log.exception(
@@ -852,11 +857,11 @@ class ClaimedTask(Task[Any, Any]):
         opts = self._options()
         name = self.claim_name_for(args, kwargs)
         holder = None
-        for slot in range(opts.limit):  # the dead process's slot: its task id and pid say
+        for slot in range(opts.claim.limit):  # the dead process's slot: its task id and pid say
             holder = force_release(
                 lock_redis(self.app),
                 name,
-                namespace=opts.namespace,
+                namespace=opts.claim.namespace,
                 task_id=task_id,
                 pid=pid,
                 host=HOST,
@@ -878,7 +883,9 @@ class ClaimedTask(Task[Any, Any]):
                 extra=claim_fields(name, holder.fence, holder.text, "aborted", event="released"),
             )
         if opts.enqueue == "until_finished" and not requeued:
-            self._clear_queued(ClaimKeys(opts.namespace, name), task_id, "as its process died")
+            self._clear_queued(
+                ClaimKeys(opts.claim.namespace, name), task_id, "as its process died"
+            )
         return holder
 
 
@@ -893,30 +900,6 @@ def _seconds_until(app: Any, when: Any) -> float:
         return max(0.0, float(when or 0))
     except (TypeError, ValueError):
         return 0.0
-
-
-def _values(options: TaskOptions) -> tuple[Any, ...]:
-    """The resolved options in the order of OPTIONS, as task attributes carry them."""
-    return (
-        options.ttl,
-        options.refresh_every,
-        options.on_busy,
-        options.alert_after,
-        options.on_skips_exceeded,
-        options.interrupt,
-        options.namespace,
-        options.backoff,
-        options.unavailable_retries,
-        options.redelivery_window,
-        options.idle_ttl,
-        options.replicas,
-        options.replica_timeout,
-        options.enqueue,
-        options.enqueue_ttl,
-        options.cooldown,
-        options.limit,
-        options.label,
-    )
 
 
 def _traced(task: ClaimedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
