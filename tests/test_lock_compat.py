@@ -881,3 +881,15 @@ def test_auto_renew_through_r_lock_with_a_partial(client: Any) -> None:
         time.sleep(1.2)
         assert lock.owned()
     assert client.get("job") is None
+
+
+def test_a_release_past_the_deadline_declares_the_loss_once(client: Any) -> None:
+    told: list[fenced.Lock] = []
+    lock = fenced.Lock(client, "job", timeout=30, auto_renew=True, on_lost=told.append)
+    assert lock.acquire(blocking=False)
+    lock.local.hold._deadline = 0.0  # as if the process had slept past it, unnoticed
+    with pytest.raises(LockNotOwnedError, match="lost while held"):
+        lock.release()
+    assert told == [lock], "on_lost once, whoever declares the loss"
+    assert lock.lost_reason == "no renewal was confirmed before the local deadline"
+    assert client.get("job") is None, "our token still held it: deleted"
