@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pytest
+import redis.asyncio
+import redis.asyncio.lock
 from redis.exceptions import LockError, LockNotOwnedError
 
 import fenced
@@ -185,3 +188,76 @@ def test_a_cancelled_acquire_or_release_leaves_no_lock(server: RedisServer) -> N
     ends = run(server, scenario)
     kinds = [end for end, _point in ends]
     assert kinds == ["cancelled in acquire"] * 3 + ["cancelled in release"] * 3 + ["done"]
+
+
+class FakeLoopTime:
+    """Stands in for the asyncio module of redis-py's asyncio lock loop."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def get_running_loop(self) -> FakeLoopTime:
+        return self
+
+    def time(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_it_is_redis_pys_asyncio_lock_and_waits_in_its_loop(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeLoopTime()
+
+    async def scenario(r: Any) -> None:
+        lock = r.lock("job", sleep=0.05, blocking_timeout=0.2, lock_class=Lock)
+        assert isinstance(lock, Lock) and isinstance(lock, redis.asyncio.lock.Lock)
+        assert (lock.sleep, lock.blocking, lock.blocking_timeout) == (0.05, True, 0.2)
+        holder = Lock(r, "job")
+        assert await holder.acquire(blocking=False)
+        # redis-py's own test_blocking_timeout: its loop's clock, its sleeps.
+        monkeypatch.setattr(redis.asyncio.lock, "asyncio", fake)
+        assert not await lock.acquire()
+        monkeypatch.undo()
+        await holder.release()
+
+    run(server, scenario)
+    assert fake.now == pytest.approx(0.2) and fake.sleeps == [0.05] * 4
+
+
+def test_a_lock_lost_through_expiry_says_so_in_both_front_ends(own_server: RedisServer) -> None:
+    told: list[Any] = []
+    sync_client = own_server.client(socket_timeout=5)
+    threaded = fenced.Lock(sync_client, "thread", timeout=0.6, auto_renew=True, on_lost=told.append)
+    expired = "no renewal was confirmed before the local deadline"
+
+    async def scenario() -> Any:
+        r = redis.asyncio.Redis(port=own_server.port, socket_timeout=5)
+        lock = Lock(r, "asyncio", timeout=0.6, auto_renew=True, on_lost=told.append)
+        assert threaded.acquire(blocking=False) and await lock.acquire(blocking=False)
+        own_server.pause()
+        try:
+            # Reading ``lost`` asks nothing of the (paused) server.
+            give_up = time.monotonic() + 10
+            while not (threaded.lost and lock.lost):
+                assert time.monotonic() < give_up, "the local deadlines passed unnoticed"
+                await asyncio.sleep(0.02)
+            assert threaded.lost_reason == lock.lost_reason == expired
+        finally:
+            own_server.resume()
+        assert not threaded.owned() and not await lock.owned()
+        with pytest.raises(LockNotOwnedError, match="lost while held"):
+            threaded.release()
+        with pytest.raises(LockNotOwnedError, match="lost while held"):
+            await lock.release()
+        assert threaded.lost and lock.lost, "until the next acquire"
+        await r.aclose()
+        return lock
+
+    lock = asyncio.run(scenario())
+    sync_client.close()
+    assert sorted(map(id, told)) == sorted([id(threaded), id(lock)]), "on_lost once each"

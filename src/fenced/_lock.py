@@ -34,10 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import secrets
-import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal
@@ -49,71 +47,29 @@ from redis.exceptions import LockError, LockNotOwnedError
 from ._audit import claim_fields
 from ._client import connect
 from ._errors import ConfigError
-from ._heartbeat import RETRY_SHARE, Renewal
+from ._heartbeat import Heartbeat, Renewal
 from ._heartbeat import heartbeat as _heartbeat
+from ._held import HELD, LeaseState, Snapshot
 from ._lease import (
     IDLE_TTL,
     check_idle_ttl,
     check_namespace,
     check_timing,
     corrupt_key_error,
-    current_pid,
     int_or_none,
 )
 from ._printable import readable
-from ._scripts import LOCK_ACQUIRE, LOCK_RELEASE
+from ._scripts import LOCK_ACQUIRE, LOCK_RELEASE, Call
 
 __all__ = ["Lock", "fence_key", "hash_tag", "shares_slot"]
 
 log = logging.getLogger("fenced")
 
-_HELD, _LOST, _RELEASED = "held", "lost", "released"
-_DEADLINE_PASSED = "no renewal was confirmed before the local deadline"
-_TAKEN = "the lock is gone or held under another token"
 
-
-#: 100-ns intervals from the start of the Gregorian calendar (uuid1's epoch) to 1970.
-_UUID1_EPOCH = 0x01B21DD213814000
-
-
-class _Uuid1:
-    """Version-1 UUIDs as 32 hex bytes, the tokens redis-py's Lock makes, made cheaply.
-
-    ``uuid.uuid1()`` asks libuuid, which keeps its clock sequence in a system-wide file
-    under a file lock: about 10 µs per token, as much as a round trip to a local Redis.
-    These follow RFC 4122 for a host without a usable MAC (section 4.5): a random node
-    with the multicast bit set and a random clock sequence, both drawn anew in each
-    process (so a forked child never repeats its parent's), and a timestamp that never
-    repeats within the process.
-    """
-
-    def __init__(self) -> None:
-        self._mutex = threading.Lock()
-        self._reset()
-        os.register_at_fork(after_in_child=self._reset)
-
-    def _reset(self) -> None:
-        self._mutex = threading.Lock()
-        self._node = secrets.randbits(48) | 1 << 40
-        self._clock_seq = secrets.randbits(14) | 0x8000  # with the RFC 4122 variant bits
-        self._last = 0
-
-    def __call__(self) -> bytes:
-        ticks = time.time_ns() // 100 + _UUID1_EPOCH
-        with self._mutex:
-            if ticks <= self._last:
-                ticks = self._last + 1
-            self._last = ticks
-        return b"%08x%04x%04x%04x%012x" % (
-            ticks & 0xFFFFFFFF,
-            ticks >> 32 & 0xFFFF,
-            ticks >> 48 & 0x0FFF | 0x1000,
-            self._clock_seq,
-            self._node,
-        )
-
-
-new_token = _Uuid1()
+def new_token() -> bytes:
+    """A token as redis-py's Lock makes one (the 32 hex bytes of a UUID), from ``uuid4``:
+    redis-py's ``uuid1`` goes through libuuid, about 10 µs a token here."""
+    return uuid.uuid4().hex.encode()
 
 
 def hash_tag(name: str) -> str | None:
@@ -157,7 +113,7 @@ def shares_slot(name: str) -> bool:
     return hash_tag(name) is not None or (bool(name) and "}" not in name)
 
 
-class _Hold:
+class _Hold(LeaseState):
     """One acquire of a Lock while it is renewed: what the heartbeat talks to.
 
     A Lock keeps its token per thread (``thread_local``), so what is held is the
@@ -166,132 +122,59 @@ class _Hold:
     references any more stops being renewed and expires by its timeout.
     """
 
-    def __init__(
-        self,
-        lock: Lock,
-        token: bytes,
-        fence: int,
-        sent: float,
-        ttl: float,
-        refresh_every: float,
-    ) -> None:
-        self.name = lock.name
+    expired_reason = "no renewal was confirmed before the local deadline"
+    taken_reason = "the lock is gone or held under another token"
+
+    def __init__(self, lock: LockCore, token: bytes, fence: int, sent: float) -> None:
+        super().__init__(lock._ttl, lock._refresh_every)
+        self.name: str = lock.name
         self._lock = weakref.ref(lock)
         self._client = lock.redis
-        self._key = lock.name
         # The heartbeat's REFRESH sends the token as text; the client's encoder turns it
-        # back into exactly these bytes (checked in Lock.acquire).
-        self.token = token.decode()
-        self.fence = fence
-        self.ttl = ttl
-        self.refresh_every = refresh_every
-        self._ttl_ms = max(1, int(ttl * 1000))
-        # Clock drift between this host and Redis, and the time a PEXPIRE takes to apply,
-        # eat into the lease: trust it slightly less long (the claims' margin).
-        self._drift = ttl * 0.01 + 0.002
-        self._mutex = threading.Lock()
-        self.state = _HELD
-        self.pid = current_pid()
-        self.deadline = sent + ttl - self._drift
-        self.next_refresh = sent + refresh_every
-        self.lost_reason: str | None = None
-        # When an extend last shortened the ttl: a renewal sent before it says nothing.
-        self._shortened_at = 0.0
-
-    @property
-    def lost(self) -> bool:
-        """Lost by the heartbeat, or its local deadline passed unrenewed."""
-        if self.state == _LOST:
-            return True
-        return self.state == _HELD and self.pid == current_pid() and self.past_deadline()
-
-    def past_deadline(self) -> bool:
-        """Whether the local deadline passed."""
-        return time.monotonic() >= self.deadline
+        # back into exactly these bytes (checked in LockCore._token).
+        self._hold(token.decode(), fence, sent)
 
     def extended(self, sent: float, ttl: float, replaced: bool) -> None:
-        """An extend or reacquire sent at ``sent`` set (or added) ``ttl`` seconds."""
+        """An extend or reacquire sent at ``sent`` set (``replaced``) or added ``ttl`` s."""
         with self._mutex:
-            if self.state != _HELD or time.monotonic() >= self.deadline:
-                return
-            if not replaced:
+            if not replaced or self._state != HELD or self._clock() >= self._deadline:
                 return  # time added: the lock lasts at least as long as before
             if ttl >= self.ttl:
                 # As a renewal: the key ends no earlier than sent + ttl.
-                self.deadline = max(self.deadline, sent + min(ttl, self.ttl) - self._drift)
+                self._deadline = max(self._deadline, self._deadline_from(sent))
                 return
             # Shortened: trust it only that long, and renew soon (back to the timeout).
-            self.deadline = min(self.deadline, sent + ttl - self._drift)
-            self.next_refresh = min(self.next_refresh, sent + ttl / 3)
+            self._deadline = min(self._deadline, self._deadline_from(sent, ttl))
+            self._next_refresh = min(self._next_refresh, sent + ttl / 3)
             self._shortened_at = sent
 
-    def give_back(self) -> str:
-        """Stop renewing; the state it was in. A lost hold stays lost (``Lock.lost``)."""
-        with self._mutex:
-            before = self.state
-            if before == _HELD and self.past_deadline():
-                before = _LOST
-                self.lost_reason = _DEADLINE_PASSED
-            self.state = _LOST if before == _LOST else _RELEASED
-        _heartbeat().discard(self)
-        return before
-
-    # -- fenced._heartbeat.Renewable ---------------------------------------------------
+    def give_back(self) -> None:
+        """Stop holding (lost first, if its deadline passed); a lost hold stays lost."""
+        self._expire_if_due()
+        self._end_hold(stay_lost=True)
 
     def renewal(self) -> Renewal | None:
         """The lease to renew now, or None when this process does not hold it."""
         with self._mutex:
-            if self.state != _HELD or self.pid != current_pid():
+            if not self._mine() or self.token is None:
                 return None
             return Renewal(
                 self._client,
-                self._key,
+                self.name,
                 self.token,
                 self._ttl_ms,
                 self.refresh_every,
-                self.next_refresh,
-                self.deadline,
+                self._next_refresh,
+                self._deadline,
             )
-
-    def renewed(self, sent: float, token: str) -> None:
-        """Redis extended the lock by a request sent at ``sent``."""
-        with self._mutex:
-            if self.state != _HELD or token != self.token:
-                return
-            if time.monotonic() < self.deadline:
-                if sent >= self._shortened_at:
-                    self.deadline = max(self.deadline, sent + self.ttl - self._drift)
-                    self.next_refresh = sent + self.refresh_every
-                return
-        # Confirmed only after the deadline: it may have been seen as lost meanwhile.
-        self._declare_lost(_DEADLINE_PASSED, token)
 
     def renewal_event(self, duration: float, error: BaseException | None = None) -> None:
         """A lock sends no claim events."""
 
-    def retry_soon(self) -> None:
-        """No confirmed answer yet: look again within the interval."""
-        with self._mutex:
-            if self.state == _HELD:
-                self.next_refresh = time.monotonic() + self.refresh_every * RETRY_SHARE
-
-    def renewal_refused(self, token: str) -> None:
-        """The lock is gone or held under another token."""
-        self._declare_lost(_TAKEN, token)
-
-    def expired(self, token: str) -> None:
-        """The local deadline passed with no renewal confirmed."""
-        self._declare_lost(_DEADLINE_PASSED, token)
-
-    def _declare_lost(self, reason: str, token: str) -> None:
-        with self._mutex:
-            if self.state != _HELD or token != self.token:
-                return
-            self.state = _LOST
-            self.lost_reason = reason
-        fields = claim_fields(self.name, self.fence, outcome="lost", event="lost")
+    def _report_lost(self, reason: str, lease: Snapshot) -> None:
+        fields = claim_fields(self.name, lease.fence, outcome="lost", event="lost")
         log.warning(
-            "fenced: lock %r (fence %s) lost: %s", self.name, self.fence, reason, extra=fields
+            "fenced: lock %r (fence %s) lost: %s", self.name, lease.fence, reason, extra=fields
         )
         lock = self._lock()
         if lock is not None and lock.on_lost is not None:
@@ -319,7 +202,6 @@ def check_renewable_token(encoder: Any, token: str | bytes, name: str) -> None:
 
 
 def check_lock_options(
-    redis: Any,
     name: Any,
     timeout: float | None,
     auto_renew: bool,
@@ -327,10 +209,7 @@ def check_lock_options(
     idle_ttl: float | None,
     namespace: str,
 ) -> tuple[float, float, int]:
-    """A lock's (ttl, refresh interval, fence idle expiry in ms), or ConfigError.
-
-    The checks of ``fenced.Lock`` and ``fenced.aio.Lock`` alike.
-    """
+    """A lock's (ttl, refresh interval, fence idle expiry in ms), or ConfigError."""
     if not isinstance(name, str):
         raise ConfigError(f"lock name {name!r} must be a str, e.g. 'report:daily'")
     try:
@@ -353,6 +232,11 @@ def check_lock_options(
         idle_ms = check_idle_ttl(idle_ttl, 0.0)
     except ConfigError as exc:
         raise ConfigError(exc.message, name=name) from None
+    return ttl, every, idle_ms
+
+
+def check_slot(redis: Any, name: str) -> None:
+    """On a Redis Cluster client, refuse a name whose fence key cannot share its slot."""
     if _on_cluster(redis) and not shares_slot(name):
         raise ConfigError(
             f"lock name {name!r} has no hash tag and contains '}}' (or is empty): on "
@@ -360,10 +244,182 @@ def check_lock_options(
             f"'{{{name.replace('{', '').replace('}', '') or 'lock'}}}'",
             name=name,
         )
-    return ttl, every, idle_ms
 
 
-class Lock(redis.lock.Lock):
+class LockCore:
+    """What ``fenced.Lock`` and ``fenced.aio.Lock`` add to redis-py's two Locks, whose
+    subclasses they are (this class comes first in their bases): the options, the
+    fence, the renewed hold and what a release found. Each front end sends the scripts
+    and hands the answers to the methods here.
+    """
+
+    # Set by redis-py's Lock (``name`` is a str: checked first).
+    redis: Any
+    name: Any
+    timeout: float | None
+    local: Any
+    _KIND = "fenced.Lock"
+
+    def __init__(
+        self,
+        redis: Any,
+        name: str,
+        timeout: float | None = None,
+        sleep: float = 0.1,
+        blocking: bool = True,
+        blocking_timeout: float | None = None,
+        thread_local: bool = True,
+        raise_on_release_error: bool = True,
+        *,
+        auto_renew: bool = False,
+        refresh_every: float | None = None,
+        on_lost: Callable[[Any], object] | None = None,
+        idle_ttl: float | None = IDLE_TTL,
+        namespace: str = "fenced",
+    ) -> None:
+        self._ttl, self._refresh_every, self._idle_ms = check_lock_options(
+            name, timeout, auto_renew, refresh_every, idle_ttl, namespace
+        )
+        redis = self._connect(redis)
+        check_slot(redis, name)
+        self.fence_key = fence_key(name, namespace)
+        self.auto_renew = auto_renew
+        self.on_lost = on_lost
+        self.namespace = namespace
+        super().__init__(  # type: ignore[call-arg]  # redis-py's Lock, next in the MRO
+            redis,
+            name,
+            timeout=timeout,
+            sleep=sleep,
+            blocking=blocking,
+            blocking_timeout=blocking_timeout,
+            thread_local=thread_local,
+            raise_on_release_error=raise_on_release_error,
+        )
+        self.local.fence = None
+        self.local.hold = None
+        self.local.generated = False
+
+    def _connect(self, redis: Any) -> Any:
+        """The client this front end talks through."""
+        raise NotImplementedError
+
+    def _renewer(self) -> Any:
+        """What renews a hold: the process's heartbeat, or the event loop's renewer."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{self._KIND} {self.name!r} fence={self.fence}>"
+
+    # -- state ------------------------------------------------------------------------
+
+    @property
+    def fence(self) -> int | None:
+        """The fencing token of the current hold (None when this thread holds nothing)."""
+        fence: int | None = getattr(self.local, "fence", None)
+        return fence
+
+    @property
+    def lost(self) -> bool:
+        """True once a renewed hold was lost (found taken, or not renewed in time), until
+        the next acquire; reading it asks nothing of Redis."""
+        hold: _Hold | None = getattr(self.local, "hold", None)
+        return hold is not None and hold.lost
+
+    @property
+    def lost_reason(self) -> str | None:
+        """Why the hold was lost (None while it is not)."""
+        hold: _Hold | None = getattr(self.local, "hold", None)
+        return hold.lost_reason if hold is not None and hold.lost else None
+
+    # -- what the front ends send, and what came back ----------------------------------
+
+    def _encoder(self) -> Any:
+        try:
+            return self.redis.connection_pool.get_encoder()
+        except AttributeError:  # Cluster
+            return self.redis.get_encoder()
+
+    def _token(self, token: str | bytes | None) -> str | bytes:
+        """The token of one acquire: made here, redis-py's kind, unless the caller chose one
+        (then the acquire script treats it as redis-py does)."""
+        self.local.generated = token is None
+        if token is None:
+            return new_token()
+        if self.auto_renew:
+            check_renewable_token(self._encoder(), token, self.name)
+        return token
+
+    def _acquire_call(self, token: str | bytes) -> tuple[bytes, Call]:
+        """The token as bytes, and the call of one acquire attempt under it."""
+        raw = token if isinstance(token, bytes) else self._encoder().encode(token)
+        ttl_ms = int(self.timeout * 1000) if self.timeout else ""
+        generated = 1 if getattr(self.local, "generated", False) else 0
+        return raw, (
+            LOCK_ACQUIRE,
+            (self.name, self.fence_key),
+            (raw, ttl_ms, self._idle_ms, generated),
+        )
+
+    def _took(self, raw: bytes, reply: Any, sent: float) -> bool | None:
+        """Take in the answer of an acquire sent at ``sent``: True when the lock is ours,
+        False when another holder has it, None when it must be given back."""
+        fence = int(reply)
+        if not fence:
+            return False
+        hold = _Hold(self, raw, fence, sent) if self.auto_renew else None
+        if hold is not None and not hold.held:
+            # Granted after the lock's own deadline (a stalled server, a client
+            # retrying through an outage): another holder may take it any moment.
+            log.warning("fenced: lock %r granted after its deadline; giving it back", self.name)
+            return None
+        self.local.fence = fence
+        self.local.hold = hold
+        if hold is not None:
+            self._renewer().add(hold)
+        return True
+
+    def _corrupt(self, exc: BaseException, value: Any) -> BaseException:
+        """The error of an acquire Redis answered with an error (``value``: the fence key's)."""
+        return corrupt_fence(self.name, self.fence_key, value, exc)
+
+    def _let_go(self) -> _Hold | None:
+        """A release is about to be sent: no fence, no renewal; the hold it ends."""
+        hold: _Hold | None = getattr(self.local, "hold", None)
+        self.local.fence = None
+        if hold is not None:
+            hold.give_back()
+            self._renewer().discard(hold)
+        return hold
+
+    def _released(self, hold: _Hold | None, released: Any) -> None:
+        """LockNotOwnedError when the token no longer held the lock, or the hold was lost
+        before (the work under it was not protected)."""
+        if hold is not None and hold.lost:
+            raise LockNotOwnedError(
+                f"Cannot release a lock that was lost while held ({hold.lost_reason})",
+                lock_name=self.name,
+            )
+        if not released:
+            raise LockNotOwnedError(
+                "Cannot release a lock that's no longer owned", lock_name=self.name
+            )
+
+    def _refuse_if_lost(self, what: str) -> None:
+        if self.lost:
+            raise LockNotOwnedError(
+                f"Cannot {what} a lock that was lost while held ({self.lost_reason})",
+                lock_name=self.name,
+            )
+
+    def _extended(self, sent: float, ttl: float, replaced: bool) -> None:
+        """An extend or reacquire sent at ``sent`` succeeded: a renewed hold's deadline moves."""
+        hold: _Hold | None = getattr(self.local, "hold", None)
+        if hold is not None:
+            hold.extended(sent, ttl, replaced)
+
+
+class Lock(LockCore, redis.lock.Lock):
     """redis-py's Lock with a fencing token (``fence``) and optional background renewal.
 
     ::
@@ -389,91 +445,29 @@ class Lock(redis.lock.Lock):
         auto_renew: renew in the background every ``refresh_every`` while held (needs a
             ``timeout``); a lost lock shows as ``lost``, ``owned()`` is then False.
         refresh_every: seconds between renewals (default timeout/3, at most timeout/2).
-        on_lost: called once with the lock, from the heartbeat thread, when a renewed
-            hold is lost (with ``thread_local=True`` that thread sees no ``fence``).
+        on_lost: called once with the lock when a renewed hold is lost: from the
+            heartbeat thread, or from ``release()`` when the deadline passed first (with
+            ``thread_local=True`` the heartbeat's thread sees no ``fence``).
         idle_ttl: seconds the fence key is kept after the last acquire (default a week;
             None: forever). The fence still increases after its key expired.
         namespace: prefix of the fence key (the lock itself is the key ``name``).
     """
 
-    def __init__(
-        self,
-        redis: Any,
-        name: str,
-        timeout: float | None = None,
-        sleep: float = 0.1,
-        blocking: bool = True,
-        blocking_timeout: float | None = None,
-        thread_local: bool = True,
-        raise_on_release_error: bool = True,
-        *,
-        auto_renew: bool = False,
-        refresh_every: float | None = None,
-        on_lost: Callable[[Lock], object] | None = None,
-        idle_ttl: float | None = IDLE_TTL,
-        namespace: str = "fenced",
-    ) -> None:
+    def _connect(self, redis: Any) -> Any:
         # A URL too, as a Claim takes one: redis-py's Lock then gets the client built.
-        redis = connect(redis, what="the lock")
-        self._ttl, self._refresh_every, self._idle_ms = check_lock_options(
-            redis, name, timeout, auto_renew, refresh_every, idle_ttl, namespace
-        )
-        self.fence_key = fence_key(name, namespace)
-        self.auto_renew = auto_renew
-        self.on_lost = on_lost
-        self.namespace = namespace
-        super().__init__(
-            redis,
-            name,
-            timeout=timeout,
-            sleep=sleep,
-            blocking=blocking,
-            blocking_timeout=blocking_timeout,
-            thread_local=thread_local,
-            raise_on_release_error=raise_on_release_error,
-        )
-        self.local.fence = None
-        self.local.hold = None
-        self.local.generated = False
+        return connect(redis, what="the lock")
+
+    def _renewer(self) -> Heartbeat:
+        return _heartbeat()
 
     def __enter__(self) -> Lock:
         if self.acquire():
             return self
         raise LockError("Unable to acquire lock within the time specified", lock_name=self.name)
 
-    def __repr__(self) -> str:
-        return f"<fenced.Lock {self.name!r} fence={self.fence}>"
-
-    # -- state ------------------------------------------------------------------------
-
-    @property
-    def fence(self) -> int | None:
-        """The fencing token of the current hold (None when this thread holds nothing)."""
-        fence: int | None = getattr(self.local, "fence", None)
-        return fence
-
-    @property
-    def lost(self) -> bool:
-        """True once a renewed hold was lost (found taken, or not renewed in time), until
-        the next acquire; reading it asks nothing of Redis."""
-        hold: _Hold | None = getattr(self.local, "hold", None)
-        return hold is not None and hold.lost
-
-    @property
-    def lost_reason(self) -> str | None:
-        """Why the hold was lost (None while it is not)."""
-        hold: _Hold | None = getattr(self.local, "hold", None)
-        if hold is None or not hold.lost:
-            return None
-        return hold.lost_reason or _DEADLINE_PASSED
-
     def owned(self) -> bool:
         """True if this lock holds the key now: redis-py's check, and never once lost."""
-        if self.lost:
-            return False
-        return bool(super().owned())
-
-    # -- acquire ----------------------------------------------------------------------
+        return not self.lost and bool(super().owned())
 
     def acquire(
         self,
@@ -483,28 +477,16 @@ class Lock(redis.lock.Lock):
         token: str | bytes | None = None,
     ) -> bool:
         """Acquire as redis-py does (same arguments, same waiting); mint the fence with it."""
-        generated = token is None
-        if token is None:
-            # redis-py's kind of token; made here so the acquire script knows it is ours.
-            token = new_token()
-        elif self.auto_renew:
-            check_renewable_token(self.redis.get_encoder(), token, self.name)
-        self.local.generated = generated
         # redis-py encodes str and bytes tokens alike (its annotation says str only).
-        chosen: Any = token
+        chosen: Any = self._token(token)
         return bool(super().acquire(sleep, blocking, blocking_timeout, chosen))
 
     def do_acquire(self, token: str | bytes) -> bool:
         """One acquire attempt: the lock and its fence in one script."""
-        raw = token if isinstance(token, bytes) else self.redis.get_encoder().encode(token)
-        ttl_ms = int(self.timeout * 1000) if self.timeout else ""
+        raw, (script, keys, args) = self._acquire_call(token)
         sent = time.monotonic()
         try:
-            reply = LOCK_ACQUIRE(
-                self.redis,
-                (self.name, self.fence_key),
-                (raw, ttl_ms, self._idle_ms, 1 if getattr(self.local, "generated", False) else 0),
-            )
+            reply = script(self.redis, keys, args)
             if reply is None:  # a fence Lua could not read as a number: no fence to give
                 raise redis.ResponseError("the fence is not a number")
         except redis.ResponseError as exc:
@@ -514,58 +496,27 @@ class Lock(redis.lock.Lock):
             value = None
             with contextlib.suppress(Exception):
                 value = self.redis.get(self.fence_key)
-            error = corrupt_fence(self.name, self.fence_key, value, exc)
+            error = self._corrupt(exc, value)
             if error is exc:
                 raise
             raise error from exc
-        fence = int(reply)
-        if not fence:
-            return False
-        hold = None
-        if self.auto_renew:
-            hold = _Hold(self, raw, fence, sent, self._ttl, self._refresh_every)
-            if hold.past_deadline():
-                # Granted after the lock's own deadline (a stalled server, a client
-                # retrying through an outage): another holder may take it any moment.
-                LOCK_RELEASE(self.redis, (self.name,), (raw,))
-                log.warning("fenced: lock %r granted after its deadline; given back", self.name)
-                return False
-        self.local.fence = fence
-        self.local.hold = hold
-        if hold is not None:
-            _heartbeat().add(hold)
-        return True
-
-    # -- release ----------------------------------------------------------------------
+        took = self._took(raw, reply, sent)
+        if took is None:
+            LOCK_RELEASE(self.redis, (self.name,), (raw,))
+        return bool(took)
 
     def do_release(self, expected_token: str | bytes) -> None:
         """Compare-and-delete; LockNotOwnedError when the token no longer held it, or the
-        hold was lost before (the work under it was not protected)."""
-        hold: _Hold | None = getattr(self.local, "hold", None)
-        before = hold.give_back() if hold is not None else _HELD
-        self.local.fence = None
-        released = LOCK_RELEASE(self.redis, (self.name,), (expected_token,))
-        if before == _LOST:
-            reason = hold.lost_reason if hold is not None else None
-            raise LockNotOwnedError(
-                f"Cannot release a lock that was lost while held ({reason})",
-                lock_name=self.name,
-            )
-        if not released:
-            raise LockNotOwnedError(
-                "Cannot release a lock that's no longer owned", lock_name=self.name
-            )
-
-    # -- extend / reacquire -----------------------------------------------------------
+        hold was lost before."""
+        hold = self._let_go()
+        self._released(hold, LOCK_RELEASE(self.redis, (self.name,), (expected_token,)))
 
     def do_extend(self, additional_time: float, replace_ttl: bool) -> Literal[True]:
         """redis-py's extend; a renewed hold's deadline moves with it."""
         sent = time.monotonic()
         self._refuse_if_lost("extend")
         super().do_extend(additional_time, replace_ttl)
-        hold: _Hold | None = getattr(self.local, "hold", None)
-        if hold is not None:
-            hold.extended(sent, float(additional_time), replace_ttl)
+        self._extended(sent, float(additional_time), replace_ttl)
         return True
 
     def do_reacquire(self) -> Literal[True]:
@@ -573,17 +524,8 @@ class Lock(redis.lock.Lock):
         sent = time.monotonic()
         self._refuse_if_lost("reacquire")
         super().do_reacquire()
-        hold: _Hold | None = getattr(self.local, "hold", None)
-        if hold is not None:
-            hold.extended(sent, self._ttl, True)
+        self._extended(sent, self._ttl, True)
         return True
-
-    def _refuse_if_lost(self, what: str) -> None:
-        if self.lost:
-            raise LockNotOwnedError(
-                f"Cannot {what} a lock that was lost while held ({self.lost_reason})",
-                lock_name=self.name,
-            )
 
 
 def _on_cluster(redis: Any) -> bool:
