@@ -65,7 +65,16 @@ def test_two_runners_fired_together_run_once_and_a_later_one_skips_ran_recently(
 ) -> None:
     name = f"cron:{key()}"
     ran = tmp_path / "ran"
-    cmd = ["--", "sh", "-c", f"echo x >> {ran}; sleep 0.3"]
+    # The run goes on until the other runner was skipped ("already running"), however
+    # late a loaded machine starts it; a run that starts later finds "ran recently".
+    hold = (
+        "import sys, time, redis; r = redis.Redis.from_url(sys.argv[1]); "
+        "end = time.monotonic() + 30\n"
+        "while int(r.get(sys.argv[2]) or 0) < 1 and time.monotonic() < end: time.sleep(0.02)"
+    )
+    skips = ClaimKeys.of(name).skips
+    cmd = ["--", "sh", "-c", f'echo x >> {ran}; "$0" -c "$1" "$2" "$3"']
+    cmd += [sys.executable, hold, redis_server.url, skips]
     procs = [_run(redis_server.url, "--cooldown", "5m", name, *cmd) for _ in range(2)]
     ends = [_done(p) for p in procs]
     assert [code for code, _ in ends] == [0, 0], ends
