@@ -212,7 +212,7 @@ def test_a_release_sent_again_gets_the_first_answer(r: Any) -> None:
     assert not Claim(r, "sent-twice", ttl=5).acquire(request_rerun="again")
     assert claim.token is not None
     # The first release lands, but its reply is lost on the way back ...
-    first = claim._store.release(claim.token, "", 100, "ok", claim.fence, 0)
+    first = claim._store.release(claim._release_call("ok", ""))
     assert first == (True, "ok", ["again"])
     # ... so the client sends it again: same answer, nothing recorded twice.
     assert claim.release() is True
@@ -231,7 +231,7 @@ def test_an_ok_release_sent_again_is_answered_by_its_done_marker(r: Any) -> None
     )
     assert claim.acquire()
     assert claim.token is not None
-    first = claim._store.release(claim.token, "{}", 100, "ok", claim.fence, 0, "t-1", 60_000)
+    first = claim._store.release(claim._release_call("ok", "{}"))  # done marker: 60 s
     assert first == (True, "ok", [])
     # An ok run's marker is its release's note: no second key per run.
     assert not r.exists(claim.keys.released(claim.token))
@@ -250,13 +250,21 @@ def test_an_ok_release_sent_again_is_answered_by_its_done_marker(r: Any) -> None
 def test_an_ok_release_sent_again_after_a_short_done_marker_is_still_ok(r: Any) -> None:
     # A done marker shorter than the release note's minute cannot stand in for it: a
     # retry sent after the marker expired still gets the first answer, recorded once.
-    claim = Claim(r, "sent-twice-short", ttl=5, heartbeat=False, records=True, task_id="t-2")
+    claim = Claim(
+        r,
+        "sent-twice-short",
+        ttl=5,
+        heartbeat=False,
+        records=True,
+        task_id="t-2",
+        redelivery_window=0.2,
+    )
     assert claim.acquire()
     assert claim.token is not None
-    first = claim._store.release(claim.token, "{}", 100, "ok", claim.fence, 0, "t-2", 200)
+    first = claim._store.release(claim._release_call("ok", "{}"))
     assert first == (True, "ok", [])
     wait_for("the done marker to expire", lambda: not claim.finished_ok() or None, timeout=10)
-    again = claim._store.release(claim.token, "{}", 100, "ok", claim.fence, 0, "t-2", 200)
+    again = claim._store.release(claim._release_call("ok", "{}"))
     assert again == (True, "ok", [])
     assert [run.outcome for run in records.history(r, "sent-twice-short")] == ["ok"]
 

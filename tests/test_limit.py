@@ -23,7 +23,7 @@ import redis
 
 from _wait import wait_for
 from celery_harness import WAIT, key
-from fenced import Claim, ClaimLost, ConfigError, aio, exclusive, records
+from fenced import Claim, ClaimLost, ClaimOptions, ConfigError, aio, exclusive, records
 from fenced._inspect import read_slots
 from fenced._lease import MAX_LIMIT, ClaimKeys, LeaseStore, new_token
 from fenced.celery._options import resolve, validate
@@ -143,14 +143,11 @@ def test_each_holder_has_its_own_slot_lease_and_fence(server: RedisServer) -> No
 def test_a_limit_of_one_is_the_plain_claim(server: RedisServer) -> None:
     # The scripts are sent the keys and arguments a plain claim always sent.
     keys = ClaimKeys.of("plain")
-    _script, sent_keys, args = LeaseStore(None, keys, limit=1).acquire_call(
-        "t", 1000, "", "", 10, "", None, 0
-    )
+    store = LeaseStore(None, keys, ClaimOptions(ttl=1, max_records=10, idle_ttl=None, limit=1))
+    _script, sent_keys, args = store.acquire_call("t", "", "", "", None)
     assert tuple(sent_keys) == (keys.lock, keys.fence, keys.runs, keys.skips, keys.rerun)
     assert len(args) == 8
-    _script, release_keys, release_args = LeaseStore(None, keys).release_call(
-        "t", "", 10, "ok", 1, 0
-    )
+    _script, release_keys, release_args = store.release_call("t", "", "ok", 1)
     assert release_keys[0] == keys.lock and len(release_keys) == 6 and len(release_args) == 8
     client = server.client(decode_responses=True)
     name = f"one:{key()}"
@@ -176,11 +173,12 @@ def test_a_redelivered_task_finds_its_own_slot(server: RedisServer) -> None:
     other = Claim(client, name, ttl=5, limit=2, task_id="task-2")
     assert other.acquire() and other.slot == 1
     # A retried ACQUIRE (its reply lost) finds its own slot and the fence minted for it.
-    store = LeaseStore(client, ClaimKeys.of(name), limit=2)
+    opts = ClaimOptions(ttl=5, limit=2, max_records=100, idle_ttl=None)
+    store = LeaseStore(client, ClaimKeys.of(name), opts)
     token = new_token("task-3")
     assert other.release()
-    granted = store.acquire(token, 5000, "", "", 100, "", "task-3", 0)
-    retried = store.acquire(token, 5000, "", "", 100, "", "task-3", 0)
+    granted = store.grant(store.acquire_call(token, "", "", "", "task-3"))
+    retried = store.grant(store.acquire_call(token, "", "", "", "task-3"))
     assert [int(x) for x in granted] == [int(x) for x in retried]
     assert int(granted[0]) == 1 and int(granted[2]) == 1
 

@@ -22,6 +22,7 @@ from _wait import wait_for
 from fenced import (
     Claim,
     ClaimHeld,
+    ClaimOptions,
     ConfigError,
     Skipped,
     claim_name,
@@ -111,9 +112,9 @@ def cannot_release(client: Any, name: str, token: str | None) -> None:
     before = read_holder(client, name)
     assert before is not None
     if token:
-        store = LeaseStore(client, ClaimKeys.of(name))
-        assert store.refresh(token, 60_000) is False
-        assert store.release(token, "{}", 10, "released", None, 0)[0] is False
+        store = LeaseStore(client, ClaimKeys.of(name), ClaimOptions(ttl=60))
+        assert store.refresh(token) is False
+        assert store.release(store.release_call(token, "{}", "released", None))[0] is False
     after = read_holder(client, name)
     assert after is not None and after.token == before.token
 

@@ -66,6 +66,7 @@ from ._lease import (
 )
 from ._options import ClaimOptions
 from ._redact import SHORT_MAX, exception_text
+from ._scripts import Call
 
 __all__ = ["Claim", "ClaimState"]
 
@@ -438,38 +439,25 @@ class ClaimState(LeaseState):
             wait = min(wait, give_up - now)
         return max(wait, 0.001)
 
-    def _acquire_args(
-        self, token: str, record_skip: bool, mark_rerun: bool | str
-    ) -> tuple[str, int, str, str, int, str, str | None, int, str, str]:
-        """The arguments of the store's ``acquire`` for one try under ``token``."""
+    def _started(self) -> str:
+        """The "started" record of a grant (it serves as the "skipped" one when busy)."""
+        return _records.encode_started(self.task_id, self.record_extra) if self.records else ""
+
+    def _acquire_call(self, token: str, record_skip: bool, mark_rerun: bool | str) -> Call:
+        """ACQUIRE for one try under ``token``."""
         trigger = mark_rerun if isinstance(mark_rerun, str) else ("*" if mark_rerun else "")
-        return (
-            token,
-            self._ttl_ms,
-            # One record serves as the "started" or the "skipped" entry.
-            _records.encode_started(self.task_id, self.record_extra) if self.records else "",
-            (SKIP_RERUN_REASON if mark_rerun else SKIP_REASON) if record_skip else "",
-            self.max_records,
-            trigger,
-            # A lease held under our own task id is an earlier attempt of this
-            # task (a redelivery), not a competitor: no skip, no rerun request.
-            self.task_id,
-            self._idle_ms,
-            COOLDOWN_REASON if self._cooldown_ms else "",
-            self._queued_op,
+        skip = (SKIP_RERUN_REASON if mark_rerun else SKIP_REASON) if record_skip else ""
+        # A lease held under our own task id is an earlier attempt of this task (a
+        # redelivery), not a competitor: no skip, no rerun request.
+        return self._store.acquire_call(
+            token, self._started(), skip, trigger, self.task_id, COOLDOWN_REASON, self._queued_op
         )
 
-    def _takeover_args(self, token: str) -> tuple[str, int, str, int, str, int, str]:
-        """The arguments of the store's ``take_over`` for one try under ``token``."""
-        return (
-            token,
-            self._ttl_ms,
-            _records.encode_started(self.task_id, self.record_extra) if self.records else "",
-            self.max_records,
-            self.task_id or "",
-            self._idle_ms,
-            # A free name within the cooldown window is not taken (a kept lease is).
-            COOLDOWN_REASON if self._cooldown_ms else "",
+    def _takeover_call(self, token: str) -> Call:
+        """TAKEOVER for one try under ``token`` (a free name within the cooldown window is
+        not taken; a kept lease is)."""
+        return self._store.takeover_call(
+            token, self._started(), self.task_id or "", COOLDOWN_REASON
         )
 
     def _unavailable(self, exc: BaseException) -> ClaimUnavailable:
@@ -512,18 +500,13 @@ class ClaimState(LeaseState):
         """The slot an ACQUIRE that granted the claim gave (0 for a limit of 1)."""
         return int(res[2]) if self.limit > 1 else 0
 
-    def _give_back_args(
-        self, token: str, fence: int, why: str, elapsed: float
-    ) -> tuple[str, str, int, str, int, int]:
-        """The arguments of the store's ``release`` that give back a grant we must not use
-        (its run record says why)."""
-        return (
-            token,
-            self._finished_record(elapsed, why),
-            self.max_records,
-            "lost",
-            fence,
-            self._idle_ms,
+    def _give_back_call(self, token: str, res: list[Any], why: str, elapsed: float) -> Call:
+        """RELEASE of a grant we must not use (its run record says why): its rerun
+        triggers are for whoever holds the name next, and it starts no window."""
+        record = self._finished_record(elapsed, why)
+        slot = self._granted_slot(res)
+        return self._store.release_call(
+            token, record, "lost", int(res[1]), take_reruns=False, slot=slot, window=False
         )
 
     def _unreplicated(self, res: list[Any]) -> int | None:
@@ -620,24 +603,17 @@ class ClaimState(LeaseState):
         patience = min(max(0.0, self._deadline - self._clock()), RELEASE_PATIENCE)
         return time.monotonic() + (patience if before == HELD else 0.0)
 
-    def _release_args(
-        self, outcome: str, record: str
-    ) -> tuple[str, str, int, str, int | None, int, str | None, int, bool, int, int, bool]:
-        """The arguments of the store's ``release`` for this claim's lease."""
+    def _release_call(self, outcome: str, record: str) -> Call:
+        """RELEASE of this claim's lease."""
         assert self.token is not None
-        return (
+        return self._store.release_call(
             self.token,
             record,
-            self.max_records,
             outcome,
             self.fence,
-            self._idle_ms,
             self.task_id,
-            self._done_ms,
-            True,
-            self._cooldown_ms,
-            self.slot or 0,
-            self._unqueue,
+            slot=self.slot or 0,
+            unqueue=self._unqueue,
         )
 
     def _release_unconfirmed(self, exc: BaseException, outcome: str) -> None:
@@ -757,7 +733,7 @@ class Claim(ClaimState):
         return connect(redis)
 
     def _bind_store(self) -> None:
-        self._store = LeaseStore(self.redis, self.keys, self.replicas, self._replica_ms, self.limit)
+        self._store = LeaseStore(self.redis, self.keys, self.options)
 
     # -- acquire ----------------------------------------------------------------------
 
@@ -795,9 +771,9 @@ class Claim(ClaimState):
         sent = self._clock()
         try:
             if takeover:
-                res = self._store.take_over(*self._takeover_args(token))
+                res = self._store.grant(self._takeover_call(token))
             else:
-                res = self._store.acquire(*self._acquire_args(token, record_skip, mark_rerun))
+                res = self._store.grant(self._acquire_call(token, record_skip, mark_rerun))
         except UNREACHABLE as exc:
             if isinstance(exc, redis.TimeoutError):
                 # Only a request that was sent can have landed; a refused connection
@@ -871,14 +847,9 @@ class Claim(ClaimState):
             _heartbeat().discard(self)
         before, _outcome, record = self._begin_release("retried", reason)
         try:
-            kept = self._store.hand_over(
-                self.token,
-                max(1, int(keep_for * 1000)),
-                record,
-                self.max_records,
-                self.fence or 0,
-                self._idle_ms,
-            )
+            keep_ms = max(1, int(keep_for * 1000))
+            call = self._store.handover_call(self.token, keep_ms, record, self.fence or 0)
+            kept = self._store.hand_over(call)
         except _UNCONFIRMABLE as exc:
             self._release_unconfirmed(exc, "lost")
             return "lost"
@@ -897,11 +868,7 @@ class Claim(ClaimState):
     def _give_back(self, token: str, res: list[Any], why: str, elapsed: float) -> None:
         """Remove a lease granted to us that we must not use (its run record says why)."""
         try:
-            self._store.release(
-                *self._give_back_args(token, int(res[1]), why, elapsed),
-                take_reruns=False,  # the triggers are for whoever holds it next
-                slot=self._granted_slot(res),
-            )
+            self._store.release(self._give_back_call(token, res, why, elapsed))
         except Exception:  # best effort: the lease expires within its ttl anyway
             log.warning(
                 "fenced: could not give back the grant of %r (%s)",
@@ -919,7 +886,7 @@ class Claim(ClaimState):
         token = self.token
         sent = self._clock()
         try:
-            ok = self._store.refresh(token, self._ttl_ms, self._idle_ms, self.slot or 0)
+            ok = self._store.refresh(token, self.slot or 0)
         except NotReplicated as exc:
             self.retry_soon()
             raise ClaimUnavailable.about(
@@ -950,7 +917,7 @@ class Claim(ClaimState):
         while True:
             try:
                 released, recorded, triggers = self._store.release(
-                    *self._release_args(outcome, record)
+                    self._release_call(outcome, record)
                 )
                 break
             except _UNCONFIRMABLE as exc:

@@ -508,12 +508,17 @@ class LeaseCalls:
         "_release_keys",
         "keys",
         "limit",
+        "opts",
     )
 
-    def __init__(self, keys: ClaimKeys, limit: int = 1) -> None:
+    def __init__(self, keys: ClaimKeys, opts: Any = None) -> None:
+        from ._options import DEFAULT  # the options struct sits on this layer
+
         self.keys = keys
+        #: The claim's options (fenced.ClaimOptions): what every call sends.
+        self.opts = opts = opts or DEFAULT
         #: How many holders the name may have at once (slots 0 .. limit-1).
-        self.limit = limit
+        self.limit = limit = opts.limit
         # Built once: every acquire and release sends them.
         self._acquire_keys = acquire = tuple(keys.all())
         self._plain_keys = acquire[:5]
@@ -528,13 +533,10 @@ class LeaseCalls:
     def acquire_call(
         self,
         token: str,
-        ttl_ms: int,
         record: str,
         skip_reason: str,
-        max_records: int,
         rerun: str,
         task_id: str | None,
-        idle_ms: int,
         cooldown_reason: str = "",
         queued: str = "",
     ) -> Call:
@@ -543,7 +545,18 @@ class LeaseCalls:
         ``queued`` is what the run of ``task_id`` does to the name's enqueue marker
         (ACQUIRE's ARGV[12]: "-" deletes it, a number of ms gives it that expiry).
         """
-        args = [token, ttl_ms, record, skip_reason, max_records, rerun, task_id or "", idle_ms]
+        o = self.opts
+        args = [
+            token,
+            o.ttl_ms,
+            record,
+            skip_reason,
+            o.max_records,
+            rerun,
+            task_id or "",
+            o.idle_ms,
+        ]
+        cooldown_reason = cooldown_reason if o.cooldown_ms else ""
         queued = queued if task_id else ""
         if self.limit == 1 and not cooldown_reason and not queued:
             # The plain claim sends what it always sent: no cooldown key, no slots.
@@ -564,46 +577,46 @@ class LeaseCalls:
             args.append(self.limit)
         return ACQUIRE, keys, args
 
-    def refresh_call(self, token: str, ttl_ms: int, idle_ms: int = 0, slot: int = 0) -> Call:
+    def refresh_call(self, token: str, slot: int = 0) -> Call:
         """REFRESH of ``token``'s lease (and the name's lasting keys); 1 when extended."""
-        lease = self.keys.slot(slot)
+        lease, idle_ms = self.keys.slot(slot), self.opts.idle_ms
         keys = [lease, *self._lasting] if idle_ms else [lease]
-        return REFRESH, keys, [token, ttl_ms, idle_ms]
+        return REFRESH, keys, [token, self.opts.ttl_ms, idle_ms]
 
     def release_call(
         self,
         token: str,
         record: str,
-        max_records: int,
         outcome: str,
         fence: int | None,
-        idle_ms: int,
         task_id: str | None = None,
-        done_ms: int = 0,
         take_reruns: bool = True,
-        cooldown_ms: int = 0,
         slot: int = 0,
         unqueue: bool = False,
+        window: bool = True,
     ) -> Call:
         """RELEASE of ``token``'s lease (in ``slot``); its answer is read by :func:`released`.
 
-        With ``unqueue``, the name's enqueue marker goes too while it holds ``task_id``.
+        With ``unqueue``, the name's enqueue marker goes too while it holds ``task_id``;
+        with ``window``, an ``ok`` outcome starts the cooldown window the options give.
         """
         # Without a task id there is no marker to set; the key still names this slot.
         done = self.keys.done(task_id) if task_id else self._no_done
         lease = self._release_keys if slot == 0 else (self.keys.slot(slot), *self._release_keys[1:])
         # The note's key: the token's random part (new_token's 32 hex digits).
         keys: tuple[str, ...] = (*lease, done, self._note_prefix + token[:32])
+        o = self.opts
         args = [
             token,
             record,
-            max_records,
+            o.max_records,
             outcome,
             fence or 0,
             "1" if take_reruns else "0",
-            idle_ms,
-            done_ms if task_id else 0,
+            o.idle_ms,
+            o.done_ms if task_id else 0,
         ]
+        cooldown_ms = o.cooldown_ms if window else 0
         if cooldown_ms or (unqueue and task_id):
             keys += (self._cooldown,)
             args.append(cooldown_ms)
@@ -612,29 +625,20 @@ class LeaseCalls:
             args.append(task_id)
         return RELEASE, keys, args
 
-    def handover_call(
-        self, token: str, keep_ms: int, record: str, max_records: int, fence: int, idle_ms: int
-    ) -> Call:
+    def handover_call(self, token: str, keep_ms: int, record: str, fence: int) -> Call:
         """HANDOVER: end ``token``'s run, keeping its lease ``keep_ms`` for its task's retry."""
         keys = (self.keys.lock, self.keys.runs, self.keys.handover)
-        return HANDOVER, keys, [token, keep_ms, record, max_records, fence, idle_ms]
+        o = self.opts
+        return HANDOVER, keys, [token, keep_ms, record, o.max_records, fence, o.idle_ms]
 
-    def takeover_call(
-        self,
-        token: str,
-        ttl_ms: int,
-        record: str,
-        max_records: int,
-        task_id: str,
-        idle_ms: int,
-        cooldown_reason: str = "",
-    ) -> Call:
+    def takeover_call(self, token: str, record: str, task_id: str, cooldown_reason: str) -> Call:
         """TAKEOVER: take the lease kept for ``task_id`` (or a free name, outside a cooldown
         window); read as ACQUIRE's."""
         k = self.keys
         keys: tuple[str, ...] = (k.lock, k.fence, k.runs, k.handover)
-        args: list[Any] = [token, ttl_ms, record, max_records, task_id, idle_ms]
-        if cooldown_reason:
+        o = self.opts
+        args: list[Any] = [token, o.ttl_ms, record, o.max_records, task_id, o.idle_ms]
+        if o.cooldown_ms:
             keys += (k.skips, self._cooldown)
             args.append(cooldown_reason)
         return TAKEOVER, keys, args
@@ -726,60 +730,27 @@ def unrecorded(key: Any, kind: Any, what: str) -> None:
 
 
 class LeaseStore(LeaseCalls):
-    """The lease scripts of one name on one client: acquire, refresh, release, abandon."""
+    """The lease scripts of one name sent on one client: the calls :class:`LeaseCalls`
+    builds, sent as they are (with the replicas' WAIT when the options ask for it)."""
 
-    __slots__ = ("client", "replica_timeout_ms", "replicas")
+    __slots__ = ("client",)
 
-    def __init__(
-        self,
-        client: Any,
-        keys: ClaimKeys,
-        replicas: int = 0,
-        replica_timeout_ms: int = 0,
-        limit: int = 1,
-    ) -> None:
-        super().__init__(keys, limit)
+    def __init__(self, client: Any, keys: ClaimKeys, opts: Any = None) -> None:
+        super().__init__(keys, opts)
         self.client = client
-        self.replicas = replicas
-        self.replica_timeout_ms = replica_timeout_ms
 
-    def _run(self, call: Call) -> Any:
+    def send(self, call: Call) -> Any:
+        """Send one call (no WAIT)."""
         script, keys, args = call
         return script(self.client, keys, args)
 
-    def acquire(
-        self,
-        token: str,
-        ttl_ms: int,
-        record: str,
-        skip_reason: str,
-        max_records: int,
-        rerun: str,
-        task_id: str | None,
-        idle_ms: int,
-        cooldown_reason: str = "",
-        queued: str = "",
-    ) -> list[Any]:
-        """Run ACQUIRE (see its contract); unreachable errors propagate to the caller.
-
-        With replicas to wait for, the answer has one more item: how many acknowledged.
-        """
-        call = self.acquire_call(
-            token,
-            ttl_ms,
-            record,
-            skip_reason,
-            max_records,
-            rerun,
-            task_id,
-            idle_ms,
-            cooldown_reason,
-            queued,
-        )
-        if self.replicas:
+    def grant(self, call: Call) -> list[Any]:
+        """Send ACQUIRE or TAKEOVER; unreachable errors propagate to the caller. With
+        replicas to wait for, the answer has one more item: how many acknowledged."""
+        if self.opts.replicas:
             reply, acked = self.replicated(*call)
             return [*reply, acked]
-        return list(self._run(call))
+        return list(self.send(call))
 
     def replicated(
         self, script: Script, keys: Sequence[str], args: Sequence[Any]
@@ -788,7 +759,7 @@ class LeaseStore(LeaseCalls):
 
         One round trip to the server that holds the name (on a cluster, its node).
         """
-        wait = (self.replicas, self.replica_timeout_ms)
+        wait = (self.opts.replicas, self.opts.replica_ms)
         for attempt in (1, 2):
             server = node_client(self.client, self.keys.lock)
             try:
@@ -804,76 +775,27 @@ class LeaseStore(LeaseCalls):
             return reply, 0 if isinstance(acked, Exception) else int(acked)
         raise AssertionError("unreachable")
 
-    def refresh(self, token: str, ttl_ms: int, idle_ms: int = 0, slot: int = 0) -> bool:
+    def refresh(self, token: str, slot: int = 0) -> bool:
         """Extend the lease if ``token`` still holds it (and keep the name's lasting keys)."""
-        call = self.refresh_call(token, ttl_ms, idle_ms, slot)
-        if self.replicas:
+        call = self.refresh_call(token, slot)
+        if self.opts.replicas:
             reply, acked = self.replicated(*call)
-            if int(reply) == 1 and acked < self.replicas:
+            if int(reply) == 1 and acked < self.opts.replicas:
                 raise NotReplicated(acked)
             return int(reply) == 1
-        return int(self._run(call)) == 1
+        return int(self.send(call)) == 1
 
-    def release(
-        self,
-        token: str,
-        record: str,
-        max_records: int,
-        outcome: str,
-        fence: int | None,
-        idle_ms: int,
-        task_id: str | None = None,
-        done_ms: int = 0,
-        take_reruns: bool = True,
-        cooldown_ms: int = 0,
-        slot: int = 0,
-        unqueue: bool = False,
-    ) -> tuple[bool, str, list[str]]:
-        """Delete the lease if ``token`` holds it: (released, outcome recorded, reruns)."""
-        call = self.release_call(
-            token,
-            record,
-            max_records,
-            outcome,
-            fence,
-            idle_ms,
-            task_id,
-            done_ms,
-            take_reruns,
-            cooldown_ms,
-            slot,
-            unqueue,
-        )
-        return released(self._run(call))
+    def release(self, call: Call) -> tuple[bool, str, list[str]]:
+        """Send RELEASE: (our token held the lease, the outcome recorded, reruns taken)."""
+        return released(self.send(call))
 
-    def hand_over(
-        self, token: str, keep_ms: int, record: str, max_records: int, fence: int, idle_ms: int
-    ) -> bool:
-        """Run HANDOVER: True when ``token`` held the lease and it is now kept for the retry."""
-        reply = self._run(self.handover_call(token, keep_ms, record, max_records, fence, idle_ms))
+    def hand_over(self, call: Call) -> bool:
+        """Send HANDOVER: True when the token held the lease and it is now kept."""
+        reply = self.send(call)
         if isinstance(reply, list):
             unrecorded(reply[1], reply[2], "hand-over")
             reply = reply[0]
         return int(reply) == 1
-
-    def take_over(
-        self,
-        token: str,
-        ttl_ms: int,
-        record: str,
-        max_records: int,
-        task_id: str,
-        idle_ms: int,
-        cooldown_reason: str = "",
-    ) -> list[Any]:
-        """Run TAKEOVER (see its contract); with replicas to wait for, as :meth:`acquire`."""
-        call = self.takeover_call(
-            token, ttl_ms, record, max_records, task_id, idle_ms, cooldown_reason
-        )
-        if self.replicas:
-            reply, acked = self.replicated(*call)
-            return [*reply, acked]
-        return list(self._run(call))
 
     def finished_ok(self, task_id: str) -> bool:
         """Whether a run of ``task_id`` ended ``ok`` within its redelivery window."""
@@ -893,7 +815,7 @@ class LeaseStore(LeaseCalls):
         """A request that timed out may still have landed: drop that lease if we can."""
         try:
             for call in self.abandon_calls(token):
-                self._run(call)
+                self.send(call)
         except Exception:  # best effort; the lease expires within its ttl anyway
             pass
 

@@ -69,7 +69,7 @@ class Claim(ClaimState):
                 "fenced.Claim for claims that must be acknowledged by replicas",
                 name=self.name,
             )
-        self._store = LeaseCalls(self.keys, self.limit)
+        self._store = LeaseCalls(self.keys, self.options)
         self._block: asyncio.Task[Any] | None = None
         self._block_cancelling = 0
         self._cancelled_block = False
@@ -99,7 +99,7 @@ class Claim(ClaimState):
 
     async def _try_acquire(self, record_skip: bool, mark_rerun: bool | str) -> bool:
         token = new_token(self.task_id)
-        request = self._store.acquire_call(*self._acquire_args(token, record_skip, mark_rerun))
+        request = self._acquire_call(token, record_skip, mark_rerun)
         sent = self._clock()
         try:
             res = list(
@@ -120,13 +120,8 @@ class Claim(ClaimState):
             return self._held_unreadably()
         late = self._late(res, sent)
         if late is not None:
-            args = self._give_back_args(token, int(res[1]), _LATE, late)
-            slot = self._granted_slot(res)
             try:
-                # The triggers are for whoever holds it next: none are taken.
-                await run_to_end(
-                    call(self.redis, self._store.release_call(*args, take_reruns=False, slot=slot))
-                )
+                await run_to_end(call(self.redis, self._give_back_call(token, res, _LATE, late)))
             except Exception:  # best effort: the lease expires within its ttl anyway
                 log.warning(
                     "fenced: could not give back the late grant of %r",
@@ -180,7 +175,7 @@ class Claim(ClaimState):
         try:
             ok = await call(
                 self.redis,
-                self._store.refresh_call(token, self._ttl_ms, self._idle_ms, self.slot or 0),
+                self._store.refresh_call(token, self.slot or 0),
             )
         except UNREACHABLE as exc:
             self.retry_soon()
@@ -204,7 +199,7 @@ class Claim(ClaimState):
         if self.heartbeat:
             renewer().discard(self)
         before, outcome, record = self._begin_release(outcome, reason)
-        request = self._store.release_call(*self._release_args(outcome, record))
+        request = self._release_call(outcome, record)
         try:
             return await self._send_release(before, outcome, request)
         except asyncio.CancelledError:
