@@ -90,9 +90,6 @@ _CAUSES = {
     LeaseState.taken_reason: "taken",
     _VANISHED: "vanished",
 }
-#: Builds a ClaimEvent (a named tuple) from all its fields in order: a third of the cost
-#: of calling the class with keywords.
-_event = tuple.__new__
 
 
 class ClaimState(LeaseState):
@@ -223,9 +220,8 @@ class ClaimState(LeaseState):
             fence, holder = (other.fence, other.text) if other else (None, None)
         return claim_fields(self.name, fence, holder, outcome, self.label, event)
 
-    # Every claim cycle sends two events: each is built from all its fields in order,
-    # with no keyword handling (ClaimEvent's field order: kind, name, label, source,
-    # fence, holder, outcome, reason, duration, slot, task, time).
+    # ClaimEvent's fields in order: kind, name, label, source, fence, holder, outcome,
+    # reason, duration, slot, task, time.
 
     def _emit(
         self,
@@ -239,22 +235,19 @@ class ClaimState(LeaseState):
     ) -> None:
         """Send one event (callers check ``events.enabled()`` first: building costs)."""
         events.emit(
-            _event(
-                events.ClaimEvent,
-                (
-                    kind,
-                    self.name,
-                    self.label,
-                    self._source,
-                    fence,
-                    holder,
-                    outcome,
-                    reason,
-                    duration,
-                    slot,
-                    self._task,
-                    time.time(),
-                ),
+            events.ClaimEvent(
+                kind,
+                self.name,
+                self.label,
+                self._source,
+                fence,
+                holder,
+                outcome,
+                reason,
+                duration,
+                slot,
+                self._task,
+                time.time(),
             )
         )
 
