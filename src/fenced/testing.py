@@ -88,8 +88,7 @@ def free_port() -> int:
     """A TCP port that was free a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        return int(s.getsockname()[1])
 
 
 def _alive(proc: subprocess.Popen[bytes] | None) -> TypeGuard[subprocess.Popen[bytes]]:
@@ -132,10 +131,7 @@ class RedisServer:
     def version(self) -> str:
         """The server's version string."""
         out = subprocess.run([self.binary, "--version"], capture_output=True, text=True).stdout
-        for part in out.split():
-            if part.startswith("v="):
-                return part[2:]
-        return "?"
+        return next((part[2:] for part in out.split() if part.startswith("v=")), "?")
 
     def command(self) -> list[str]:
         """The command line that starts this server."""
