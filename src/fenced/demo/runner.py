@@ -122,7 +122,6 @@ class Demo:
         with RedisServer(self.binary) as server:
             base = f"redis://127.0.0.1:{server.port}"
             os.environ.update(FENCED_DEMO_REDIS=base, FENCED_DEMO_DIR=self.dir)
-            env = dict(os.environ)
             self.locks = redis.Redis.from_url(base + "/2")
             self.say(
                 f"[bold]fenced demo[/]: embedded redis-server {server.version()} "
@@ -131,16 +130,7 @@ class Demo:
             from . import app as demo_app
 
             self.app = demo_app
-            self.workers = {
-                n: CeleryWorker(
-                    "fenced.demo.app",
-                    name=n,
-                    queues=n,
-                    log_dir=self.dir,
-                    env=dict(env, FENCED_DEMO_WORKER=n),
-                ).start()
-                for n in ("a", "b")
-            }
+            self.workers = {n: self._worker(n).start() for n in ("a", "b")}
             try:
                 for w in self.workers.values():
                     w.ready()
@@ -171,6 +161,11 @@ class Demo:
                 "acts and fenced web serves it until Ctrl-C)"
             )
         return status
+
+    def _worker(self, name: str) -> CeleryWorker:
+        """A worker of the demo app that consumes the queue of its own name."""
+        env = dict(os.environ, FENCED_DEMO_WORKER=name)
+        return CeleryWorker("fenced.demo.app", name=name, queues=name, log_dir=self.dir, env=env)
 
     def verdict(self) -> int:
         """Say whether every expectation held; the exit status."""

@@ -391,20 +391,18 @@ def _lock_store_findings(app: Any, claimed: list[Any], broker: str | None) -> li
                 "(and in the doctor's, to check it).",
             )
         ]
-    found: list[Finding] = []
-    for role, url in (("broker", broker), ("result backend", conf.get("result_backend"))):
-        if isinstance(url, str) and _same_database(store, url):
-            found.append(
-                Finding(
-                    "warning",
-                    "fenced.lock-store-shared",
-                    f"The lock store is the same Redis database as the {role} ({redact(url)})",
-                    f"Locks share a database with the {role}'s keys: flushing or "
-                    "reconfiguring it (eviction, a cache TTL policy) removes live claims.",
-                    "Give claims a database of their own, e.g. "
-                    '`fenced_redis_url = "redis://host:6379/1"`, separate from broker and '
-                    "result backend.",
-                    subject=role,
-                )
-            )
-    return found
+    return [
+        Finding(
+            "warning",
+            "fenced.lock-store-shared",
+            f"The lock store is the same Redis database as the {role} ({redact(url)})",
+            f"Locks share a database with the {role}'s keys: flushing or "
+            "reconfiguring it (eviction, a cache TTL policy) removes live claims.",
+            "Give claims a database of their own, e.g. "
+            '`fenced_redis_url = "redis://host:6379/1"`, separate from broker and '
+            "result backend.",
+            subject=role,
+        )
+        for role, url in (("broker", broker), ("result backend", conf.get("result_backend")))
+        if isinstance(url, str) and _same_database(store, url)
+    ]
