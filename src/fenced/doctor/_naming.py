@@ -189,21 +189,13 @@ def _too_coarse(
         return []
     counts = {k: len(set(values[k])) for k in sorted(keep)}
     differing = [k for k, n in counts.items() if n > 1]
-    detail = (
-        "; arguments that differ: " + ", ".join(f"{k} ({counts[k]} values)" for k in differing)
-        if differing
-        else ""
-    )
+    listed = ", ".join(f"{k} ({counts[k]} values)" for k in differing)
+    detail = f"; arguments that differ: {listed}" if differing else ""
     templates = [str(r["template"]) for r in runs if r.get("template")]
     base = max(sorted(set(templates)), key=templates.count) if templates else name
     better = base + "".join(":{" + k + "}" for k in differing)
-    fix = (
-        f"Put the argument that names what a run writes in the claim template: e.g. "
-        f"claim={better!r}"
-        if differing
-        else "Put the argument that names what a run writes in the claim template "
-        "(e.g. 'rebuild:{tenant}:{layer}')"
-    )
+    example = f": e.g. claim={better!r}" if differing else " (e.g. 'rebuild:{tenant}:{layer}')"
+    fix = "Put the argument that names what a run writes in the claim template" + example
     return [
         Finding(
             "warning",
