@@ -604,8 +604,10 @@ class SentinelGroup(_Group):
         return f"redis+sentinel://{hosts}/{self.service}/0"
 
     def _start(self, timeout: float) -> None:
-        """Start the servers, then the sentinels; wait until every sentinel sees all."""
-        _launch(self.servers, timeout)
+        """Start the servers (the master first), then the sentinels; wait until every
+        sentinel sees all."""
+        for server in self.servers:
+            server.start(timeout)
         _launch(self.sentinels, timeout)
         _wait("the replica to sync and the sentinels to agree", self._ready, timeout)
 
