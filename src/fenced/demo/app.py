@@ -7,11 +7,13 @@ and ``FENCED_DEMO_DIR`` (where tiles and published pointers go).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -51,21 +53,16 @@ app.conf.update(
     worker_hijack_root_logger=False,
 )
 
-_events: redis.Redis | None = None
 
-
+@functools.cache
 def _client() -> redis.Redis:
-    global _events
-    if _events is None:
-        _events = redis.Redis.from_url(f"{BASE}/2")
-    return _events
+    return redis.Redis.from_url(f"{BASE}/2")
 
 
 def event(kind: str, **data: Any) -> None:
     """Tell the demo runner what happened, as it happens (a Redis list it reads)."""
-    data.update(kind=kind, worker=os.environ.get("FENCED_DEMO_WORKER", socket.gethostname()))
-    data["at"] = time.time()
-    data["pid"] = os.getpid()
+    worker = os.environ.get("FENCED_DEMO_WORKER", socket.gethostname())
+    data.update(kind=kind, worker=worker, at=time.time(), pid=os.getpid())
     _client().rpush("demo:events", json.dumps(data))
 
 
@@ -98,14 +95,14 @@ def _build(task: Any, tenant: str, layer: str, tiles: int, publish_delay: float)
     return {"status": "ok", "tenant": tenant, "layer": layer, "fence": claim.fence}
 
 
-@app.task(
-    base=ClaimedTask,
-    bind=True,
-    name="demo.rebuild",
-    claim="rebuild:{tenant}:{layer}",
-    claim_ttl=TTL,
-    claim_interrupt=False,
-)
+def _claimed(name: str, claim: str, **options: Any) -> Callable[[Callable[..., Any]], Any]:
+    """``@app.task`` for a bound ClaimedTask ``demo.<name>`` with the demo's claim TTL."""
+    return app.task(
+        base=ClaimedTask, bind=True, name=f"demo.{name}", claim=claim, claim_ttl=TTL, **options
+    )
+
+
+@_claimed("rebuild", "rebuild:{tenant}:{layer}", claim_interrupt=False)
 def rebuild(
     self: Any, tenant: str, layer: str, tiles: int = 8, publish_delay: float = 0.0
 ) -> dict[str, Any]:
@@ -113,54 +110,26 @@ def rebuild(
     return _build(self, tenant, layer, tiles, publish_delay)
 
 
-@app.task(
-    base=ClaimedTask,
-    bind=True,
-    name="demo.rebuild_once",
-    claim="rebuild:{tenant}:{layer}",
-    claim_ttl=TTL,
-    claim_enqueue="until_finished",
-)
+@_claimed("rebuild_once", "rebuild:{tenant}:{layer}", claim_enqueue="until_finished")
 def rebuild_once(self: Any, tenant: str, layer: str, tiles: int = 8) -> dict[str, Any]:
     """The rebuild, sent at most once while one is queued or running (claim_enqueue)."""
     return _build(self, tenant, layer, tiles, 0.0)
 
 
-@app.task(
-    base=ClaimedTask,
-    bind=True,
-    name="demo.rebuild_coarse",
-    claim="rebuild",
-    claim_ttl=TTL,
-    claim_on_busy="retry",
-)
+@_claimed("rebuild_coarse", "rebuild", claim_on_busy="retry")
 def rebuild_coarse(self: Any, tenant: str, layer: str, tiles: int = 8) -> dict[str, Any]:
     """The same rebuild behind one coarse claim shared by every tenant (the mistake)."""
     return _build(self, tenant, layer, tiles, 0.0)
 
 
-@app.task(
-    base=ClaimedTask,
-    bind=True,
-    name="demo.daily_digest",
-    claim="digest:{tenant}",
-    claim_ttl=TTL,
-    claim_cooldown=3600,
-)
+@_claimed("daily_digest", "digest:{tenant}", claim_cooldown=3600)
 def daily_digest(self: Any, tenant: str) -> dict[str, Any]:
     """Once an hour at most, however often the beat fires: a cooldown after each ok run."""
     event("digest", tenant=tenant, layer="digest", fence=self.claim.fence)
     return {"status": "ok", "tenant": tenant, "fence": self.claim.fence}
 
 
-@app.task(
-    base=ClaimedTask,
-    bind=True,
-    name="demo.export",
-    claim="export:{tenant}",
-    claim_ttl=TTL,
-    claim_limit=2,
-)
+@_claimed("export", "export:{tenant}", claim_limit=2)
 def export(self: Any, tenant: str, hold: float = 20.0) -> dict[str, Any]:
     """Export a tenant's maps to a print server that takes two jobs at once (claim_limit)."""
     event("export", tenant=tenant, layer="export", fence=self.claim.fence)
@@ -172,7 +141,7 @@ def export(self: Any, tenant: str, hold: float = 20.0) -> dict[str, Any]:
     return {"status": "ok", "tenant": tenant, "fence": self.claim.fence}
 
 
-@app.task(base=ClaimedTask, bind=True, name="demo.fetch_feed", claim="feed:{source}", claim_ttl=TTL)
+@_claimed("fetch_feed", "feed:{source}")
 def fetch_feed(self: Any, source: str) -> dict[str, Any]:
     """Fetch a feed from a flaky upstream: the first attempt retries, keeping its claim."""
     attempt = self.request.retries

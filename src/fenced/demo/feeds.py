@@ -19,10 +19,7 @@ SCRIPT = Path("examples", "djangofeeds", "demo.py")
 def find_script(cwd: Path | None = None) -> Path | None:
     """The example's demo.py in this package's checkout or under ``cwd``; None if absent."""
     tops = [Path(__file__).resolve().parents[3], (cwd or Path.cwd()).resolve()]
-    for top in tops:
-        if (top / SCRIPT).is_file():
-            return top / SCRIPT
-    return None
+    return next((top / SCRIPT for top in tops if (top / SCRIPT).is_file()), None)
 
 
 def main() -> int:

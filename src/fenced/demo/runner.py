@@ -14,15 +14,39 @@ import signal
 import socket
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import redis
+
+from .. import Claim, Skipped, read_holder
+from .._inspect import list_claims
+from ..records import history
+from ..store import ContentStore, FilePointer
 from ..testing import CeleryWorker, RedisServer, available_binaries
 
 try:
     from rich.console import Console
 except ImportError:  # pragma: no cover
     Console = None  # type: ignore[assignment,misc]
+
+
+def _ok(out: Any) -> bool:
+    """A task result that says the task ran to the end."""
+    return isinstance(out, dict) and out.get("status") == "ok"
+
+
+def _statuses(outs: list[Any]) -> list[str]:
+    """The results' statuses (an exception as its repr), sorted."""
+    return sorted(str(o.get("status")) if isinstance(o, dict) else repr(o) for o in outs)
+
+
+def _until(done: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Wait until ``done()`` holds, or for ``timeout`` seconds at the most."""
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 class Demo:
@@ -59,13 +83,7 @@ class Demo:
 
     def wait_event(self, timeout: float = 30.0, **match: Any) -> dict[str, Any]:
         """Wait for an event with the given fields."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for ev in self.events():
-                if all(ev.get(k) == v for k, v in match.items()):
-                    return ev
-            time.sleep(0.05)
-        raise TimeoutError(f"no event {match} within {timeout}s")
+        return self.wait_events(1, timeout, **match)[0]
 
     def wait_events(self, count: int, timeout: float = 30.0, **match: Any) -> list[dict[str, Any]]:
         """Wait for ``count`` events with the given fields."""
@@ -75,7 +93,8 @@ class Demo:
             if len(found) >= count:
                 return found
             time.sleep(0.05)
-        raise TimeoutError(f"no {count} events {match} within {timeout}s")
+        events = "event" if count == 1 else f"{count} events"
+        raise TimeoutError(f"no {events} {match} within {timeout}s")
 
     def result(self, res: Any, timeout: float = 60.0) -> Any:
         """A task's result, or its exception as a value."""
@@ -86,8 +105,6 @@ class Demo:
 
     def published(self, tenant: str, layer: str) -> tuple[bytes | None, int | None]:
         """Bytes and fence of the published manifest, if any."""
-        from ..store import ContentStore, FilePointer
-
         ptr = FilePointer(os.path.join(self.dir, "published", tenant, layer, "current"))
         try:
             state = ptr.read()
@@ -105,9 +122,6 @@ class Demo:
         with RedisServer(self.binary) as server:
             base = f"redis://127.0.0.1:{server.port}"
             os.environ.update(FENCED_DEMO_REDIS=base, FENCED_DEMO_DIR=self.dir)
-            env = dict(os.environ)
-            import redis
-
             self.locks = redis.Redis.from_url(base + "/2")
             self.say(
                 f"[bold]fenced demo[/]: embedded redis-server {server.version()} "
@@ -116,16 +130,7 @@ class Demo:
             from . import app as demo_app
 
             self.app = demo_app
-            self.workers = {
-                n: CeleryWorker(
-                    "fenced.demo.app",
-                    name=n,
-                    queues=n,
-                    log_dir=self.dir,
-                    env=dict(env, FENCED_DEMO_WORKER=n),
-                ).start()
-                for n in ("a", "b")
-            }
+            self.workers = {n: self._worker(n).start() for n in ("a", "b")}
             try:
                 for w in self.workers.values():
                     w.ready()
@@ -156,6 +161,11 @@ class Demo:
                 "acts and fenced web serves it until Ctrl-C)"
             )
         return status
+
+    def _worker(self, name: str) -> CeleryWorker:
+        """A worker of the demo app that consumes the queue of its own name."""
+        env = dict(os.environ, FENCED_DEMO_WORKER=name)
+        return CeleryWorker("fenced.demo.app", name=name, queues=name, log_dir=self.dir, env=env)
 
     def verdict(self) -> int:
         """Say whether every expectation held; the exit status."""
@@ -192,7 +202,7 @@ class Demo:
         r1 = rebuild.apply_async(("acme", "roads"), queue="a")
         r2 = rebuild.apply_async(("acme", "roads"), queue="b")
         out = [self.result(r1), self.result(r2)]
-        statuses = sorted(str(o.get("status")) if isinstance(o, dict) else repr(o) for o in out)
+        statuses = _statuses(out)
         self.expect(statuses == ["ok", "skipped"], f"results: {statuses}")
         skipped = next((o for o in out if isinstance(o, dict) and o["status"] == "skipped"), {})
         if skipped:
@@ -202,8 +212,6 @@ class Demo:
                 f"{h.get('pid')} task {str(h.get('task_id'))[:8]}…, fence {h.get('fence')}, "
                 f"{float(skipped.get('expires_in') or 0):.1f}s left"
             )
-        from ..records import history
-
         outcomes = [rec.outcome for rec in history(self.locks, "rebuild:acme:roads")]
         self.expect("skipped" in outcomes and "ok" in outcomes, f"run records: {outcomes}")
         self.expect(r2.state != "FAILURE" and r1.state != "FAILURE", "no task is marked failed")
@@ -220,7 +228,7 @@ class Demo:
         self.workers["a"].start().ready()
         self.say("     worker a is back; the broker redelivers the unacked message")
         out = self.result(res, timeout=90)
-        self.expect(isinstance(out, dict) and out.get("status") == "ok", f"redelivered: {out}")
+        self.expect(_ok(out), f"redelivered: {out}")
         data, _ = self.published("acme", "parks")
         expected = self.app.expected_manifest("acme", "parks", 8)
         self.expect(data == expected, "the published manifest is the complete, expected one")
@@ -233,17 +241,11 @@ class Demo:
         ev = self.wait_event(kind="publishing", layer="rail")
         a.signal(signal.SIGSTOP)
         self.say(f"     worker a paused (SIGSTOP) just before publishing with fence {ev['fence']}")
-        from .. import read_holder
-
-        deadline = time.monotonic() + 30
-        while read_holder(self.locks, "rebuild:acme:rail") is not None:
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        _until(lambda: read_holder(self.locks, "rebuild:acme:rail") is None)
         self.say("     a's lease expired while a was paused (nobody renewed it)")
         res_b = self.app.rebuild.apply_async(("acme", "rail"), queue="b")
         out_b = self.result(res_b)
-        self.expect(isinstance(out_b, dict) and out_b.get("status") == "ok", f"b rebuilt: {out_b}")
+        self.expect(_ok(out_b), f"b rebuilt: {out_b}")
         _, fence_b = self.published("acme", "rail")
         a.signal(signal.SIGCONT)
         self.say("     worker a resumed")
@@ -261,7 +263,9 @@ class Demo:
         self.expect(all(e["fence"] != ev["fence"] for e in stale), "a's stale publish was rejected")
         self.expect(data == self.app.expected_manifest("acme", "rail", 8), "the output is complete")
 
-    def _timed(self, task: Any, layer: str) -> tuple[float, list[tuple[float, float]]]:
+    def _timed(self, task: Any, layer: str) -> tuple[float, bool]:
+        """Rebuild ``layer`` for two tenants at once: the time it took, and whether the two
+        runs overlapped."""
         start = time.monotonic()
         rs = [
             task.apply_async(("acme", layer), queue="a"),
@@ -276,17 +280,15 @@ class Demo:
             begin = min(e["at"] for e in evs if e["kind"] == "started")
             end = max(e["at"] for e in evs if e["kind"] == "published")
             spans.append((begin, end))
-        return wall, spans
+        return wall, min(end for _, end in spans) > max(begin for begin, _ in spans)
 
     def act_tenants(self) -> None:
         """Act 4: tenants in the key run in parallel; one coarse claim serialises them."""
         self.say("\n[bold]4. Tenants[/] — the tenant belongs in the claim name")
-        wall_fine, fine = self._timed(self.app.rebuild, "tiles")
-        wall_coarse, coarse = self._timed(self.app.rebuild_coarse, "tiles-coarse")
+        wall_fine, overlap_fine = self._timed(self.app.rebuild, "tiles")
+        wall_coarse, overlap_coarse = self._timed(self.app.rebuild_coarse, "tiles-coarse")
         self.say(f"     claim 'rebuild:{{tenant}}:{{layer}}': two tenants took {wall_fine:.1f}s")
         self.say(f"     claim 'rebuild' (coarse):         two tenants took {wall_coarse:.1f}s")
-        overlap_fine = min(fine[0][1], fine[1][1]) > max(fine[0][0], fine[1][0])
-        overlap_coarse = min(coarse[0][1], coarse[1][1]) > max(coarse[0][0], coarse[1][0])
         self.expect(overlap_fine, "with the tenant in the key, the two rebuilds overlap")
         self.expect(not overlap_coarse, "with one coarse claim, they run one after the other")
 
@@ -297,20 +299,17 @@ class Demo:
         sent = [task.apply_async(args, {"tiles": 3}, queue="a") for _ in range(20)]
         ids = {r.id for r in sent}
         self.expect(len(ids) == 1, f"20 triggers published {len(ids)} message(s)")
-        out = self.result(sent[0])
-        self.expect(isinstance(out, dict) and out.get("status") == "ok", "that message ran")
+        self.expect(_ok(self.result(sent[0])), "that message ran")
         later = task.apply_async(args, {"tiles": 3}, queue="a")
         self.expect(later.id not in ids, "once it finished, the next trigger is published")
-        out = self.result(later)
-        self.expect(isinstance(out, dict) and out.get("status") == "ok", "and runs")
+        self.expect(_ok(self.result(later)), "and runs")
 
     def act_cooldown(self) -> None:
         """Act 6: a beat that fires twice, and a host whose clock is behind: one run."""
         self.say("\n[bold]6. A beat that fires twice[/] — claim_cooldown: one run per window")
         digest = self.app.daily_digest
         both = [digest.apply_async(("acme",), queue=q) for q in ("a", "b")]
-        out = [self.result(r) for r in both]
-        statuses = sorted(str(o.get("status")) if isinstance(o, dict) else repr(o) for o in out)
+        statuses = _statuses([self.result(r) for r in both])
         self.expect(statuses == ["ok", "skipped"], f"fired together: {statuses}")
         late = self.result(digest.apply_async(("acme",), queue="b"))
         seen = late if isinstance(late, dict) else {"status": repr(late)}
@@ -329,9 +328,7 @@ class Demo:
     def act_limit(self) -> None:
         """Act 7: two at a time (claim_limit=2); a third attempt finds both slots held."""
         self.say("\n[bold]7. Two at a time[/] — claim_limit=2: the third export is skipped")
-        from .. import Claim, Skipped
-        from .._inspect import list_claims
-        from .._views import holder_text
+        from .._views import holder_text  # rich
 
         self.locks.delete(self.app.EXPORTS_GO)
         sent = [self.app.export.apply_async(("acme",), queue=q) for q in ("a", "b")]
@@ -354,7 +351,7 @@ class Demo:
         finally:
             self.locks.set(self.app.EXPORTS_GO, 1)  # the two exports may finish
         out = [self.result(r) for r in sent]
-        ok = all(isinstance(o, dict) and o.get("status") == "ok" for o in out)
+        ok = all(_ok(o) for o in out)
         fences = sorted(o.get("fence") or 0 for o in out if isinstance(o, dict))
         self.expect(
             ok and len(set(fences)) == 2 and fences == sorted(e["fence"] for e in started),
@@ -366,16 +363,10 @@ class Demo:
         self.say(
             "\n[bold]8. A retry keeps its claim[/] — a duplicate during the countdown is skipped"
         )
-        from ..records import history
-
         fetch = self.app.fetch_feed
         first = fetch.apply_async(("weather",), queue="a")
         ev = self.wait_event(kind="fetch", tenant="weather", attempt=0)
-        deadline = time.monotonic() + 30
-        while not any(r.outcome == "retried" for r in history(self.locks, "feed:weather")):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        _until(lambda: any(r.outcome == "retried" for r in history(self.locks, "feed:weather")))
         self.say(
             f"     the upstream failed; the fetch (fence {ev['fence']}) retries in "
             f"{self.app.RETRY_COUNTDOWN:.0f}s"
@@ -403,18 +394,13 @@ class Demo:
     def act_summary(self) -> None:
         """Act 9: what the run records say."""
         self.say("\n[bold]9. The run records[/]")
-        from ..records import history
-
         names = [
             "rebuild:acme:roads", "rebuild:acme:parks", "rebuild:acme:rail",
             "rebuild:acme:tiles", "rebuild:globex:tiles", "rebuild", "rebuild:acme:signs",
             "digest:acme", "export:acme", "feed:weather",
         ]  # fmt: skip
         for name in names:
-            runs = history(self.locks, name, limit=50)
-            counts: dict[str, int] = {}
-            for rec in runs:
-                counts[rec.outcome] = counts.get(rec.outcome, 0) + 1
+            counts = Counter(rec.outcome for rec in history(self.locks, name, limit=50))
             text = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
             self.say(f"     {name:<24} {text}")
         every = [rec.outcome for n in names for rec in history(self.locks, n, limit=50)]
@@ -430,8 +416,7 @@ def main(
     """Run the demo; returns the exit status."""
     if say is None:
         if Console is not None:
-            console = Console(highlight=False)
-            say = console.print
+            say = Console(highlight=False).print
         else:  # pragma: no cover
             import re
 

@@ -1,18 +1,10 @@
 """Configuration checks: the Redis, Celery and naming mistakes that quietly break claims.
 
-Each check returns :class:`Finding` objects that say what is wrong, why it matters for
-claims, and the exact setting or command that fixes it. :func:`run_doctor` gathers them
-into a :class:`Report` whose exit code is non-zero when any finding is an error.
-
-The rules come from running claims in production: an evicting Redis silently removes
-locks, a time limit below the lease kills a worker mid-claim, a Redis broker
-redelivers a message still running after ``visibility_timeout``, a Celery app with no
-lock store fails every claimed run, and a claim name that is too fine protects nothing
-while one that is too coarse serialises a parallel pipeline.
-
-The Redis checked for a Celery app is the one its claims use
-(:func:`lock_store_url`, resolved as :func:`fenced.celery.lock_redis` does), never the
-broker; the Celery checks import nothing from Celery until an app is given.
+Each check returns :class:`Finding` objects (what is wrong, why it matters, the fix);
+:func:`run_doctor` gathers them into a :class:`Report`, whose exit code is 1 when any
+finding is an error. For a Celery app the Redis checked is the one its claims use
+(:func:`lock_store_url`), never the broker; nothing is imported from Celery until an
+app is given.
 """
 
 from __future__ import annotations

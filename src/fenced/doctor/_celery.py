@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from .._client import redact
-from ._finding import Finding
+from ._finding import Finding, Severity
 
 __all__ = ["DEFAULT_VISIBILITY_TIMEOUT", "check_celery", "lock_store_url"]
 
@@ -36,19 +36,12 @@ def _is_redis(url: str | None) -> bool:
     return bool(url) and urlsplit(str(url)).scheme.lower() in _REDIS_SCHEMES
 
 
-def _redact(url: str | None) -> str:
-    """A URL fit to print: its passwords replaced."""
-    return redact(str(url))
-
-
 def _same_database(a: str | None, b: str | None) -> bool:
     """True when two Redis URLs name the same database on the same server."""
-    if not (_is_redis(a) and _is_redis(b)):
-        return False
-    return _database(str(a)) == _database(str(b))
+    return _is_redis(a) and _is_redis(b) and _database(str(a)) == _database(str(b))
 
 
-def _database(url: str) -> tuple[str, str, int]:
+def _database(url: str) -> tuple[str, int]:
     parts = urlsplit(url)
     query = parse_qs(parts.query)
     db_text = (query.get("db") or query.get("virtual_host") or [""])[0]
@@ -60,7 +53,7 @@ def _database(url: str) -> tuple[str, str, int]:
             host = "127.0.0.1"
         where = f"{host}:{parts.port or 6379}"
         db_text = db_text or parts.path.strip("/")
-    return ("redis", where, int(db_text) if db_text.isdigit() else 0)
+    return where, int(db_text) if db_text.isdigit() else 0
 
 
 def lock_store_url(app: Any) -> str | None:
@@ -73,32 +66,21 @@ def lock_store_url(app: Any) -> str | None:
     return str(url) if url else None
 
 
-def _is_claimed(task: Any) -> bool:
-    """A task takes a claim when it is a ClaimedTask with a claim template (or callable)."""
-    return getattr(task, "claim_template", None) is not None
+def _claim_option(task: Any, option: str) -> float:
+    """A claim option as the task finds it at run time: its own, the app's, the default."""
+    from ..celery import DEFAULTS  # only with an app: the doctor runs without Celery too
 
-
-def _claim_ignored(task: Any) -> bool:
-    """A task given a ``claim`` option that nothing reads: it is not a ClaimedTask."""
-    from ..celery import ClaimedTask
-
-    return not isinstance(task, ClaimedTask) and getattr(task, "claim", None) is not None
-
-
-def _user_tasks(app: Any) -> list[Any]:
-    return [t for name, t in sorted(app.tasks.items()) if not name.startswith("celery.")]
+    for value in (getattr(task, option, None), task.app.conf.get(f"fenced_{option}")):
+        if value is not None:
+            return float(value)
+    return float(DEFAULTS[option])
 
 
 def _claim_ttl(task: Any, claim_ttls: Mapping[str, float]) -> float:
-    """The lease a task's claims get, found as the task finds it at run time."""
-    from ..celery import DEFAULTS
-
+    """The lease a task's claims get: ``claim_ttls`` overrides what the task would find."""
     if task.name in claim_ttls:
         return float(claim_ttls[task.name])
-    for ttl in (getattr(task, "claim_ttl", None), task.app.conf.get("fenced_claim_ttl")):
-        if ttl is not None:
-            return float(ttl)
-    return float(DEFAULTS["claim_ttl"])
+    return _claim_option(task, "claim_ttl")
 
 
 def _hard_limit(task: Any, conf: Any) -> float | None:
@@ -108,6 +90,14 @@ def _hard_limit(task: Any, conf: Any) -> float | None:
 
 def _names(tasks: Iterable[Any]) -> str:
     return ", ".join(t.name for t in tasks)
+
+
+def _about(
+    tasks: list[Any], severity: Severity, code: str, what: str, why: str, fix: str
+) -> list[Finding]:
+    """A finding about ``tasks``, their names after ``what``; none without tasks."""
+    names = _names(tasks)
+    return [Finding(severity, code, what + names, why, fix, subject=names)] if tasks else []
 
 
 def check_celery(
@@ -124,14 +114,16 @@ def check_celery(
     ``longest_eta`` is the longest ETA/countdown the application uses, when known;
     time limits and ETAs passed per call to ``apply_async`` cannot be seen here.
     """
+    from ..celery import ClaimedTask
+
     conf = app.conf
     ttls = dict(claim_ttls or {})
-    tasks = _user_tasks(app)
-    claimed = [t for t in tasks if _is_claimed(t)]
+    tasks = [t for name, t in sorted(app.tasks.items()) if not name.startswith("celery.")]
+    # A ClaimedTask with a claim template (or callable) takes a claim.
+    claimed = [t for t in tasks if getattr(t, "claim_template", None) is not None]
     late = [t for t in claimed if getattr(t, "acks_late", False)]
     found: list[Finding] = []
     broker = _first_url(conf.broker_url)
-    redis_broker = _is_redis(broker)
 
     if claimed:
         found.append(
@@ -158,8 +150,11 @@ def check_celery(
             )
         )
 
-    ignored = [t for t in tasks if _claim_ignored(t)]
-    for task in ignored:
+    for task in tasks:
+        # A claim option on a task that is not a ClaimedTask: nothing reads it (and
+        # a ClaimedTask's claim is its running claim: asked for outside a run, it raises).
+        if isinstance(task, ClaimedTask) or getattr(task, "claim", None) is None:
+            continue
         option = repr(task.claim) if isinstance(task.claim, str) else "..."
         found.append(
             Finding(
@@ -175,22 +170,18 @@ def check_celery(
             )
         )
 
-    early = [t for t in claimed if not getattr(t, "acks_late", False)]
-    if early:
-        found.append(
-            Finding(
-                "warning",
-                "celery.acks-late",
-                f"acks_late is off for claimed task(s): {_names(early)}",
-                "Without acks_late the message is acknowledged when the task starts: a "
-                "worker killed mid-run (a deploy, OOM) loses the work outright. The claim "
-                "it held expires, but nothing brings the run back.",
-                "`task_acks_late = True` in the Celery config, or `acks_late=True` in each "
-                "task's decorator; fenced treats the redelivery as a resumption, not a "
-                "duplicate.",
-                subject=_names(early),
-            )
-        )
+    found += _about(
+        [t for t in claimed if not getattr(t, "acks_late", False)],
+        "warning",
+        "celery.acks-late",
+        "acks_late is off for claimed task(s): ",
+        "Without acks_late the message is acknowledged when the task starts: a "
+        "worker killed mid-run (a deploy, OOM) loses the work outright. The claim "
+        "it held expires, but nothing brings the run back.",
+        "`task_acks_late = True` in the Celery config, or `acks_late=True` in each "
+        "task's decorator; fenced treats the redelivery as a resumption, not a "
+        "duplicate.",
+    )
 
     for task in claimed:
         ttl = _claim_ttl(task, ttls)
@@ -214,7 +205,7 @@ def check_celery(
                 )
             )
 
-    if redis_broker:
+    if _is_redis(broker):
         found += _visibility_findings(app, tasks, claimed, ttls, longest_eta)
 
     multiplier = int(conf.get("worker_prefetch_multiplier") or 0)
@@ -231,28 +222,23 @@ def check_celery(
             )
         )
 
-    lost_unhandled = [
-        t
-        for t in late
-        if not getattr(t, "reject_on_worker_lost", None)
-        and not getattr(t, "retry_on_worker_lost", None)
-    ]
-    if lost_unhandled:
-        found.append(
-            Finding(
-                "warning",
-                "celery.reject-on-worker-lost",
-                f"task_reject_on_worker_lost is not set for acks_late claimed task(s): "
-                f"{_names(lost_unhandled)}",
-                "When a pool process dies (OOM killer, SIGKILL) Celery acknowledges the "
-                "message as failed by default, so acks_late does not bring the run back. "
-                "With it set the message is redelivered; fenced recognises its own task id "
-                "on the claim and resumes once the dead holder's lease ends.",
-                "`task_reject_on_worker_lost = True` (or `reject_on_worker_lost=True` on the "
-                "task; newer Celery also offers `task_retry_on_worker_lost = True`).",
-                subject=_names(lost_unhandled),
-            )
-        )
+    found += _about(
+        [
+            t
+            for t in late
+            if not getattr(t, "reject_on_worker_lost", None)
+            and not getattr(t, "retry_on_worker_lost", None)
+        ],
+        "warning",
+        "celery.reject-on-worker-lost",
+        "task_reject_on_worker_lost is not set for acks_late claimed task(s): ",
+        "When a pool process dies (OOM killer, SIGKILL) Celery acknowledges the "
+        "message as failed by default, so acks_late does not bring the run back. "
+        "With it set the message is redelivered; fenced recognises its own task id "
+        "on the claim and resumes once the dead holder's lease ends.",
+        "`task_reject_on_worker_lost = True` (or `reject_on_worker_lost=True` on the "
+        "task; newer Celery also offers `task_retry_on_worker_lost = True`).",
+    )
 
     setting = "worker_cancel_long_running_tasks_on_connection_loss"
     if late and setting in conf and not conf.get(setting):
@@ -334,38 +320,28 @@ def _visibility_findings(
         delay = getattr(task, "default_retry_delay", None)
         if delay:
             needs.append((float(delay), f"default_retry_delay of {task.name}"))
-    if needs:
-        need, source = max(needs)
-        if need >= visibility:
-            suggested = math.ceil(need * 1.25 / 60) * 60
-            found.append(
-                Finding(
-                    "error",
-                    "celery.visibility-timeout",
-                    f"The Redis broker's visibility_timeout ({_seconds(visibility)}) is not "
-                    f"longer than the {source} ({_seconds(need)})",
-                    "A Redis broker redelivers any message unacknowledged for longer than "
-                    "visibility_timeout, to another worker, while the first still runs it "
-                    "(acks_late) or still waits for its ETA: the same task runs twice, and "
-                    "the copy queues behind, or collides with, the original's claim.",
-                    f'`broker_transport_options = {{"visibility_timeout": {suggested}}}` '
-                    "(longer than the longest time limit and ETA).",
-                )
+    need, source = max(needs, default=(0.0, ""))
+    if needs and need >= visibility:
+        suggested = math.ceil(need * 1.25 / 60) * 60
+        found.append(
+            Finding(
+                "error",
+                "celery.visibility-timeout",
+                f"The Redis broker's visibility_timeout ({_seconds(visibility)}) is not "
+                f"longer than the {source} ({_seconds(need)})",
+                "A Redis broker redelivers any message unacknowledged for longer than "
+                "visibility_timeout, to another worker, while the first still runs it "
+                "(acks_late) or still waits for its ETA: the same task runs twice, and "
+                "the copy queues behind, or collides with, the original's claim.",
+                f'`broker_transport_options = {{"visibility_timeout": {suggested}}}` '
+                "(longer than the longest time limit and ETA).",
             )
-    from ..celery import DEFAULTS  # only with an app: the doctor runs without Celery too
-
-    short = []
-    for task in claimed:
-        window = getattr(task, "claim_redelivery_window", None)
-        if window is None:
-            window = conf.get("fenced_claim_redelivery_window")
-        if window is None:
-            window = DEFAULTS["claim_redelivery_window"]
-        if float(window) < visibility:
-            short.append((float(window), task))
+        )
+    windows = {t.name: _claim_option(t, "claim_redelivery_window") for t in claimed}
+    short = [t for t in claimed if windows[t.name] < visibility]
     if short:
-        window, _task = min(short, key=lambda pair: pair[0])
-        names = _names([t for _w, t in short])
+        window = min(windows[t.name] for t in short)
+        names = _names(short)
         found.append(
             Finding(
                 "error",
@@ -380,22 +356,17 @@ def _visibility_findings(
                 subject=names,
             )
         )
-    unbounded = [t for t in late if _hard_limit(t, conf) is None]
-    if unbounded:
-        found.append(
-            Finding(
-                "warning",
-                "celery.unbounded-task",
-                f"acks_late task(s) without a time limit on a Redis broker: {_names(unbounded)}",
-                f"Nothing bounds these runs below the visibility timeout "
-                f"({_seconds(visibility)}): a run that outlasts it is delivered again while "
-                "it still works.",
-                "Give each a `time_limit` below the visibility timeout (and above its claim "
-                "TTL), or raise `visibility_timeout` above the slowest run.",
-                subject=_names(unbounded),
-            )
-        )
-    return found
+    return found + _about(
+        [t for t in late if _hard_limit(t, conf) is None],
+        "warning",
+        "celery.unbounded-task",
+        "acks_late task(s) without a time limit on a Redis broker: ",
+        f"Nothing bounds these runs below the visibility timeout "
+        f"({_seconds(visibility)}): a run that outlasts it is delivered again while "
+        "it still works.",
+        "Give each a `time_limit` below the visibility timeout (and above its claim "
+        "TTL), or raise `visibility_timeout` above the slowest run.",
+    )
 
 
 def _lock_store_findings(app: Any, claimed: list[Any], broker: str | None) -> list[Finding]:
@@ -420,20 +391,18 @@ def _lock_store_findings(app: Any, claimed: list[Any], broker: str | None) -> li
                 "(and in the doctor's, to check it).",
             )
         ]
-    found: list[Finding] = []
-    for role, url in (("broker", broker), ("result backend", conf.get("result_backend"))):
-        if isinstance(url, str) and _same_database(store, url):
-            found.append(
-                Finding(
-                    "warning",
-                    "fenced.lock-store-shared",
-                    f"The lock store is the same Redis database as the {role} ({_redact(url)})",
-                    f"Locks share a database with the {role}'s keys: flushing or "
-                    "reconfiguring it (eviction, a cache TTL policy) removes live claims.",
-                    "Give claims a database of their own, e.g. "
-                    '`fenced_redis_url = "redis://host:6379/1"`, separate from broker and '
-                    "result backend.",
-                    subject=role,
-                )
-            )
-    return found
+    return [
+        Finding(
+            "warning",
+            "fenced.lock-store-shared",
+            f"The lock store is the same Redis database as the {role} ({redact(url)})",
+            f"Locks share a database with the {role}'s keys: flushing or "
+            "reconfiguring it (eviction, a cache TTL policy) removes live claims.",
+            "Give claims a database of their own, e.g. "
+            '`fenced_redis_url = "redis://host:6379/1"`, separate from broker and '
+            "result backend.",
+            subject=role,
+        )
+        for role, url in (("broker", broker), ("result backend", conf.get("result_backend")))
+        if isinstance(url, str) and _same_database(store, url)
+    ]

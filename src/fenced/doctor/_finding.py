@@ -88,11 +88,13 @@ def format_text(report: Report) -> str:
         lines.append(f"         why: {printable(f.why)}")
         lines.append(f"         fix: {printable(f.fix)}")
         lines.append("")
-    counts = report.as_dict()["counts"]
-    lines.append(
-        f"{counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} note(s)"
-    )
+    lines.append(_tally(report))
     return "\n".join(lines) + "\n"
+
+
+def _tally(report: Report) -> str:
+    counts = report.as_dict()["counts"]
+    return f"{counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} note(s)"
 
 
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
@@ -120,7 +122,4 @@ def render(report: Report, console: Any = None) -> None:
         body.append(printable(f.fix), style="green")
         title = Text(f"{f.severity} · {f.code}", style=_STYLE[f.severity])
         console.print(Panel(body, title=title, title_align="left", border_style=_STYLE[f.severity]))
-    counts = report.as_dict()["counts"]
-    console.print(
-        f"{counts['error']} error(s), {counts['warning']} warning(s), {counts['info']} note(s)"
-    )
+    console.print(_tally(report))

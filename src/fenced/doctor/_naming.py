@@ -23,14 +23,6 @@ __all__ = ["CONTENDED_OUTCOMES", "check_naming", "load_records", "name_shape"]
 CONTENDED_OUTCOMES = frozenset(OUTCOMES) & {"skipped"}
 
 
-def _args_key(args: Any) -> str | None:
-    if args is None:
-        return None
-    if isinstance(args, Mapping):
-        return json.dumps(dict(args), sort_keys=True, default=str)
-    return str(args)
-
-
 def _fields_of(template: str) -> list[str]:
     try:
         return template_fields(template)
@@ -90,46 +82,51 @@ def check_naming(
             by_name[str(rec["name"])].append(rec)
     found: list[Finding] = []
     for template, runs in sorted(by_template.items()):
-        found += _too_fine(template, runs, min_runs, unique_ratio)
+        found += _too_fine(template, runs, min_runs, unique_ratio, shape=False)
     for shape, runs in sorted(by_shape.items()):
-        found += _too_fine_names(shape, runs, min_runs, unique_ratio)
+        found += _too_fine(shape, runs, min_runs, unique_ratio, shape=True)
     for name, runs in sorted(by_name.items()):
         found += _too_coarse(name, runs, min_runs, unique_ratio, min_arg_sets)
     return found
 
 
-def _too_fine(template: str, runs: list[Record], min_runs: int, ratio: float) -> list[Finding]:
+def _too_fine(
+    key: str, runs: list[Record], min_runs: int, ratio: float, *, shape: bool
+) -> list[Finding]:
+    """A finding for a template (or, with ``shape``, a name shape) whose runs all differ."""
     names = [str(r.get("name")) for r in runs]
     if len(runs) < min_runs or _unique_share(names) <= ratio:
         return []
-    varying = []
-    for field in _fields_of(template):
-        values = [_dump(r["args"].get(field)) for r in runs if isinstance(r.get("args"), Mapping)]
-        if _unique_share(values) > ratio:
-            varying.append(field)
-    detail = ""
+    gave = f"gave {len(set(names))} different names in {len(runs)} runs"
+    if shape:
+        # Every field of a shape is a timestamp or an id: they all vary.
+        varying = _fields_of(key)
+        sources = sorted({str(r["source"]) for r in runs if r.get("source")})
+        by = f" (from {', '.join(sources[:3])}{', ...' if len(sources) > 3 else ''})"
+        parts = "/".join("{" + f + "}" for f in varying)
+        what = f"Claim names like {names[-1]!r}{by if sources else ''} {gave}; the "
+        what += f"{parts} part of {key!r} changes on every run"
+    else:
+        args = [r["args"] for r in runs if isinstance(r.get("args"), Mapping)]
+        varying = [
+            f for f in _fields_of(key) if _unique_share([_dump(a.get(f)) for a in args]) > ratio
+        ]
+        what = f"Claim template {key!r} {gave}"
+        if varying:
+            what += "; " + ", ".join("{" + v + "}" for v in varying) + " changes on every run"
     fix = (
         "Name the claim for the resource two runs would collide on (usually the output "
         "path), without timestamps or unique ids"
     )
-    if varying:
-        detail = "; " + ", ".join("{" + v + "}" for v in varying) + " changes on every run"
-        better = _without(template, varying)
-        if better and better != template:
-            fix += f": e.g. {better!r}"
-    return [
-        Finding(
-            "warning",
-            "naming.too-fine",
-            f"Claim template {template!r} gave {len(set(names))} different names in "
-            f"{len(runs)} runs{detail}",
-            "A timestamp or unique id in the key protects nothing: every run gets a claim "
-            "of its own, never contends with anything, and two runs on the same resource "
-            "proceed together while it looks like locking works.",
-            fix + ".",
-            subject=template,
-        )
-    ]
+    better = _without(key, varying)
+    if better and better != key and not (shape and _fields_of(better)):
+        fix += f": e.g. {better!r}"
+    why = (
+        "A timestamp or unique id in the key protects nothing: every run gets a claim "
+        "of its own, never contends with anything, and two runs on the same resource "
+        "proceed together while it looks like locking works."
+    )
+    return [Finding("warning", "naming.too-fine", what, why, fix + ".", subject=key)]
 
 
 # A digest in a name (h1-..., a hashed value) is a value, not a time: left as it is.
@@ -164,37 +161,6 @@ def name_shape(name: str) -> str | None:
     return "".join(pieces) if changed else None
 
 
-def _too_fine_names(shape: str, runs: list[Record], min_runs: int, ratio: float) -> list[Finding]:
-    names = [str(r.get("name")) for r in runs]
-    if len(runs) < min_runs or _unique_share(names) <= ratio:
-        return []
-    sources = sorted({str(r["source"]) for r in runs if r.get("source")})
-    by = f" (from {', '.join(sources[:3])}{', ...' if len(sources) > 3 else ''})"
-    fields = _fields_of(shape)
-    better = _without(shape, fields)
-    fix = (
-        "Name the claim for the resource two runs would collide on (usually the output "
-        "path), without timestamps or unique ids"
-    )
-    if better and better != shape and not _fields_of(better):
-        fix += f": e.g. {better!r}"
-    return [
-        Finding(
-            "warning",
-            "naming.too-fine",
-            f"Claim names like {names[-1]!r}{by if sources else ''} gave {len(set(names))} "
-            f"different names in {len(runs)} runs; the "
-            + "/".join("{" + f + "}" for f in fields)
-            + f" part of {shape!r} changes on every run",
-            "A timestamp or unique id in the key protects nothing: every run gets a claim "
-            "of its own, never contends with anything, and two runs on the same resource "
-            "proceed together while it looks like locking works.",
-            fix + ".",
-            subject=shape,
-        )
-    ]
-
-
 def _too_coarse(
     name: str, runs: list[Record], min_runs: int, ratio: float, min_arg_sets: int
 ) -> list[Finding]:
@@ -212,32 +178,24 @@ def _too_coarse(
     # id, is a parameter of the run, not a resource that runs collide on.
     per_run = {k for k, v in values.items() if len(v) >= min_runs and _unique_share(v) > ratio}
     keep = set(values) - in_key - per_run
-    sets: set[str | None] = set()
+    sets: set[str] = set()
     for r in contended:
         args = r.get("args")
         if isinstance(args, Mapping):
-            sets.add(_args_key({k: v for k, v in args.items() if k in keep}))
+            sets.add(_dump({k: v for k, v in args.items() if k in keep}))
         elif args is not None:
-            sets.add(_args_key(args))
+            sets.add(str(args))
     if len(sets) < min_arg_sets:
         return []
     counts = {k: len(set(values[k])) for k in sorted(keep)}
     differing = [k for k, n in counts.items() if n > 1]
-    detail = (
-        "; arguments that differ: " + ", ".join(f"{k} ({counts[k]} values)" for k in differing)
-        if differing
-        else ""
-    )
+    listed = ", ".join(f"{k} ({counts[k]} values)" for k in differing)
+    detail = f"; arguments that differ: {listed}" if differing else ""
     templates = [str(r["template"]) for r in runs if r.get("template")]
     base = max(sorted(set(templates)), key=templates.count) if templates else name
     better = base + "".join(":{" + k + "}" for k in differing)
-    fix = (
-        f"Put the argument that names what a run writes in the claim template: e.g. "
-        f"claim={better!r}"
-        if differing
-        else "Put the argument that names what a run writes in the claim template "
-        "(e.g. 'rebuild:{tenant}:{layer}')"
-    )
+    example = f": e.g. claim={better!r}" if differing else " (e.g. 'rebuild:{tenant}:{layer}')"
+    fix = "Put the argument that names what a run writes in the claim template" + example
     return [
         Finding(
             "warning",

@@ -19,11 +19,8 @@ MIN_REDIS = (5, 0)
 
 
 def _version(text: str) -> tuple[int, ...]:
-    parts = []
-    for part in text.split("."):
-        digits = re.match(r"\d+", part)
-        parts.append(int(digits.group()) if digits else 0)
-    return tuple(parts)
+    """The leading digits of each part ("7.2.4-rc1" is (7, 2, 4); no digits count 0)."""
+    return tuple(int("0" + re.sub(r"\D.*", "", part)) for part in text.split("."))
 
 
 def version_findings(version: str) -> list[Finding]:
@@ -53,9 +50,14 @@ def _config(client: Any, name: str) -> str | None:
     return values.get(name)
 
 
-def _policy_findings(info: Mapping[str, Any], client: Any) -> list[Finding]:
+def _policy(info: Mapping[str, Any], client: Any) -> str | None:
+    """maxmemory-policy from INFO, else from CONFIG GET; None when neither says."""
     policy = info.get("maxmemory_policy")
-    policy = as_text(policy) if policy is not None else _config(client, "maxmemory-policy")
+    return as_text(policy) if policy is not None else _config(client, "maxmemory-policy")
+
+
+def _policy_findings(info: Mapping[str, Any], client: Any) -> list[Finding]:
+    policy = _policy(info, client)
     found: list[Finding] = []
     if policy is None:
         found.append(
@@ -326,11 +328,8 @@ def _settings(client: Any) -> dict[str, str]:
         info = client.info()
     except Exception:
         info = {}
-    policy = info.get("maxmemory_policy")
     found = {
-        "maxmemory-policy": as_text(policy)
-        if policy is not None
-        else _config(client, "maxmemory-policy"),
+        "maxmemory-policy": _policy(info, client),
         "save": _config(client, "save"),
         "appendonly": _config(client, "appendonly"),
     }
