@@ -116,12 +116,9 @@ def _marker(value: Any, problems: list[str]) -> str | None:
     return None if value is None else readable(value)
 
 
-def _glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
-
-
 def _lock_keys(client: Any, namespace: str, part: str = "lock") -> Iterator[str | bytes]:
-    return scan_keys(client, _glob_escape(namespace) + ":{*}:" + part)
+    """The keys ``part`` of every name under ``namespace`` (its glob characters escaped)."""
+    return scan_keys(client, re.sub(r"([*?\[\]\\])", r"\\\1", namespace) + ":{*}:" + part)
 
 
 def _left(pttl: Any) -> float | None:

@@ -290,12 +290,10 @@ def create_app(
             return runs(request, name)
         if action:
             return _error(404, f"no such view {action!r}: use /api/claims/{{name}}/runs")
-        limit = _limit(request)
-        report = show_claim(client, name, namespace=namespace, limit=limit)
-        data = report.as_dict()
+        report = show_claim(client, name, namespace=namespace, limit=_limit(request))
         skips = consecutive_skips(client, report.name, namespace=namespace)
-        data.update(skips=skips, alert=alerting(skips), now=_server_now(client))
-        return _json(data)
+        now = _server_now(client)
+        return _json(report.as_dict() | {"skips": skips, "alert": alerting(skips), "now": now})
 
     def runs(request: Request, name: str) -> Response:
         records = history(client, name, limit=_limit(request), namespace=namespace)
