@@ -64,12 +64,14 @@ class ClaimInfo:
 
     name: str
     holder: Holder | None
-    age: float | None
-    expires_in: float | None
-    fence: int | None
-    skips: int
-    last_outcome: str | None
-    last_finished: float | None
+    #: Seconds since the holder's run started (None: not found in its records).
+    age: float | None = None
+    expires_in: float | None = None
+    fence: int | None = None
+    skips: int = 0
+    #: How the name's previous run ended, and when (read from its records).
+    last_outcome: str | None = None
+    last_finished: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     #: What of the claim's keys could not be read (a fence that is not an integer...).
     unreadable: str | None = None
@@ -184,7 +186,7 @@ def list_claims(client: Any, namespace: str = "fenced") -> list[ClaimInfo]:
 
 def _unread(name: str, why: str) -> ClaimInfo:
     """A claim found held whose lease could not be read at all."""
-    return ClaimInfo(name, Holder.unknown(why), None, None, None, 0, None, None, unreadable=why)
+    return ClaimInfo(name, Holder.unknown(why), unreadable=why)
 
 
 def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo]:
@@ -237,12 +239,9 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
         info = ClaimInfo(
             name=name,
             holder=holder,
-            age=None,
             expires_in=holder.expires_in if holder else None,
             fence=fence_int,
             skips=_number(skips, "skips", problems) or 0,
-            last_outcome=None,
-            last_finished=None,
             cooldown_left=window,
             limit=limit,
             slots=slots,
