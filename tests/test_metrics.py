@@ -303,8 +303,7 @@ def test_own_numbers_and_prometheus_clients_metrics_written_in_batches_agree(
     # one by one would (the held gauge pairs a loss with its release).
     batched = ClaimMetrics(CollectorRegistry(), in_files=False)
     each = ClaimMetrics(CollectorRegistry(), in_files=True)
-    # The reference: each event through its handler at once (the batch loop counts
-    # acquires and releases with code of its own).
+    # The reference: each event counted at once, as it comes (never in a batch).
     reference = ClaimMetrics(CollectorRegistry(), in_files=False)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fenced.metrics, "BATCH", batch)

@@ -53,6 +53,8 @@ __all__ = [
 LS_RUNS = 10
 #: Claims read per pipelined round trip.
 BATCH = 500
+#: What a client that decodes replies makes of a claim with bytes that are not text.
+NOT_TEXT = "a value of the claim is not UTF-8"
 
 
 @dataclass
@@ -62,12 +64,14 @@ class ClaimInfo:
 
     name: str
     holder: Holder | None
-    age: float | None
-    expires_in: float | None
-    fence: int | None
-    skips: int
-    last_outcome: str | None
-    last_finished: float | None
+    #: Seconds since the holder's run started (None: not found in its records).
+    age: float | None = None
+    expires_in: float | None = None
+    fence: int | None = None
+    skips: int = 0
+    #: How the name's previous run ended, and when (read from its records).
+    last_outcome: str | None = None
+    last_finished: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     #: What of the claim's keys could not be read (a fence that is not an integer...).
     unreadable: str | None = None
@@ -114,12 +118,9 @@ def _marker(value: Any, problems: list[str]) -> str | None:
     return None if value is None else readable(value)
 
 
-def _glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
-
-
 def _lock_keys(client: Any, namespace: str, part: str = "lock") -> Iterator[str | bytes]:
-    return scan_keys(client, _glob_escape(namespace) + ":{*}:" + part)
+    """The keys ``part`` of every name under ``namespace`` (its glob characters escaped)."""
+    return scan_keys(client, re.sub(r"([*?\[\]\\])", r"\\\1", namespace) + ":{*}:" + part)
 
 
 def _left(pttl: Any) -> float | None:
@@ -185,7 +186,7 @@ def list_claims(client: Any, namespace: str = "fenced") -> list[ClaimInfo]:
 
 def _unread(name: str, why: str) -> ClaimInfo:
     """A claim found held whose lease could not be read at all."""
-    return ClaimInfo(name, Holder.unknown(why), None, None, None, 0, None, None, unreadable=why)
+    return ClaimInfo(name, Holder.unknown(why), unreadable=why)
 
 
 def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo]:
@@ -207,7 +208,7 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
         # A client that decodes replies met bytes that are not text, and the batch is
         # lost with them: read claim by claim, to list all but the one at fault.
         if len(names) == 1:
-            return [_unread(names[0], "a value of the claim is not UTF-8")]
+            return [_unread(names[0], NOT_TEXT)]
         return [info for name in names for info in _read_batch(client, [name], namespace)]
     clock = _clocks(client, results, timed)
     per = 9
@@ -238,12 +239,9 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
         info = ClaimInfo(
             name=name,
             holder=holder,
-            age=None,
             expires_in=holder.expires_in if holder else None,
             fence=fence_int,
             skips=_number(skips, "skips", problems) or 0,
-            last_outcome=None,
-            last_finished=None,
             cooldown_left=window,
             limit=limit,
             slots=slots,
@@ -284,25 +282,19 @@ def _read_slots(
 ) -> dict[str, tuple[int, list[tuple[int, Holder]]]]:
     """The limit and the holders by slot of each name acquired with a limit above 1 (one
     more round trip, only when there are such names)."""
-    limits = {}
-    for i, name in enumerate(names):
-        limit = _limit_of(results[per * i + per - 1])
-        if limit > 1:
-            limits[name] = (limit, results[per * i + 2], results[per * i + per - 1])
+    limits = {name: _limit_of(results[per * i + per - 1]) for i, name in enumerate(names)}
+    limits = {name: limit for name, limit in limits.items() if limit > 1}
     if not limits:
         return {}
     pipe = client.pipeline(transaction=False)
-    for name, (limit, _f, _h) in limits.items():
-        keys = ClaimKeys(namespace, name)
-        for slot in range(limit):
-            pipe.get(keys.slot(slot))
-            pipe.pttl(keys.slot(slot))
+    for name, limit in limits.items():
+        queue_slots(pipe, ClaimKeys(namespace, name), limit)
     answers = pipe.execute(raise_on_error=False)
     out = {}
-    at = 0
-    for name, (limit, fence, fences) in limits.items():
-        out[name] = (limit, slot_holders(answers[at : at + 2 * limit], fence, fences))
-        at += 2 * limit
+    for name, limit in limits.items():
+        *leases, fence, fences = answers[: 2 * limit + 2]
+        del answers[: 2 * limit + 2]
+        out[name] = (limit, slot_holders(leases, fence, fences))
     return out
 
 
@@ -394,52 +386,49 @@ def show_claim(
     pipe.pttl(keys.cooldown)
     pipe.get(keys.queued)
     pipe.pttl(keys.queued)
-    with reachable(client, f"read claim {keys.name!r}", keys.name):
-        try:
-            answers = pipe.execute(raise_on_error=False)
-        except UnicodeDecodeError:
-            # A client that decodes replies met bytes that are not text, and the whole
-            # answer is lost with them: read part by part, to show what can be read.
-            return _show_apart(client, keys, limit)
+    answers = _read(client, keys, pipe)
+    if answers is None:
+        # A client that decodes replies met bytes that are not text, and the whole answer
+        # is lost with them: read part by part, to show what can be read.
+        return _show_apart(client, keys, limit)
     *leases, fence, fences, entries, cooldown, mark, mark_pttl = answers
-    slots = slot_holders(leases, fence, fences)
     most = _limit_of(fences)
-    if most == 1:
-        # The plain claim: its holder's fence is the counter's.
-        holder = lock_holder(keys, leases[0], leases[1], fence)
-        slots = [(0, holder)] if holder else [s for s in slots if s[0]]
+    # The plain claim: its holder's fence is the counter's.
+    holder = lock_holder(keys, leases[0], leases[1], fence) if most == 1 else None
     if isinstance(entries, Exception):  # not a stream (WRONGTYPE): someone else's key
         runs = [RunRecord(keys.name, UNREADABLE, unreadable=f"{keys.runs}: {entries}")]
     else:
         runs = from_entries(keys.name, entries, limit)
-    return _report(keys, slots, most, runs, cooldown, mark, mark_pttl)
+    slots = slot_holders(leases, fence, fences)
+    return _report(keys, slots, most, holder, runs, cooldown, mark, mark_pttl)
 
 
 def _show_apart(client: Any, keys: ClaimKeys, limit: int) -> ClaimReport:
     """:func:`show_claim` in a round trip per part, each read on its own terms."""
     slots = read_slots(client, keys.name, namespace=keys.namespace)
     most = _limit_of(_slots_hash(client, keys))
-    if most == 1:
-        holder = read_holder(client, keys.name, namespace=keys.namespace)
-        slots = [(0, holder)] if holder else [s for s in slots if s[0]]
+    holder = read_holder(client, keys.name, namespace=keys.namespace) if most == 1 else None
     runs = history(client, keys.name, limit=limit, namespace=keys.namespace)
     try:
         mark: Any = client.get(keys.queued)
     except (redis.ResponseError, UnicodeDecodeError) as exc:
         mark = redis.ResponseError(str(exc))
     pttl = client.pttl(keys.cooldown)
-    return _report(keys, slots, most, runs, pttl, mark, client.pttl(keys.queued))
+    return _report(keys, slots, most, holder, runs, pttl, mark, client.pttl(keys.queued))
 
 
 def _report(
     keys: ClaimKeys,
     slots: list[tuple[int, Holder]],
     most: int,
+    holder: Holder | None,
     runs: list[RunRecord],
     pttl: Any,
     mark: Any,
     mark_pttl: Any,
 ) -> ClaimReport:
+    if most == 1:  # a plain claim: its lease, or what stands in a slot above 0
+        slots = [(0, holder)] if holder else [s for s in slots if s[0]]
     problems: list[str] = []
     queued = _marker(mark, problems)
     if problems:  # a marker key of another type: shown as the runs key's would be
@@ -464,12 +453,19 @@ def read_holder(client: Any, name: str, *, namespace: str = "fenced") -> Holder 
     pipe.get(keys.lock)
     pipe.pttl(keys.lock)
     pipe.get(keys.fence)
+    answers = _read(client, keys, pipe)
+    return Holder.unknown(NOT_TEXT) if answers is None else lock_holder(keys, *answers)
+
+
+def _read(client: Any, keys: ClaimKeys, pipe: Any) -> list[Any] | None:
+    """A pipeline's answers about one claim (errors among them), or None when a client
+    that decodes replies met bytes that are not text."""
     with reachable(client, f"read claim {keys.name!r}", keys.name):
         try:
-            token, pttl, fence = pipe.execute(raise_on_error=False)
-        except UnicodeDecodeError:  # a client that decodes replies, and bytes that are not text
-            return Holder.unknown("a value of the claim is not UTF-8")
-    return lock_holder(keys, token, pttl, fence)
+            answers: list[Any] = pipe.execute(raise_on_error=False)
+        except UnicodeDecodeError:
+            return None
+    return answers
 
 
 def lock_holder(keys: ClaimKeys, token: Any, pttl: Any, fence: Any) -> Holder | None:
@@ -488,13 +484,10 @@ def read_slots(
     """Every holder of a name, by slot (a name held by up to ``limit`` at once), in slot
     order; one round trip. ``limit`` defaults to the most a name may have."""
     keys = ClaimKeys.of(name, namespace)
-    pipe = queue_slots(client.pipeline(transaction=False), keys, limit)
-    with reachable(client, f"read claim {keys.name!r}", keys.name):
-        try:
-            *leases, fence, fences = pipe.execute(raise_on_error=False)
-        except UnicodeDecodeError:  # a client that decodes replies, and bytes that are not text
-            return [(0, Holder.unknown("a value of the claim is not UTF-8"))]
-    return slot_holders(leases, fence, fences)
+    answers = _read(client, keys, queue_slots(client.pipeline(transaction=False), keys, limit))
+    if answers is None:
+        return [(0, Holder.unknown(NOT_TEXT))]
+    return slot_holders(answers[:-2], *answers[-2:])
 
 
 def queue_slots(pipe: Any, keys: ClaimKeys, limit: int = MAX_LIMIT) -> Any:

@@ -19,6 +19,7 @@ from rich.text import Text
 from ._inspect import ClaimInfo, ClaimReport
 from ._lease import Holder
 from ._printable import printable
+from .records import RunRecord
 
 __all__ = [
     "WIDE",
@@ -90,11 +91,14 @@ def _unreadable(problem: str | None) -> str:
     return f"(unreadable: {printable(problem)})" if problem else ""
 
 
-def _holder_cell(info: ClaimInfo, holder: Holder, *, short: bool = False) -> str:
-    text = holder_text(holder, short=short)
-    if info.unreadable and info.unreadable != holder.unreadable:
-        text += f" {_unreadable(info.unreadable)}"
-    return text
+def _left(expires_in: float | None) -> str:
+    return duration(expires_in) if expires_in is not None else "no ttl"
+
+
+def _lease(holder: Holder, *, short: bool = False) -> str:
+    """``host pid 1, fence 7, 12.0s left``."""
+    fence = holder.fence if holder.fence is not None else "?"
+    return f"{holder_text(holder, short=short)}, fence {fence}, {_left(holder.expires_in)} left"
 
 
 def _window(left: float | None) -> str:
@@ -125,7 +129,9 @@ def _who(info: ClaimInfo, *, short: bool = False) -> str:
     if info.limit > 1:
         who = _held(info.limit, info.slots, short)
     elif info.holder is not None:
-        who = _holder_cell(info, info.holder, short=short)
+        who = holder_text(info.holder, short=short)
+        if info.unreadable and info.unreadable != info.holder.unreadable:
+            who += f" {_unreadable(info.unreadable)}"
     else:
         who = _unreadable(info.unreadable) or "-"
     notes = _notes(_window(info.cooldown_left), _queued(info.queued, info.queued_left, short=short))
@@ -138,9 +144,13 @@ def _outcome(outcome: str | None) -> Text:
     return Text(printable(outcome), style=STYLES.get(outcome, ""))
 
 
+def _table(title: str) -> Table:
+    return Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
+
+
 def claims_table(infos: list[ClaimInfo], title: str) -> Table:
     """The ``ls`` table: one row per held claim."""
-    table = Table(title=Text(title), title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
+    table = _table(title)
     table.add_column("name", style="bold", overflow="fold")
     table.add_column("holder", overflow="fold")
     for col in ("age", "left", "fence", "skips"):
@@ -151,7 +161,7 @@ def claims_table(infos: list[ClaimInfo], title: str) -> Table:
             Text(printable(info.name)),
             Text(_who(info)),
             duration(info.age) if info.holder else "-",
-            _lease_left(info),
+            _left(info.expires_in) if info.holder else "-",
             str(info.fence) if info.fence is not None else "?",
             Text(str(info.skips), style="yellow" if info.skips else ""),
             _outcome(info.last_outcome),
@@ -171,7 +181,7 @@ def _args(args: Any, readable: Any) -> str:
     return ", ".join(shown)
 
 
-def _detail(run: Any) -> str:
+def _detail(run: RunRecord) -> str:
     parts = [_unreadable(run.unreadable)] if run.unreadable else []
     if run.reason:
         parts.append(str(run.reason))
@@ -200,17 +210,10 @@ def _line(*cells: str | Text) -> Text:
     return line
 
 
-def _lease_left(info: ClaimInfo) -> str:
-    if info.holder is None:
-        return "-"
-    return duration(info.expires_in) if info.expires_in is not None else "no ttl"
-
-
 def claims_list(infos: list[ClaimInfo], title: str) -> Group:
     """The ``ls`` view for a narrow terminal: each claim's name and fence, then the rest."""
     blocks: list[Any] = [Text(title)]
     for info in infos:
-        left = _lease_left(info)
         head = Text(printable(info.name), style="bold", overflow="fold")
         head.append(f"  fence {info.fence if info.fence is not None else '?'}", style="dim")
         blocks.append(head)
@@ -220,7 +223,7 @@ def claims_list(infos: list[ClaimInfo], title: str) -> Group:
                     Text("last ").append_text(_outcome(info.last_outcome)),
                     Text(f"skips {info.skips}", style="yellow" if info.skips else ""),
                     f"age {duration(info.age)}" if info.holder else "",
-                    f"left {left}" if info.holder else "",
+                    f"left {_left(info.expires_in)}" if info.holder else "",
                     Text(_who(info, short=True)),
                 ),
                 (0, 0, 0, 2),
@@ -235,19 +238,23 @@ def _title(report: ClaimReport, *, short: bool = False) -> str:
         _window(report.cooldown_left), _queued(report.queued, report.queued_left, short=short)
     )
     if report.limit > 1:
-        parts = [f"{name}: {len(report.slots)}/{report.limit} held"]
-        for i, h in report.slots:
-            left = duration(h.expires_in) if h.expires_in is not None else "no ttl"
-            fence = h.fence if h.fence is not None else "?"
-            parts.append(f"slot {i}: {holder_text(h, short=short)}, fence {fence}, {left} left")
-        return "; ".join(parts + ([window] if window else []))
-    if report.holder is None:
-        return f"{name}: not held" + (f"; {window}" if window else "")
-    h = report.holder
-    left = duration(h.expires_in) if h.expires_in is not None else "no ttl"
-    fence = h.fence if h.fence is not None else "?"
-    title = f"{name}: held by {holder_text(h, short=short)}, fence {fence}, {left} left"
-    return title + (f"; {window}" if window else "")
+        held = [f"{len(report.slots)}/{report.limit} held"]
+        held += [f"slot {i}: {_lease(h, short=short)}" for i, h in report.slots]
+    elif report.holder is None:
+        held = ["not held"]
+    else:
+        held = [f"held by {_lease(report.holder, short=short)}"]
+    return f"{name}: " + _notes(*held, window)
+
+
+def _run_cells(run: RunRecord) -> tuple[str, Text, str]:
+    """When a run started (or ended), its outcome and how long it took."""
+    at = run.started if run.started is not None else run.finished
+    return (
+        when(at),
+        _outcome(run.outcome),
+        duration(run.duration) if run.duration is not None else "",
+    )
 
 
 def report_list(report: ClaimReport) -> Group:
@@ -256,9 +263,7 @@ def report_list(report: ClaimReport) -> Group:
     for run in report.runs:
         blocks.append(
             _line(
-                when(run.started if run.started is not None else run.finished),
-                _outcome(run.outcome),
-                duration(run.duration) if run.duration is not None else "",
+                *_run_cells(run),
                 f"fence {run.fence}" if run.fence is not None else "",
                 printable(run.worker or ""),
                 f"task {printable(_short(run.task_id))}" if run.task_id else "",
@@ -272,9 +277,7 @@ def report_list(report: ClaimReport) -> Group:
 
 def report_table(report: ClaimReport) -> Table:
     """The ``show`` table: a claim's runs, newest first."""
-    table = Table(
-        title=Text(_title(report)), title_justify="left", box=box.SIMPLE_HEAD, show_edge=False
-    )
+    table = _table(_title(report))
     table.add_column("started", no_wrap=True)
     table.add_column("outcome", no_wrap=True)
     table.add_column("took", justify="right", no_wrap=True)
@@ -286,9 +289,7 @@ def report_table(report: ClaimReport) -> Table:
     table.add_column("detail", overflow="fold")
     for run in report.runs:
         row: list[Any] = [
-            when(run.started if run.started is not None else run.finished),
-            _outcome(run.outcome),
-            duration(run.duration) if run.duration is not None else "",
+            *_run_cells(run),
             str(run.fence) if run.fence is not None else "",
             Text(printable(run.worker or "")),
         ]

@@ -143,59 +143,41 @@ def _word(text: str | None, words: dict[str, str]) -> str:
     return OTHER
 
 
-def skip_reason(text: str | None) -> str:
-    """The ``reason`` label of a skip."""
-    return _word(text, SKIP_REASONS)
-
-
-def loss_cause(text: str | None) -> str:
-    """The ``cause`` label of a loss."""
-    return _word(text, LOSS_CAUSES)
-
-
-#: Every metric: kind, help text, label names (after ``label``), histogram buckets.
+#: Every metric: its kind, the attribute of :class:`_Counts` that holds its values, its
+#: label names (after ``label``) and a histogram's buckets.
 METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
-    "claims_acquired": ("counter", "Claims acquired.", (), ()),
-    "claims_skipped": (
-        "counter",
-        "Claims not acquired because another holder had them (or the name ran recently).",
-        ("reason",),
-        (),
-    ),
-    "claims_lost": ("counter", "Claims lost while held.", ("cause",), ()),
-    "claims_released": ("counter", "Claims released, by how the work ended.", ("outcome",), ()),
-    "renewal_failures": (
-        "counter",
-        "Renewals that failed (Redis errors or timeouts; the claim may still be held).",
-        (),
-        (),
-    ),
-    "redis_unavailable": (
-        "counter",
-        "Acquires that found Redis unreachable (the work did not start).",
-        (),
-        (),
-    ),
-    "run_duration_seconds": (
-        "histogram",
-        "How long a claim was held, until it was released or lost.",
-        (),
-        RUN_BUCKETS,
-    ),
-    "renewal_seconds": (
-        "histogram",
-        "Round trip of a renewal that succeeded.",
-        (),
-        RENEWAL_BUCKETS,
-    ),
-    "claims_held": ("gauge", "Claims held now.", (), ()),
+    "claims_acquired": ("counter", "acquired", (), ()),
+    "claims_skipped": ("counter", "skipped", ("reason",), ()),
+    "claims_lost": ("counter", "lost", ("cause",), ()),
+    "claims_released": ("counter", "released", ("outcome",), ()),
+    "renewal_failures": ("counter", "failures", (), ()),
+    "redis_unavailable": ("counter", "unavailable", (), ()),
+    "run_duration_seconds": ("histogram", "run", (), RUN_BUCKETS),
+    "renewal_seconds": ("histogram", "renewal", (), RENEWAL_BUCKETS),
+    "claims_held": ("gauge", "held", (), ()),
 }
-
-
-#: Every word a worded counter takes, in a fixed order (what a label's counts start with).
-_SKIP_WORDS = (*dict.fromkeys(SKIP_REASONS.values()), OTHER)
-_LOSS_WORDS = (*dict.fromkeys(LOSS_CAUSES.values()), OTHER)
-_OUTCOME_WORDS = (*sorted(OUTCOMES), OTHER)
+#: Each metric's help text.
+HELP = {
+    "claims_acquired": "Claims acquired.",
+    "claims_skipped": "Claims not acquired because another holder had them "
+    "(or the name ran recently).",
+    "claims_lost": "Claims lost while held.",
+    "claims_released": "Claims released, by how the work ended.",
+    "renewal_failures": "Renewals that failed (Redis errors or timeouts; "
+    "the claim may still be held).",
+    "redis_unavailable": "Acquires that found Redis unreachable (the work did not start).",
+    "run_duration_seconds": "How long a claim was held, until it was released or lost.",
+    "renewal_seconds": "Round trip of a renewal that succeeded.",
+    "claims_held": "Claims held now.",
+}
+#: A kind of metric: prometheus_client's metric, and the family a collector hands over.
+_CLASSES: dict[str, tuple[Any, Any]] = {
+    "counter": (Counter, CounterMetricFamily),
+    "histogram": (Histogram, HistogramMetricFamily),
+    "gauge": (Gauge, GaugeMetricFamily),
+}
+#: The kinds of event counted (any other is left alone).
+_COUNTED = frozenset(events.KINDS)
 
 
 class _Counts:
@@ -207,69 +189,21 @@ class _Counts:
     can lose one under a race.) A reader may see a histogram's count before its sum.
     """
 
-    __slots__ = (
-        "acquired",
-        "failures",
-        "held",
-        "lost",
-        "released",
-        "renewal",
-        "run",
-        "skipped",
-        "unavailable",
-    )
+    __slots__ = tuple(field for _kind, field, _more, _buckets in METRICS.values())
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
         """Every value back to zero."""
-        self.acquired = 0.0
-        self.held = 0.0
-        self.skipped = dict.fromkeys(_SKIP_WORDS, 0.0)
-        self.lost = dict.fromkeys(_LOSS_WORDS, 0.0)
-        self.released = dict.fromkeys(_OUTCOME_WORDS, 0.0)
-        self.failures = 0.0
-        self.unavailable = 0.0
+        self.acquired = self.held = self.failures = self.unavailable = 0.0
+        # Every word a worded counter takes, in a fixed order.
+        self.skipped = dict.fromkeys((*SKIP_REASONS.values(), OTHER), 0.0)
+        self.lost = dict.fromkeys((*LOSS_CAUSES.values(), OTHER), 0.0)
+        self.released = dict.fromkeys((*sorted(OUTCOMES), OTHER), 0.0)
         # Count per bucket (not cumulative; the last but one is +Inf), then the sum.
         self.run = [0.0] * (len(RUN_BUCKETS) + 2)
         self.renewal = [0.0] * (len(RENEWAL_BUCKETS) + 2)
-
-    def on_acquired(self, fresh: bool) -> None:
-        self.acquired += 1.0
-        if fresh:
-            self.held += 1.0
-
-    def on_ended(
-        self, counts: dict[str, float], word: str, was_held: bool, duration: float | None
-    ) -> None:
-        counts[word] += 1.0
-        if was_held:
-            self.held -= 1.0
-            if duration is not None:
-                run = self.run
-                run[bisect_left(RUN_BUCKETS, duration)] += 1.0
-                run[-1] += duration
-
-    def on_released(self, outcome: str, was_held: bool, duration: float | None) -> None:
-        self.on_ended(self.released, outcome, was_held, duration)
-
-    def on_lost(self, cause: str, was_held: bool, duration: float | None) -> None:
-        self.on_ended(self.lost, cause, was_held, duration)
-
-    def on_skipped(self, reason: str) -> None:
-        self.skipped[reason] += 1.0
-
-    def on_renewed(self, duration: float) -> None:
-        renewal = self.renewal
-        renewal[bisect_left(RENEWAL_BUCKETS, duration)] += 1.0
-        renewal[-1] += duration
-
-    def on_renewal_failed(self) -> None:
-        self.failures += 1.0
-
-    def on_unavailable(self) -> None:
-        self.unavailable += 1.0
 
 
 class _Tally:
@@ -291,16 +225,10 @@ class _Tally:
         return counts
 
     def _families(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for metric, (kind, text, more, _buckets) in METRICS.items():
-            name, labels = self.prefix + metric, ["label", *more]
-            if kind == "counter":
-                out[metric] = CounterMetricFamily(name, text, labels=labels)
-            elif kind == "histogram":
-                out[metric] = HistogramMetricFamily(name, text, labels=labels)
-            else:
-                out[metric] = GaugeMetricFamily(name, text, labels=labels)
-        return out
+        return {
+            metric: _CLASSES[kind][1](self.prefix + metric, HELP[metric], labels=["label", *more])
+            for metric, (kind, _field, more, _buckets) in METRICS.items()
+        }
 
     def describe(self) -> Iterator[Any]:
         """The families, without values (so a registry refuses a second set of them)."""
@@ -312,36 +240,25 @@ class _Tally:
         with self.lock:
             labels = list(self.labels.items())
         families = self._families()
-
-        def add(metric: str, label: str, values: dict[str, float]) -> None:
-            for word, value in list(values.items()):
-                if value:
-                    families[metric].add_metric([label, word], value)
-
         for label, counts in labels:
-            if counts.acquired:
-                families["claims_acquired"].add_metric([label], counts.acquired)
-                families["claims_held"].add_metric([label], counts.held)
-            add("claims_skipped", label, counts.skipped)
-            add("claims_lost", label, counts.lost)
-            add("claims_released", label, counts.released)
-            for metric, value in (
-                ("renewal_failures", counts.failures),
-                ("redis_unavailable", counts.unavailable),
-            ):
-                if value:
-                    families[metric].add_metric([label], value)
-            for metric, spread in (
-                ("run_duration_seconds", list(counts.run)),
-                ("renewal_seconds", list(counts.renewal)),
-            ):
-                bounds = METRICS[metric][3]
-                cumulative, total = [], 0.0
-                for bound, n in zip((*bounds, float("inf")), spread[:-1]):
-                    total += n
-                    cumulative.append((floatToGoString(bound), total))  # type: ignore[no-untyped-call]
-                if total:
-                    families[metric].add_metric([label], cumulative, spread[-1])
+            for metric, (_kind, field, more, bounds) in METRICS.items():
+                value, family = getattr(counts, field), families[metric]
+                if bounds:
+                    spread, cumulative, total = list(value), [], 0.0
+                    for bound, n in zip((*bounds, float("inf")), spread[:-1]):
+                        total += n
+                        cumulative.append((floatToGoString(bound), total))  # type: ignore[no-untyped-call]
+                    if total:
+                        family.add_metric([label], cumulative, spread[-1])
+                elif more:
+                    for word, n in list(value.items()):
+                        if n:
+                            family.add_metric([label, word], n)
+                elif field == "held":  # shown from the label's first acquire, at 0 too
+                    if counts.acquired:
+                        family.add_metric([label], value)
+                elif value:
+                    family.add_metric([label], value)
         return iter(families.values())
 
 
@@ -371,42 +288,29 @@ class _Children:
         and start them again from zero. The caller holds the lock of the counts."""
         counts = self.counts
         if counts.acquired:
-            self.child("claims_acquired").inc(counts.acquired)
-            counts.acquired = 0.0
-            self.child("claims_held").inc(counts.held)  # the series shows, at 0 too
-        elif counts.held:
-            self.child("claims_held").inc(counts.held)
-        counts.held = 0.0
-        for metric, values in (
-            ("claims_skipped", counts.skipped),
-            ("claims_lost", counts.lost),
-            ("claims_released", counts.released),
-        ):
-            for word, n in values.items():
-                if n:
-                    self.child(metric, word).inc(n)
-                    values[word] = 0.0
-        if counts.failures:
-            self.child("renewal_failures").inc(counts.failures)
-            counts.failures = 0.0
-        if counts.unavailable:
-            self.child("redis_unavailable").inc(counts.unavailable)
-            counts.unavailable = 0.0
-        for metric, spread in (
-            ("run_duration_seconds", counts.run),
-            ("renewal_seconds", counts.renewal),
-        ):
-            if any(spread[:-1]):
-                # A histogram child keeps a value per bucket (not cumulative, as here) and
-                # the sum: prometheus_client's _buckets and _sum, the values observe() adds
-                # to (tests/test_metrics.py checks the two ways agree).
-                histogram = self.child(metric)
-                for i, n in enumerate(spread[:-1]):
+            self.child("claims_held")  # the series shows, at 0 too
+        for metric, (_kind, field, more, bounds) in METRICS.items():
+            value = getattr(counts, field)
+            if bounds:
+                if any(value[:-1]):
+                    # A histogram child keeps a value per bucket (not cumulative, as here)
+                    # and the sum: prometheus_client's _buckets and _sum, the values
+                    # observe() adds to (tests/test_metrics.py checks the two ways agree).
+                    histogram = self.child(metric)
+                    for i, n in enumerate(value[:-1]):
+                        if n:
+                            histogram._buckets[i].inc(n)
+                            value[i] = 0.0
+                    histogram._sum.inc(value[-1])
+                    value[-1] = 0.0
+            elif more:
+                for word, n in value.items():
                     if n:
-                        histogram._buckets[i].inc(n)
-                        spread[i] = 0.0
-                histogram._sum.inc(spread[-1])
-                spread[-1] = 0.0
+                        self.child(metric, word).inc(n)
+                        value[word] = 0.0
+            elif value:
+                self.child(metric).inc(value)
+                setattr(counts, field, 0.0)
 
 
 class _Shared:
@@ -416,24 +320,13 @@ class _Shared:
     def __init__(self, registry: CollectorRegistry, namespace: str) -> None:
         self.metrics: dict[str, Any] = {}
         self.labels: list[_Children] = []
-        for metric, (kind, text, more, buckets) in METRICS.items():
-            labels = ("label", *more)
-            if kind == "counter":
-                made: Any = Counter(metric, text, labels, namespace=namespace, registry=registry)
-            elif kind == "histogram":
-                made = Histogram(
-                    metric, text, labels, namespace=namespace, registry=registry, buckets=buckets
-                )
-            else:
-                # livesum: a prefork child that exits takes its claims out of the sum.
-                made = Gauge(
-                    metric,
-                    text,
-                    labels,
-                    namespace=namespace,
-                    registry=registry,
-                    multiprocess_mode="livesum",
-                )
+        for metric, (kind, _field, more, buckets) in METRICS.items():
+            options: dict[str, Any] = {"namespace": namespace, "registry": registry}
+            if kind == "histogram":
+                options["buckets"] = buckets
+            elif kind == "gauge":  # livesum: a child that exits takes its claims out of the sum
+                options["multiprocess_mode"] = "livesum"
+            made = _CLASSES[kind][0](metric, HELP[metric], ("label", *more), **options)
             self.metrics[metric] = made
 
     def cells(self, label: str) -> _Counts:
@@ -452,9 +345,6 @@ class _Shared:
         """A forked child: the counts it inherited are its parent's, to be written there."""
         for children in list(self.labels):
             children.counts.reset()
-
-    def collectors(self) -> list[Any]:
-        return list(self.metrics.values())
 
 
 def _in_files() -> bool:
@@ -497,43 +387,36 @@ class ClaimMetrics:
         self._store: _Tally | _Shared
         if _in_files() if in_files is None else in_files:
             self._store = _Shared(self.registry, namespace)
-            self._collectors: list[Any] = self._store.collectors()
+            self._collectors: list[Any] = list(self._store.metrics.values())
         else:
             self._store = _Tally(namespace)
+            self._store.drain = self._drain
             self.registry.register(self._store)
             self._collectors = [self._store]
         # Each label's counts, found with one dict lookup per event; labels are added
         # under the lock (at most MAX_LABELS of them), counts updated by _drain.
         self._cells: dict[str, _Counts] = {}
-        self._plain = isinstance(self._store, _Tally)
         # The events wait here and are counted BATCH at a time (see _take).
         self._pending: deque[ClaimEvent] = deque()
-        self._drain_lock = threading.Lock()
-        if isinstance(self._store, _Tally):
-            self._store.drain = self._drain
-        # Whether this process's counting thread runs (a forked child starts its own
-        # with its first event); after unregister() events are counted where they come.
-        self._counting = False
+        # After unregister() events are counted where they come.
         self._closed = False
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
         self._warned = False
         # The leases counted as held: (name, slot, fence). Set operations are atomic.
         self._holding: set[tuple[str, int | None, int | None]] = set()
-        self._handlers: dict[str, Callable[[ClaimEvent], None]] = {
-            "acquired": self._on_acquired,
-            "released": self._on_released,
-            "skipped": self._on_skipped,
-            "renewed": self._on_renewed,
-            "renewal_failed": self._on_renewal_failed,
-            "lost": self._on_lost,
-            "unavailable": self._on_unavailable,
-        }
+        self._new_locks()
         #: What to subscribe (:func:`install` does): counts one event. A bound method,
         #: which Python calls faster than the object itself.
         self.subscriber: Callable[[ClaimEvent], None] = self._take
         _every_metrics.add(self)  # see _forget
+
+    def _new_locks(self) -> None:
+        """Locks nobody holds, and no counting thread yet (a process starts its own with
+        its first event)."""
+        self._drain_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._counting = False
+        self._wake = threading.Event()
+        self._stop = threading.Event()
 
     def __call__(self, event: ClaimEvent) -> None:
         """Count one event (as :attr:`subscriber` does, through one call more)."""
@@ -558,43 +441,59 @@ class ClaimMetrics:
 
     def _drain(self) -> None:
         """Count the events waiting, in the order they came (deque appends and pops are
-        atomic; the lock keeps two threads from counting at once).
-
-        The two events of every run are counted here, in the loop: one unpacking of the
-        event, one lookup of its label's values, and the held leases' set. Every other
-        event goes through its handler.
-        """
-        pending, cells, holding, count = self._pending, self._cells, self._holding, self._count
-        popleft = pending.popleft
+        atomic; the lock keeps two threads from counting at once)."""
         with self._drain_lock:
-            while pending:
-                event = popleft()
-                kind, name, label, _, fence, _, outcome, _, duration, slot, _, _ = event
-                if kind == "acquired":
-                    counts: _Counts = cells.get(label) or self._new_label(label)
-                    counts.acquired += 1.0
-                    key = (name, slot, fence)
-                    if key not in holding:
-                        holding.add(key)
-                        counts.held += 1.0
-                elif kind == "released":
-                    counts = cells.get(label) or self._new_label(label)
-                    counts.released[outcome if outcome in OUTCOMES else OTHER] += 1.0
-                    # After a loss of the same lease (outcome "lost"), the loss counted
-                    # the gauge and the duration.
-                    try:
-                        holding.remove((name, slot, fence))
-                    except KeyError:
-                        continue
-                    counts.held -= 1.0
-                    if duration is not None:
-                        run = counts.run
-                        run[bisect_left(RUN_BUCKETS, duration)] += 1.0
-                        run[-1] += duration
-                else:
-                    count(event)
+            self._count_all(self._pending)
             if isinstance(self._store, _Shared):
                 self._store.write()
+
+    def _count(self, event: ClaimEvent) -> None:
+        """Count one event at once, not through the queue."""
+        self._count_all(deque((event,)))
+
+    def _count_all(self, pending: deque[ClaimEvent]) -> None:
+        """Count and take out every event in ``pending``, in one loop: one unpacking of
+        each, one lookup of its label's values."""
+        popleft = pending.popleft
+        cells, holding, new_label, counted = self._cells, self._holding, self._new_label, _COUNTED
+        while pending:
+            kind, name, label, _, fence, _, outcome, reason, duration, slot, _, _ = popleft()
+            if kind not in counted:
+                continue
+            counts = cells.get(label) or new_label(label)
+            if kind == "acquired":
+                counts.acquired += 1.0
+                key = (name, slot, fence)
+                if key not in holding:
+                    holding.add(key)
+                    counts.held += 1.0
+            elif kind == "released" or kind == "lost":
+                if kind == "released":
+                    counts.released[outcome if outcome in OUTCOMES else OTHER] += 1.0
+                else:
+                    counts.lost[_word(reason, LOSS_CAUSES)] += 1.0
+                # A loss is often followed by a release (outcome "lost") of the same lease:
+                # the gauge and the duration count the first of the two.
+                try:
+                    holding.remove((name, slot, fence))
+                except KeyError:
+                    continue
+                counts.held -= 1.0
+                if duration is not None:
+                    run = counts.run
+                    run[bisect_left(RUN_BUCKETS, duration)] += 1.0
+                    run[-1] += duration
+            elif kind == "skipped":
+                counts.skipped[_word(reason, SKIP_REASONS)] += 1.0
+            elif kind == "renewed":
+                if duration is not None:
+                    renewal = counts.renewal
+                    renewal[bisect_left(RENEWAL_BUCKETS, duration)] += 1.0
+                    renewal[-1] += duration
+            elif kind == "renewal_failed":
+                counts.failures += 1.0
+            else:
+                counts.unavailable += 1.0
 
     def _start_counting(self) -> None:
         """This process's thread that counts what waits (see :func:`_count_in_thread`);
@@ -602,15 +501,12 @@ class ClaimMetrics:
         with self._lock:
             closed = self._closed
             if not (closed or self._counting):
-                self._wake = wake = threading.Event()
-                self._stop = stop = threading.Event()
-                thread = threading.Thread(
+                threading.Thread(
                     target=_count_in_thread,
-                    args=(weakref.ref(self), wake, stop),
+                    args=(weakref.ref(self), self._wake, self._stop),
                     name="fenced-metrics",
                     daemon=True,
-                )
-                thread.start()
+                ).start()
                 self._counting = True
         if closed:
             self._drain()
@@ -619,23 +515,13 @@ class ClaimMetrics:
         """In a forked child: the locks are new (a thread of the parent may have held
         them), no counting thread runs yet, and in multiprocess mode what the parent had
         not written yet is the parent's."""
-        self._drain_lock = threading.Lock()
-        self._lock = threading.Lock()
-        self._counting = False
-        self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._new_locks()
         if isinstance(self._store, _Shared):
             self._pending.clear()
             self._holding.clear()
             self._store.forget()
         else:
             self._store.lock = threading.Lock()
-
-    def _count(self, event: ClaimEvent) -> None:
-        kind = event.kind
-        handler = self._handlers.get(kind)
-        if handler is not None:
-            handler(event)
 
     def unregister(self) -> None:
         """Stop this process's counting thread, write what waits, and take the metrics out
@@ -667,55 +553,12 @@ class ClaimMetrics:
                         MAX_LABELS,
                         OTHER,
                     )
+                label = OTHER
                 cells = self._cells.get(OTHER)
-                if cells is None:
-                    cells = self._cells[OTHER] = self._store.cells(OTHER)
-                return cells
+                if cells is not None:
+                    return cells
             cells = self._cells[label] = self._store.cells(label)
             return cells
-
-    def _of(self, event: ClaimEvent) -> _Counts:
-        return self._cells.get(event.label) or self._new_label(event.label)
-
-    def _held_until(self, event: ClaimEvent) -> bool:
-        """The lease of ``event`` ended: True if it was counted as held until now."""
-        # A loss is often followed by a release (outcome "lost") of the same claim: the
-        # gauge and the duration count the first of the two.
-        try:
-            self._holding.remove((event.name, event.slot, event.fence))
-        except KeyError:
-            return False
-        return True
-
-    # -- every event, through its handler -----------------------------------------------
-
-    def _on_acquired(self, event: ClaimEvent) -> None:
-        key = (event.name, event.slot, event.fence)
-        fresh = key not in self._holding
-        if fresh:
-            self._holding.add(key)
-        self._of(event).on_acquired(fresh)
-
-    def _on_released(self, event: ClaimEvent) -> None:
-        outcome = event.outcome if event.outcome in OUTCOMES else OTHER
-        self._of(event).on_released(outcome, self._held_until(event), event.duration)
-
-    def _on_lost(self, event: ClaimEvent) -> None:
-        cells = self._of(event)
-        cells.on_lost(loss_cause(event.reason), self._held_until(event), event.duration)
-
-    def _on_skipped(self, event: ClaimEvent) -> None:
-        self._of(event).on_skipped(skip_reason(event.reason))
-
-    def _on_renewed(self, event: ClaimEvent) -> None:
-        if event.duration is not None:
-            self._of(event).on_renewed(event.duration)
-
-    def _on_renewal_failed(self, event: ClaimEvent) -> None:
-        self._of(event).on_renewal_failed()
-
-    def _on_unavailable(self, event: ClaimEvent) -> None:
-        self._of(event).on_unavailable()
 
 
 def _count_in_thread(
@@ -751,6 +594,7 @@ _every_metrics: weakref.WeakSet[ClaimMetrics] = weakref.WeakSet()
 
 #: The locks the forking thread took before the fork (each forking thread its own).
 _forking = threading.local()
+_LOCK_TYPE = type(threading.Lock())
 
 
 def _files_lock() -> Any:
@@ -760,13 +604,9 @@ def _files_lock() -> Any:
         return None
     for method in ("inc", "set", "get"):
         for cell in getattr(getattr(_values.ValueClass, method, None), "__closure__", None) or ():
-            value = cell.cell_contents
-            if isinstance(value, _LOCK_TYPE):
-                return value
+            if isinstance(cell.cell_contents, _LOCK_TYPE):
+                return cell.cell_contents
     return None
-
-
-_LOCK_TYPE = type(threading.Lock())
 
 
 def _before_fork() -> None:
@@ -798,7 +638,7 @@ def _after_fork_in_child() -> None:
 def _flush_at_exit() -> None:
     """Multiprocess mode: a process that exits writes what it counted last."""
     for metrics in list(_every_metrics):
-        if not metrics._plain and not metrics._closed:
+        if isinstance(metrics._store, _Shared) and not metrics._closed:
             try:
                 metrics.flush()
             except Exception:  # pragma: no cover - the process is going away

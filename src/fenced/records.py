@@ -92,14 +92,9 @@ def encode_finished(task_id: str | None, duration: float, reason: str | None) ->
 
 def encode_release(reason: str | None, **data: Any) -> str:
     """The record of a claim cleared from outside (an operator, a supervisor)."""
-    payload: dict[str, Any] = {
-        "host": HOST,
-        "pid": current_pid(),
-        "at": time.time(),
-        "reason": reason,
-    }
-    payload.update(data)
-    return _encode(payload)
+    return _encode(
+        {"host": HOST, "pid": current_pid(), "at": time.time(), "reason": reason, **data}
+    )
 
 
 @dataclass
@@ -203,6 +198,13 @@ class _Entry:
     def unreadable(self) -> str | None:
         return "; ".join(dict.fromkeys(self.problems)) or None
 
+    def run(self, name: str, outcome: str, **fields: Any) -> RunRecord:
+        """A run read from this entry: ``fields``, who ran it, its extra data, and what
+        could not be read (so far)."""
+        rec = RunRecord(name, outcome, worker=self.worker(), extra=self.extra(), **fields)
+        rec.unreadable = self.unreadable()
+        return rec
+
 
 def _data(text: str | None, problems: list[str]) -> dict[str, Any]:
     """The record's JSON object ({} for none); anything else is noted as a problem."""
@@ -265,34 +267,24 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
                 runs.append(act)
             continue
         if event == "skipped":
-            rec = RunRecord(
-                name=name,
-                outcome="skipped",
+            rec = e.run(
+                name,
+                "skipped",
                 task_id=e.text("task_id"),
-                worker=e.worker(),
                 started=at,
                 finished=at,
                 duration=0.0,
                 reason=f.get("reason") or e.text("reason") or "already running",
                 holder=e.holder("holder"),
-                extra=e.extra(),
             )
-            rec.unreadable = e.unreadable()
             runs.append((at, rec))
             continue
         if event == "started":
             # Runs pair by their tokens' start: the whole token would release a live lease.
             token = short_token(f.get("token", ""))
             end = finished.pop(token, None)
-            rec = RunRecord(
-                name=name,
-                outcome="running",
-                task_id=e.text("task_id"),
-                worker=e.worker(),
-                token=token,
-                fence=e.fence(),
-                started=at,
-                extra=e.extra(),
+            rec = e.run(
+                name, "running", task_id=e.text("task_id"), token=token, fence=e.fence(), started=at
             )
             if end is not None:
                 rec.outcome = _outcome(end)
@@ -306,7 +298,7 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
                     cleared = releases.get(token)
                     if cleared is not None and cleared in runs:
                         runs.remove(cleared)
-            rec.unreadable = e.unreadable()
+                rec.unreadable = e.unreadable()
             runs.append((at, rec))
             continue
         runs.append((at, _unknown(name, e, event)))
@@ -314,19 +306,16 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
     for token, e in finished.items():
         if e.fields.get("event") != "finished":
             continue
-        rec = RunRecord(
-            name=name,
-            outcome=_outcome(e),
+        rec = e.run(
+            name,
+            _outcome(e),
             task_id=e.text("task_id"),
-            worker=e.worker(),
             token=token,
             fence=e.fence(),
             finished=e.at,
             duration=e.number("duration"),
             reason=e.text("reason") or e.fields.get("note"),
-            extra=e.extra(),
         )
-        rec.unreadable = e.unreadable()
         runs.append((e.at, rec))
     runs.sort(key=lambda pair: pair[0], reverse=True)
     return [rec for _at, rec in runs[:limit]]
@@ -344,18 +333,14 @@ def _outcome(end: _Entry) -> str:
 
 
 def _released(name: str, e: _Entry) -> RunRecord:
-    rec = RunRecord(
-        name=name,
-        outcome="released",
-        worker=e.worker(),
+    return e.run(
+        name,
+        "released",
         token=short_token(e.fields.get("token")) or None,
         finished=e.at,
         reason=e.text("reason"),
         holder=e.holder("token"),
-        extra=e.extra(),
     )
-    rec.unreadable = e.unreadable()
-    return rec
 
 
 def _unknown(name: str, e: _Entry, event: str | None) -> RunRecord:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
 from celery import signals as celery_signals
 
@@ -86,11 +86,10 @@ def _process_pool(worker: Any) -> bool:
     return getattr(pool, "__module__", "").endswith(".prefork")
 
 
-def _refuse(message: str) -> NoReturn:
-    # Celery logs what a signal receiver raises and goes on: a worker asked for
-    # metrics it cannot keep must not start as if it kept them.
-    log.critical("fenced: %s", message)
-    raise SystemExit(f"fenced: {message}")
+def _installed() -> Any:
+    """The metrics installed in this process, or None (never imports fenced.metrics)."""
+    metrics = sys.modules.get("fenced.metrics")
+    return None if metrics is None else metrics.installed()
 
 
 @celery_signals.worker_init.connect(weak=False)
@@ -100,25 +99,22 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     if app is None:
         return
     try:
-        on, _port = settings(app)
-    except ConfigError as exc:
-        _refuse(exc.message)
-    if not on:
-        return
-    try:
+        if not settings(app)[0]:
+            return
         from .. import metrics
-    except ImportError as exc:
-        _refuse(str(exc))
-    if _process_pool(sender) and metrics.multiprocess_dir() is None:
-        _refuse(
-            f"{SETTING}=True with the prefork pool needs prometheus_client's multiprocess "
-            "mode: set PROMETHEUS_MULTIPROC_DIR to an empty directory in the worker's "
-            "environment (each pool child writes its values there)"
-        )
-    try:
+
+        if _process_pool(sender) and metrics.multiprocess_dir() is None:
+            raise ConfigError(
+                f"{SETTING}=True with the prefork pool needs prometheus_client's multiprocess "
+                "mode: set PROMETHEUS_MULTIPROC_DIR to an empty directory in the worker's "
+                "environment (each pool child writes its values there)"
+            )
         metrics.registry_for_scrape()  # the directory exists
-    except ConfigError as exc:
-        _refuse(exc.message)
+    except (ConfigError, ImportError) as exc:
+        # Celery logs what a signal receiver raises and goes on: a worker asked for
+        # metrics it cannot keep must not start as if it kept them.
+        log.critical("fenced: %s", exc)
+        raise SystemExit(f"fenced: {exc}") from None
     metrics.install()
 
 
@@ -126,12 +122,11 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     """The main process, its pool started: serve ``/metrics`` when a port is set."""
     app = getattr(sender, "app", None)
-    metrics = sys.modules.get("fenced.metrics")
-    if app is None or metrics is None or metrics.installed() is None:
-        return
-    _on, port = settings(app)
+    port = settings(app)[1] if app is not None and _installed() is not None else None
     if port is None:
         return
+    from .. import metrics
+
     try:
         metrics.serve(port)
     except OSError as exc:
@@ -143,8 +138,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
 @celery_signals.worker_process_init.connect(weak=False)
 def _on_child_init(**_: Any) -> None:
     """A pool child: the metrics its parent installed, or installed here when not inherited."""
-    metrics = sys.modules.get("fenced.metrics")
-    if metrics is not None and metrics.installed() is not None:
+    if _installed() is not None:
         return
     from celery import current_app
 
@@ -154,17 +148,18 @@ def _on_child_init(**_: Any) -> None:
     except ConfigError:
         return  # the main process refused to start
     if on:
-        from .. import metrics as installing
+        from .. import metrics
 
-        installing.install()
+        metrics.install()
 
 
 @celery_signals.worker_process_shutdown.connect(weak=False)
 def _on_child_exit(pid: int | None = None, **_: Any) -> None:
     """A pool child that exits writes what it counted last, and leaves ``claims_held``
     (multiprocess mode)."""
-    metrics = sys.modules.get("fenced.metrics")
-    installed = metrics.installed() if metrics is not None else None
-    if metrics is not None and installed is not None:
+    installed = _installed()
+    if installed is not None:
+        from .. import metrics
+
         installed.flush()  # what the last FLUSH_SECONDS counted
         metrics.mark_process_dead(pid if pid is not None else os.getpid())

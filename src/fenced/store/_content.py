@@ -107,8 +107,6 @@ class ContentStore:
                 f"store root {self.root} does not exist: create it (mkdir -p {self.root}) "
                 "or pass ContentStore(..., create=True)"
             )
-        if not self.root.is_dir():
-            raise ConfigError(f"store root {self.root} is not a directory: choose a directory")
         if create:
             # A store made to be written to: say now, not at the first put, when it cannot be.
             _durable.check_writable(self.root, f"store root {self.root}")
@@ -127,21 +125,24 @@ class ContentStore:
 
     def _digest(self, item: object) -> str:
         """The digest an item names: a Ref, a Published target, a digest or an object path."""
-        if isinstance(item, Ref):
-            return item.digest
+        found = item.digest if isinstance(item, Ref) else self._named(item)
+        if found:
+            return found
+        raise ConfigError(
+            f"{item!r} names no object of {self.root}: pass a Ref, a 64-character "
+            "SHA-256 hex digest, or a path inside the store"
+        )
+
+    def _named(self, item: object) -> str | None:
+        """The digest an item carries, is, or names as an object's path in this store."""
         digest = getattr(item, "digest", None)
         if isinstance(digest, str) and _DIGEST.fullmatch(digest):
             return digest
         if isinstance(item, str) and _DIGEST.fullmatch(item):
             return item
         if isinstance(item, (str, os.PathLike)):
-            found = self._digest_from_path(Path(item))
-            if found:
-                return found
-        raise ConfigError(
-            f"{item!r} names no object of {self.root}: pass a Ref, a 64-character "
-            "SHA-256 hex digest, or a path inside the store"
-        )
+            return self._digest_from_path(Path(item))
+        return None
 
     def _digest_from_path(self, path: Path) -> str | None:
         # Both spellings: a pointer with a root stores paths with symlinks resolved.
@@ -267,20 +268,16 @@ class ContentStore:
         return Ref(digest, self.path_of(digest), size)
 
     def _write(self, digest: str | None, chunks: Iterable[bytes]) -> Ref:
-        with _durable.writing(f"cannot store an object in {self.root}", self.root):
-            return self._write_here(digest, chunks)
-
-    def _write_here(self, digest: str | None, chunks: Iterable[bytes]) -> Ref:
-        root = _durable.open_root(self.root)
-        try:
+        with (
+            _durable.writing(f"cannot store an object in {self.root}", self.root),
+            contextlib.ExitStack() as opened,
+        ):
+            root = _durable.open_root(self.root)
+            opened.callback(os.close, root)
             tmp_dir = _durable.open_dir(root, self._tmp, create=True)
             assert tmp_dir is not None
-            try:
-                return self._write_in(root, tmp_dir, digest, chunks)
-            finally:
-                os.close(tmp_dir)
-        finally:
-            os.close(root)
+            opened.callback(os.close, tmp_dir)
+            return self._write_in(root, tmp_dir, digest, chunks)
 
     def _write_in(
         self, root: int, tmp_dir: int, digest: str | None, chunks: Iterable[bytes]
@@ -298,9 +295,7 @@ class ContentStore:
                 for chunk in chunks:
                     hasher.update(chunk)
                     size += len(chunk)
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(fd, view) :]
+                    _durable.write_all(fd, chunk)
                 _durable.checkpoint("put:written")
                 os.fsync(fd)
                 # Objects are immutable: read-only makes an accidental in-place edit fail loudly.
@@ -472,7 +467,14 @@ class ContentStore:
                 item = reader()  # a pointer: keep what it publishes now
                 if item is None:
                     continue
-            digest = self._root_digest(item)
+            digest = self._named(item)
+            if digest is None:  # a published target: an object of this store, or elsewhere
+                target = getattr(item, "target", item)
+                if not isinstance(target, (str, os.PathLike)):
+                    raise ConfigError(
+                        f"gc cannot keep {item!r}: pass Refs, digests, object paths or pointers"
+                    )
+                digest = self._digest_from_path(Path(target))
             if digest:
                 todo.append(digest)
         live: set[str] = set()
@@ -490,18 +492,6 @@ class ContentStore:
                 # A damaged manifest raises here, before anything is removed.
                 todo.extend(ref.digest for ref in self.read_manifest(digest).values())
         return live
-
-    def _root_digest(self, item: object) -> str | None:
-        """The digest a kept item names in this store, or None for targets elsewhere."""
-        digest = getattr(item, "digest", None)
-        if isinstance(digest, str) and _DIGEST.fullmatch(digest):
-            return digest
-        if isinstance(item, str) and _DIGEST.fullmatch(item):
-            return item
-        target = getattr(item, "target", item)
-        if isinstance(target, (str, os.PathLike)):
-            return self._digest_from_path(Path(target))
-        raise ConfigError(f"gc cannot keep {item!r}: pass Refs, digests, object paths or pointers")
 
 
 def _chunks(f: IO[bytes]) -> Iterator[bytes]:

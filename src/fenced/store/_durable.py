@@ -37,6 +37,7 @@ __all__ = [
     "read_only",
     "temp_name",
     "writable_fix",
+    "write_all",
     "write_atomic",
     "writing",
 ]
@@ -185,6 +186,13 @@ def temp_name(directory: Path, stem: str) -> Path:
     return directory / f".{stem}.{secrets.token_hex(6)}.tmp"
 
 
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` (os.write may write part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def write_atomic(path: Path, data: bytes, *, point: str = "write") -> None:
     """Replace ``path`` with ``data`` in one step: temp file, fsync, os.replace, dir fsync."""
     tmp = temp_name(path.parent, path.name)
@@ -192,9 +200,7 @@ def write_atomic(path: Path, data: bytes, *, point: str = "write") -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, FILE_MODE)
     try:
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -110,14 +110,12 @@ class FilePointer:
                 f"pointer {self.path} is a directory: a pointer is a file; name a file in it, "
                 f"e.g. {self.path / 'current'}"
             )
-        for parent in self.path.parents:
-            if parent.exists():
-                if not parent.is_dir():
-                    raise ConfigError(
-                        f"pointer {self.path} cannot be made: {parent} is a file, not a "
-                        "directory; move the file away, or choose another pointer path"
-                    )
-                break
+        parent = next(p for p in self.path.parents if p.exists())  # "/" at least
+        if not parent.is_dir():
+            raise ConfigError(
+                f"pointer {self.path} cannot be made: {parent} is a file, not a "
+                "directory; move the file away, or choose another pointer path"
+            )
         if lock_timeout <= 0:
             raise ConfigError(f"lock_timeout={lock_timeout!r} must be a positive number")
         self.lock_timeout = float(lock_timeout)
@@ -170,8 +168,9 @@ class FilePointer:
             )
         return str(full)
 
-    def _read_bounded(self) -> bytes | None:
-        """The pointer file's bytes, at most MAX_POINTER_SIZE; None when there is none."""
+    def _load(self) -> dict[str, Any] | None:
+        """The pointer file's entry (of at most MAX_POINTER_SIZE bytes); None before the
+        first swap."""
         try:
             fd = _durable.open_regular(self.path, os.O_RDONLY)
         except FileNotFoundError:
@@ -183,12 +182,6 @@ class FilePointer:
                 f"pointer {self.path} is larger than {MAX_POINTER_SIZE} bytes, so it is not "
                 "a fenced pointer file: remove it, or choose another pointer path"
             )
-        return data
-
-    def _load(self) -> dict[str, Any] | None:
-        data = self._read_bounded()
-        if data is None:
-            return None
         try:
             entry = json.loads(data)
             if not isinstance(entry, dict) or not isinstance(entry.get("fence"), int):

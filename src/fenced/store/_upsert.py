@@ -172,17 +172,11 @@ def _check_table(conn: Connection, tbl: sa.Table, keys: list[str], fence_column:
 
 
 def _has_unique(conn: Connection, tbl: sa.Table, keys: set[str]) -> bool:
-    if {c.name for c in tbl.primary_key.columns} == keys:
+    declared: list[Any] = [tbl.primary_key.columns]
+    declared += [c.columns for c in tbl.constraints if isinstance(c, sa.UniqueConstraint)]
+    declared += [index.columns for index in tbl.indexes if index.unique]
+    if any({c.name for c in cols if isinstance(c, sa.Column)} == keys for cols in declared):
         return True
-    for constraint in tbl.constraints:
-        if (
-            isinstance(constraint, sa.UniqueConstraint)
-            and {c.name for c in constraint.columns} == keys
-        ):
-            return True
-    for index in tbl.indexes:
-        if index.unique and {c.name for c in index.columns if isinstance(c, sa.Column)} == keys:
-            return True
     # A Table declared in Python may omit a constraint the database has: ask the database.
     insp = sa.inspect(conn)
     if not insp.has_table(tbl.name, schema=tbl.schema):

@@ -72,6 +72,8 @@ MAX_BODY = 64 * 1024
 DEPTH = 32
 #: Runs the timeline shows by default.
 RUNS = 50
+#: The fields of a run the timeline takes as they are (after start, end, outcome, holder).
+TIMELINE = ("worker", "task_id", "token", "fence", "duration", "reason", "unreadable")
 
 
 class _Anything(PathConvertor):
@@ -229,23 +231,20 @@ def create_app(
     def alerting(skips: int) -> bool:
         return alert_after_skips > 0 and skips >= alert_after_skips
 
-    def talking(handler: Any) -> Any:
-        """Redis unreachable or answering an error: a 503 naming it, not a crash."""
-
-        def wrapped(request: Request, body: bytes) -> Response:
-            try:
-                response: Response = handler(request, body)
-                return response
-            except UNREACHABLE as exc:
-                return _error(503, f"cannot reach Redis at {where}: {why_unreachable(exc)}")
-            except ClaimUnavailable as exc:
-                return _error(503, str(exc))
-            except redis.ResponseError as exc:
-                return _error(503, f"Redis at {where} answered with an error: {exc}")
-            except ConfigError as exc:
-                return _error(400, exc.message)
-
-        return wrapped
+    def talking(
+        handler: Callable[[Request, bytes], Response], request: Request, body: bytes
+    ) -> Response:
+        """``handler``'s answer; Redis unreachable or answering an error: a 503 naming it."""
+        try:
+            return handler(request, body)
+        except UNREACHABLE as exc:
+            return _error(503, f"cannot reach Redis at {where}: {why_unreachable(exc)}")
+        except ClaimUnavailable as exc:
+            return _error(503, str(exc))
+        except redis.ResponseError as exc:
+            return _error(503, f"Redis at {where} answered with an error: {exc}")
+        except ConfigError as exc:
+            return _error(400, exc.message)
 
     def index(request: Request, body: bytes) -> Response:
         return Response(page, media_type="text/html; charset=utf-8")
@@ -267,14 +266,9 @@ def create_app(
             }
         )
 
-    @talking
     def claims(request: Request, body: bytes) -> Response:
         infos = list_claims(client, namespace)
-        rows = []
-        for info in infos:
-            row = info.as_dict()
-            row["alert"] = alerting(info.skips)
-            rows.append(row)
+        rows = [{**info.as_dict(), "alert": alerting(info.skips)} for info in infos]
         return _json(
             {
                 "namespace": namespace,
@@ -284,7 +278,6 @@ def create_app(
             }
         )
 
-    @talking
     def claim(request: Request, body: bytes) -> Response:
         name, action = _name_and_action(request)
         if not name:
@@ -297,35 +290,26 @@ def create_app(
             return runs(request, name)
         if action:
             return _error(404, f"no such view {action!r}: use /api/claims/{{name}}/runs")
-        limit = _limit(request)
-        report = show_claim(client, name, namespace=namespace, limit=limit)
-        data = report.as_dict()
+        report = show_claim(client, name, namespace=namespace, limit=_limit(request))
         skips = consecutive_skips(client, report.name, namespace=namespace)
-        data.update(skips=skips, alert=alerting(skips), now=_server_now(client))
-        return _json(data)
+        now = _server_now(client)
+        return _json(report.as_dict() | {"skips": skips, "alert": alerting(skips), "now": now})
 
     def runs(request: Request, name: str) -> Response:
         records = history(client, name, limit=_limit(request), namespace=namespace)
         now = _server_now(client)
-        out = []
-        for run in records:
-            out.append(
-                {
-                    "start": run.started,
-                    "end": run.finished,
-                    "outcome": run.outcome,
-                    # Who held the claim: a skip's and a release's holder is the one
-                    # found there; any other run's, the process that ran it.
-                    "holder": run.holder or run.worker,
-                    "worker": run.worker,
-                    "task_id": run.task_id,
-                    "token": run.token,
-                    "fence": run.fence,
-                    "duration": run.duration,
-                    "reason": run.reason,
-                    "unreadable": run.unreadable,
-                }
-            )
+        out = [
+            {
+                "start": run.started,
+                "end": run.finished,
+                "outcome": run.outcome,
+                # Who held the claim: a skip's and a release's holder is the one found
+                # there; any other run's, the process that ran it.
+                "holder": run.holder or run.worker,
+                **{field: getattr(run, field) for field in TIMELINE},
+            }
+            for run in records
+        ]
         skips = [r.started for r in records if r.outcome == "skipped"]
         losses = [r.finished or r.started for r in records if r.outcome == "lost"]
         return _json(
@@ -407,7 +391,7 @@ def create_app(
             }
         )
 
-    def sync(handler: Any, blocking: bool = True) -> Any:
+    def sync(handler: Callable[[Request, bytes], Response], blocking: bool = True) -> Any:
         """An endpoint running ``handler``: in the thread pool if it talks to Redis (the
         page and its files never wait behind requests a hung Redis holds there)."""
 
@@ -417,10 +401,8 @@ def create_app(
                 return _error(413, f"send at most {MAX_BODY} bytes, with a Content-Length")
             body = await request.body() if request.method == "POST" else b""
             if not blocking:
-                answer: Response = handler(request, body)
-                return answer
-            response: Response = await run_in_threadpool(handler, request, body)
-            return response
+                return handler(request, body)
+            return await run_in_threadpool(talking, handler, request, body)
 
         return endpoint
 
