@@ -29,6 +29,11 @@ logged, never allowed to stop the renewals of other claims.
 
 After ``fork`` the child starts with an empty registry and no threads: a child holds
 none of its parent's claims.
+
+Its time is a seam: a :class:`Heartbeat` made with another ``clock`` and ``wait`` (tests
+drive time with one) reads that clock for every deadline, interval and ``sent`` it
+tells a claim, and sleeps through ``wait``; the claims it renews must read the same
+clock. The process's heartbeat uses ``time.monotonic`` and ``Condition.wait``.
 """
 
 from __future__ import annotations
@@ -133,10 +138,9 @@ def _tell(what: Callable[..., None], *args: Any) -> None:
         log.exception("fenced: a claim's heartbeat callback failed")
 
 
-def failed(part: Batch, sent: float, exc: BaseException) -> None:
-    """A renewal round of ``part`` sent at ``sent`` failed with ``exc``: each claim is
-    told to look again soon (and, for the events, what failed)."""
-    took = time.monotonic() - sent
+def failed(part: Batch, took: float, exc: BaseException) -> None:
+    """A renewal round of ``part`` failed with ``exc`` after ``took`` seconds: each claim
+    is told to look again soon (and, for the events, what failed)."""
     report = events.enabled()
     for c, _lease in part:
         _tell(c.retry_soon)
@@ -158,13 +162,19 @@ class _Lane:
     """One server's renewals: a thread and a private client, so a stuck server waits alone."""
 
     def __init__(
-        self, client: Any, owner: weakref.ref[Any] | None, private: bool, timeout: float = 5.0
+        self,
+        client: Any,
+        owner: weakref.ref[Any] | None,
+        private: bool,
+        timeout: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
+        self._clock = clock  # the heartbeat's: what it tells a claim was sent when
         self.timeout = timeout  # the socket timeout of its connections
         self.owner = owner  # the client this lane serves as it is, None for a server's lane
         self.private = private  # a clone of that pool, which the lane owns and closes
-        self.last_used = time.monotonic()
+        self.last_used = clock()
         # Idle means: unused for longer than two intervals of its slowest claim (a lane
         # between two renewals is not idle), and at least LANE_IDLE.
         self.idle_after = LANE_IDLE
@@ -180,7 +190,7 @@ class _Lane:
         if self.busy or self.closed:
             return False
         self.busy = True
-        self.last_used = time.monotonic()
+        self.last_used = self._clock()
         slowest = max(lease.refresh_every for _c, lease in batch)
         self.idle_after = max(self.idle_after, 2 * slowest)
         self._queue.put(batch)
@@ -230,7 +240,7 @@ class _Lane:
             if replicas:
                 longest = max(lease.replica_timeout_ms for _c, lease in part)
                 wait = (replicas, max(1, min(longest, int(self.timeout * 500))))
-            sent = time.monotonic()
+            sent = self._clock()
             try:
                 self.round_trips += 1
                 results = run_pipeline(self.client, calls, wait=wait)
@@ -242,15 +252,15 @@ class _Lane:
                     extra={"fenced_event": "renewal_failed"},
                 )
                 self._lost_track(part)
-                failed(part, sent, exc)
+                failed(part, self._clock() - sent, exc)
                 continue
             except Exception as exc:
                 log.exception(
                     "fenced: heartbeat round failed", extra={"fenced_event": "renewal_failed"}
                 )
-                failed(part, sent, exc)
+                failed(part, self._clock() - sent, exc)
                 continue
-            took = time.monotonic() - sent
+            took = self._clock() - sent
             report = events.enabled()
             acked = results.pop() if wait else 0
             if wait and (isinstance(acked, Exception) or acked < replicas):
@@ -285,7 +295,7 @@ class _Lane:
 
     def _renew_one(self, c: Renewable, lease: Renewal) -> None:
         """One renewal through the claim's own client (it follows MOVED and ASK)."""
-        sent = time.monotonic()
+        sent = self._clock()
         try:
             self.round_trips += 1
             res = REFRESH(
@@ -296,7 +306,7 @@ class _Lane:
         except Exception as exc:
             refresh_failed(c, exc)
             refresh_slots(lease.client)
-            failed([(c, lease)], sent, exc)
+            failed([(c, lease)], self._clock() - sent, exc)
             return
         if res != 1:
             _tell(c.renewal_refused, lease.token)
@@ -305,7 +315,7 @@ class _Lane:
         else:
             _tell(c.renewed, sent, lease.token)
             if events.enabled():
-                _tell(c.renewal_event, time.monotonic() - sent)
+                _tell(c.renewal_event, self._clock() - sent)
 
 
 def _clonable(client: Any, pool: Any) -> bool:
@@ -336,9 +346,22 @@ def _server_of(pool: Any) -> tuple[Any, ...]:
 
 
 class Heartbeat:
-    """Renews every claim of this process: one scheduler thread, one lane per server."""
+    """Renews every claim of this process: one scheduler thread, one lane per server.
 
-    def __init__(self) -> None:
+    ``clock`` is what every deadline and interval is read on, and ``wait(cond,
+    timeout)`` how the scheduler sleeps (it holds ``cond``, as ``Condition.wait``
+    wants): seams for tests, which drive time instead of sleeping it. The claims
+    renewed must read the same clock.
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wait: Callable[[threading.Condition, float], object] = threading.Condition.wait,
+    ) -> None:
+        self._clock = clock
+        self._wait = wait
         self._cond = threading.Condition(threading.Lock())
         # Weak: a claim nobody references stops being renewed (see the module docstring).
         self._claims: dict[int, weakref.ref[Renewable]] = {}
@@ -421,7 +444,7 @@ class Heartbeat:
     def _tick(self) -> None:
         while True:
             with self._cond:
-                now = time.monotonic()
+                now = self._clock()
                 due: Batch = []
                 # With the token it expired under: a claim released and acquired
                 # again before it is declared lost holds a new lease, not this one.
@@ -461,7 +484,7 @@ class Heartbeat:
                 if not due and not expired:
                     self._prune(now)
                     self._wake_at = wake
-                    self._cond.wait(max(0.0, wake - now))
+                    self._wait(self._cond, max(0.0, wake - now))
                     self._wake_at = math.inf
                     continue
             for c, token in expired:
@@ -474,9 +497,9 @@ class Heartbeat:
                 # scan of every claim right after each round.
                 soonest = min(lease.refresh_every for _c, lease in due) * RETRY_SHARE
                 with self._cond:
-                    until = min(wake, time.monotonic() + soonest)
+                    until = min(wake, self._clock() + soonest)
                     self._wake_at = until
-                    self._cond.wait(max(0.0, until - time.monotonic()))
+                    self._wait(self._cond, max(0.0, until - self._clock()))
                     self._wake_at = math.inf
             return
 
@@ -533,7 +556,7 @@ class Heartbeat:
                 return lane
             private = self._private_client(client, pool, bucket)
             if private is not client:
-                lane = _Lane(private, None, private=True, timeout=bucket)
+                lane = _Lane(private, None, private=True, timeout=bucket, clock=self._clock)
                 self._lanes[key] = lane
                 return lane
         # A client used as it is (Cluster, custom, or a pool that cannot be cloned): its
@@ -546,7 +569,13 @@ class Heartbeat:
         if lane is not None:
             self._retire(lane)
         own_timeout = getattr(pool, "connection_kwargs", {}).get("socket_timeout") or 5.0
-        lane = _Lane(client, weakref.ref(client), private=False, timeout=float(own_timeout))
+        lane = _Lane(
+            client,
+            weakref.ref(client),
+            private=False,
+            timeout=float(own_timeout),
+            clock=self._clock,
+        )
         self._lanes[key] = lane
         return lane
 

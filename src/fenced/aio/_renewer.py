@@ -12,6 +12,10 @@ is declared lost no later than its local deadline plus one refresh interval.
 Claims are held weakly and told what came of a renewal through the same
 :class:`fenced._heartbeat.Renewable` interface as the thread heartbeat. The task ends
 when no claim is left, and starts again with the next one.
+
+Its time is a seam, as the thread heartbeat's: a :class:`Renewer` made with another
+``clock`` and ``wait`` (tests drive time with one) reads that clock for every deadline
+and ``sent``, and sleeps through ``wait``; the claims it renews must read the same clock.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import logging
 import math
 import time
 import weakref
+from collections.abc import Awaitable, Callable
 
 from .. import events
 from .._heartbeat import (
@@ -48,15 +53,35 @@ Batch = list[tuple[Renewable, Renewal]]
 _NO_ANSWER: tuple[type[BaseException], ...] = (*UNREACHABLE, asyncio.TimeoutError)
 
 
+async def wait_or_wake(wake: asyncio.Event, timeout: float) -> None:
+    """Sleep until ``wake`` is set or ``timeout`` seconds have passed."""
+    try:
+        await asyncio.wait_for(wake.wait(), timeout)
+    except asyncio.TimeoutError:
+        pass
+
+
 def round_timeout(refresh_every: float) -> float:
     """How long one renewal round may wait for its server: below the interval."""
     return min(5.0, max(0.05, refresh_every / 2))
 
 
 class Renewer:
-    """Renews every claim held on one event loop: one task, pipelined rounds per client."""
+    """Renews every claim held on one event loop: one task, pipelined rounds per client.
 
-    def __init__(self) -> None:
+    ``clock`` is what every deadline is read on, and ``wait(event, timeout)`` how the
+    task sleeps until ``event`` is set or the timeout passes: seams for tests, which
+    drive time instead of sleeping it. The claims renewed must read the same clock.
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wait: Callable[[asyncio.Event, float], Awaitable[None]] = wait_or_wake,
+    ) -> None:
+        self._clock = clock
+        self._wait = wait
         # Weak: a claim nobody references stops being renewed and expires by its ttl.
         self._claims: dict[int, weakref.ref[Renewable]] = {}
         self._task: asyncio.Task[None] | None = None
@@ -102,21 +127,18 @@ class Renewer:
                 wake = self._tick()
             except Exception:  # a renewer that dies silently is the bug to avoid
                 log.exception("fenced: renewer tick failed; retrying")
-                wake = time.monotonic() + 0.05
+                wake = self._clock() + 0.05
             if not self._claims:
                 break
             self._wake_at = wake
-            try:
-                await asyncio.wait_for(self._wake.wait(), max(0.0, wake - time.monotonic()))
-            except asyncio.TimeoutError:
-                pass
+            await self._wait(self._wake, max(0.0, wake - self._clock()))
             self._wake.clear()
             self._wake_at = math.inf
         self._task = None
 
     def _tick(self) -> float:
         """Declare expired claims lost, start the rounds that are due; the next wake."""
-        now = time.monotonic()
+        now = self._clock()
         wake = now + IDLE_WAIT
         due: Batch = []
         expired: list[tuple[Renewable, str]] = []
@@ -174,7 +196,7 @@ class Renewer:
                 (REFRESH, [lease.key, *lease.lasting], [lease.token, lease.ttl_ms, lease.idle_ms])
                 for _c, lease in part
             ]
-            sent = time.monotonic()
+            sent = self._clock()
             self.round_trips += 1
             try:
                 results = await asyncio.wait_for(call_pipeline(client, calls), timeout)
@@ -185,15 +207,15 @@ class Renewer:
                     exc or "timed out",
                     extra={"fenced_event": "renewal_failed"},
                 )
-                failed(part, sent, exc or TimeoutError("renewal round timed out"))
+                failed(part, self._clock() - sent, exc or TimeoutError("renewal round timed out"))
                 continue
             except Exception as exc:
                 log.exception(
                     "fenced: renewal round failed", extra={"fenced_event": "renewal_failed"}
                 )
-                failed(part, sent, exc)
+                failed(part, self._clock() - sent, exc)
                 continue
-            took = time.monotonic() - sent
+            took = self._clock() - sent
             report = events.enabled()
             for (c, lease), res in zip(part, results):
                 if isinstance(res, Exception):
