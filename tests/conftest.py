@@ -15,6 +15,10 @@ The family, from cheapest to most private:
 - ``sentinel_group``: one per test, a master, a replica and 3 sentinels (quick to
   start), for tests that kill the master.
 
+``fake_time`` is a clock that moves only when the test says so, which the process's
+heartbeat runs on for one test (see ``_clock``): renewals and local deadlines without
+sleeping.
+
 ``redis_binary`` runs the tests that use ``server``, ``own_server`` or
 ``cluster_server`` on each redis-server this machine has (system and bundled). The
 high-availability fixtures run on one binary (``FENCED_REDIS_SERVER``, else the system
@@ -31,6 +35,8 @@ from typing import Any
 
 import pytest
 
+import fenced._heartbeat
+from _clock import ManualClock
 from _wait import wait_for
 from fenced.testing import (
     RedisCluster,
@@ -161,3 +167,13 @@ def http_url() -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def fake_time(monkeypatch: pytest.MonkeyPatch) -> Iterator[ManualClock]:
+    """A clock that moves only when the test says so; the process's heartbeat runs on it
+    for this test. Claims that it renews must read it too: ``Claim(..., clock=fake_time)``."""
+    clock = ManualClock()
+    monkeypatch.setattr(fenced._heartbeat, "_instance", clock.new_heartbeat())
+    yield clock
+    clock.close()

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from typing import Any, cast
 
 import pytest
 import redis
 
+from _clock import ManualClock
 from _wait import wait_for
 from fenced import Claim, ClaimLost
 from fenced._heartbeat import heartbeat
@@ -17,10 +17,10 @@ from fenced._scripts import RELEASE
 from fenced.testing import RedisServer
 
 
-def test_claim_survives_five_ttls_in_one_long_step(r: Any) -> None:
-    c = Claim(r, "long-step", ttl=0.6)
+def test_claim_survives_five_ttls_in_one_long_step(r: Any, fake_time: ManualClock) -> None:
+    c = Claim(r, "long-step", ttl=0.6, clock=fake_time)
     assert c.acquire()
-    time.sleep(3.0)  # one step, five times the ttl, no check() in between
+    fake_time.run(3.0)  # one step, five times the ttl, no check() in between
     assert c.held
     c.check()
     raw = r.get(c.key)
@@ -29,13 +29,15 @@ def test_claim_survives_five_ttls_in_one_long_step(r: Any) -> None:
     assert c.release()
 
 
-def test_two_hundred_claims_add_one_scheduler_and_one_lane(server: RedisServer) -> None:
+def test_two_hundred_claims_add_one_scheduler_and_one_lane(
+    server: RedisServer, fake_time: ManualClock
+) -> None:
     client = server.client()
     before = {t.ident for t in threading.enumerate()}
-    claims = [Claim(client, f"many:{i}", ttl=1.0) for i in range(200)]
+    claims = [Claim(client, f"many:{i}", ttl=1.0, clock=fake_time) for i in range(200)]
     for c in claims:
         assert c.acquire()
-    time.sleep(2.5)
+    fake_time.run(2.5)
     added = {t.ident for t in threading.enumerate()} - before
     assert len(added) <= 2  # the scheduler, and the lane of this one server
     assert all(c.held for c in claims)
@@ -45,20 +47,22 @@ def test_two_hundred_claims_add_one_scheduler_and_one_lane(server: RedisServer) 
 
 
 def test_a_short_claim_taken_while_the_scheduler_rests_after_a_round_is_renewed(
-    server: RedisServer,
+    server: RedisServer, fake_time: ManualClock
 ) -> None:
     """After a round the scheduler sleeps till the sent claims' retry time; a claim with a
     shorter interval taken in that rest must wake it, or it would expire unrenewed."""
     client = server.client()
     hb = heartbeat()
-    slow = [Claim(client, f"slow:{i}", ttl=6.0) for i in range(50)]  # renewed every 2 s
+    # renewed every 2 s
+    slow = [Claim(client, f"slow:{i}", ttl=6.0, clock=fake_time) for i in range(50)]
     for c in slow:
         assert c.acquire()
     rounds = hb.rounds
-    wait_for("a round of the slow claims", lambda: hb.rounds > rounds, 5, 0.001)
-    fast = Claim(client, "fast", ttl=0.6)  # renewed every 0.2 s, due within the rest
+    fake_time.run_until("a round of the slow claims", lambda: hb.rounds > rounds, 5)
+    # Taken the moment the round was sent, while the scheduler rests (0.7 s).
+    fast = Claim(client, "fast", ttl=0.6, clock=fake_time)  # renewed every 0.2 s
     assert fast.acquire()
-    time.sleep(2.0)  # three times the rest after a round, and several fast ttls
+    fake_time.run(2.0)  # three times the rest after a round, and several fast ttls
     assert fast.held
     assert 0 < client.pttl(fast.key) <= 600
     fast.release()
@@ -66,14 +70,14 @@ def test_a_short_claim_taken_while_the_scheduler_rests_after_a_round_is_renewed(
         c.release()
 
 
-def test_renewals_are_pipelined(server: RedisServer) -> None:
+def test_renewals_are_pipelined(server: RedisServer, fake_time: ManualClock) -> None:
     client = server.client()
     hb = heartbeat()
-    claims = [Claim(client, f"pipe:{i}", ttl=0.9) for i in range(500)]
+    claims = [Claim(client, f"pipe:{i}", ttl=0.9, clock=fake_time) for i in range(500)]
     for c in claims:
         c.acquire()
     rounds, trips = hb.rounds, hb.round_trips
-    time.sleep(2.0)  # about six refresh intervals
+    fake_time.run(2.0)  # about six refresh intervals
     done_rounds = hb.rounds - rounds
     done_trips = hb.round_trips - trips
     assert all(c.held for c in claims)
@@ -97,8 +101,11 @@ def test_forked_child_holds_none_of_the_parents_claims(server: RedisServer) -> N
                 str(c.release()),
                 str(threading.active_count()),
             ]
-            time.sleep(1.5)
+            # Nobody renews the lease once the parent stops: it expires, by its ttl
+            # (0.6 s) after the parent's last renewal, while the child still runs.
+            expired = wait_for("the lease to expire", lambda: client.get(c.key) is None, 10)
             report.append(str(len(heartbeat())))
+            report.append(str(expired))
             os.write(write_fd, ",".join(report).encode())
         finally:
             os._exit(0)
@@ -112,18 +119,20 @@ def test_forked_child_holds_none_of_the_parents_claims(server: RedisServer) -> N
     assert report[1] == "False"  # not held in the child
     assert report[2] == "False"  # and not released by the child
     assert report[4] == "0"
+    assert report[5] == "True"  # the child saw it expire: it renewed nothing
     assert client.get(c.key) is None  # nobody renewed it: it expired
     c._state = "released"
 
 
-def test_overwritten_key_is_lost_within_one_refresh_interval(r: Any) -> None:
+def test_overwritten_key_is_lost_within_one_refresh_interval(
+    r: Any, fake_time: ManualClock
+) -> None:
     lost = threading.Event()
-    c = Claim(r, "stolen", ttl=1.5, on_lost=lambda claim: lost.set())
+    c = Claim(r, "stolen", ttl=1.5, on_lost=lambda claim: lost.set(), clock=fake_time)
     assert c.acquire()
     r.set(c.key, "thief", px=10_000)
-    start = time.monotonic()
-    assert lost.wait(c.refresh_every + 0.5)
-    assert time.monotonic() - start <= c.refresh_every + 0.5
+    took = fake_time.run_until("on_lost", lost.is_set, c.refresh_every + 0.5)
+    assert took <= c.refresh_every + 0.5
     assert c.lost
     with pytest.raises(ClaimLost):
         c.check()
@@ -131,15 +140,24 @@ def test_overwritten_key_is_lost_within_one_refresh_interval(r: Any) -> None:
     assert r.get(c.key) in (b"thief", "thief")
 
 
-def test_paused_redis_loss_declared_by_local_deadline(own_server: RedisServer) -> None:
+def test_paused_redis_loss_declared_by_local_deadline(
+    own_server: RedisServer, fake_time: ManualClock
+) -> None:
     client = own_server.client()
     fired: list[float] = []
-    c = Claim(client, "redis-paused", ttl=1.0, on_lost=lambda claim: fired.append(time.monotonic()))
+    c = Claim(
+        client,
+        "redis-paused",
+        ttl=1.0,
+        on_lost=lambda claim: fired.append(fake_time()),
+        clock=fake_time,
+    )
     assert c.acquire()
-    acquired = time.monotonic()
+    acquired = fake_time()
     own_server.pause()
     try:
-        assert wait_for("on_lost to fire", lambda: bool(fired), timeout=3.0)
+        # Each round waits out its socket timeout in real time; the deadline is the clock's.
+        fake_time.run_until("on_lost to fire", lambda: bool(fired), 3.0)
         # Declared by the local deadline (ttl less drift), not after some reply.
         assert fired[0] - acquired <= 1.0 + 0.3
         with pytest.raises(ClaimLost):
@@ -149,17 +167,19 @@ def test_paused_redis_loss_declared_by_local_deadline(own_server: RedisServer) -
     assert c.lost  # a lost claim never comes back, even though Redis is back
 
 
-def test_redis_restart_while_held_is_loss(own_server: RedisServer) -> None:
+def test_redis_restart_while_held_is_loss(own_server: RedisServer, fake_time: ManualClock) -> None:
     client = own_server.client()
     lost = threading.Event()
-    c = Claim(client, "restart-held", ttl=1.0, on_lost=lambda claim: lost.set())
+    c = Claim(client, "restart-held", ttl=1.0, on_lost=lambda claim: lost.set(), clock=fake_time)
     assert c.acquire()
     own_server.restart()  # the lease is gone with the memory
-    assert lost.wait(3.0)
+    fake_time.run_until("on_lost", lost.is_set, 3.0)
     assert c.lost
 
 
-def test_expiry_found_by_the_heartbeat_spares_a_lease_taken_again_meanwhile(r: Any) -> None:
+def test_expiry_found_by_the_heartbeat_spares_a_lease_taken_again_meanwhile(
+    r: Any, fake_time: ManualClock
+) -> None:
     # The heartbeat finds expired claims under its lock and declares them lost after it
     # lets go (on_lost callbacks run there). A claim released and acquired again in
     # between holds a new lease, which the old expiry must not declare lost.
@@ -169,8 +189,8 @@ def test_expiry_found_by_the_heartbeat_spares_a_lease_taken_again_meanwhile(r: A
         b.release()
         again.append(b.acquire())
 
-    a = Claim(r, "expired-a", ttl=30, on_lost=take_b_again)
-    b = Claim(r, "expired-b", ttl=30)
+    a = Claim(r, "expired-a", ttl=30, on_lost=take_b_again, clock=fake_time)
+    b = Claim(r, "expired-b", ttl=30, clock=fake_time)
     assert a.acquire() and b.acquire()
     hb = heartbeat()
     with hb._cond:
@@ -179,7 +199,7 @@ def test_expiry_found_by_the_heartbeat_spares_a_lease_taken_again_meanwhile(r: A
         hb._cond.notify()
     # (Only the heartbeat looks at the deadlines here: no .lost or .held until done.)
     assert wait_for("b to be taken again", lambda: bool(again), timeout=5.0)
-    time.sleep(0.2)
+    fake_time.settle()  # the heartbeat is done with what it found, and sleeps again
     assert a.lost
     assert again == [True]
     assert b.held and not b.lost
