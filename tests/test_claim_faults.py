@@ -13,6 +13,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from _clock import ManualClock
 from _wait import wait_for
 from fenced import Claim, ClaimLost, ClaimUnavailable, ConfigError, exclusive, records
 from fenced._guard import COOLDOWN_REASON
@@ -72,19 +73,19 @@ def test_a_grant_that_arrives_after_its_deadline_is_given_back(
     other.release()
 
 
-def test_an_on_lost_that_raises_system_exit_stops_no_other_renewal(r: Any) -> None:
+def test_an_on_lost_that_raises_system_exit_stops_no_other_renewal(
+    r: Any, fake_time: ManualClock
+) -> None:
     def bail(_claim: Claim) -> None:
         raise SystemExit("callback gave up")
 
-    doomed = Claim(r, "doomed", ttl=1.0, on_lost=bail)
-    healthy = Claim(r, "healthy", ttl=1.0)
+    doomed = Claim(r, "doomed", ttl=1.0, on_lost=bail, clock=fake_time)
+    healthy = Claim(r, "healthy", ttl=1.0, clock=fake_time)
     assert doomed.acquire() and healthy.acquire()
     r.set(doomed.key, "thief")
-    deadline = time.monotonic() + 5
-    while not doomed.lost and time.monotonic() < deadline:
-        time.sleep(0.05)
+    fake_time.run_until("doomed to be lost", lambda: doomed.lost, 5)
     assert doomed.lost
-    time.sleep(3.0)  # three ttls: renewals must have gone on
+    fake_time.run(3.0)  # three ttls: renewals must have gone on
     assert healthy.held
     healthy.check()
     assert threading.active_count() >= 1
@@ -278,12 +279,16 @@ def test_a_script_runs_again_after_the_server_forgot_it(r: Any) -> None:
     assert [run.outcome for run in records.history(r, "forgotten")] == ["ok"]
 
 
-def test_a_long_run_keeps_its_names_keys_from_expiring(r: Any) -> None:
-    holder = Claim(r, "long-run", ttl=1.0, idle_ttl=2.0)
+def test_a_long_run_keeps_its_names_keys_from_expiring(r: Any, fake_time: ManualClock) -> None:
+    holder = Claim(r, "long-run", ttl=1.0, idle_ttl=2.0, clock=fake_time)
     assert holder.acquire()
     assert not Claim(r, "long-run", ttl=1.0, idle_ttl=2.0).acquire(request_rerun="later")
-    time.sleep(3.5)  # longer than the idle expiry, renewed all along
+    # Redis counts the idle expiry in real seconds: left 1 s of it, the rerun request
+    # is kept only if the renewals set it back to 2 s.
+    r.pexpire(holder.keys.rerun, 1000)
+    fake_time.run(3.5)  # longer than the idle expiry, renewed all along
     assert holder.held
+    assert r.pttl(holder.keys.rerun) > 1000
     assert r.smembers(holder.keys.rerun)
     holder.release()
     assert holder.rerun_triggers == ["later"]
