@@ -40,6 +40,9 @@ def r(redis_server: RedisServer) -> Iterator[Any]:
 
 def env_for(url: str | None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "FENCED_REDIS_URL"}
+    # A Redis that is down fails a command at its first try, not after redis-py's
+    # seconds of retries (test_retries_* check the default and the setting).
+    env.setdefault("FENCED_REDIS_RETRIES", "0")
     if url:
         env["FENCED_REDIS_URL"] = url
     return env
@@ -148,7 +151,39 @@ def test_unreachable_redis_exits_69_and_never_starts_the_command(tmp_path: Path)
     res = fenced(None, "run", "--redis", dead, "job:x", "--", "touch", str(marker))
     assert res.returncode == 69
     assert "cannot reach Redis" in res.stderr and "not started" in res.stderr
+    assert dead in res.stderr
     assert not marker.exists()
+
+
+def test_retries_are_redis_pys_unless_fenced_redis_retries_says(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fenced import cli
+
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+
+    def policy(client: Any) -> dict[str, Any]:
+        return client.connection_pool.connection_kwargs  # type: ignore[no-any-return]
+
+    default = policy(redis.Redis())["retry"]
+    monkeypatch.delenv("FENCED_REDIS_RETRIES", raising=False)
+    retry = policy(cli._client(dead))["retry"]
+    assert retry.get_retries() == default.get_retries()  # redis-py's own policy
+    assert type(retry._backoff) is type(default._backoff)
+    for given, retries in (("0", 0), (" 3 ", 3)):
+        monkeypatch.setenv("FENCED_REDIS_RETRIES", given)
+        options = policy(cli._client(dead))
+        assert options["retry"].get_retries() == retries
+        if retries:
+            # Retried on the errors a dead or slow server gives (named for old redis-py).
+            errors = options["retry_on_error"]
+            assert redis.ConnectionError in errors and redis.TimeoutError in errors
+    for bad in ("-1", "x", "1.5"):
+        monkeypatch.setenv("FENCED_REDIS_RETRIES", bad)
+        with pytest.raises(SystemExit) as info:
+            cli._client(dead)
+        assert info.value.code == 2
+        assert "FENCED_REDIS_RETRIES" in capsys.readouterr().err
 
 
 def test_a_port_that_answers_http_is_one_line_and_exit_69(http_url: str, tmp_path: Path) -> None:

@@ -73,6 +73,38 @@ def _redis_url(url: str | None) -> str:
     return url
 
 
+def _retry_options() -> dict[str, Any]:
+    """Client options for $FENCED_REDIS_RETRIES (unset: redis-py's own retry policy).
+
+    How many times a command is tried again after a connection error or a timeout: 0
+    fails at the first, so a command against a Redis that is down says so at once
+    instead of after redis-py's backoff (seconds, from redis-py 6 on).
+    """
+    from ._errors import ConfigError
+
+    text = os.environ.get("FENCED_REDIS_RETRIES", "").strip()
+    if not text:
+        return {}
+    if not (text.isascii() and text.isdigit()):
+        raise ConfigError(
+            f"FENCED_REDIS_RETRIES={text!r} is not a number of retries: give a whole "
+            "number, 0 for none, or leave it unset for redis-py's default"
+        )
+    from redis.backoff import NoBackoff, default_backoff
+    from redis.exceptions import ConnectionError, TimeoutError
+    from redis.retry import Retry
+
+    retries = int(text)
+    if not retries:
+        return {"retry": Retry(NoBackoff(), 0)}
+    # The policy and the errors it retries on, as redis-py documents it (some versions
+    # retry nothing on a bare policy).
+    return {
+        "retry": Retry(default_backoff(), retries),  # type: ignore[no-untyped-call]
+        "retry_on_error": [ConnectionError, TimeoutError],
+    }
+
+
 def _client(url: str | None) -> Any:
     """The client of ``--redis``, else $FENCED_REDIS_CLIENT (a factory), else $FENCED_REDIS_URL."""
     from ._client import client_from_setting, connect
@@ -84,7 +116,7 @@ def _client(url: str | None) -> Any:
                 os.environ["FENCED_REDIS_CLIENT"], setting="FENCED_REDIS_CLIENT"
             )
         address = _redis_url(url)
-        return connect(address, socket_connect_timeout=5, socket_timeout=10)
+        return connect(address, socket_connect_timeout=5, socket_timeout=10, **_retry_options())
     except ConfigError as exc:
         _err(f"fenced: {exc.message}")
         raise SystemExit(EXIT_USAGE) from None
