@@ -97,6 +97,9 @@ def everything(client: Any) -> str:
 def env_for(url: str, **more: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FENCED_")}
     env["FENCED_REDIS_URL"] = url
+    # A Redis that is down, or refuses the password, fails at the first try, not after
+    # redis-py's seconds of retries (the message is the same).
+    env["FENCED_REDIS_RETRIES"] = "0"
     env.update(more)
     return env
 
