@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import redis
 import redis.asyncio
 from celery import Celery
 
+from _clock import ManualClock
 from fenced import Claim, ClaimUnavailable, ConfigError, exclusive
 from fenced._client import client_from_setting, connect, describe_client, parse_url, redact
 from fenced.celery import ClaimedTask, lock_redis
@@ -167,13 +167,13 @@ def acl_server() -> Iterator[RedisServer]:
         yield srv
 
 
-def test_acl_user_and_password_in_the_url(acl_server: RedisServer) -> None:
+def test_acl_user_and_password_in_the_url(acl_server: RedisServer, fake_time: ManualClock) -> None:
     port = acl_server.port
     url = f"redis://alice:Al1ce%3Apw@127.0.0.1:{port}/0"
-    claim = Claim(url, "as-alice", ttl=1, refresh_every=0.2)
+    claim = Claim(url, "as-alice", ttl=1, refresh_every=0.2, clock=fake_time)
     with claim:
         # The heartbeat's own connections log in as alice too.
-        time.sleep(1.5)
+        fake_time.run(1.5)
         assert claim.held
     bad = Claim(f"redis://alice:wrong@127.0.0.1:{port}/0", "as-alice", ttl=1)
     with pytest.raises(ClaimUnavailable, match="invalid username-password"):
@@ -199,7 +199,7 @@ def _tls_files(tmp: Path) -> dict[str, str] | None:
     return {name: str(tmp / name) for name in ("ca.crt", "server.crt", "server.key")}
 
 
-def test_tls_url(tmp_path: Path) -> None:
+def test_tls_url(tmp_path: Path, fake_time: ManualClock) -> None:
     binary = find_binary()
     if b"tls-cert-file" not in Path(binary).read_bytes():
         pytest.skip(f"{binary} was built without TLS")
@@ -214,9 +214,9 @@ def test_tls_url(tmp_path: Path) -> None:
     ]  # fmt: skip
     with RedisServer(binary, extra=extra):
         url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={files['ca.crt']}&ssl_cert_reqs=required"
-        claim = Claim(url, "over-tls", ttl=1, refresh_every=0.2)
+        claim = Claim(url, "over-tls", ttl=1, refresh_every=0.2, clock=fake_time)
         with claim:
-            time.sleep(1.5)  # renewed through the heartbeat's own TLS connections
+            fake_time.run(1.5)  # renewed through the heartbeat's own TLS connections
             assert claim.held
         assert describe_client(claim.redis).startswith("rediss://127.0.0.1")
         # A client that does not trust the CA is refused.
@@ -369,14 +369,14 @@ def test_a_claim_name_that_is_not_a_str_says_so(redis_server: RedisServer) -> No
 
 
 def test_a_client_made_from_a_url_serves_a_forked_child_and_the_parent_alike(
-    redis_server: RedisServer,
+    redis_server: RedisServer, fake_time: ManualClock
 ) -> None:
     """connect() keeps one client per URL in the process; a prefork worker's children
     inherit it. The child must get connections of its own, and leave the parent's be."""
     import os
 
     client = connect(redis_server.url)
-    parent = Claim(redis_server.url, "parent", ttl=1.0, refresh_every=0.2)
+    parent = Claim(redis_server.url, "parent", ttl=1.0, refresh_every=0.2, clock=fake_time)
     assert parent.acquire()
     pid = os.fork()
     if pid == 0:  # the child: the same cached client, its own connections
@@ -390,6 +390,6 @@ def test_a_client_made_from_a_url_serves_a_forked_child_and_the_parent_alike(
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    time.sleep(1.5)  # past the parent's ttl: still renewed over its own connections
+    fake_time.run(1.5)  # past the parent's ttl: still renewed over its own connections
     assert parent.held and client.pttl(parent.key) > 0
     assert parent.release()
