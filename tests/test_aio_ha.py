@@ -7,24 +7,33 @@ import asyncio
 import time
 from typing import Any
 
+from _clock import ManualClock
 from fenced import ClaimUnavailable
 from fenced.aio import Claim
 from fenced.testing import RedisCluster, SentinelGroup
 
 
-def test_claims_over_every_master_are_renewed(ha_cluster: RedisCluster) -> None:
+def test_claims_over_every_master_are_renewed(
+    ha_cluster: RedisCluster, fake_time: ManualClock
+) -> None:
     from redis.asyncio.cluster import ClusterNode
     from redis.asyncio.cluster import RedisCluster as AsyncCluster
 
     async def main() -> tuple[int, int, int]:
         nodes = [ClusterNode("127.0.0.1", n.port) for n in ha_cluster.masters()]
         r: Any = AsyncCluster(startup_nodes=nodes)
+        fake_time.renewer_for_this_loop()
         try:
-            claims = [Claim(r, f"aio:{i}", ttl=1.5, refresh_every=0.5) for i in range(300)]
+            # Renewed on the clock the test moves: a round may take its whole timeout
+            # (half the interval, 2.5 s of real time) on a loaded machine, and the lease
+            # outlives a step however slow the machine is.
+            claims = [
+                Claim(r, f"aio:{i}", ttl=15, refresh_every=5, clock=fake_time) for i in range(300)
+            ]
             for c in claims:
                 assert await c.acquire()
             masters = {r.get_node_from_key(c.key).name for c in claims}
-            await asyncio.sleep(4.5)  # three ttls
+            await fake_time.run_async(45, every=0.5)  # three ttls
             held = sum(c.held for c in claims)
             released = sum([await c.release() for c in claims])
             return len(masters), held, released
