@@ -20,6 +20,7 @@ import redis.asyncio as aredis
 from redis.asyncio.connection import UnixDomainSocketConnection
 
 import fenced
+from _clock import ManualClock
 from fenced import ClaimHeld, ClaimLost, ConfigError, Skipped, exclusive
 from fenced._lease import ClaimKeys
 from fenced.aio import Claim, Lock, renewer
@@ -388,16 +389,16 @@ def test_cancellation_at_every_await_of_acquire_and_release_leaves_no_lease(
 
 
 def test_a_thousand_claims_are_renewed_by_one_task_in_few_round_trips(
-    server: RedisServer,
+    server: RedisServer, fake_time: ManualClock
 ) -> None:
     async def scenario(r: Any) -> tuple[int, int, int]:
-        # A lease of 3 s: on a loaded machine, acquiring 1000 takes a while.
-        claims = [Claim(r, f"many:{i}", ttl=3.0) for i in range(1000)]
+        fake_time.renewer_for_this_loop()
+        claims = [Claim(r, f"many:{i}", ttl=3.0, clock=fake_time) for i in range(1000)]
         for c in claims:
             assert await c.acquire()
         rn = renewer()
         before = rn.round_trips
-        await asyncio.sleep(3.5)  # past the ttl: only renewals keep them
+        await fake_time.run_async(3.5)  # past the ttl: only renewals keep them
         trips = rn.round_trips - before
         held = sum(c.held for c in claims)
         tasks = [t for t in asyncio.all_tasks() if t.get_name() == "fenced-renewer"]
@@ -474,16 +475,19 @@ def test_exclusive_with_an_asyncio_client_or_url(server: RedisServer) -> None:
         exclusive("x", redis=aredis.from_url(server.url))(lambda: None)
 
 
-def test_claims_and_locks_on_a_cluster_client(cluster_server: RedisServer) -> None:
+def test_claims_and_locks_on_a_cluster_client(
+    cluster_server: RedisServer, fake_time: ManualClock
+) -> None:
     from redis.asyncio.cluster import RedisCluster
 
     async def main() -> tuple[int, int]:
         r = RedisCluster(host="127.0.0.1", port=cluster_server.port)
+        fake_time.renewer_for_this_loop()
         try:
-            claims = [Claim(r, f"cl:{i}", ttl=0.9) for i in range(20)]
+            claims = [Claim(r, f"cl:{i}", ttl=0.9, clock=fake_time) for i in range(20)]
             for c in claims:
                 assert await c.acquire()
-            await asyncio.sleep(1.5)  # past the ttl: renewed, side by side on a Cluster
+            await fake_time.run_async(1.5)  # past the ttl: renewed, side by side on a Cluster
             held = sum(c.held for c in claims)
             async with Lock(r, "cl:lock", timeout=5) as lock:
                 assert lock.fence is not None

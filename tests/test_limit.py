@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import redis
 
+from _clock import ManualClock
 from _wait import wait_for
 from celery_harness import WAIT, key
 from fenced import Claim, ClaimLost, ClaimOptions, ConfigError, aio, exclusive, records
@@ -267,17 +268,18 @@ def test_slots_on_a_cluster(cluster_server: RedisServer) -> None:
         client.close()
 
 
-def test_an_asyncio_claim_takes_a_slot(server: RedisServer) -> None:
+def test_an_asyncio_claim_takes_a_slot(server: RedisServer, fake_time: ManualClock) -> None:
     import redis.asyncio
 
     name = f"aio:{key()}"
 
     async def main() -> list[Any]:
         client = redis.asyncio.Redis.from_url(server.url)
+        fake_time.renewer_for_this_loop()
         try:
-            claims = [aio.Claim(client, name, ttl=1, limit=2) for _ in range(3)]
+            claims = [aio.Claim(client, name, ttl=1, limit=2, clock=fake_time) for _ in range(3)]
             got = [await c.acquire() for c in claims]
-            await asyncio.sleep(1.5)  # past the ttl: each slot renewed by the renewer
+            await fake_time.run_async(1.5)  # past the ttl: each slot renewed by the renewer
             held = [c.held for c in claims[:2]]
             slots = [c.slot for c in claims[:2]]
             released = [await c.release() for c in claims[:2]]
