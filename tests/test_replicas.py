@@ -6,12 +6,12 @@ to stop it acknowledging.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from _clock import ManualClock
 from _wait import wait_for
 from fenced import Claim, ClaimUnavailable, ConfigError
 from fenced.testing import RedisServer
@@ -85,7 +85,7 @@ def test_an_unacknowledged_acquire_removes_its_lease_and_fails_closed(
 
 
 def test_renewals_not_acknowledged_end_in_loss_by_the_deadline(
-    pair: tuple[RedisServer, RedisServer],
+    pair: tuple[RedisServer, RedisServer], fake_time: ManualClock
 ) -> None:
     master, replica = pair
     lost: list[str] = []
@@ -97,16 +97,17 @@ def test_renewals_not_acknowledged_end_in_loss_by_the_deadline(
         replicas=1,
         replica_timeout=0.1,
         on_lost=lambda c: lost.append(c.lost_reason or ""),
+        clock=fake_time,
     )
     assert claim.acquire()
     try:
-        time.sleep(2.5)  # several renewals, each acknowledged
+        fake_time.run(2.5)  # several renewals, each acknowledged
         assert claim.held and not lost
         replica.pause()
-        paused_at = time.monotonic()
-        wait_for("the claim to be declared lost", lambda: bool(lost), 6)
+        # Each round's WAIT takes its real 0.1 s; the deadline is the clock's.
+        took = fake_time.run_until("the claim to be declared lost", lambda: bool(lost), 6)
         # By its deadline (ttl after the last confirmed renewal) plus one interval.
-        assert time.monotonic() - paused_at <= 2 + 0.5 + 0.5
+        assert took <= 2 + 0.5 + 0.5
         assert "deadline" in lost[0]
     finally:
         replica.resume()
@@ -215,7 +216,7 @@ def test_celery_and_exclusive_take_replicas(pair: tuple[RedisServer, RedisServer
 
 
 def test_a_claim_whose_replicas_stay_away_costs_its_neighbours_nothing(
-    pair: tuple[RedisServer, RedisServer],
+    pair: tuple[RedisServer, RedisServer], fake_time: ManualClock
 ) -> None:
     """Renewals of claims with and without replicas share a round trip; a WAIT that
     gets no answer must not hold the others' replies past the socket timeout."""
@@ -225,15 +226,22 @@ def test_a_claim_whose_replicas_stay_away_costs_its_neighbours_nothing(
     # refresh_every just under 2 s: the heartbeat's socket timeout is then 0.5 s.
     waiting = Claim(
         client, "waits", ttl=6, refresh_every=1.999, replicas=1, replica_timeout=1.0,
-        on_lost=lambda c: lost.append(c.name),
+        on_lost=lambda c: lost.append(c.name), clock=fake_time,
     )  # fmt: skip
     plain = Claim(
-        client, "plain", ttl=6, refresh_every=1.999, on_lost=lambda c: lost.append(c.name)
+        client,
+        "plain",
+        ttl=6,
+        refresh_every=1.999,
+        on_lost=lambda c: lost.append(c.name),
+        clock=fake_time,
     )
     assert waiting.acquire() and plain.acquire()
     replica.pause()
     try:
-        time.sleep(9)  # one and a half ttls
+        # One and a half ttls; each round's WAIT waits its real 0.25 s (half the socket
+        # timeout) for the paused replica.
+        fake_time.run(9, every=0.1)
         assert plain.held, lost
         assert client.pttl(plain.key) > 0
         assert lost == ["waits"]  # the claim that asked for the replica is lost
