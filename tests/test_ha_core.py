@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from _clock import ManualClock
 from _wait import wait_for
 from fenced import Claim, ClaimHeld, ClaimLost, force_release, read_holder, records
 from fenced._client import connect
@@ -112,12 +113,14 @@ def test_a_blocking_acquire_gets_the_claim_when_the_holder_releases(client: Any)
     waiter.release()
 
 
-def test_a_stolen_key_is_noticed_by_the_heartbeat(client: Any) -> None:
+def test_a_stolen_key_is_noticed_by_the_heartbeat(client: Any, fake_time: ManualClock) -> None:
     lost = threading.Event()
-    claim = Claim(client, "stolen", ttl=2, refresh_every=0.3, on_lost=lambda _c: lost.set())
+    claim = Claim(
+        client, "stolen", ttl=2, refresh_every=0.3, on_lost=lambda _c: lost.set(), clock=fake_time
+    )
     assert claim.acquire()
     client.delete(claim.key)
-    assert lost.wait(2)
+    fake_time.run_until("on_lost", lost.is_set, 2)
     with pytest.raises(ClaimLost):
         claim.check()
 
@@ -131,16 +134,19 @@ def test_the_operators_release_ends_the_run(client: Any) -> None:
     assert records.last(client, "stuck") is not None
 
 
-def test_a_thousand_claims_renewed_in_pipelined_rounds(client: Any) -> None:
+def test_a_thousand_claims_renewed_in_pipelined_rounds(client: Any, fake_time: ManualClock) -> None:
+    # On the clock the test moves, with a lease long enough that a round may take its
+    # whole socket timeout (2 s of real time) on a loaded machine.
     claims = [
-        Claim(client, f"held:{i}", ttl=1.5, refresh_every=0.5, records=False) for i in range(1000)
+        Claim(client, f"held:{i}", ttl=15, refresh_every=5, records=False, clock=fake_time)
+        for i in range(1000)
     ]
     for claim in claims:
         assert claim.acquire()
     try:
         beat = heartbeat()
         trips = beat.round_trips
-        time.sleep(4.5)  # three ttls
+        fake_time.run(45, every=0.5)  # three ttls
         assert not [c.name for c in claims if not c.held]
         # A few round trips per server and interval, never one per claim.
         assert beat.round_trips - trips < 9 * 12
