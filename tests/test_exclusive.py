@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from fenced import Claim, ClaimHeld, ClaimLost, ConfigError, Skipped, exclusive
+from _wait import WAIT
+from fenced import Claim, ClaimHeld, ClaimLost, ConfigError, Skipped, events, exclusive
 from fenced._lease import ClaimKeys
 from fenced.records import history
 from fenced.testing import RedisServer
@@ -161,14 +161,25 @@ def test_failure_is_recorded_and_the_claim_released(r: Any) -> None:
 
 
 def test_a_run_that_outlives_its_claim_raises_claim_lost(r: Any) -> None:
+    declared = threading.Event()
+
+    def on_event(event: events.ClaimEvent) -> None:
+        if event.kind == "lost" and event.name == "slow":
+            declared.set()
+
     @exclusive("slow", redis=r, ttl=0.6)
     def slow() -> str:
         r.set(ClaimKeys.of("slow").lock, "someone-else", px=10_000)
-        time.sleep(1.0)  # past the next heartbeat (every 0.2 s), which finds the other token
+        # Past the next heartbeat (every 0.2 s), which finds the other token.
+        assert declared.wait(WAIT)
         return "done"
 
-    with pytest.raises(ClaimLost, match="not protected"):
-        slow()
+    unsubscribe = events.subscribe(on_event)
+    try:
+        with pytest.raises(ClaimLost, match="not protected"):
+            slow()
+    finally:
+        unsubscribe()
     assert r.get(ClaimKeys.of("slow").lock) == "someone-else"
     assert history(r, "slow")[0].outcome == "lost"
 

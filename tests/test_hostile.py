@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from rich.console import Console
 
 import fenced
 import fenced.aio
-from _wait import wait_for
+from _clock import ManualClock
 from celery_harness import WAIT, Services, Worker, key
 from fenced import Claim, ClaimUnavailable, CorruptKey, exclusive, records
 from fenced._inspect import ClaimInfo, ClaimReport, list_claims, read_holder, show_claim
@@ -425,17 +424,17 @@ def test_exclusive_skips_an_unreadable_holder_and_names_a_corrupt_key(r: Any, se
 
 
 def test_the_heartbeat_renews_the_others_when_one_lease_is_replaced_by_garbage(
-    r: Any, server: Any
+    r: Any, server: Any, fake_time: ManualClock
 ) -> None:
-    ours = Claim(r, "bad", ttl=1.5)
-    other = Claim(r, "other", ttl=1.5)
+    ours = Claim(r, "bad", ttl=1.5, clock=fake_time)
+    other = Claim(r, "other", ttl=1.5, clock=fake_time)
     assert ours.acquire() and other.acquire()
     raw = server.client()
     raw.delete(keys().lock)
     raw.hset(keys().lock, "a", "b")  # REFRESH now meets WRONGTYPE
-    wait_for("the replaced lease to be lost", lambda: ours.lost, 60)
+    fake_time.run_until("the replaced lease to be lost", lambda: ours.lost, 60)
     # Two more ttls: the other lease lives on only if it is still being renewed.
-    time.sleep(2 * other.ttl)
+    fake_time.run(2 * other.ttl)
     assert other.held
     assert raw.get(ClaimKeys("fenced", "other").lock) == str(other.token).encode()
     assert other.release()
