@@ -7,17 +7,21 @@ never saw those fences; the ``TIME`` floor of ACQUIRE must still mint above them
 holder must learn its lease is gone, and its fenced writes must be refused.
 
 Clients are built from the ``redis+sentinel://`` and ``redis+cluster://`` URLs, as
-Celery and the command line build them.
+Celery and the command line build them. Most claims here are renewed on a clock the
+test moves (``fake_time``): a failover takes real seconds, the leases' deadlines count
+only the steps the test makes; a test about delays in real time keeps real time.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from _clock import ManualClock
 from _wait import wait_for
 from fenced import Claim, ClaimUnavailable, StaleFence
 from fenced._client import connect
@@ -45,15 +49,18 @@ def _writes(client: Any, key: str) -> bool:
 
 
 class Holder:
-    """A claim held with the heartbeat, noting when it is declared lost."""
+    """A claim held with the heartbeat, noting when (on its clock) it is declared lost."""
 
-    def __init__(self, client: Any, name: str) -> None:
+    def __init__(self, client: Any, name: str, clock: ManualClock) -> None:
         self.lost_at: float | None = None
         self.lost = threading.Event()
-        self.claim = Claim(client, name, ttl=TTL, refresh_every=EVERY, on_lost=self._on_lost)
+        self.clock = clock
+        self.claim = Claim(
+            client, name, ttl=TTL, refresh_every=EVERY, on_lost=self._on_lost, clock=clock
+        )
 
     def _on_lost(self, _claim: Claim) -> None:
-        self.lost_at = time.monotonic()
+        self.lost_at = self.clock()
         self.lost.set()
 
 
@@ -74,6 +81,7 @@ def _check_failover(
     replica: RedisServer,
     kill: Any,
     wait_promoted: Any,
+    clock: ManualClock,
 ) -> dict[str, float]:
     """The scenario on any topology; returns the timings it saw."""
     keys = Claim(client, name, heartbeat=False).keys
@@ -89,14 +97,15 @@ def _check_failover(
     replica.pause()
     try:
         top = _unreplicated_fences(client, name, 20)
-        holder = Holder(client, name)
+        holder = Holder(client, name, clock)
         assert holder.claim.acquire()
         old_fence = holder.claim.fence
         assert old_fence is not None and old_fence > top > replicated
         pointer.swap("old-output", fence=old_fence)
-        time.sleep(2 * EVERY)  # renewed meanwhile, on the master only
+        clock.run(2 * EVERY)  # renewed meanwhile, on the master only
         assert holder.claim.held
         killed_at = time.monotonic()
+        killed_on_clock = clock()
         kill()
     finally:
         replica.resume()
@@ -116,10 +125,11 @@ def _check_failover(
     assert fresh.fence is not None
     assert fresh.fence > old_fence > top  # above every fence minted before
     pointer.swap("new-output", fence=fresh.fence)
-    # The old holder learns its lease is gone by its deadline plus one interval at most.
-    assert holder.lost.wait(TTL + 2 * EVERY + 5)
+    # The old holder learns its lease is gone by its deadline plus one interval at most
+    # (on its clock, which the failover's real seconds did not move).
+    clock.run_until("the old holder's loss", holder.lost.is_set, TTL + 2 * EVERY + 5)
     assert holder.lost_at is not None
-    lost_after = holder.lost_at - killed_at
+    lost_after = holder.lost_at - killed_on_clock
     assert lost_after <= TTL + EVERY + 0.5, lost_after
     # And what it would still write under its old fence is refused.
     with pytest.raises(StaleFence):
@@ -131,7 +141,7 @@ def _check_failover(
 
 
 def test_sentinel_failover_after_unreplicated_writes_stays_fenced(
-    sentinel_group: SentinelGroup,
+    sentinel_group: SentinelGroup, fake_time: ManualClock
 ) -> None:
     client = connect(sentinel_group.url, socket_timeout=1.0, socket_connect_timeout=1.0)
     replica = next(s for s in sentinel_group.servers if s is not sentinel_group.master())
@@ -141,12 +151,13 @@ def test_sentinel_failover_after_unreplicated_writes_stays_fenced(
         replica,
         sentinel_group.kill_master,
         sentinel_group.wait_promoted,
+        fake_time,
     )
     print(f"sentinel failover: {times}")
 
 
 def test_cluster_failover_after_unreplicated_writes_stays_fenced(
-    own_ha_cluster: RedisCluster,
+    own_ha_cluster: RedisCluster, fake_time: ManualClock
 ) -> None:
     client = connect(own_ha_cluster.startup_url, socket_timeout=1.0, socket_connect_timeout=1.0)
     name = "rebuild:roads"
@@ -159,12 +170,13 @@ def test_cluster_failover_after_unreplicated_writes_stays_fenced(
         replica,
         lambda: own_ha_cluster.kill_master_for(key),
         own_ha_cluster.wait_failover,
+        fake_time,
     )
     print(f"cluster failover: {times}")
 
 
 def test_claims_live_through_a_sentinel_failover_of_a_paused_master(
-    sentinel_group: SentinelGroup,
+    sentinel_group: SentinelGroup, fake_time: ManualClock
 ) -> None:
     """A master that stops answering (SIGSTOP), not one that dies: the heartbeat's own
     Sentinel connections time out instead of hanging, find the promoted replica, and go
@@ -172,7 +184,14 @@ def test_claims_live_through_a_sentinel_failover_of_a_paused_master(
     client = connect(sentinel_group.url, socket_timeout=1.0, socket_connect_timeout=1.0)
     lost: list[str] = []
     claims = [
-        Claim(client, f"job:{i}", ttl=8.0, refresh_every=1.0, on_lost=lambda c: lost.append(c.name))
+        Claim(
+            client,
+            f"job:{i}",
+            ttl=8.0,
+            refresh_every=1.0,
+            on_lost=lambda c: lost.append(c.name),
+            clock=fake_time,
+        )
         for i in range(50)
     ]
     for claim in claims:
@@ -184,7 +203,9 @@ def test_claims_live_through_a_sentinel_failover_of_a_paused_master(
     try:
         _, port = sentinel_group.wait_promoted()
         assert port == replica.port
-        time.sleep(10.0)  # past every deadline the paused master granted
+        # Past every deadline the paused master granted (rounds sent to it time out in
+        # real time meanwhile).
+        fake_time.run(10.0, every=0.25)
         assert not lost
         assert all(c.held for c in claims)
         assert all(replica.client().pttl(c.key) > 0 for c in claims)  # renewed there
@@ -225,9 +246,11 @@ def test_replicated_acquires_find_the_new_master_after_a_failover(
     wait_for("a replicated acquire on the new master", reached_the_new_master, 10)
 
 
-def _spread(client: Any, count: int, ttl: float, every: float) -> list[Claim]:
+def _spread(
+    client: Any, count: int, ttl: float, every: float, clock: Callable[[], float] = time.monotonic
+) -> list[Claim]:
     claims = [
-        Claim(client, f"feed:{i}", ttl=ttl, refresh_every=every, records=False)
+        Claim(client, f"feed:{i}", ttl=ttl, refresh_every=every, records=False, clock=clock)
         for i in range(count)
     ]
     for claim in claims:
@@ -236,23 +259,25 @@ def _spread(client: Any, count: int, ttl: float, every: float) -> list[Claim]:
 
 
 def test_a_thousand_claims_over_every_slot_are_renewed_per_node(
-    ha_cluster: RedisCluster,
+    ha_cluster: RedisCluster, fake_time: ManualClock
 ) -> None:
     client = connect(ha_cluster.startup_url)
-    claims = _spread(client, 1200, ttl=2.0, every=0.5)
+    # On the clock the test moves, with a lease long enough that a node's round may take
+    # its whole socket timeout (2 s of real time) on a loaded machine.
+    claims = _spread(client, 1200, ttl=20.0, every=5.0, clock=fake_time)
     try:
         nodes = {client.get_node_from_key(c.key).name for c in claims}
         assert len(nodes) == 3  # every master holds some
         beat = heartbeat()
         trips = beat.round_trips
-        time.sleep(3 * 2.0)  # three ttls: nothing survives without renewals
+        fake_time.run(3 * 20.0, every=0.5)  # three ttls: nothing survives without renewals
         assert all(c.held for c in claims)
         assert not [c.name for c in claims if c.lost]
         # Pipelined per node: a few round trips per node and interval, not one per claim.
-        per_interval = (beat.round_trips - trips) / (6.0 / 0.5)
+        per_interval = (beat.round_trips - trips) / (60.0 / 5.0)
         assert per_interval <= 3 * 3, per_interval
         direct = ha_cluster.client()
-        remaining = sum(1 for c in claims if 0 < direct.pttl(c.key) <= 2000)
+        remaining = sum(1 for c in claims if 0 < direct.pttl(c.key) <= 20_000)
         direct.close()
         assert remaining == len(claims)
     finally:
@@ -287,10 +312,12 @@ def test_a_node_that_is_down_delays_only_its_own_claims(own_ha_cluster: RedisClu
             claim.release()
 
 
-def test_claims_live_through_a_failover_of_their_node(own_ha_cluster: RedisCluster) -> None:
+def test_claims_live_through_a_failover_of_their_node(
+    own_ha_cluster: RedisCluster, fake_time: ManualClock
+) -> None:
     """Leases that reached the replica are renewed on it once promoted: none is lost."""
     client = connect(own_ha_cluster.startup_url, socket_timeout=0.5, socket_connect_timeout=0.5)
-    claims = _spread(client, 300, ttl=10.0, every=1.0)
+    claims = _spread(client, 300, ttl=10.0, every=1.0, clock=fake_time)
     try:
         victim = own_ha_cluster.master_for_key(claims[0].key)
         (replica,) = own_ha_cluster.replicas_of(victim)
@@ -304,7 +331,7 @@ def test_claims_live_through_a_failover_of_their_node(own_ha_cluster: RedisClust
         )
         own_ha_cluster.kill_master_for(claims[0].key)
         own_ha_cluster.wait_failover()
-        time.sleep(12.0)  # past every deadline the old node could have granted
+        fake_time.run(12.0, every=0.25)  # past every deadline the old node could have granted
         assert not [c.name for c in claims if not c.held]
     finally:
         for claim in claims:
@@ -314,8 +341,11 @@ def test_claims_live_through_a_failover_of_their_node(own_ha_cluster: RedisClust
                 pass
 
 
-def _migrate_slot(cluster: RedisCluster, slot: int, client: Any) -> RedisServer:
-    """Move one slot, and its keys, to another master; the master it is on now."""
+def _migrate_slot(
+    cluster: RedisCluster, slot: int, client: Any, between: Callable[[], object]
+) -> RedisServer:
+    """Move one slot, and its keys, to another master, calling ``between`` after each
+    batch of keys moved; the master it is on now."""
     source = cluster.node_for_slot(slot)
     target = next(m for m in cluster.masters() if m is not source)
     src, dst = source.client(), target.client()
@@ -325,20 +355,20 @@ def _migrate_slot(cluster: RedisCluster, slot: int, client: Any) -> RedisServer:
     src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
     while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
         src.execute_command("MIGRATE", "127.0.0.1", target.port, "", 0, 5000, "KEYS", *keys)
-        time.sleep(1.2)  # renewals meet the slot half moved (ASK) in between
+        between()  # renewals meet the slot half moved (ASK) in between
     for node in cluster.masters():
         node.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
     return target
 
 
-def test_claims_follow_a_slot_that_moves(ha_cluster: RedisCluster) -> None:
+def test_claims_follow_a_slot_that_moves(ha_cluster: RedisCluster, fake_time: ManualClock) -> None:
     client = connect(ha_cluster.startup_url)
-    claim = Claim(client, "moving", ttl=2.0, refresh_every=0.5)
+    claim = Claim(client, "moving", ttl=2.0, refresh_every=0.5, clock=fake_time)
     slot = client.keyslot(claim.key)
     assert claim.acquire()
     try:
-        target = _migrate_slot(ha_cluster, slot, client)
-        time.sleep(3.0)  # more than a ttl after the move: renewed through MOVED
+        target = _migrate_slot(ha_cluster, slot, client, lambda: fake_time.run(1.2))
+        fake_time.run(3.0)  # more than a ttl after the move: renewed through MOVED
         assert claim.held
         assert target.client().pttl(claim.key) > 0
     finally:
