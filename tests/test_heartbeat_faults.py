@@ -8,6 +8,7 @@ import time
 
 import redis
 
+from _clock import ManualClock
 from _wait import wait_for
 from fenced import Claim
 from fenced._heartbeat import heartbeat
@@ -24,19 +25,24 @@ def _partitioned_client(proxy: TcpProxy) -> redis.Redis:
 
 
 def test_a_black_holed_server_is_declared_lost_by_the_deadline_plus_one_interval(
-    redis_server: RedisServer,
+    redis_server: RedisServer, fake_time: ManualClock
 ) -> None:
     with TcpProxy(redis_server.port) as proxy:
         client = _partitioned_client(proxy)
         lost_at: list[float] = []
         claim = Claim(
-            client, "partitioned", ttl=3.0, on_lost=lambda _c: lost_at.append(time.monotonic())
+            client,
+            "partitioned",
+            ttl=3.0,
+            on_lost=lambda _c: lost_at.append(fake_time()),
+            clock=fake_time,
         )
-        start = time.monotonic()
+        start = fake_time()
         assert claim.acquire()
         proxy.blackhole()
         try:
-            wait_for("the loss", lambda: lost_at, timeout=30)
+            # Each round waits out the heartbeat's own socket timeout in real time.
+            fake_time.run_until("the loss", lambda: lost_at, 30)
         finally:
             proxy.heal()
         # The local deadline is about start + ttl; loss within one refresh interval of it.
@@ -65,7 +71,9 @@ def test_a_partitioned_server_never_delays_renewals_on_another(
         healthy.release()
 
 
-def test_clients_made_per_job_leave_no_connections_behind(server: RedisServer) -> None:
+def test_clients_made_per_job_leave_no_connections_behind(
+    server: RedisServer, fake_time: ManualClock
+) -> None:
     admin = server.client()
 
     def connected() -> int:
@@ -74,9 +82,9 @@ def test_clients_made_per_job_leave_no_connections_behind(server: RedisServer) -
     before = connected()
     for i in range(100):
         client = server.client()
-        claim = Claim(client, f"per-job:{i}", ttl=1.0)
+        claim = Claim(client, f"per-job:{i}", ttl=1.0, clock=fake_time)
         assert claim.acquire()
-        time.sleep(0.02)  # long enough for some to be renewed through the heartbeat
+        fake_time.run(0.4, every=0.2)  # past its refresh time: renewed through the heartbeat
         claim.release()
         client.close()
         del client, claim
@@ -89,10 +97,12 @@ def test_clients_made_per_job_leave_no_connections_behind(server: RedisServer) -
     assert heartbeat().lanes() <= 4
 
 
-def test_lanes_are_threads_of_their_own(server: RedisServer) -> None:
-    claim = Claim(server.client(), "lane-thread", ttl=1.0)
+def test_lanes_are_threads_of_their_own(server: RedisServer, fake_time: ManualClock) -> None:
+    claim = Claim(server.client(), "lane-thread", ttl=1.0, clock=fake_time)
     assert claim.acquire()
-    wait_for("a renewal", lambda: heartbeat().round_trips > 0 and heartbeat().lanes() > 0)
+    fake_time.run_until(
+        "a renewal", lambda: heartbeat().round_trips > 0 and heartbeat().lanes() > 0, 1.0
+    )
     names = {t.name for t in threading.enumerate()}
     assert "fenced-heartbeat" in names and "fenced-heartbeat-lane" in names
     claim.release()
