@@ -52,7 +52,8 @@ def test_the_skip_idiom_is_explicit(r: Any) -> None:
 
 def test_a_claim_nobody_references_stops_being_renewed(r: Any) -> None:
     def abandon() -> str:
-        claim = Claim(r, "abandoned", ttl=1)
+        # A short lease: Redis drops it 0.3 s after the last renewal (every 0.1 s).
+        claim = Claim(r, "abandoned", ttl=0.3)
         assert claim.acquire()
         key: str = claim.key
         return key  # the claim goes out of scope, never released
@@ -61,7 +62,7 @@ def test_a_claim_nobody_references_stops_being_renewed(r: Any) -> None:
     gc.collect()
     deadline = time.monotonic() + 5
     while r.get(key) is not None and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.01)
     assert r.get(key) is None, "an abandoned claim is still renewed"
     assert not any(c.name == "abandoned" for c in heartbeat().claims())
 
@@ -69,7 +70,7 @@ def test_a_claim_nobody_references_stops_being_renewed(r: Any) -> None:
 def test_an_abandoned_claim_in_a_reference_cycle_expires_after_gc(r: Any) -> None:
     class Job:
         def __init__(self) -> None:
-            self.claim = Claim(r, "abandoned-cycle", ttl=1, on_lost=self.lost)
+            self.claim = Claim(r, "abandoned-cycle", ttl=0.3, on_lost=self.lost)
 
         def lost(self, _claim: Claim) -> None:
             pass
@@ -86,7 +87,7 @@ def test_an_abandoned_claim_in_a_reference_cycle_expires_after_gc(r: Any) -> Non
     gc.collect()
     deadline = time.monotonic() + 5
     while r.get(key) is not None and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.01)
     assert r.get(key) is None
 
 
