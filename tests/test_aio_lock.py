@@ -153,16 +153,33 @@ def test_mixed_fleets_exclude_each_other(server: RedisServer) -> None:
     assert run(server, scenario) == 1
 
 
+async def until(what: str, check: Callable[[], Awaitable[object]], timeout: float = 10) -> None:
+    """Poll ``check`` every 10 ms until it is true; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, f"timed out after {timeout:g}s waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
 def test_auto_renew_keeps_the_lock_past_its_timeout(server: RedisServer) -> None:
     async def scenario(r: Any) -> None:
         lock = Lock(r, "renewed", timeout=0.5, auto_renew=True)
         plain = Lock(r, "expires", timeout=0.5)
         assert await lock.acquire() and await plain.acquire()
-        await asyncio.sleep(1.5)
+
+        async def plain_expired() -> bool:
+            return not await plain.owned()
+
+        async def lock_lost() -> bool:
+            return lock.lost
+
+        # Past the timeout of both (the plain one, taken later, expires last): only
+        # renewals keep the other.
+        await until("the plain lock to expire", plain_expired)
         assert await lock.owned() and not lock.lost
         assert not await plain.owned()
         await r.set("renewed", "stolen")
-        await asyncio.sleep(0.5)
+        await until("the renewal to find the lock taken", lock_lost)
         assert lock.lost
         with pytest.raises(LockNotOwnedError):
             await lock.release()
