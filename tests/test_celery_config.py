@@ -14,6 +14,7 @@ import celery
 import pytest
 from celery import Celery
 
+from _wait import wait_for
 from fenced import Claim, ClaimHeld, ClaimLost, ConfigError, NotOwner, records
 from fenced._lease import ClaimKeys, new_token
 from fenced.celery import ClaimedTask, lock_redis, metrics, signals
@@ -439,7 +440,8 @@ def test_interrupt_can_be_turned_off(app: Celery, r: Any) -> None:
     )
     def calm(self: Any, k: str) -> str:
         started.set()
-        time.sleep(1.5)
+        # Works on till the heartbeat has found the lease taken (a renewal, 0.5 s).
+        wait_for("the claim to be declared lost", lambda: self.claim.lost, 15)
         return "finished"
 
     threading.Thread(target=_intrude, args=(r, "calm:x", started), daemon=True).start()
