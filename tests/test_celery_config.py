@@ -429,6 +429,7 @@ def test_lost_claim_interrupts_a_worker_thread(app: Celery, r: Any) -> None:
 
 def test_interrupt_can_be_turned_off(app: Celery, r: Any) -> None:
     started = threading.Event()
+    finished: list[bool] = []
 
     @app.task(
         shared=False,
@@ -442,11 +443,13 @@ def test_interrupt_can_be_turned_off(app: Celery, r: Any) -> None:
         started.set()
         # Works on till the heartbeat has found the lease taken (a renewal, 0.5 s).
         wait_for("the claim to be declared lost", lambda: self.claim.lost, 15)
+        finished.append(True)
         return "finished"
 
     threading.Thread(target=_intrude, args=(r, "calm:x", started), daemon=True).start()
     with pytest.raises(ClaimLost, match="lost while the task ran"):
         calm("x")  # not interrupted, but its end is not reported as a success
+    assert finished == [True]
 
 
 def test_the_earlier_option_name_still_works_and_says_its_new_name(app: Celery, r: Any) -> None:
