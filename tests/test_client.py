@@ -20,6 +20,8 @@ import pytest
 import redis
 import redis.asyncio
 from celery import Celery
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from _clock import ManualClock
 from fenced import Claim, ClaimUnavailable, ConfigError, exclusive
@@ -29,6 +31,8 @@ from fenced.store import RedisPointer
 from fenced.testing import RedisServer, find_binary, free_port
 
 FENCED = [sys.executable, "-m", "fenced.cli"]
+#: A client that tries once: failures are the same as after redis-py's retries, sooner.
+ONCE = Retry(NoBackoff(), 0)
 
 # -- parsing --------------------------------------------------------------------------
 
@@ -175,7 +179,8 @@ def test_acl_user_and_password_in_the_url(acl_server: RedisServer, fake_time: Ma
         # The heartbeat's own connections log in as alice too.
         fake_time.run(1.5)
         assert claim.held
-    bad = Claim(f"redis://alice:wrong@127.0.0.1:{port}/0", "as-alice", ttl=1)
+    # One try: redis-py retries a refused login for seconds, to the same end.
+    bad = Claim(connect(f"redis://alice:wrong@127.0.0.1:{port}/0", retry=ONCE), "as-alice", ttl=1)
     with pytest.raises(ClaimUnavailable, match="invalid username-password"):
         bad.acquire()
 
@@ -220,7 +225,9 @@ def test_tls_url(tmp_path: Path, fake_time: ManualClock) -> None:
             assert claim.held
         assert describe_client(claim.redis).startswith("rediss://127.0.0.1")
         # A client that does not trust the CA is refused.
-        untrusting = Claim(f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=required", "x", ttl=1)
+        untrusting = Claim(
+            connect(f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=required", retry=ONCE), "x", ttl=1
+        )
         with pytest.raises(Exception, match=r"(?i)certificate|ssl"):
             untrusting.acquire()
 
