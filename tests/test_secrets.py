@@ -519,10 +519,14 @@ def test_doctor_app_does_not_print_the_brokers_or_lock_stores_password(
         textwrap.dedent(
             f"""
             from celery import Celery
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
 
             app = Celery("leaky", broker="redis://:BrokerPw@127.0.0.1:{port}/0",
                          backend="redis://:BackendPw@127.0.0.1:{port}/1")
             app.conf.fenced_redis_url = "redis://:LockPw@127.0.0.1:{port}/2"
+            # Nothing listens there: one try, not redis-py's seconds of retries.
+            app.conf.fenced_redis_options = {{"retry": Retry(NoBackoff(), 0)}}
             app.conf.fenced_secret_key = "{KEY}"
             """
         )
