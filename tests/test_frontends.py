@@ -33,6 +33,7 @@ import redis.asyncio
 
 import fenced
 import fenced.aio
+from _wait import WAIT
 from fenced import Claim, ClaimHeld, ClaimLost, ConfigError, exclusive, is_skipped, records
 from fenced._lease import ClaimKeys
 from fenced.testing import RedisServer
@@ -42,6 +43,31 @@ ROOT = Path(__file__).resolve().parent.parent
 TTL = 0.6
 #: Longer than a renewal period and its retries: the loss has been seen by then.
 PAST_A_RENEWAL = 1.2
+#: The names whose loss was declared, as their ``lost`` events say (while subscribed).
+DECLARED_LOST: set[str] = set()
+
+
+def _note_loss(event: fenced.events.ClaimEvent) -> None:
+    if event.kind == "lost":
+        DECLARED_LOST.add(event.name)
+
+
+def _until_declared_lost(name: str) -> None:
+    """Work on (a thread's kind of work: sleeping a little at a time) until the
+    heartbeat has found the lease taken and declared the claim lost."""
+    deadline = time.monotonic() + WAIT
+    while name not in DECLARED_LOST:
+        assert time.monotonic() < deadline, f"the loss of {name} was never declared"
+        time.sleep(0.01)
+
+
+async def _until_declared_lost_async(name: str) -> None:
+    """The same on an event loop, never blocking it."""
+    deadline = time.monotonic() + WAIT
+    while name not in DECLARED_LOST:
+        assert time.monotonic() < deadline, f"the loss of {name} was never declared"
+        await asyncio.sleep(0.01)
+
 
 # What the work does, written once per front end below.
 OK, FAIL, VANISH, LOSE = "ok", "fail", "vanish", "lose"
@@ -79,7 +105,7 @@ def _body(r: Any, name: str, does: str) -> Any:
         r.delete(ClaimKeys.of(name).lock)
     elif does == LOSE:
         r.set(ClaimKeys.of(name).lock, "someone-else", px=10_000)
-        time.sleep(PAST_A_RENEWAL)
+        _until_declared_lost(name)
     return "done"
 
 
@@ -91,7 +117,7 @@ async def _abody(r: Any, name: str, does: str) -> Any:
         r.delete(ClaimKeys.of(name).lock)
     elif does == LOSE:
         r.set(ClaimKeys.of(name).lock, "someone-else", px=10_000)
-        await asyncio.sleep(PAST_A_RENEWAL)
+        await _until_declared_lost_async(name)
     return "done"
 
 
@@ -350,7 +376,11 @@ def test_work_whose_claim_is_lost_mid_run_ends_lost(
     fe: Frontend, r: Any, redis_server: RedisServer
 ) -> None:
     name = _name(fe)
-    ended = fe.define(r, redis_server, name, LOSE, _policy(fe))()
+    unsubscribe = fenced.events.subscribe(_note_loss)
+    try:
+        ended = fe.define(r, redis_server, name, LOSE, _policy(fe))()
+    finally:
+        unsubscribe()
     if fe.name == "fenced run":
         assert ended.exit == 76, ended  # the command was stopped, not left running
     else:
