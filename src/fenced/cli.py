@@ -97,8 +97,7 @@ def _retry_options() -> dict[str, Any]:
     retries = int(text)
     if not retries:
         return {"retry": Retry(NoBackoff(), 0)}
-    # The policy and the errors it retries on, as redis-py documents it (some versions
-    # retry nothing on a bare policy).
+    # The policy and the errors it retries on, in the form redis-py's documentation gives.
     return {
         "retry": Retry(default_backoff(), retries),  # type: ignore[no-untyped-call]
         "retry_on_error": [ConnectionError, TimeoutError],
