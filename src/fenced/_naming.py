@@ -381,8 +381,7 @@ def check_label(label: Any, option: str = "label") -> str:
 def bounded_label(text: str) -> str:
     """A label fenced derives (a template, a callable's name) made fit for one: escaped,
     at most :data:`LABEL_MAX` characters."""
-    text = printable(text)
-    return text if len(text) <= LABEL_MAX else text[: LABEL_MAX - 1] + "…"
+    return _cut(printable(text), LABEL_MAX)
 
 
 def check_fields(template: str, available: Iterable[str], where: str) -> list[str]:
