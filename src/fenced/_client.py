@@ -49,7 +49,6 @@ __all__ = [
     "redact",
     "refresh_slots",
     "require_async",
-    "topology",
 ]
 
 log = logging.getLogger("fenced")
@@ -426,16 +425,6 @@ def _unreachable(exc: BaseException) -> bool:
 def is_cluster(client: Any) -> bool:
     """Whether a client is a Redis Cluster client (its nodes are renewed apart)."""
     return hasattr(client, "get_primaries") and hasattr(client, "nodes_manager")
-
-
-def topology(client: Any) -> str:
-    """``cluster``, ``sentinel`` or ``standalone``: how a client reaches its Redis."""
-    if is_cluster(client):
-        return "cluster"
-    pool = getattr(client, "connection_pool", None)
-    if pool is not None and hasattr(pool, "service_name"):
-        return "sentinel"
-    return "standalone"
 
 
 def describe_client(client: Any) -> str:
