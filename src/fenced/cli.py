@@ -758,15 +758,12 @@ if app is not None:
             _fail(f"fenced web: {exc.message}")
         port = sock.getsockname()[1]  # --port 0: the one the system chose
         shown = f"[{host.strip('[]')}]" if ":" in host else host
-        serve(
-            web,
-            sock,
-            lambda: _err(
-                f"fenced web: http://{shown}:{port}/ shows the claims of namespace "
-                f"{namespace!r} on {label}{'; release allowed' if allow_release else ''} "
-                "(Ctrl-C stops)"
-            ),
+        serving = (
+            f"fenced web: http://{shown}:{port}/ shows the claims of namespace "
+            f"{namespace!r} on {label}{'; release allowed' if allow_release else ''} "
+            "(Ctrl-C stops)"
         )
+        serve(web, sock, lambda: _err(serving))
 
     def _host_names(host: str, given: list[str]) -> list[str] | None:
         """The Host names the server answers to (None: any), so that a page elsewhere
