@@ -49,7 +49,6 @@ __all__ = [
     "redact",
     "refresh_slots",
     "require_async",
-    "topology",
 ]
 
 log = logging.getLogger("fenced")
@@ -85,6 +84,12 @@ _TEXT = (
     "ssl_min_version",
 )
 _SENTINEL_ONLY = ("sentinel_password", "sentinel_username")
+_FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+_READ: dict[str, Callable[[str], Any]] = {
+    **dict.fromkeys(_FLOAT, float),
+    **dict.fromkeys(_INT, int),
+    **dict.fromkeys(_BOOL, lambda text: _FLAGS[text.lower()]),
+}
 #: Query options whose values are printed (every other value is shown as ***).
 _PLAIN_PARAMS = frozenset((*_FLOAT, *_INT, *_BOOL, *_TEXT, "db", "username", "sentinel_username"))
 
@@ -94,9 +99,9 @@ class RedisURL:
 
     __slots__ = ("db", "hosts", "options", "password", "raw", "scheme", "service", "username")
 
-    def __init__(self, raw: str) -> None:
+    def __init__(self, raw: str, scheme: str) -> None:
         self.raw = raw
-        self.scheme = ""
+        self.scheme = scheme
         self.hosts: list[tuple[str, int]] = []
         self.service: str | None = None
         self.db = 0
@@ -126,17 +131,8 @@ def _read_options(url: str, query: str, topology: str) -> dict[str, Any]:
         if key not in known:
             raise _bad(url, f"unknown option {key!r} (known: {', '.join(sorted(known))})")
         try:
-            if key in _FLOAT:
-                options[key] = float(value)
-            elif key in _INT:
-                options[key] = int(value)
-            elif key in _BOOL:
-                if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                    raise ValueError(value)
-                options[key] = value.lower() in ("1", "true", "yes")
-            else:
-                options[key] = value
-        except ValueError:
+            options[key] = _READ.get(key, str)(value)
+        except (KeyError, ValueError):
             raise _bad(url, f"option {key}={value!r} is not a valid value") from None
     return options
 
@@ -173,8 +169,7 @@ def parse_url(url: str) -> RedisURL:
             url,
             f"the scheme must be one of {', '.join(sorted(SCHEMES))} (examples: {EXAMPLES})",
         )
-    parsed = RedisURL(url)
-    parsed.scheme = scheme
+    parsed = RedisURL(url, scheme)
     topology = SCHEMES[scheme]
     # The credentials end at the last '@'; what they hold must be percent-encoded, so a
     # password is never taken for a path, a query or a host (and never printed).
@@ -203,46 +198,32 @@ def parse_url(url: str) -> RedisURL:
     for key in ("username", "password"):
         if key in options and not options[key]:
             raise _bad(url, f"{key}= is empty: give a value or leave the option out")
-    if "username" in options:
-        parsed.username = options.pop("username")
-    if "password" in options:
-        parsed.password = options.pop("password")
+    parsed.username = options.pop("username", parsed.username)
+    parsed.password = options.pop("password", parsed.password)
     if not parsed.tls and any(key.startswith("ssl_") for key in options):
         raise _bad(url, "ssl_* options need TLS: use rediss:// (or rediss+sentinel://, ...)")
     db_option = options.pop("db", None)
+    db_path = ""  # the database the path names
     if scheme == "unix":
-        parsed.hosts = []
         parsed.service = path  # the socket path
-        if db_option is not None:
-            parsed.db = _read_db(url, db_option)
-    elif topology == "standalone":
-        parsed.hosts = _read_hosts(url, hosts, 6379)
-        if len(parsed.hosts) != 1:
-            raise _bad(url, "redis:// names one server (use redis+sentinel:// or redis+cluster://)")
-        path = path.strip("/") if slash else ""
-        if path and db_option is not None:
-            raise _bad(url, "the database is named twice (path and ?db=): keep one")
-        if path:
-            parsed.db = _read_db(url, path)
-        elif db_option is not None:
-            parsed.db = _read_db(url, db_option)
     elif topology == "sentinel":
         parsed.hosts = _read_hosts(url, hosts, 26379)
         parts = [p for p in path.split("/") if p] if slash else []
         if not parts or len(parts) > 2:
             raise _bad(url, "a Sentinel URL ends in /service or /service/db, e.g. /mymaster/0")
         parsed.service = unquote(parts[0])
-        if len(parts) == 2 and db_option is not None:
-            raise _bad(url, "the database is named twice (path and ?db=): keep one")
-        if len(parts) == 2:
-            parsed.db = _read_db(url, parts[1])
-        elif db_option is not None:
-            parsed.db = _read_db(url, db_option)
+        db_path = parts[1] if len(parts) == 2 else ""
     else:
         parsed.hosts = _read_hosts(url, hosts, 6379)
-        path = path.strip("/") if slash else ""
-        if path not in ("", "0"):
+        db_path = path.strip("/") if slash else ""
+        if topology == "standalone" and len(parsed.hosts) != 1:
+            raise _bad(url, "redis:// names one server (use redis+sentinel:// or redis+cluster://)")
+        if topology == "cluster" and db_path not in ("", "0"):
             raise _bad(url, "a Redis Cluster has only database 0: end the URL in / or /0")
+    if db_path and db_option is not None:
+        raise _bad(url, "the database is named twice (path and ?db=): keep one")
+    if db_path or db_option is not None:
+        parsed.db = _read_db(url, db_path or db_option)
     parsed.options = options
     return parsed
 
@@ -288,8 +269,7 @@ def _build(parsed: RedisURL, options: Mapping[str, Any], *, asyncio: bool = Fals
     cluster: Any = redis.asyncio.cluster if asyncio else redis.cluster
     sentinels: Any = redis.asyncio.sentinel if asyncio else redis.sentinel
 
-    kwargs: dict[str, Any] = dict(parsed.options)
-    kwargs.update(options)
+    kwargs: dict[str, Any] = {**parsed.options, **options}
     sentinel_auth = {
         key.removeprefix("sentinel_"): kwargs.pop(key) for key in _SENTINEL_ONLY if key in kwargs
     }
@@ -346,9 +326,7 @@ def connect(target: Any, *, what: str = "claims", **options: Any) -> Any:
         except (TypeError, ValueError) as exc:
             raise _bad(target, str(exc)) from None
         except Exception as exc:
-            from redis.exceptions import ConnectionError, RedisClusterException
-
-            if not isinstance(exc, (RedisClusterException, ConnectionError, OSError)):
+            if not _unreachable(exc):
                 raise
             raise ClaimUnavailable(
                 f"cannot reach Redis at {redact(target)} ({exc}); nothing was started (fail closed)"
@@ -428,9 +406,7 @@ def client_from_setting(value: Any, *, setting: str = "fenced_redis_client") -> 
         try:
             target = made()
         except Exception as exc:
-            from redis.exceptions import ConnectionError, RedisClusterException
-
-            if isinstance(exc, (ConnectionError, RedisClusterException, OSError)):
+            if _unreachable(exc):
                 raise ClaimUnavailable(f"{setting}={value!r} could not reach Redis: {exc}") from exc
             raise ConfigError(f"{setting}={value!r} failed: {type(exc).__name__}: {exc}") from exc
     try:
@@ -439,19 +415,16 @@ def client_from_setting(value: Any, *, setting: str = "fenced_redis_client") -> 
         raise ConfigError(f"{setting} gave no usable client: {exc.message}") from None
 
 
+def _unreachable(exc: BaseException) -> bool:
+    """Whether making a client failed for want of an answering Redis."""
+    from redis.exceptions import ConnectionError, RedisClusterException
+
+    return isinstance(exc, (ConnectionError, RedisClusterException, OSError))
+
+
 def is_cluster(client: Any) -> bool:
     """Whether a client is a Redis Cluster client (its nodes are renewed apart)."""
     return hasattr(client, "get_primaries") and hasattr(client, "nodes_manager")
-
-
-def topology(client: Any) -> str:
-    """``cluster``, ``sentinel`` or ``standalone``: how a client reaches its Redis."""
-    if is_cluster(client):
-        return "cluster"
-    pool = getattr(client, "connection_pool", None)
-    if pool is not None and hasattr(pool, "service_name"):
-        return "sentinel"
-    return "standalone"
 
 
 def describe_client(client: Any) -> str:

@@ -130,9 +130,7 @@ _SCALARS = (
 
 
 class _NotPlain(Exception):
-    def __init__(self, value: object) -> None:
-        super().__init__(value)
-        self.value = value
+    """A value that is not plain (its one argument)."""
 
 
 def _hint(value: object) -> str:
@@ -179,7 +177,7 @@ def _text(value: Any, field: str | None) -> str | bytes:
     try:
         canonical = _canonical(value)
     except _NotPlain as exc:
-        bad = exc.value
+        bad = exc.args[0]
         where = f"{{{field}}}" if field else "a claim template value"
         inner = "" if bad is value else f" holding a {type(bad).__qualname__}"
         raise ConfigError(
@@ -381,8 +379,7 @@ def check_label(label: Any, option: str = "label") -> str:
 def bounded_label(text: str) -> str:
     """A label fenced derives (a template, a callable's name) made fit for one: escaped,
     at most :data:`LABEL_MAX` characters."""
-    text = printable(text)
-    return text if len(text) <= LABEL_MAX else text[: LABEL_MAX - 1] + "…"
+    return _cut(printable(text), LABEL_MAX)
 
 
 def check_fields(template: str, available: Iterable[str], where: str) -> list[str]:
@@ -447,15 +444,11 @@ class Namer:
             fields, secret, plain = _parse(source)
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
-        if signature is not None and not any(
-            p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()
-        ):
+        params = list(signature.parameters.values()) if signature is not None else []
+        kind = inspect.Parameter
+        if signature is not None and all(p.kind is not kind.VAR_KEYWORD for p in params):
             # With **kwargs any field may arrive by keyword; a missing one fails at the call.
-            named = [
-                p.name
-                for p in signature.parameters.values()
-                if p.kind is not inspect.Parameter.VAR_POSITIONAL
-            ]
+            named = [p.name for p in params if p.kind is not kind.VAR_POSITIONAL]
             check_fields(source, named, where)
         self.template, self.func, self.fields, self.label = source, None, tuple(fields), source
         self.plain, self.secret = plain, tuple(secret)
@@ -464,8 +457,7 @@ class Namer:
         # without Signature.bind_partial (every run names its claim).
         self._positional: tuple[str, ...] = ()
         self._names: frozenset[str] = frozenset()
-        params = list(signature.parameters.values()) if signature is not None else []
-        either, keyword = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
+        either, keyword = kind.POSITIONAL_OR_KEYWORD, kind.KEYWORD_ONLY
         if signature is not None and all(p.kind in (either, keyword) for p in params):
             self._positional = tuple(p.name for p in params if p.kind is either)
             self._names = frozenset(p.name for p in params)

@@ -1,46 +1,30 @@
 """Run a command under a claim: a distributed ``flock`` for cron and shell scripts.
 
-The command runs as a child process in its own process group while the claim is held
-and renewed by the heartbeat. What can happen, and the exit status of each::
+The command runs as a child in its own process group while the heartbeat renews the
+claim. What can happen, and the exit status of each::
 
     claim taken, command runs       the command's own status (killed by signal N: 128+N)
     busy, on_busy="skip"            0 and one line naming the holder (cron: not an error)
     busy, on_busy="raise"           75  (EX_TEMPFAIL; "fail" is accepted as another name)
     busy, waited past wait_timeout  75
-    ran recently (--cooldown)       as busy: 0 with a line saying when the window ends; 75
-                                    with on_busy="raise" (a window is never waited out)
+    ran recently (--cooldown)       as busy (0 or 75); a window is never waited out
     claim lost while it ran         76  the group got SIGTERM, then SIGKILL after grace
-    (or ran out while fenced run was stopped: the watchdog ended the command)
     Redis unreachable               69  (EX_UNAVAILABLE), the command never started
     command not found / not exec.   127 / 126, as a shell reports them
 
-Signals sent to the runner are forwarded: SIGTERM, SIGINT, SIGHUP and SIGQUIT to the
-command's whole process group (what a terminal does, so a shell's children stop too),
-SIGUSR1 and SIGUSR2 to the command alone (they mean "reopen logs" or "report" to one
-program and would kill helpers that do not handle them). The claim is released when
-the command ends, with the outcome ``ok``, ``failed``, ``lost`` or ``aborted``
-recorded beside the program and a digest of the command line (the whole line only with
-``record_command``: arguments may hold passwords).
+SIGTERM, SIGINT, SIGHUP and SIGQUIT are forwarded to the command's group (as a terminal
+does), SIGUSR1 and SIGUSR2 to the command alone (they would kill helpers that do not
+handle them). The run is recorded as ``ok``, ``failed``, ``lost`` or ``aborted`` with
+the program and a digest of the command line (the line itself only with
+``record_command``: arguments may hold passwords). The command's environment lacks
+fenced's own settings (:data:`FENCED_ENV`) unless ``pass_fenced_env``.
 
-The command does not get fenced's own settings: ``FENCED_REDIS_URL`` (which may carry
-a password), ``FENCED_REDIS_CLIENT`` and ``FENCED_SECRET_KEY`` are removed from its
-environment unless ``pass_fenced_env`` is set.
-
-The command never outlives the runner: a watchdog process (:mod:`fenced._watchdog`),
-started just before the command and told each renewal, ends the command's group when
-the runner dies however it dies (``kill -9``, the OOM killer), and when the runner is
-stopped or starved until its claim runs out. A watchdog that dies is replaced.
-
-**SIGTSTP** (Ctrl-Z) stops the command's group and then the runner, as a terminal user
-expects of a job. A stopped runner renews nothing, so its claim runs out within a ttl;
-the watchdog then ends the command (SIGTERM with SIGCONT, so that a stopped command
-acts on it; SIGKILL after grace), rather than leave it to go on unclaimed beside the
-next holder once continued. Resumed within the lease (``fg``, ``bg``, SIGCONT), the
-runner continues the group and the run goes on; resumed after it, the run reports the
-loss (76, recorded ``lost``). One line on stderr says so when it stops. The choices
-not taken: ignoring SIGTSTP leaves a terminal with a job that will not stop; stopping
-the runner alone leaves the command working on a claim that nobody renews; stopping the
-command alone cannot give the terminal back, since the shell waits for the runner.
+A watchdog process (:mod:`fenced._watchdog`), told of each renewal, ends the command's
+group when the runner dies however it dies, or is stopped or starved until its claim
+runs out. SIGTSTP (Ctrl-Z) stops the group, then the runner, as a terminal user
+expects; resumed within the lease the run goes on, after it the run reports the loss
+(76). Ignoring SIGTSTP would leave a job that will not stop; stopping only the runner
+would leave the command working on a claim nobody renews.
 """
 
 from __future__ import annotations
@@ -60,11 +44,11 @@ from typing import Any
 
 from ._claim import Claim
 from ._errors import ClaimUnavailable, ConfigError
-from ._guard import BusyPolicy, Run, Skip, Skipped, accepted, busy_policy
+from ._guard import BusyPolicy, Run, Skip, accepted, busy_policy
 from ._lease import IDLE_TTL
 from ._naming import SECRET_KEY_ENV, check_secret_key, hash_value, secret_digest
 from ._options import DEFAULT, ClaimOptions
-from ._watchdog import ENDED_AT_DEADLINE, Watchdog, dies_with_runner
+from ._watchdog import ENDED_AT_DEADLINE, Watchdog, dies_with_runner, ending, signame
 
 __all__ = [
     "EXIT_BUSY",
@@ -110,6 +94,11 @@ WATCH_REPORT = 5.0
 #: Stopping the command on SIGTSTP: a process group in a session of its own (Python
 #: 3.10) is orphaned, and the kernel discards SIGTSTP sent to it.
 STOP_SIGNAL = signal.SIGTSTP if sys.version_info >= (3, 11) else signal.SIGSTOP
+#: The command's own process group, so that stopping it also stops what it started, and
+#: a terminal's Ctrl-C reaches it once (through the runner), not twice.
+OWN_GROUP: dict[str, Any] = (
+    {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+)
 
 
 @dataclass
@@ -177,7 +166,8 @@ class RunOptions:
             ttl=self.ttl,
             namespace=self.namespace,
             records=True,
-            idle_ttl=idle_ttl(self.ttl),
+            # No option for it here: a long lease keeps its name's keys twice as long.
+            idle_ttl=max(IDLE_TTL, 2 * self.ttl),
             replicas=self.replicas,
             replica_timeout=self.replica_timeout,
             cooldown=self.cooldown,
@@ -187,30 +177,8 @@ class RunOptions:
         )
 
 
-def idle_ttl(ttl: float) -> float:
-    """The idle expiry of a run's name: no option for it here, and a long lease keeps its
-    name's keys at least twice as long."""
-    return max(IDLE_TTL, 2 * ttl)
-
-
 class _Interrupted(Exception):
-    """A forwarded-to-nobody signal arrived before the command started."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _signame(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def _status(returncode: int) -> int:
-    """Shell convention: a child killed by signal N exits 128+N."""
-    return 128 - returncode if returncode < 0 else returncode
+    """A forwarded-to-nobody signal arrived before the command started (its number)."""
 
 
 class _Runner:
@@ -308,8 +276,7 @@ class _Runner:
     # -- the run ----------------------------------------------------------------------
 
     def run(self) -> int:
-        code = self._run()
-        self.result["exit"] = code
+        self.result["exit"] = code = self._run()
         return code
 
     def _busy(self, outcome: str, reason: str) -> None:
@@ -323,21 +290,22 @@ class _Runner:
         try:
             action = self.claim.enter(opts.policy)
         except _Interrupted as stop:
-            self.say(f"fenced: {_signame(stop.signum)} while waiting for {opts.name!r}; not run")
-            self.result.update(outcome="aborted", reason=f"{_signame(stop.signum)} while waiting")
-            return 128 + stop.signum
+            signum: int = stop.args[0]
+            self.say(f"fenced: {signame(signum)} while waiting for {opts.name!r}; not run")
+            self.result.update(outcome="aborted", reason=f"{signame(signum)} while waiting")
+            return 128 + signum
         except ClaimUnavailable as exc:
             self.say(f"fenced: {exc}")
             self.result.update(outcome="unavailable", reason=str(exc))
             return EXIT_UNAVAILABLE
         if isinstance(action, Skip):
             self._busy("skipped", action.reason)
-            return self._skipped(action.skipped)
+            if not opts.quiet:
+                self.say(f"fenced: {action.skipped}")
+            return 0
         if not isinstance(action, Run):  # raise, a wait that gave up (a command never retries)
-            busy = action.error
-            self.say(
-                f"fenced: gave up waiting: {busy}" if opts.policy.blocks else f"fenced: {busy}"
-            )
+            waited = "gave up waiting: " if opts.policy.blocks else ""
+            self.say(f"fenced: {waited}{action.error}")
             self._busy("busy", getattr(action, "reason", "already running"))
             return EXIT_BUSY
         self.result["fence"] = self.claim.fence
@@ -360,17 +328,12 @@ class _Runner:
             return EXIT_LOST
         return code
 
-    def _skipped(self, skipped: Skipped) -> int:
-        if not self.opts.quiet:
-            self.say(f"fenced: {skipped}")
-        return 0
-
     def _run_child(self) -> tuple[str, str | None, int]:
         opts = self.opts
         if self.pending:
             signum = self.pending[0]
-            self.say(f"fenced: {_signame(signum)} before {opts.name!r} started; not run")
-            return "aborted", f"{_signame(signum)} before the command started", 128 + signum
+            self.say(f"fenced: {signame(signum)} before {opts.name!r} started; not run")
+            return "aborted", f"{signame(signum)} before the command started", 128 + signum
         # Before the command: from the moment it runs, the watchdog holds its pipe.
         self.watch.start()
         try:
@@ -387,7 +350,7 @@ class _Runner:
                 list(opts.argv),
                 preexec_fn=dies_with_runner(),
                 env=None if opts.pass_fenced_env else child_env(),
-                **_own_group(),
+                **OWN_GROUP,
             )
         except FileNotFoundError as exc:
             self.say(f"fenced: cannot run {opts.argv[0]!r}: {exc.strerror}")
@@ -408,29 +371,24 @@ class _Runner:
         if returncode is None:
             return self._stop_lost()
         if self.watch.finish(timeout=opts.grace + WATCH_REPORT) == ENDED_AT_DEADLINE:
-            return self._ended_by_watchdog(returncode)
+            # No renewal reached the watchdog before the lease's end.
+            if self.stalled > 3 * self.poll:
+                why = "fenced run was stopped (or starved) until its lease ran out"
+            else:
+                why = self.claim.lost_reason or "no renewal was confirmed before the lease's end"
+            self.say(
+                f"fenced: claim {opts.name!r} lost: {why}; the watchdog ended the command "
+                f"({ending(returncode)})"
+            )
+            return self._lost(returncode, why)
         if self.lost.is_set() or self.claim.lost:
             # It ended, but the claim had already gone: its work was not protected.
             self.say(f"fenced: claim {opts.name!r} was lost before the command ended")
-            return "lost", self._lost_reason(returncode), EXIT_LOST
-        status = _status(returncode)
+            return self._lost(returncode)
         if returncode == 0:
             return "ok", None, 0
-        if returncode < 0:
-            return "failed", f"killed by {_signame(-returncode)}", status
-        return "failed", f"exit status {returncode}", status
-
-    def _ended_by_watchdog(self, returncode: int) -> tuple[str, str | None, int]:
-        """The watchdog ended the command: no renewal reached it before the lease's end."""
-        if self.stalled > 3 * self.poll:
-            why = "fenced run was stopped (or starved) until its lease ran out"
-        else:
-            why = self.claim.lost_reason or "no renewal was confirmed before the lease's end"
-        self.say(
-            f"fenced: claim {self.opts.name!r} lost: {why}; the watchdog ended the command "
-            f"({_ending(returncode)})"
-        )
-        return "lost", f"{why}; command {_ending(returncode)}", EXIT_LOST
+        status = 128 - returncode if returncode < 0 else returncode  # killed by N: 128+N
+        return "failed", ending(returncode, "exit status"), status
 
     def _wait(self, stop_on_loss: bool, until: float | None = None) -> int | None:
         """The child's return code; None when the claim was lost or ``until`` passed."""
@@ -481,11 +439,11 @@ class _Runner:
             returncode = self.proc.wait()
         # What the command started may still be ending: the watchdog sees to it.
         self.watch.finish(timeout=opts.grace + WATCH_REPORT)
-        return "lost", self._lost_reason(returncode), EXIT_LOST
+        return self._lost(returncode)
 
-    def _lost_reason(self, returncode: int) -> str:
-        why = self.claim.lost_reason or "the lease is gone"
-        return f"{why}; command {_ending(returncode)}"
+    def _lost(self, returncode: int, why: str | None = None) -> tuple[str, str | None, int]:
+        why = why or self.claim.lost_reason or "the lease is gone"
+        return "lost", f"{why}; command {ending(returncode)}", EXIT_LOST
 
 
 def command_record(argv: Sequence[str], whole: bool = False) -> dict[str, str]:
@@ -513,18 +471,6 @@ def child_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in FENCED_ENV}
 
 
-def _ending(returncode: int) -> str:
-    return f"killed by {_signame(-returncode)}" if returncode < 0 else f"exit {returncode}"
-
-
-def _own_group() -> dict[str, Any]:
-    # Its own process group, so that stopping the command also stops what it started,
-    # and a terminal's Ctrl-C reaches it once (through the runner), not twice.
-    if sys.version_info >= (3, 11):
-        return {"process_group": 0}
-    return {"start_new_session": True}  # pragma: no cover - Python 3.10
-
-
 def run_command(
     client: Any,
     opts: RunOptions,
@@ -541,15 +487,12 @@ def run_command(
     ``holder`` (the other holder, when busy) and ``label`` (the claim's label).
     """
     opts.check()
-    if say is None:
-        say = _stderr
-    runner = _Runner(client, opts, say, clock)
-    in_main = threading.current_thread() is threading.main_thread()
+    runner = _Runner(client, opts, say or _stderr, clock)
     previous: dict[int, Any] = {}
-    if in_main:
-        for sig in (*TO_GROUP, *TO_CHILD):
-            previous[sig] = signal.signal(sig, runner._on_signal)
-        previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, runner._on_stop)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (*TO_GROUP, *TO_CHILD, signal.SIGTSTP):
+            handler = runner._on_stop if sig == signal.SIGTSTP else runner._on_signal
+            previous[sig] = signal.signal(sig, handler)
     try:
         code = runner.run()
     finally:

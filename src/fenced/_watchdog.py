@@ -58,7 +58,9 @@ __all__ = [
     "ENDED_WHEN_ASKED",
     "Watchdog",
     "dies_with_runner",
+    "ending",
     "main",
+    "signame",
 ]
 
 #: Exit statuses of the watchdog: what it did.
@@ -102,12 +104,11 @@ class Watchdog:
         self.finished = False
         self.ending = False
 
-    def start(self) -> Watchdog:
-        """Start the process; before the command, so that it holds its pipe from the start."""
-        self._spawn()
-        return self
+    def start(self) -> bool:
+        """Start the process; before the command, so that it holds its pipe from the start.
 
-    def _spawn(self) -> bool:
+        False (said through ``say``) when it cannot be started.
+        """
         read_end, write_end = os.pipe()  # neither is inherited, but for pass_fds below
         try:
             script = [__file__, str(read_end), repr(self.grace), self.name]
@@ -152,7 +153,7 @@ class Watchdog:
             return
         # Once the runner has asked for the ending, a replacement would only repeat it.
         if not self.ending and self.proc is not None and self.proc.poll() is not None:
-            self._replace(f"exited {_how(self.proc.returncode)}")
+            self._replace(f"exited {ending(self.proc.returncode, 'with status')}")
         if deadline is not None and (
             self.deadline is None or deadline > self.deadline + RESEND_AFTER
         ):
@@ -170,7 +171,7 @@ class Watchdog:
             self.finished = True
             return
         self.restarts += 1
-        if self._spawn():
+        if self.start():
             self.say(f"fenced: the watchdog of {self.name!r} {why}; started another")
             self._tell(self._greeting())
 
@@ -257,13 +258,19 @@ def dies_with_runner() -> Callable[[], None] | None:
     return set_parent_death_signal
 
 
-def _how(returncode: int | None) -> str:
+def signame(signum: int) -> str:
+    """``SIGTERM``, or ``signal N`` for a number that names no signal."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def ending(returncode: int | None, exited: str = "exit") -> str:
+    """How a process ended: ``killed by SIGTERM``, or ``exit 3`` (``exited`` and its status)."""
     if returncode is not None and returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"killed by signal {-returncode}"
-    return f"with status {returncode}"
+        return f"killed by {signame(-returncode)}"
+    return f"{exited} {returncode}"
 
 
 # -- the watchdog's side --------------------------------------------------------------------
@@ -360,10 +367,8 @@ class _Watch:
         assert self.group is not None
         try:
             os.killpg(self.group, 0)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):  # gone, or the id is somebody else's
             return False
-        except PermissionError:
-            return False  # the group id now names somebody else's processes
         return True
 
     def _signal(self, signum: int) -> None:

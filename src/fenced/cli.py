@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 try:
     import typer
@@ -65,11 +65,16 @@ def _err(line: str) -> None:
     print(printable(line), file=sys.stderr, flush=True)
 
 
+def _fail(line: str, code: int = EXIT_USAGE) -> NoReturn:
+    """Say why on stderr, and exit with ``code``."""
+    _err(line)
+    raise SystemExit(code)
+
+
 def _redis_url(url: str | None) -> str:
     url = url or os.environ.get("FENCED_REDIS_URL")
     if not url:
-        _err("fenced: no Redis given: pass --redis URL or set FENCED_REDIS_URL")
-        raise SystemExit(EXIT_USAGE)
+        _fail("fenced: no Redis given: pass --redis URL or set FENCED_REDIS_URL")
     return url
 
 
@@ -135,18 +140,14 @@ def _talking_to(client: Any) -> Iterator[None]:
     try:
         yield
     except UNREACHABLE as exc:
-        _err(f"fenced: cannot reach Redis at {describe_client(client)}: {why_unreachable(exc)}")
-        raise SystemExit(EXIT_UNAVAILABLE) from None
+        why = why_unreachable(exc)
+        _fail(f"fenced: cannot reach Redis at {describe_client(client)}: {why}", EXIT_UNAVAILABLE)
     except redis.ResponseError as exc:
         # An error reply (a key of the wrong type, a replica, a full server): one line.
-        _err(f"fenced: Redis at {describe_client(client)} answered with an error: {exc}")
-        raise SystemExit(EXIT_UNAVAILABLE) from None
-    except ClaimUnavailable as exc:
-        _err(f"fenced: {exc}")
-        raise SystemExit(EXIT_UNAVAILABLE) from None
-    except ConfigError as exc:
-        _err(f"fenced: {exc}")
-        raise SystemExit(EXIT_USAGE) from None
+        where = describe_client(client)
+        _fail(f"fenced: Redis at {where} answered with an error: {exc}", EXIT_UNAVAILABLE)
+    except (ClaimUnavailable, ConfigError) as exc:
+        _fail(f"fenced: {exc}", EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_UNAVAILABLE)
 
 
 @contextmanager
@@ -162,8 +163,7 @@ def _metrics_to(path: str | None) -> Iterator[None]:
 
         recorder = Textfile(path)
     except (ImportError, ConfigError) as exc:  # no prometheus_client; no such directory
-        _err(f"fenced: {exc}")
-        raise SystemExit(EXIT_USAGE) from None
+        _fail(f"fenced: {exc}")
     recorder.start()
     try:
         yield
@@ -225,6 +225,10 @@ if app is not None:
         str, typer.Argument(metavar="NAME", help="Claim name: the resource two runs collide on.")
     ]
 
+    def _duration(text: str) -> Any:
+        """An option given as a DURATION (:func:`parse_duration`)."""
+        return typer.Option(metavar="DURATION", parser=parse_duration, help=text)
+
     def _print_version(value: bool) -> None:
         if value:
             from . import __version__
@@ -283,15 +287,13 @@ if app is not None:
         try:
             from .web.app import listen
         except ImportError:
-            _err("fenced demo --web needs the web extra: pip install 'fenced[web]'")
-            raise typer.Exit(EXIT_USAGE) from None
+            _fail("fenced demo --web needs the web extra: pip install 'fenced[web]'")
         from ._errors import ConfigError
 
         try:  # before the acts: a port in use is said now, not minutes later
             sock = listen("127.0.0.1", web_port, option="--web-port")
         except ConfigError as exc:
-            _err(f"fenced demo: {exc.message}")
-            raise typer.Exit(EXIT_USAGE) from None
+            _fail(f"fenced demo: {exc.message}")
         raise typer.Exit(demo_main(web_port=web_port, web_socket=sock))
 
     @app.command()
@@ -334,8 +336,7 @@ if app is not None:
         if redis_url:
             client = _client(redis_url)
         elif app_obj is not None:
-            store = lock_store_url(app_obj)
-            if store is not None or app_obj.conf.get("fenced_redis_client"):
+            if lock_store_url(app_obj) is not None or app_obj.conf.get("fenced_redis_client"):
                 from .celery import lock_redis
 
                 # The client its workers make (fenced_redis_options included), so the
@@ -343,16 +344,14 @@ if app is not None:
                 try:
                     client = lock_redis(app_obj)
                 except ValueError as exc:
-                    _err(
+                    _fail(
                         "fenced doctor: bad lock store (from fenced_redis_client, "
                         f"fenced_redis_url or FENCED_REDIS_URL): {exc}"
                     )
-                    raise typer.Exit(EXIT_USAGE) from None
         elif os.environ.get("FENCED_REDIS_URL") or os.environ.get("FENCED_REDIS_CLIENT"):
             client = _client(None)
         else:
-            _err("fenced doctor: nothing to check: pass --redis URL and/or --app APP")
-            raise typer.Exit(EXIT_USAGE)
+            _fail("fenced doctor: nothing to check: pass --redis URL and/or --app APP")
         report = run_doctor(client, app_obj, namespace=namespace)
         if as_json:
             print(report.as_json(), flush=True)
@@ -377,41 +376,34 @@ if app is not None:
         try:
             found = find_app(spec)
         except ModuleNotFoundError as exc:
-            _err(f"fenced doctor: cannot import {exc.name!r} (--app {spec}): {exc}; check --app")
-            raise typer.Exit(EXIT_USAGE) from None
+            _fail(f"fenced doctor: cannot import {exc.name!r} (--app {spec}): {exc}; check --app")
         except AttributeError as exc:
-            _err(
+            _fail(
                 f"fenced doctor: {spec!r} names no Celery app ({exc}); use --app module, "
                 "module:attribute or package (with a celery submodule), as for celery -A"
             )
-            raise typer.Exit(EXIT_USAGE) from None
         except Exception as exc:
-            _err(f"fenced doctor: importing --app {spec} failed: {type(exc).__name__}: {exc}")
-            raise typer.Exit(EXIT_USAGE) from None
+            _fail(f"fenced doctor: importing --app {spec} failed: {type(exc).__name__}: {exc}")
         if not isinstance(found, Celery):
-            _err(
+            _fail(
                 f"fenced doctor: --app {spec} is a {type(found).__name__}, not a Celery app; "
                 "name the app itself, e.g. --app proj.celery:app"
             )
-            raise typer.Exit(EXIT_USAGE)
         try:
             # What a worker does at start: the import_modules signal runs the lazy
             # autodiscover_tasks() (and the Django fixup's setup) before the modules load.
             found.loader.import_default_modules()
         except Exception as exc:
-            _err(
+            _fail(
                 f"fenced doctor: importing the task modules of --app {spec} failed: "
                 f"{type(exc).__name__}: {exc}"
             )
-            raise typer.Exit(EXIT_USAGE) from None
         return found
 
     @app.command()
     def version() -> None:
         """Print the version."""
-        from . import __version__
-
-        print(__version__)
+        _print_version(True)
 
     from typer.core import TyperCommand
 
@@ -462,32 +454,19 @@ if app is not None:
         ] = None,
         ttl: Annotated[
             float,
-            typer.Option(
-                metavar="DURATION",
-                parser=parse_duration,
-                help="The lease (30s, 10m, 2h, or seconds); renewed every ttl/3 while it runs.",
-            ),
+            _duration("The lease (30s, 10m, 2h, or seconds); renewed every ttl/3 while it runs."),
         ] = 30.0,
         redis_url: RedisOpt = None,
         namespace: NamespaceOpt = "fenced",
         on_busy: Annotated[
-            OnBusy, typer.Option("--on-busy", help="When another holder has the claim.")
+            OnBusy, typer.Option(help="When another holder has the claim.")
         ] = OnBusy.skip,  # type: ignore[attr-defined]
         wait_timeout: Annotated[
             float | None,
-            typer.Option(
-                metavar="DURATION",
-                parser=parse_duration,
-                help="With --on-busy wait: give up after this long (90s, 5m, or seconds).",
-            ),
+            _duration("With --on-busy wait: give up after this long (90s, 5m, or seconds)."),
         ] = None,
         grace: Annotated[
-            float,
-            typer.Option(
-                metavar="DURATION",
-                parser=parse_duration,
-                help="Claim lost: SIGKILL this long after SIGTERM (10s, or seconds).",
-            ),
+            float, _duration("Claim lost: SIGKILL this long after SIGTERM (10s, or seconds).")
         ] = 10.0,
         quiet: Annotated[
             bool, typer.Option("--quiet", "-q", help="Print nothing on a skip.")
@@ -501,26 +480,18 @@ if app is not None:
             ),
         ] = 0,
         replica_timeout: Annotated[
-            float,
-            typer.Option(
-                metavar="DURATION",
-                parser=parse_duration,
-                help="How long to wait for --replicas (0.5, 2s, or seconds).",
-            ),
+            float, _duration("How long to wait for --replicas (0.5, 2s, or seconds).")
         ] = 1.0,
         cooldown: Annotated[
             float | None,
-            typer.Option(
-                metavar="DURATION",
-                parser=parse_duration,
-                help="After a run that ended ok, skip runs within this long (30s, 5m, 1h, "
-                "or seconds): one run per window, timed by Redis, whatever the hosts' clocks.",
+            _duration(
+                "After a run that ended ok, skip runs within this long (30s, 5m, 1h, "
+                "or seconds): one run per window, timed by Redis, whatever the hosts' clocks."
             ),
         ] = None,
         limit: Annotated[
             int,
             typer.Option(
-                "--limit",
                 metavar="N",
                 help="Up to N runs of NAME at once (1 to 64), each with its own lease and "
                 "fence; busy when all N are held.",
@@ -537,7 +508,6 @@ if app is not None:
         label: Annotated[
             str | None,
             typer.Option(
-                "--label",
                 metavar="TEXT",
                 help="The claim's label in lifecycle events and log fields (default: NAME); "
                 "one label for every name of a kind, e.g. 'backup:{db}'.",
@@ -562,7 +532,6 @@ if app is not None:
         metrics_file: Annotated[
             str | None,
             typer.Option(
-                "--metrics-file",
                 metavar="PATH",
                 help="When the run ends (a skip too), write its claim metrics to PATH in "
                 "Prometheus text format, atomically, for node_exporter's textfile collector "
@@ -663,9 +632,7 @@ if app is not None:
         title = f"{held} held in namespace {namespace!r}"
         if held < len(infos):
             title += f", {len(infos) - held} in a cooldown window"
-        if console.width < WIDE:
-            return claims_list(infos, title)
-        return claims_table(infos, title)
+        return claims_table(infos, title) if console.width >= WIDE else claims_list(infos, title)
 
     def _watch(
         read: Callable[[], list[Any]], namespace: str, as_json: bool, every: float, wide: bool
@@ -786,8 +753,7 @@ if app is not None:
             from .web import create_app
             from .web.app import listen, serve
         except ImportError:
-            _err("fenced web needs its extra: pip install 'fenced[web]'")
-            raise typer.Exit(EXIT_USAGE) from None
+            _fail("fenced web needs its extra: pip install 'fenced[web]'")
         from ._client import redact
         from ._errors import ConfigError
         from ._lease import describe_client
@@ -820,31 +786,22 @@ if app is not None:
             )
             sock = listen(host, port)
         except ConfigError as exc:
-            _err(f"fenced web: {exc.message}")
-            raise typer.Exit(EXIT_USAGE) from None
+            _fail(f"fenced web: {exc.message}")
         port = sock.getsockname()[1]  # --port 0: the one the system chose
         shown = f"[{host.strip('[]')}]" if ":" in host else host
-        serve(
-            web,
-            sock,
-            lambda: _err(
-                f"fenced web: http://{shown}:{port}/ shows the claims of namespace "
-                f"{namespace!r} on {label}{'; release allowed' if allow_release else ''} "
-                "(Ctrl-C stops)"
-            ),
+        serving = (
+            f"fenced web: http://{shown}:{port}/ shows the claims of namespace "
+            f"{namespace!r} on {label}{'; release allowed' if allow_release else ''} "
+            "(Ctrl-C stops)"
         )
+        serve(web, sock, lambda: _err(serving))
 
     def _host_names(host: str, given: list[str]) -> list[str] | None:
         """The Host names the server answers to (None: any), so that a page elsewhere
         that rebinds its DNS to this machine is refused; warns when that is any."""
-        import ipaddress
-
         address = host.strip("[]")
         names = set(given)
-        try:
-            wildcard = ipaddress.ip_address(address).is_unspecified
-        except ValueError:
-            wildcard = False
+        wildcard = getattr(_ip(host), "is_unspecified", False)
         if wildcard or _loopback(host):  # 0.0.0.0 and :: listen on loopback too
             names |= {"127.0.0.1", "localhost", "::1"}
         if not wildcard:
@@ -859,14 +816,16 @@ if app is not None:
         return sorted(names)
 
     def _loopback(host: str) -> bool:
+        return host == "localhost" or getattr(_ip(host), "is_loopback", False)
+
+    def _ip(host: str) -> Any:
+        """The IP address ``host`` is (in brackets or not); None for a host name."""
         import ipaddress
 
-        if host == "localhost":
-            return True
         try:
-            return ipaddress.ip_address(host.strip("[]")).is_loopback
+            return ipaddress.ip_address(host.strip("[]"))
         except ValueError:
-            return False
+            return None
 
     def _web_token(token_file: str | None) -> str:
         """The release token: --token-file, else $FENCED_WEB_TOKEN, else a new one, printed."""
@@ -875,11 +834,9 @@ if app is not None:
                 with open(token_file, encoding="utf-8") as f:
                     token = f.read().strip()
             except (OSError, UnicodeDecodeError) as exc:
-                _err(f"fenced web: cannot read --token-file {token_file}: {exc}")
-                raise typer.Exit(EXIT_USAGE) from None
+                _fail(f"fenced web: cannot read --token-file {token_file}: {exc}")
             if not token:
-                _err(f"fenced web: --token-file {token_file} is empty: put the token in it")
-                raise typer.Exit(EXIT_USAGE)
+                _fail(f"fenced web: --token-file {token_file} is empty: put the token in it")
             mode = os.stat(token_file).st_mode & 0o777
             if mode & 0o077:
                 _err(
@@ -892,11 +849,10 @@ if app is not None:
             return token
         if not sys.stderr.isatty():
             # A made token goes to a terminal only: a log or a journal would keep it.
-            _err(
+            _fail(
                 "fenced web: --allow-release needs a token: pass --token-file F (mode 600) "
                 "or set FENCED_WEB_TOKEN; one is made for you only when stderr is a terminal"
             )
-            raise typer.Exit(EXIT_USAGE)
         import secrets
 
         token = secrets.token_urlsafe(24)
@@ -944,8 +900,12 @@ if app is not None:
           2   usage: no --reason, no --redis
           69  Redis unreachable
         """
+        from functools import partial
+
+        from ._audit import echo_to_stderr
         from ._inspect import force_release, operator, read_holder, read_slots, release_slot
         from ._lease import short_token
+        from ._printable import printable
 
         client = _client(redis_url)
         if not force:
@@ -955,54 +915,36 @@ if app is not None:
                 held = f" (held by {holder})" if holder else " (nothing is held under it)"
             except Exception:
                 pass  # the refusal stands on its own; Redis is only asked to say more
-            _err(
+            _fail(
                 f"fenced: refusing to release {name!r} without --force{held}; check that "
-                "its holder is gone (fenced ls), then add --force --reason TEXT"
+                "its holder is gone (fenced ls), then add --force --reason TEXT",
+                EXIT_REFUSED,
             )
-            raise typer.Exit(EXIT_REFUSED)
         if not reason or not reason.strip():
-            _err("fenced: add --reason TEXT: the run records keep why a claim was cleared")
-            raise typer.Exit(EXIT_USAGE)
+            _fail("fenced: add --reason TEXT: the run records keep why a claim was cleared")
         # Earlier versions printed the prefix with an ellipsis: take that text back too.
         prefix = token.strip().rstrip("…")
         if token and not prefix:
             # "" means any holder: a --token that says nothing must not come to mean that.
-            _err(
+            _fail(
                 f"fenced: --token {token!r} names no prefix; give the token fenced ls --json prints"
             )
-            raise typer.Exit(EXIT_USAGE)
         token = prefix
         by = operator()
-        from ._audit import echo_to_stderr
-
         echo_to_stderr()  # the fenced.audit line of the act, with no logging set up here
         with _talking_to(client):
             slots = read_slots(client, name, namespace=namespace)
-        if len(slots) > 1 and not token and not every:
-            held = "; ".join(f"slot {i}: {short_token(h.token)} {h}" for i, h in slots)
-            _err(
-                f"fenced: {name!r} has {len(slots)} holders ({held}); name the one to clear "
-                "with --token PREFIX, or clear every one with --all"
-            )
-            raise typer.Exit(EXIT_REFUSED)
-        targets = [i for i, _h in slots] if every else [release_slot(slots, token)]
-        with _talking_to(client):
-            cleared = [
-                h
-                for i in targets
-                if (
-                    h := force_release(
-                        client,
-                        name,
-                        reason=reason,
-                        namespace=namespace,
-                        by=by,
-                        token_prefix="" if every else token,
-                        slot=i,
-                    )
+            if len(slots) > 1 and not token and not every:
+                held = "; ".join(f"slot {i}: {short_token(h.token)} {h}" for i, h in slots)
+                _fail(
+                    f"fenced: {name!r} has {len(slots)} holders ({held}); name the one to clear "
+                    "with --token PREFIX, or clear every one with --all",
+                    EXIT_REFUSED,
                 )
-                is not None
-            ]
+            targets = [i for i, _h in slots] if every else [release_slot(slots, token)]
+            release = partial(force_release, client, name, reason=reason, namespace=namespace)
+            found = [release(by=by, token_prefix="" if every else token, slot=i) for i in targets]
+            cleared = [h for h in found if h is not None]
             holder = cleared[0] if cleared else None
             current = (
                 read_holder(client, name, namespace=namespace) if holder is None and token else None
@@ -1019,21 +961,17 @@ if app is not None:
             "by": by,
             "reason": reason,
         }
+        code = 0 if current is None else EXIT_REFUSED
         if current is not None:
             msg = f"fenced: {name!r} is held by another token ({current}); not released"
-            code = EXIT_REFUSED
         elif holder is None:
             msg = f"fenced: nothing held under {name!r} in namespace {namespace!r}"
-            code = 0
         else:
             was = "; ".join(str(h) for h in cleared)
             msg = f"fenced: released {name!r}, was held by {was}; recorded by {by}: {reason}"
-            code = 0
         if as_json:
             _print_json(result)
         else:
-            from ._printable import printable
-
             print(printable(msg), flush=True)
         if code:
             if as_json:
@@ -1071,56 +1009,49 @@ if app is not None:
           2   usage: neither NAME nor --all, or both
           69  Redis unreachable
         """
+        from . import ConfigError
         from ._audit import echo_to_stderr
         from ._inspect import clear_queued, list_queued, operator
+        from ._printable import printable
 
         if bool(names) == every:
-            _err(
+            _fail(
                 "fenced: name the markers to clear (fenced unqueue NAME...) or clear every "
                 "one with --all, not both"
                 if every
                 else "fenced: give the names whose markers to clear, or --all for every one"
             )
-            raise typer.Exit(EXIT_USAGE)
         client = _client(redis_url)
         by = operator()
         echo_to_stderr()
-        from . import ConfigError
-
         results: list[dict[str, Any]] = []
         with _talking_to(client):
-            targets = list_queued(client, namespace) if every else list(names or [])
-            for name in targets:
+            for name in list_queued(client, namespace) if every else list(names or []):
                 try:
                     task_id = clear_queued(client, name, namespace=namespace, by=by, reason=reason)
                 except ConfigError as exc:  # a key of another type: the others go on
                     results.append({"name": name, "task_id": None, "error": str(exc)})
-                    continue
-                results.append({"name": name, "task_id": task_id})
-        from ._printable import printable
-
+                else:
+                    results.append({"name": name, "task_id": task_id})
         errors = [r["error"] for r in results if "error" in r]
         for error in errors:
             _err(f"fenced: {error}")
         if as_json:
             _print_json(results)
-            if errors:
-                raise typer.Exit(EXIT_REFUSED)
-            return
-
-        if not results:
+        elif not results:
             print(f"fenced: no enqueue markers in namespace {namespace!r}", flush=True)
-        for result in results:
-            if "error" in result:
-                continue
-            if result["task_id"] is None:
-                line = f"fenced: {result['name']!r} had no enqueue marker"
-            else:
-                line = (
-                    f"fenced: cleared the enqueue marker of {result['name']!r} (task "
-                    f"{result['task_id']}): its next call publishes"
-                )
-            print(printable(line), flush=True)
+        else:
+            for result in results:
+                if "error" in result:
+                    continue
+                if result["task_id"] is None:
+                    line = f"fenced: {result['name']!r} had no enqueue marker"
+                else:
+                    line = (
+                        f"fenced: cleared the enqueue marker of {result['name']!r} (task "
+                        f"{result['task_id']}): its next call publishes"
+                    )
+                print(printable(line), flush=True)
         if errors:
             raise typer.Exit(EXIT_REFUSED)
 
