@@ -143,6 +143,19 @@ class ManualClock:
             self.step(every)
         return self.now - start
 
+    def keep_pace(self, what: str, done: Callable[[], object], timeout: float = WAIT) -> None:
+        """Move on with real time (each step as long as the last took) until ``done()``:
+        for what takes real seconds, as a failover does, while leases count on this clock."""
+        start = last = time.monotonic()
+        self.settle()
+        while not done():
+            if time.monotonic() - start > timeout:
+                raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+            time.sleep(0.02)
+            now = time.monotonic()
+            self.step(now - last)  # the next step counts this one's settling too
+            last = now
+
     # -- the same, for the asyncio renewer ------------------------------------------
 
     def _idle_async(self) -> bool:
