@@ -34,10 +34,12 @@ def test_two_hundred_claims_add_one_scheduler_and_one_lane(
 ) -> None:
     client = server.client()
     before = {t.ident for t in threading.enumerate()}
-    claims = [Claim(client, f"many:{i}", ttl=1.0, clock=fake_time) for i in range(200)]
+    # Renewed only as the test moves the clock, while Redis counts real seconds: a lease
+    # long enough to outlast taking all 200 on a loaded machine.
+    claims = [Claim(client, f"many:{i}", ttl=6.0, clock=fake_time) for i in range(200)]
     for c in claims:
         assert c.acquire()
-    fake_time.run(2.5)
+    fake_time.run(15.0, every=0.25)  # two and a half ttls
     added = {t.ident for t in threading.enumerate()} - before
     assert len(added) <= 2  # the scheduler, and the lane of this one server
     assert all(c.held for c in claims)
@@ -73,11 +75,13 @@ def test_a_short_claim_taken_while_the_scheduler_rests_after_a_round_is_renewed(
 def test_renewals_are_pipelined(server: RedisServer, fake_time: ManualClock) -> None:
     client = server.client()
     hb = heartbeat()
-    claims = [Claim(client, f"pipe:{i}", ttl=0.9, clock=fake_time) for i in range(500)]
+    # A lease that outlasts taking all 500 in real time on a loaded machine (renewals
+    # wait for the test to move the clock).
+    claims = [Claim(client, f"pipe:{i}", ttl=9.0, clock=fake_time) for i in range(500)]
     for c in claims:
         c.acquire()
     rounds, trips = hb.rounds, hb.round_trips
-    fake_time.run(2.0)  # about six refresh intervals
+    fake_time.run(20.0, every=0.25)  # about six refresh intervals
     done_rounds = hb.rounds - rounds
     done_trips = hb.round_trips - trips
     assert all(c.held for c in claims)
