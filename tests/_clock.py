@@ -4,7 +4,10 @@ A test that waits for renewals or a local deadline drives time instead of sleepi
 the heartbeat (or renewer) and the claims read one :class:`ManualClock`, and
 :meth:`ManualClock.run` moves it on in steps, letting every renewal round that falls
 due reach the real Redis and come back before the next step. Redis itself keeps real
-time: a lease's key still expires after its ttl in real seconds.
+time: a lease's key still expires after its ttl in real seconds. So a lease must
+outlast the real time a test spends between two steps (taking a thousand claims takes
+a while on a loaded machine), and while something else takes real seconds (a failover,
+a child process) the clock keeps pace with real time (:meth:`ManualClock.keep_pace`).
 
     def test_x(fake_time: ManualClock, r: Any) -> None:   # the fixture, in conftest
         c = Claim(r, "x", ttl=0.6, clock=fake_time)
