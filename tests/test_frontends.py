@@ -431,6 +431,11 @@ def test_one_options_struct_is_checked_once_and_shared(r: Any) -> None:
     a, b = Claim(r, "a", options=opts), Claim(r, "b", options=opts, cooldown=60)
     assert a.options is opts and a.ttl == 6 and a.limit == 2 and a.records
     assert b.options.cooldown == 60 and b.options.limit == 2  # keywords change a copy
+    # Keyword options are made once per set of values, but a value of another type is
+    # checked on its own: True == 1, yet limit=True is not a number of holders.
+    assert Claim(r, "c", limit=1).options is Claim(r, "d", limit=1).options
+    with pytest.raises(ConfigError, match=r"limit=True is not a number of holders"):
+        Claim(r, "e", limit=True)
     with pytest.raises(ConfigError, match=r"claim_refresh_every=5 .* at most claim_ttl/2"):
         fenced.ClaimOptions(ttl=6, refresh_every=5, prefix="claim_")
     with pytest.raises(ConfigError, match=r"--replica-timeout=3 must be below half the ttl"):

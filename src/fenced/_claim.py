@@ -133,14 +133,9 @@ class ClaimState(LeaseState):
         self._task: Any = None
         #: How many holders the name may have at once, each in a slot of its own.
         self.limit = opts.limit
-        self.replicas, self._replica_ms = opts.replicas, opts.replica_ms
-        self._idle_ms, self._cooldown_ms, self._done_ms = (
-            opts.idle_ms,
-            opts.cooldown_ms,
-            opts.done_ms,
-        )
+        self.replicas = opts.replicas
         # What each renewal keeps from expiring while the name is held.
-        self._lasting = self.keys.lasting(self.limit) if self._idle_ms else ()
+        self._lasting = self.keys.lasting(self.limit) if opts.idle_ms else ()
         self.namespace = opts.namespace
         self.heartbeat = heartbeat
         self.on_lost = on_lost
@@ -365,9 +360,9 @@ class ClaimState(LeaseState):
                 self._next_refresh,
                 self._deadline,
                 self._lasting,
-                self._idle_ms,
+                self.options.idle_ms,
                 self.replicas,
-                self._replica_ms,  # the heartbeat keeps it below its socket timeout
+                self.options.replica_ms,  # the heartbeat keeps it below its socket timeout
             )
 
     def _snapshot(self) -> Snapshot:
@@ -514,7 +509,7 @@ class ClaimState(LeaseState):
         return ClaimUnavailable(
             f"Redis at {describe_client(self.redis)} granted claim {self.name!r}, but "
             f"only {acked} of the {self.replicas} replica(s) asked for "
-            f"acknowledged it within {self._replica_ms / 1000:g} s; the lease was "
+            f"acknowledged it within {self.options.replica_ms / 1000:g} s; the lease was "
             "removed and the work was not started (fail closed). Check the replicas "
             "(INFO replication), or lower replicas=",
             name=self.name,

@@ -112,8 +112,7 @@ def exclusive(
             "(seconds to wait for the holder before raising ClaimHeld)"
         )
     opts = ClaimOptions.of({"records": True, **options}, where="exclusive()")
-    replicas = opts.replicas
-    async_client = _async_client(redis, replicas)
+    async_client = _async_client(redis, opts.replicas)
     # A URL serves both kinds of function; a redis.asyncio client only coroutines.
     client = None if async_client is not None and not isinstance(redis, str) else _client(redis)
 

@@ -31,6 +31,7 @@ from ._lease import (
     short_token,
 )
 from ._nodes import is_cluster, node_of, scan_keys, server_times
+from ._options import DEFAULT
 from ._printable import readable
 from ._scripts import FORCE_RELEASE, Script
 from .records import UNREADABLE, RunRecord, encode_release, entries_for, from_entries, history
@@ -596,7 +597,7 @@ def force_release(
         outcome_seen = "unreachable"
         raise
     except redis.ResponseError as exc:
-        corrupt = _lease.LeaseStore(client, keys).find_corrupt_key()
+        corrupt = _lease.LeaseStore(client, keys, DEFAULT).find_corrupt_key()
         if corrupt is None:
             raise
         # The script clears the lease before it writes the record: say which step failed.

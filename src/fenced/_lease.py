@@ -25,7 +25,7 @@ import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 
@@ -491,6 +491,27 @@ def check_replicas(
     return replicas, max(1, int(timeout * 1000))
 
 
+class LeaseOptions(Protocol):
+    """What the lease scripts read of a claim's options (``fenced.ClaimOptions`` has it)."""
+
+    @property
+    def limit(self) -> int: ...
+    @property
+    def max_records(self) -> int: ...
+    @property
+    def replicas(self) -> int: ...
+    @property
+    def ttl_ms(self) -> int: ...
+    @property
+    def idle_ms(self) -> int: ...
+    @property
+    def cooldown_ms(self) -> int: ...
+    @property
+    def replica_ms(self) -> int: ...
+    @property
+    def done_ms(self) -> int: ...
+
+
 class LeaseCalls:
     """The lease scripts of one name as calls to send, and what their answers mean.
 
@@ -511,12 +532,10 @@ class LeaseCalls:
         "opts",
     )
 
-    def __init__(self, keys: ClaimKeys, opts: Any = None) -> None:
-        from ._options import DEFAULT  # the options struct sits on this layer
-
+    def __init__(self, keys: ClaimKeys, opts: LeaseOptions) -> None:
         self.keys = keys
         #: The claim's options (fenced.ClaimOptions): what every call sends.
-        self.opts = opts = opts or DEFAULT
+        self.opts = opts
         #: How many holders the name may have at once (slots 0 .. limit-1).
         self.limit = limit = opts.limit
         # Built once: every acquire and release sends them.
@@ -735,7 +754,7 @@ class LeaseStore(LeaseCalls):
 
     __slots__ = ("client",)
 
-    def __init__(self, client: Any, keys: ClaimKeys, opts: Any = None) -> None:
+    def __init__(self, client: Any, keys: ClaimKeys, opts: LeaseOptions) -> None:
         super().__init__(keys, opts)
         self.client = client
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from collections.abc import Collection, Mapping
 from dataclasses import InitVar, dataclass, field
 from typing import Any, cast
@@ -146,9 +147,14 @@ class ClaimOptions:
     ) -> ClaimOptions:
         """``base`` (default: the defaults) with the options ``given``, checked; an
         unknown name is refused, naming the closest one."""
+        if not given:
+            return base or DEFAULT  # checked already: nothing to make
+        if base is None and not prefix and not where:
+            try:  # Claim(r, name, ttl=60) in a loop: the same options, made once
+                return _made(tuple((k, type(v), v) for k, v in given.items()))
+            except TypeError:  # a value that cannot be hashed: checked below, uncached
+                pass
         refuse_unknown(given, NAMES, where, "option")
-        if base is not None and not given:
-            return base
         values = {k: getattr(base, k) for k in NAMES} if base is not None else {}
         values.update(given)
         try:
@@ -175,6 +181,15 @@ HELP: Mapping[str, str] = {
     f.name: f.metadata["help"] for f in dataclasses.fields(ClaimOptions) if f.init
 }
 DEFAULT = ClaimOptions()
+
+
+@functools.lru_cache(maxsize=256)
+def _made(given: tuple[tuple[str, type, Any], ...]) -> ClaimOptions:
+    # Keyed by each value's type too: True == 1, but limit=True is refused.
+    refuse_unknown((k for k, _, _ in given), NAMES, "", "option")
+    return ClaimOptions(**{k: v for k, _, v in given})
+
+
 ClaimOptions.__doc__ = "\n".join(
     [cast(str, ClaimOptions.__doc__), "", "Options:"]
     + [f"    {name}: {text}." for name, text in HELP.items()]

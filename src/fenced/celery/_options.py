@@ -25,7 +25,7 @@ from typing import Any
 
 from .._client import client_from_setting, connect
 from .._errors import ConfigError
-from .._guard import accepted, busy_policy
+from .._guard import BusyPolicy, accepted, busy_policy
 from .._lease import (
     check_cooldown,
     check_idle_ttl,
@@ -47,7 +47,6 @@ __all__ = [
     "SETTINGS",
     "TaskOptions",
     "lock_redis",
-    "refuse_unknown",
     "resolve",
     "validate",
 ]
@@ -258,6 +257,7 @@ class TaskOptions:
 
     claim: ClaimOptions
     on_busy: str
+    policy: BusyPolicy
     alert_after: int
     on_skips_exceeded: Callable[..., Any] | None
     interrupt: bool
@@ -269,8 +269,11 @@ class TaskOptions:
     values: Mapping[str, Any]
 
 
-def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
-    """The options of a task: what it gives, else the app's settings, else the defaults."""
+def resolve(
+    given: Mapping[str, Any], conf: Any, where: str, label: str | None = None
+) -> TaskOptions:
+    """The options of a task: what it gives, else the app's settings, else the defaults;
+    ``label``: its claims' label when none is given (its template's)."""
     refuse_unknown(
         [k for k in conf if isinstance(k, str) and k.startswith("fenced_")],
         KNOWN_SETTINGS,
@@ -289,9 +292,12 @@ def resolve(given: Mapping[str, Any], conf: Any, where: str) -> TaskOptions:
     claim = TASK_CLAIM.replace(prefix="claim_", **{n: merged[f"claim_{n}"] for n in CLAIM_OPTIONS})
     values = {**merged, **{f"claim_{n}": getattr(claim, n) for n in CLAIM_OPTIONS}}
     values["claim_cooldown"] = claim.cooldown_seconds
+    if claim.label is None and label is not None:
+        claim = claim.replace(label=label)
     return TaskOptions(
         claim=claim,
         on_busy=merged["claim_on_busy"],
+        policy=busy_policy(merged["claim_on_busy"], REFUSES, option="claim_on_busy"),
         alert_after=merged["claim_alert_after_skips"],
         on_skips_exceeded=merged["claim_on_skips_exceeded"],
         interrupt=merged["claim_interrupt"],

@@ -79,22 +79,20 @@ from .. import _interrupt, records
 from .._audit import claim_fields
 from .._claim import Claim
 from .._errors import ClaimInterrupted, ClaimUnavailable, ConfigError, NotOwner
-from .._guard import BusyPolicy, RetryAfter, Run, Skip, busy_policy, lost_error
+from .._guard import RetryAfter, Run, Skip, lost_error
 from .._inspect import force_release
 from .._lease import HOST, ClaimKeys, Holder, short_token
 from .._naming import Namer, bounded_label
-from .._options import ClaimOptions
+from .._options import refuse_unknown
 from .._redact import exception_text
 from . import _enqueue, signals
 from ._disabled import LocalClaim, enabled
 from ._options import (
     OPTIONS,
-    REFUSES,
     RENAMED,
     TaskOptions,
     as_attribute,
     lock_redis,
-    refuse_unknown,
     renamed,
     resolve,
     validate,
@@ -200,8 +198,6 @@ class ClaimedTask(Task[Any, Any]):
 
     _fenced_namer: Namer | None = None
     _fenced_options: TaskOptions | None = None
-    _fenced_policy: BusyPolicy | None = None
-    _fenced_claim: ClaimOptions | None = None
     # Whether Task.__call__ is the next __call__ after ours (see _traced); per class.
     _fenced_plain_call: bool | None = None
 
@@ -259,12 +255,9 @@ class ClaimedTask(Task[Any, Any]):
             return bound  # an abstract base: its tasks resolve their own options
         # As Celery does for its own options; settings checked here fail when the task
         # is built (at the latest when a worker starts), not at its first run.
-        options = resolve({k: getattr(cls, k) for k in OPTIONS}, app.conf, f"task {cls.name}")
-        cls._fenced_options = options
-        cls._fenced_policy = None
+        options = cls._fenced_options = cls._resolve(app)
         if cls._fenced_namer.secret:  # no key: fail when the task is built
             cls._fenced_namer.key(app.conf.get("fenced_secret_key"))
-        cls._fenced_claim = None
         for option, value in options.values.items():
             setattr(cls, option, as_attribute(value))
         return bound
@@ -302,28 +295,19 @@ class ClaimedTask(Task[Any, Any]):
             )
         return namer
 
+    @classmethod
+    def _resolve(cls, app: Celery) -> TaskOptions:
+        """The task's options (its claims labelled by its template unless it gives a
+        label), resolved once per task class."""
+        namer = cls._fenced_namer
+        label = bounded_label(namer.label) if namer is not None else None
+        return resolve({k: getattr(cls, k) for k in OPTIONS}, app.conf, f"task {cls.name}", label)
+
     def _options(self) -> TaskOptions:
         options = type(self)._fenced_options
         if options is None:  # a task used before it was bound to its app
-            options = resolve(
-                {k: getattr(self, k) for k in OPTIONS}, self.app.conf, f"task {self.name}"
-            )
-            type(self)._fenced_options = options
-            type(self)._fenced_policy = None
-            type(self)._fenced_claim = None
+            options = type(self)._fenced_options = self._resolve(self.app)
         return options
-
-    def _claim_options(self) -> ClaimOptions:
-        """The options of the task's claims (labelled by the template unless a label is
-        given), made once per task class."""
-        cls = type(self)
-        claim = cls._fenced_claim
-        if claim is None:
-            claim = self._options().claim
-            if claim.label is None:
-                claim = claim.replace(label=bounded_label(self._namer().label))
-            cls._fenced_claim = claim
-        return claim
 
     # -- deduplication at enqueue (claim_enqueue) ---------------------------------------
 
@@ -471,14 +455,14 @@ class ClaimedTask(Task[Any, Any]):
         claim = Claim(
             client,
             name,
-            options=self._claim_options(),
+            options=opts.claim,
             on_lost=interrupter.on_lost if interrupter is not None else None,
             task_id=request.id,
             record_extra=extra,
         )
         claim._front_end("task", self)
         self._enqueue_marker(claim, opts)
-        policy = self._policy()
+        policy = opts.policy
         try:
             action = claim.enter(policy, _trigger(args, kwargs) if policy.asks_rerun else False)
         except ClaimUnavailable as exc:
@@ -739,15 +723,6 @@ class ClaimedTask(Task[Any, Any]):
             return None
 
     # -- when the claim is not ours -----------------------------------------------------
-
-    def _policy(self) -> BusyPolicy:
-        """The task's busy policy (``claim_on_busy``), made once per task class."""
-        cls = type(self)
-        policy = cls._fenced_policy
-        if policy is None:
-            policy = busy_policy(self._options().on_busy, REFUSES, option="claim_on_busy")
-            cls._fenced_policy = policy
-        return policy
 
     def _busy(self, claim: Claim, action: Skip | RetryAfter | Any, opts: TaskOptions) -> Any:
         """Carry out the busy policy's action: a skipped result, a retry, or ClaimHeld."""
