@@ -381,6 +381,35 @@ def test_a_killed_pool_child_without_acks_late_unblocks_its_name_at_once(
         assert [run["task_id"] for run in runs(services, k)] == [first.id, after.id]
 
 
+def test_a_canvas_part_is_sent_while_its_name_is_queued(services: Services) -> None:
+    """A group or chord member, a chain step and a call with a callback wait for their own
+    task ids: they are published although the name is queued; the claim guards the runs."""
+    from celery import chain, chord, group
+
+    app = sender(services)
+    finished, collect = app.tasks["e.finished"], app.tasks["e.collect"]
+    k, other = key(), key()
+    go(services, k)
+    go(services, other)
+    first = finished.delay(k)  # no worker yet: queued, and the name marked
+    in_chord = chord([finished.s(k), finished.s(other)])(collect.s())
+    in_group = group([finished.s(k)]).apply_async()
+    in_chain = chain(finished.si(k), finished.si(other)).apply_async()
+    linked = finished.apply_async((k,), link=collect.s())
+    assert marker(services, k) == first.id  # the queued message keeps the name's marker
+    assert queued(services) == 6  # the first, then 2 + 1 + 1 + 1 of the canvases
+    with Worker(services, concurrency=1, app=APP):
+        assert first.get(timeout=WAIT) == first.id
+        done = in_chord.get(timeout=WAIT)
+        assert len(done) == 2 and first.id not in done
+        assert in_group.get(timeout=WAIT)[0] != first.id
+        assert in_chain.get(timeout=WAIT) == in_chain.id
+        assert linked.get(timeout=WAIT) == linked.id
+    # Each ran as itself, one at a time under the claim: no canvas waited on a dropped id.
+    ran = [run["task_id"] for run in runs(services, k)]
+    assert len(ran) == len(set(ran)) == 5
+
+
 def test_a_retry_under_another_name_moves_the_marker(services: Services) -> None:
     app = sender(services)
     task = app.tasks["e.moving"]

@@ -322,8 +322,9 @@ class ClaimedTask(Task[Any, Any]):
         """Send the task; with ``claim_enqueue``, not while a call of its claim is queued.
 
         A call whose claim name already has a message queued publishes nothing and
-        returns that message's result (its task id). Marked and published in this
-        order: a publish that fails clears the mark it made, then raises.
+        returns that message's result (its task id), unless the call is a canvas's part
+        (:data:`CANVAS_OPTIONS`). Marked and published in this order: a publish that
+        fails clears the mark it made, then raises.
         """
         opts = self._options()
         if opts.enqueue is None or self.app.conf.task_always_eager or not enabled(self.app):
@@ -349,7 +350,7 @@ class ClaimedTask(Task[Any, Any]):
                 extra=claim_fields(name),
             )
             return super().apply_async(args, kwargs, task_id, *more, **options)
-        if queued is not None and task_id != running:
+        if queued is not None and task_id != running and not _in_canvas(options):
             count("enqueue_skipped")
             log.info(
                 "fenced: %s not sent: %s[%s] is queued for claim %r (claim_enqueue=%s)",
@@ -361,7 +362,8 @@ class ClaimedTask(Task[Any, Any]):
                 extra=claim_fields(name),
             )
             return self.AsyncResult(queued)
-        # A retry of the running message is sent even when another call is queued.
+        # A retry of the running message is sent even when another call is queued, and so
+        # is a canvas's part: its chord, chain or callbacks wait for this very task id.
         try:
             return super().apply_async(args, kwargs, task_id, *more, **options)
         except BaseException:
@@ -862,6 +864,16 @@ class ClaimedTask(Task[Any, Any]):
                 ClaimKeys(opts.claim.namespace, name), task_id, "as its process died"
             )
         return holder
+
+
+#: The publish options of a canvas's part (a group or chord member, a chord body, a chain
+#: step, a call with callbacks): dropped in favour of another message, its canvas would
+#: wait forever for its task id.
+CANVAS_OPTIONS = ("chain", "chord", "group_id", "link", "link_error")
+
+
+def _in_canvas(options: Mapping[str, Any]) -> bool:
+    return any(options.get(k) is not None for k in CANVAS_OPTIONS)
 
 
 def _seconds_until(app: Any, when: Any) -> float:
