@@ -410,6 +410,31 @@ def test_a_canvas_part_is_sent_while_its_name_is_queued(services: Services) -> N
     assert len(ran) == len(set(ran)) == 5
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_run_revoked_with_terminate_frees_its_lease_and_its_name_at_once(
+    services: Services, sig: str
+) -> None:
+    from fenced import read_holder
+
+    app = sender(services)
+    task = app.tasks["e.finished"]
+    k = key()
+    with Worker(services, concurrency=1, app=APP):
+        first = task.delay(k)
+        wait_for("the run to start", lambda: runs(services, k))
+        assert read_holder(services.locks(), f"hold:{k}") is not None
+        app.control.revoke(first.id, terminate=True, signal=sig)
+        # The worker's main process frees the dead child's lease, then the marker: no
+        # wait for the lease's ttl, nor for claim_enqueue_ttl (an hour).
+        wait_for("the marker to clear", lambda: marker(services, k) is None, timeout=30)
+        assert read_holder(services.locks(), f"hold:{k}") is None
+        after = task.delay(k)
+        assert after.id != first.id
+        go(services, k)
+        assert after.get(timeout=WAIT) == after.id
+        assert [run["task_id"] for run in runs(services, k)] == [first.id, after.id]
+
+
 def test_a_retry_under_another_name_moves_the_marker(services: Services) -> None:
     app = sender(services)
     task = app.tasks["e.moving"]

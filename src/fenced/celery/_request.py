@@ -1,4 +1,5 @@
-"""The worker-side request: when a pool child dies mid-run, release the claim it held."""
+"""The worker-side request: when a pool child dies mid-run (lost, or terminated by
+``revoke(terminate=True)``), release the claim it held."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 try:
     from billiard.einfo import ExceptionWithTraceback  # type: ignore[attr-defined]
-    from billiard.exceptions import WorkerLostError
+    from billiard.exceptions import Terminated, WorkerLostError
     from celery.worker.request import Request
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"fenced.celery needs Celery: pip install 'fenced[celery]' ({exc})") from exc
@@ -31,17 +32,25 @@ class ClaimedRequest(Request):
             exc = exc.exc
         task = self.task
         # Release before the message is requeued below, so the redelivery finds the
-        # claim free. Only this child's lease for this task id is touched.
-        if isinstance(exc, WorkerLostError) and self.worker_pid and isinstance(task, ClaimedTask):
+        # claim free. Only this child's lease for this task id is touched. Terminated
+        # comes only once the child has exited: revoked (its message acknowledged, never
+        # run again) or cancelled as the broker connection was lost (delivered again).
+        lost = isinstance(exc, WorkerLostError)
+        if (
+            (lost or isinstance(exc, Terminated))
+            and self.worker_pid
+            and isinstance(task, ClaimedTask)
+        ):
+            pid = self.worker_pid
+            if lost:  # as Celery decides below: only then does the message come back
+                why = f"worker process {pid} died mid-run: {exc}"
+                requeued = bool(task.acks_late and task.reject_on_worker_lost)
+            else:
+                requeued = bool(self._already_cancelled)
+                why = f"worker process {pid} {'cancelled' if requeued else 'revoked'} mid-run"
             try:
                 task.release_dead_holder(
-                    self.id,
-                    int(self.worker_pid),
-                    self.args,
-                    self.kwargs,
-                    f"worker process {self.worker_pid} died mid-run: {exc}",
-                    # As Celery decides below: only then does the message come back.
-                    requeued=bool(task.acks_late and task.reject_on_worker_lost),
+                    self.id, int(pid), self.args, self.kwargs, why, requeued=requeued
                 )
             except Exception:
                 log.exception("fenced: could not release the claim of %s[%s]", self.name, self.id)
