@@ -46,7 +46,7 @@ class ClaimedRequest(Request):
                 why = f"worker process {pid} died mid-run: {exc}"
                 requeued = bool(task.acks_late and task.reject_on_worker_lost)
             else:
-                requeued = bool(self._already_cancelled)
+                requeued = bool(getattr(self, "_already_cancelled", False))
                 why = f"worker process {pid} {'cancelled' if requeued else 'revoked'} mid-run"
             try:
                 task.release_dead_holder(
