@@ -672,3 +672,38 @@ def test_run_ttl_hints_name_only_options_the_command_has(url: str, tmp_path: Pat
     res = fenced(url, "run", "--ttl", "1e9", "job:ttl", "--", "touch", str(marker))
     assert res.returncode == 0, res.stderr  # a long lease is a choice, not a mistake
     assert marker.exists()
+
+
+def test_run_takes_the_claim_options_as_the_struct_declares_them(url: str, tmp_path: Path) -> None:
+    """Each claim flag of `fenced run` is a ClaimOptions field: its help is the field's
+    help, and a bad value is refused by the struct's own check, spelled as a flag."""
+    from fenced._options import HELP
+    from fenced._run import RUN_CLAIM_OPTIONS
+
+    text = " ".join(fenced(None, "run", "--help").stdout.split())
+    for name in RUN_CLAIM_OPTIONS:
+        flag = "--" + name.replace("_", "-")
+        assert flag in text, flag
+        first_words = " ".join(HELP[name].split()[1:5])  # beyond its first word and names
+        assert first_words in text, (flag, first_words)
+    marker = tmp_path / "ran"
+    res = fenced(url, "run", "--ttl", "2", "--refresh-every", "1.5", "j:r", "--", "true")
+    assert res.returncode == 2 and "--refresh-every" in flat(res.stderr), res.stderr
+    assert "refresh_every" not in res.stderr
+    res = fenced(url, "run", "--max-records", "0", "j:r", "--", "true")
+    assert res.returncode == 2 and "--max-records" in flat(res.stderr), res.stderr
+    res = fenced(
+        url,
+        "run",
+        "--json",
+        "--refresh-every",
+        "0.5s",
+        "--max-records",
+        "5",
+        "j:r",
+        "--",
+        "touch",
+        str(marker),
+    )
+    assert res.returncode == 0 and marker.exists(), res.stderr
+    assert json.loads(res.stdout)["outcome"] == "ok"

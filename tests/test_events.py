@@ -364,9 +364,8 @@ def test_fenced_run_events_and_log_fields_carry_its_label(
     opts = RunOptions(
         name="backup:orders",
         argv=[sys.executable, "-c", "import time; time.sleep(30)"],
-        ttl=1.0,
+        claim={"ttl": 1.0, "label": "backup:{db}"},
         grace=0.5,
-        label="backup:{db}",
         quiet=True,
     )
     said: list[str] = []

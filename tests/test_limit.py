@@ -326,7 +326,7 @@ def test_celery_and_run_options_check_the_limit() -> None:
     with pytest.raises(ConfigError, match="task t: claim_limit=0"):
         validate({"claim_limit": 0}, "task t")
     with pytest.raises(ConfigError, match="--limit=65"):
-        RunOptions("x", ["true"], limit=65).check()
+        RunOptions("x", ["true"], {"limit": 65}).check()
 
 
 # -- seen from outside: ls, show, release -----------------------------------------------

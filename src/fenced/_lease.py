@@ -349,7 +349,7 @@ def check_timing(
     ``names`` are the options as the caller's user spells them (``claim_ttl`` in Celery).
     """
     ttl_name, refresh_name = names
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0:
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < math.inf:
         raise ConfigError(
             f"{ttl_name}={ttl!r} is not a positive number of seconds: choose one well above "
             f"a refresh interval and round-trip time, e.g. {ttl_name}=30"

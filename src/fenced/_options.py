@@ -67,14 +67,15 @@ class ClaimOptions:
         0,
         "replicas that must acknowledge the acquire (and each renewal) within "
         "replica_timeout (Redis WAIT): an acquire they do not acknowledge removes its lease "
-        "and raises ClaimUnavailable; a renewal they do not acknowledge is not confirmed",
+        "(the claim is unavailable); a renewal they do not acknowledge is not confirmed",
     )
     replica_timeout: float = _option(1.0, "seconds to wait for the replicas (below ttl/2)")
     cooldown: float | None = _option(
         None,
         "seconds after a run that ended ok during which every acquire is a skip ('ran "
         "recently', whatever the busy policy), timed by Redis's own expiry; a failed or "
-        "lost run, and an operator's release, start no window; at most idle_ttl",
+        "lost run, and an operator's release, start no window; no longer than the name's "
+        "idle expiry",
     )
     limit: int = _option(
         1,

@@ -29,7 +29,6 @@ would leave the command working on a claim nobody renews.
 
 from __future__ import annotations
 
-import math
 import os
 import shlex
 import signal
@@ -37,7 +36,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -47,7 +46,7 @@ from ._errors import ClaimUnavailable, ConfigError
 from ._guard import BusyPolicy, Run, Skip, accepted, busy_policy
 from ._lease import IDLE_TTL
 from ._naming import SECRET_KEY_ENV, check_secret_key, hash_value, secret_digest
-from ._options import DEFAULT, ClaimOptions
+from ._options import DEFAULT, ClaimOptions, refuse_unknown
 from ._watchdog import ENDED_AT_DEADLINE, Watchdog, dies_with_runner, ending, signame
 
 __all__ = [
@@ -76,6 +75,18 @@ MIN_TTL = 0.05
 #: The busy policies a command refuses (see fenced._guard): it has no queue to retry
 #: from. "fail" is another name for "raise".
 REFUSES = ("retry", "rerun")
+#: The claim's options ``fenced run`` takes as flags (``--ttl``, ``--replica-timeout``...).
+RUN_CLAIM_OPTIONS = (
+    "ttl",
+    "refresh_every",
+    "namespace",
+    "replicas",
+    "replica_timeout",
+    "cooldown",
+    "limit",
+    "label",
+    "max_records",
+)
 ON_BUSY = accepted(REFUSES)
 ON_BUSY_ALIASES = {"fail": "raise"}
 TO_GROUP = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -107,27 +118,19 @@ class RunOptions:
 
     name: str
     argv: Sequence[str]
-    ttl: float = 30.0
-    namespace: str = "fenced"
+    #: The claim's options given (RUN_CLAIM_OPTIONS, by name); :meth:`check` makes
+    #: :attr:`options` of them.
+    claim: Mapping[str, Any] = field(default_factory=dict)
     on_busy: str = "skip"
     wait_timeout: float | None = None
     grace: float = 10.0
     quiet: bool = False
-    replicas: int = 0
-    replica_timeout: float = 1.0
     #: Record the whole command line, not only the program and the line's digest.
     record_command: bool = False
     #: Give the command fenced's own settings (FENCED_ENV) from this environment.
     pass_fenced_env: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-    #: Seconds after a run that ended ok during which runs are skipped (None: none).
-    cooldown: float | None = None
-    #: How many runs of the name may go at once.
-    limit: int = 1
-    #: The claim's label in events and log fields (None: the name).
-    label: str | None = None
-    #: The claim's options, made from the above by :meth:`check`.
-    claim: ClaimOptions = field(init=False, repr=False, default=DEFAULT)
+    #: The claim's options, checked.
+    options: ClaimOptions = field(init=False, repr=False, default=DEFAULT)
 
     @property
     def policy(self) -> BusyPolicy:
@@ -144,13 +147,7 @@ class RunOptions:
         """Raise ConfigError for options that cannot work together."""
         if not self.argv:
             raise ConfigError("no command given: put it after '--', e.g. fenced run NAME -- CMD")
-        if not (isinstance(self.ttl, (int, float)) and MIN_TTL <= self.ttl < math.inf):
-            # A lease must end by itself when its holder dies; renewals come every ttl/3.
-            raise ConfigError(
-                f"--ttl {self.ttl!r} must be a finite duration of at least {MIN_TTL}s (the "
-                "lease ends by itself this long after its holder dies), e.g. --ttl 30 or "
-                "--ttl 10m"
-            )
+        refuse_unknown(self.claim, RUN_CLAIM_OPTIONS, "fenced run", "option")
         self.on_busy = self.policy.name
         if self.wait_timeout is not None:
             if not self.policy.blocks:
@@ -162,19 +159,17 @@ class RunOptions:
                 raise ConfigError(f"wait timeout {self.wait_timeout} must be >= 0")
         if self.grace < 0:
             raise ConfigError(f"grace {self.grace} must be >= 0 seconds")
-        self.claim = ClaimOptions(
-            ttl=self.ttl,
-            namespace=self.namespace,
-            records=True,
-            # No option for it here: a long lease keeps its name's keys twice as long.
-            idle_ttl=max(IDLE_TTL, 2 * self.ttl),
-            replicas=self.replicas,
-            replica_timeout=self.replica_timeout,
-            cooldown=self.cooldown,
-            limit=self.limit,
-            label=self.label,
-            prefix="--",
-        )
+        ttl = self.claim.get("ttl", DEFAULT.ttl)
+        # No option for it here: a long lease keeps its name's keys twice as long.
+        idle = max(IDLE_TTL, 2 * ttl) if isinstance(ttl, (int, float)) else IDLE_TTL
+        base = DEFAULT.replace(records=True, idle_ttl=idle)
+        self.options = ClaimOptions.of(self.claim, base=base, prefix="--")
+        if self.options.ttl < MIN_TTL:
+            # The watchdog must hear of renewals well inside the lease.
+            raise ConfigError(
+                f"--ttl {self.options.ttl!r} must be at least {MIN_TTL}s, e.g. --ttl 30 or "
+                "--ttl 10m"
+            )
 
 
 class _Interrupted(Exception):
@@ -197,8 +192,9 @@ class _Runner:
         self.stalled = 0.0
         # Short leases are looked at more often: the watchdog must hear of a renewal
         # well before the margin ahead of the old deadline.
-        self.poll = min(POLL, opts.ttl / 10)
-        self.margin = min(WATCH_MARGIN, opts.ttl / 10)
+        ttl = opts.options.ttl
+        self.poll = min(POLL, ttl / 10)
+        self.margin = min(WATCH_MARGIN, ttl / 10)
         #: What happened, for ``fenced run --json``: filled in as the run goes.
         self.result: dict[str, Any] = {
             "name": opts.name,
@@ -208,14 +204,14 @@ class _Runner:
             "exit": None,
             "fence": None,
             "holder": None,
-            "label": opts.label if opts.label is not None else opts.name,
+            "label": opts.options.label or opts.name,
         }
         self.claim = Claim(
             client,
             opts.name,
-            options=opts.claim,
+            options=opts.options,
             on_lost=lambda _claim: self.lost.set(),
-            record_extra={**command_record(opts.argv, opts.record_command), **opts.extra},
+            record_extra=command_record(opts.argv, opts.record_command),
             sleep=self._sleep,
         )
         self.claim._front_end("run")

@@ -17,7 +17,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only without the extra
     typer = None  # type: ignore[assignment]
 
-from ._run import EXIT_UNAVAILABLE, EXIT_USAGE, ON_BUSY, ON_BUSY_ALIASES
+from ._run import EXIT_UNAVAILABLE, EXIT_USAGE, ON_BUSY, ON_BUSY_ALIASES, RUN_CLAIM_OPTIONS
 
 app = (
     typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
@@ -228,6 +228,52 @@ if app is not None:
     def _duration(text: str) -> Any:
         """An option given as a DURATION (:func:`parse_duration`)."""
         return typer.Option(metavar="DURATION", parser=parse_duration, help=text)
+
+    def _claim_flags(*names: str) -> Callable[[Any], Any]:
+        """The command takes these ClaimOptions as flags, typed, explained and defaulted
+        by the struct itself, and gets them as ``claim`` (a dict, None left out)."""
+        import functools
+        import inspect
+        import re
+        import typing
+
+        from ._options import DEFAULT, HELP, ClaimOptions
+
+        hints = typing.get_type_hints(ClaimOptions)
+
+        # The help as this command spells the options: replica_timeout is --replica-timeout.
+        spelled = re.compile(r"\b(" + "|".join(n for n in HELP if "_" in n) + r")\b")
+
+        def flag(name: str) -> inspect.Parameter:
+            kind = next(t for t in typing.get_args(hints[name]) or (hints[name],) if t is not None)
+            text = spelled.sub(lambda m: "--" + m[1].replace("_", "-"), HELP[name])
+            text = text[0].upper() + text[1:] + "."
+            if kind is float:  # seconds, given as 30s, 10m, 2h or a number
+                option = typer.Option(metavar="DURATION", parser=parse_duration, help=text)
+            else:
+                option = typer.Option(metavar="N" if kind is int else "TEXT", help=text)
+            return inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=getattr(DEFAULT, name),
+                annotation=Annotated[hints[name], option],
+            )
+
+        def wrap(command: Any) -> Any:
+            own = inspect.signature(command, eval_str=True)
+            params = [p for p in own.parameters.values() if p.name != "claim"]
+            params += [flag(name) for name in names]
+
+            @functools.wraps(command)
+            def with_flags(**given: Any) -> Any:
+                claim = {n: given.pop(n) for n in names}
+                return command(claim={n: v for n, v in claim.items() if v is not None}, **given)
+
+            with_flags.__signature__ = own.replace(parameters=params)  # type: ignore[attr-defined]
+            with_flags.__annotations__ = {p.name: p.annotation for p in params}
+            return with_flags
+
+        return wrap
 
     def _print_version(value: bool) -> None:
         if value:
@@ -446,18 +492,14 @@ if app is not None:
         epilog="Example (crontab): */5 * * * * fenced run --redis redis://locks:6379/1 "
         "--quiet backup:db -- /opt/backup.sh",
     )
+    @_claim_flags(*RUN_CLAIM_OPTIONS)
     def run_cmd(
         name: NameArg,
         command: Annotated[
             list[str] | None,
             typer.Argument(metavar="-- CMD", help="The command and its arguments, after '--'."),
         ] = None,
-        ttl: Annotated[
-            float,
-            _duration("The lease (30s, 10m, 2h, or seconds); renewed every ttl/3 while it runs."),
-        ] = 30.0,
         redis_url: RedisOpt = None,
-        namespace: NamespaceOpt = "fenced",
         on_busy: Annotated[
             OnBusy, typer.Option(help="When another holder has the claim.")
         ] = OnBusy.skip,  # type: ignore[attr-defined]
@@ -471,32 +513,6 @@ if app is not None:
         quiet: Annotated[
             bool, typer.Option("--quiet", "-q", help="Print nothing on a skip.")
         ] = False,
-        replicas: Annotated[
-            int,
-            typer.Option(
-                metavar="N",
-                help="Wait for N replicas to acknowledge the lease (WAIT) before the "
-                "command starts, and each renewal; not acknowledged: exit 69.",
-            ),
-        ] = 0,
-        replica_timeout: Annotated[
-            float, _duration("How long to wait for --replicas (0.5, 2s, or seconds).")
-        ] = 1.0,
-        cooldown: Annotated[
-            float | None,
-            _duration(
-                "After a run that ended ok, skip runs within this long (30s, 5m, 1h, "
-                "or seconds): one run per window, timed by Redis, whatever the hosts' clocks."
-            ),
-        ] = None,
-        limit: Annotated[
-            int,
-            typer.Option(
-                metavar="N",
-                help="Up to N runs of NAME at once (1 to 64), each with its own lease and "
-                "fence; busy when all N are held.",
-            ),
-        ] = 1,
         as_json: Annotated[
             bool,
             typer.Option(
@@ -505,14 +521,6 @@ if app is not None:
                 "fence, holder, label.",
             ),
         ] = False,
-        label: Annotated[
-            str | None,
-            typer.Option(
-                metavar="TEXT",
-                help="The claim's label in lifecycle events and log fields (default: NAME); "
-                "one label for every name of a kind, e.g. 'backup:{db}'.",
-            ),
-        ] = None,
         record_command: Annotated[
             bool,
             typer.Option(
@@ -538,13 +546,15 @@ if app is not None:
                 "(name it *.prom). Needs pip install 'fenced[metrics]'.",
             ),
         ] = None,
+        claim: dict[str, Any] | None = None,
     ) -> None:
         """Run a command while holding a claim: a distributed flock for cron.
 
         The command runs in its own process group while the claim is renewed.
         Signals sent to fenced run are forwarded: TERM, INT, HUP and QUIT to the
         command's group, USR1 and USR2 to the command alone. A skip prints one
-        line naming the holder (nothing with --quiet).
+        line naming the holder (nothing with --quiet). A DURATION is 30s, 10m,
+        2h, 2d or seconds.
 
         \b
         Exit status:
@@ -563,17 +573,11 @@ if app is not None:
         opts = RunOptions(
             name=name,
             argv=list(command or []),
-            ttl=ttl,
-            namespace=namespace,
+            claim=claim or {},
             on_busy=on_busy.value,
             wait_timeout=wait_timeout,
             grace=grace,
             quiet=quiet,
-            replicas=replicas,
-            replica_timeout=replica_timeout,
-            cooldown=cooldown,
-            limit=limit,
-            label=label,
             record_command=record_command,
             pass_fenced_env=pass_fenced_env,
         )
