@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench dist clean
 
 install: $(STAMP)
 
@@ -26,8 +26,8 @@ test: install
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check src tests benchmarks examples chaos
-	$(BIN)/ruff format --check src tests benchmarks examples chaos
+	$(BIN)/ruff check src tests benchmarks examples chaos scripts
+	$(BIN)/ruff format --check src tests benchmarks examples chaos scripts
 	$(BIN)/mypy src tests
 
 # Every benchmark runs; the target fails if any of them missed a target (exit 1).
@@ -35,6 +35,21 @@ bench: install
 	@fail=0; for b in claim_cycle lock_cycle held_claims aio_cycle metrics_cost celery_throughput celery_flood upsert_rows; do \
 	  $(BIN)/python benchmarks/$$b.py || { echo "benchmarks/$$b.py exited $$?"; fail=1; }; \
 	done; exit $$fail
+
+# The sdist and the wheel, built by the standard front end and checked: their metadata
+# (twine), then the wheel alone in a fresh virtual environment, outside the checkout.
+DIST_VENV := build/wheel-venv
+dist: install
+	rm -rf dist build
+	$(BIN)/python -m build --outdir dist .
+	$(BIN)/twine check --strict dist/*
+	$(BIN)/python scripts/check_dist.py dist
+	$(PYTHON) -m venv $(DIST_VENV)
+	$(DIST_VENV)/bin/pip install --quiet --upgrade pip
+	$(DIST_VENV)/bin/pip install --quiet "$$(ls dist/*.whl)[all]"
+	cd /tmp && $(CURDIR)/$(DIST_VENV)/bin/fenced --version
+	cd /tmp && $(CURDIR)/$(DIST_VENV)/bin/python -c "import fenced, fenced.aio, fenced.celery, fenced.cli, fenced.metrics, fenced.store, fenced.web, fenced.demo; print('imports: ok', fenced.__file__)"
+	cd /tmp && $(CURDIR)/$(DIST_VENV)/bin/fenced demo --walkthrough
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache
