@@ -158,3 +158,54 @@ def test_app_module_without_an_app_names_the_forms(tmp_path: Path) -> None:
     res = doctor("--app", "plain:VALUE", cwd=tmp_path)
     assert res.returncode == 2
     assert "not a Celery app" in res.stderr
+
+
+def test_a_missing_attribute_is_named_not_the_whole_spec(tmp_path: Path) -> None:
+    (tmp_path / "plain.py").write_text("VALUE = 1\n")
+    res = doctor("--app", "plain:nope", cwd=tmp_path)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "module 'plain' has no attribute 'nope'" in res.stderr, res.stderr
+    assert "No module named" not in res.stderr
+
+
+REFUSED = """
+from celery import Celery
+from fenced.celery import ClaimedTask
+
+app = Celery("refused", broker="memory://")
+app.conf.fenced_redis_url = {locks!r}
+
+
+@app.task(base=ClaimedTask, claim="nb:{{tenant}}")
+def build(notebook_id):
+    pass
+
+
+@app.task(base=ClaimedTask, claim="ok:{{key}}", claim_ttll=5)
+def typo(key):
+    pass
+
+
+@app.task(base=ClaimedTask, claim="fine:{{key}}")
+def fine(key):
+    pass
+"""
+
+
+def test_a_task_whose_definition_is_refused_is_a_finding_not_a_traceback(
+    own_server: RedisServer, tmp_path: Path
+) -> None:
+    (tmp_path / "refused.py").write_text(REFUSED.format(locks=own_server.url))
+    res = doctor("--app", "refused:app", "--json", cwd=tmp_path)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    findings = json.loads(res.stdout)["findings"]
+    refused = [f["what"] for f in findings if f["code"] == "celery.task-refused"]
+    assert len(refused) == 2, findings
+    assert any("names tenant" in w and "notebook_id" in w for w in refused), refused
+    assert any("claim_ttll" in w and "claim_ttl" in w for w in refused), refused
+    # The task defined correctly is still checked.
+    claimed = [f for f in findings if f["code"] == "celery.claimed-tasks"]
+    assert claimed and "fine" in claimed[0]["subject"], findings
+    res = doctor("--app", "refused:app", cwd=tmp_path)
+    assert res.returncode == 1 and "Traceback" not in res.stdout + res.stderr

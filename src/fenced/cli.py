@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import importlib
 import json
 import math
 import os
@@ -419,7 +420,15 @@ if app is not None:
 
         # The project's own packages (autodiscovered task modules too) come from here.
         sys.path.insert(0, os.getcwd())
+        module, _, attr = spec.partition(":")
         try:
+            if attr:  # find_app names the whole spec when only the attribute is missing
+                found = getattr(importlib.import_module(module), attr, None)
+                if found is None:
+                    _fail(
+                        f"fenced doctor: module {module!r} has no attribute {attr!r} (--app "
+                        f"{spec}); name the app, e.g. --app {module}:app"
+                    )
             found = find_app(spec)
         except ModuleNotFoundError as exc:
             _fail(f"fenced doctor: cannot import {exc.name!r} (--app {spec}): {exc}; check --app")

@@ -100,6 +100,42 @@ def _about(
     return [Finding(severity, code, what + names, why, fix, subject=names)] if tasks else []
 
 
+def _registered(app: Any) -> tuple[Mapping[str, Any], list[Finding]]:
+    """The app's tasks, and an error for each task whose definition fenced refuses (a
+    claim template naming a missing argument, an unknown ``claim_*`` option...): the
+    workers would refuse to start with the same error."""
+    from .._errors import ConfigError
+
+    refused: dict[str, Finding] = {}  # a shared task is built twice: said once
+
+    def refuse(exc: ConfigError) -> None:
+        refused[exc.message] = Finding(
+            "error",
+            "celery.task-refused",
+            f"a task's definition is refused: {exc.message}",
+            "a worker importing this app stops at the same error, so none of its tasks run",
+            "correct the task's claim options as the message says",
+        )
+
+    try:
+        return app.tasks, []  # the app builds its pending tasks here
+    except ConfigError as exc:
+        refuse(exc)
+    # Celery counts the app finalized before it builds its pending tasks: build the
+    # rest one by one, then bind them as finalize() would have.
+    from celery.local import maybe_evaluate
+
+    pending = getattr(app, "_pending", ())
+    while pending:
+        try:
+            maybe_evaluate(pending.popleft())
+        except ConfigError as exc:
+            refuse(exc)
+    for task in app._tasks.values():
+        task.bind(app)
+    return app._tasks, list(refused.values())
+
+
 def check_celery(
     app: Any,
     claim_ttls: Mapping[str, float] | None = None,
@@ -118,11 +154,11 @@ def check_celery(
 
     conf = app.conf
     ttls = dict(claim_ttls or {})
-    tasks = [t for name, t in sorted(app.tasks.items()) if not name.startswith("celery.")]
+    registered, found = _registered(app)
+    tasks = [t for name, t in sorted(registered.items()) if not name.startswith("celery.")]
     # A ClaimedTask with a claim template (or callable) takes a claim.
     claimed = [t for t in tasks if getattr(t, "claim_template", None) is not None]
     late = [t for t in claimed if getattr(t, "acks_late", False)]
-    found: list[Finding] = []
     broker = _first_url(conf.broker_url)
 
     if claimed:
