@@ -438,7 +438,76 @@ def test_show_lists_runs_newest_first(url: str) -> None:
     assert "nightly: not held" in text
     assert text.index(" ok ") < text.index("failed")
     assert "$ true" in text and "exit status 3" in text
-    assert "no run records" in fenced(url, "show", "never-ran").stdout
+    assert "no run recorded: " in fenced(url, "show", "never-ran").stdout
+
+
+def test_show_says_when_only_skips_are_recorded(url: str) -> None:
+    client = redis.Redis.from_url(url)
+    with Claim(client, "unrecorded", ttl=5):  # records off: only the skips are kept
+        for _ in range(2):
+            assert not Claim(client, "unrecorded", ttl=5).acquire()
+    text = " ".join(fenced(url, "show", "unrecorded").stdout.split())
+    assert "no run recorded (only skips): this name's runs are not recorded" in text, text
+
+
+def test_usage_mistakes_get_one_clean_line(url: str) -> None:
+    res = fenced(url, "run", "--on-busy", "skipp", "x", "--", "true")
+    assert res.returncode == 2
+    text = flat(res.stderr)
+    assert "'skipp' is not one of skip, wait, raise; did you mean skip?" in text, text
+    assert "Value error" not in text
+    for cmd in (["run", "x", "--", "true"], ["ls"]):
+        res = fenced(url, *cmd[:1], "--redis", url + "?socket_timout=3", *cmd[1:])
+        assert res.returncode == 2, res.stderr
+        assert "socket_timout=3" in res.stderr and "did you mean socket_timeout?" in res.stderr
+
+
+def test_a_server_that_is_not_redis_gets_a_hint() -> None:
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+
+    def close_each() -> None:  # as PostgreSQL does to a client that speaks RESP
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.recv(1024)
+            conn.close()
+
+    threading.Thread(target=close_each, daemon=True).start()
+    try:
+        res = fenced(None, "ls", "--redis", f"redis://127.0.0.1:{port}/0")
+    finally:
+        listener.close()
+    assert res.returncode == 69, res.stderr
+    assert "Not a Redis server? Check the host and port" in flat(res.stderr), res.stderr
+
+
+def test_piped_output_never_cuts_a_value(url: str) -> None:
+    name = "piped:" + "n" * 90
+    label = "label-" + "l" * 60
+    env = {k: v for k, v in env_for(url).items() if k != "COLUMNS"}  # as a pipe in cron
+
+    def piped(*args: str) -> str:
+        return subprocess.run([*FENCED, *args], capture_output=True, text=True, env=env).stdout
+
+    holder = spawn(url, "run", "--ttl", "10", "--label", label, name, "--", "sleep", "30")
+    try:
+        wait_for("the run to hold", lambda: name in piped("ls"), proc=holder)
+        listing = piped("ls")
+        assert any(name in line for line in listing.splitlines()), listing
+        assert "previous run" in listing
+        shown = piped("show", name)
+        assert any(name in line for line in shown.splitlines()), shown
+    finally:
+        holder.terminate()
+        holder.wait(timeout=30)
 
 
 class _Counting(redis.Connection):

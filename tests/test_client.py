@@ -88,6 +88,10 @@ def test_every_url_form_is_read(
         ("http://alice:AlicePw@host/0", "scheme must be one of"),
         ("host:6379", "scheme must be one of"),
         ("redis://h/0?sockettimeout=5", "unknown option 'sockettimeout'"),
+        # A typo of a plain option is shown as typed, with the option it meant.
+        ("redis://h/0?socket_timout=5", r"socket_timout=5'.*did you mean socket_timeout\?"),
+        # A typo of a secret one keeps its value masked.
+        ("redis://h/0?passwrod=S3", r"passwrod=\*\*\*'.*did you mean password\?"),
         ("redis://h/0?socket_timeout=soon", "socket_timeout='soon' is not a valid value"),
         ("redis://h:99999/0", "no valid port"),
         ("redis://h1,h2/0", "names one server"),

@@ -563,7 +563,7 @@ class ClaimState(LeaseState):
         return ClaimUnavailable.about(
             self,
             f"cannot reach Redis at {describe_client(self.redis)} to refresh claim "
-            f"{self.name!r} ({exc})",
+            f"{self.name!r} ({why_unreachable(exc)})",
         )
 
     # -- what release decides (no I/O) -----------------------------------------------

@@ -23,6 +23,7 @@ Every URL fenced prints goes through :func:`redact` first.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import logging
@@ -92,6 +93,18 @@ _READ: dict[str, Callable[[str], Any]] = {
 }
 #: Query options whose values are printed (every other value is shown as ***).
 _PLAIN_PARAMS = frozenset((*_FLOAT, *_INT, *_BOOL, *_TEXT, "db", "username", "sentinel_username"))
+_ALL_PARAMS = (*_PLAIN_PARAMS, "password", *_SENTINEL_ONLY)
+
+
+def _meant(key: str) -> str | None:
+    """The option a mistyped ``key`` most likely meant, if one is close."""
+    close = difflib.get_close_matches(key, _ALL_PARAMS, n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
+def _plain(key: str) -> bool:
+    """A query value that holds no secret: a known plain option, or a typo of one."""
+    return key in _PLAIN_PARAMS or _meant(key) in _PLAIN_PARAMS
 
 
 class RedisURL:
@@ -129,7 +142,11 @@ def _read_options(url: str, query: str, topology: str) -> dict[str, Any]:
     known += ("db",) if topology != "cluster" else ()
     for key, value in parse_qsl(query, keep_blank_values=True):
         if key not in known:
-            raise _bad(url, f"unknown option {key!r} (known: {', '.join(sorted(known))})")
+            meant = _meant(key)
+            fix = (
+                f"did you mean {meant}?" if meant in known else f"known: {', '.join(sorted(known))}"
+            )
+            raise _bad(url, f"unknown option {key!r}; {fix}")
         try:
             options[key] = _READ.get(key, str)(value)
         except (KeyError, ValueError):
@@ -249,9 +266,7 @@ def redact(url: str) -> str:
         head, q, query = rest.partition("?")
         if q:
             pairs = parse_qsl(query, keep_blank_values=True)
-            query = urlencode(
-                [(k, v if k in _PLAIN_PARAMS else "***") for k, v in pairs], safe="*/:"
-            )
+            query = urlencode([(k, v if _plain(k) else "***") for k, v in pairs], safe="*/:")
         return f"{scheme}://{shown}{head}{q}{query}"
     except Exception:  # never let a message fail over its URL
         return "<a Redis URL>"

@@ -445,6 +445,8 @@ def why_unreachable(exc: BaseException) -> str:
             f"something answered, but not in the Redis protocol ({exc}); is another "
             "service listening at that address? Check the host and port"
         )
+    if "closed by server" in str(exc):  # e.g. PostgreSQL's port, spoken to in RESP
+        return f"{exc} Not a Redis server? Check the host and port"
     return str(exc)
 
 

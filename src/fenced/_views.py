@@ -155,7 +155,7 @@ def claims_table(infos: list[ClaimInfo], title: str) -> Table:
     table.add_column("holder", overflow="fold")
     for col in ("age", "left", "fence", "skips"):
         table.add_column(col, justify="right", no_wrap=True)
-    table.add_column("last")
+    table.add_column("previous run")
     for info in infos:
         table.add_row(
             Text(printable(info.name)),
@@ -220,7 +220,7 @@ def claims_list(infos: list[ClaimInfo], title: str) -> Group:
         blocks.append(
             Padding(
                 _line(
-                    Text("last ").append_text(_outcome(info.last_outcome)),
+                    Text("previous run ").append_text(_outcome(info.last_outcome)),
                     Text(f"skips {info.skips}", style="yellow" if info.skips else ""),
                     f"age {duration(info.age)}" if info.holder else "",
                     f"left {_left(info.expires_in)}" if info.holder else "",

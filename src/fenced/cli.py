@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import importlib
 import json
 import math
@@ -26,6 +25,8 @@ app = (
     else None
 )
 
+#: The width of `ls` and `show` output sent to a pipe or a file: no value wraps.
+PIPED_WIDTH = 4096
 #: Exit status when a command refuses to act (e.g. ``release`` without ``--force``).
 EXIT_REFUSED = 1
 
@@ -186,9 +187,15 @@ if app is not None:
 
     # What ``fenced run`` does when another holder has the claim ("raise" is a keyword,
     # hence the functional form).
-    OnBusy = enum.Enum(  # type: ignore[misc]
-        "OnBusy", {p: p for p in (*ON_BUSY, *ON_BUSY_ALIASES)}, type=str
-    )
+    def _on_busy(value: str) -> str:
+        """``--on-busy``: a policy ``fenced run`` accepts (or an alias of one)."""
+        if value in ON_BUSY or value in ON_BUSY_ALIASES:
+            return value
+        from ._options import closest
+
+        guess = closest(value, (*ON_BUSY, *ON_BUSY_ALIASES))
+        hint = f"; did you mean {guess}?" if guess else ""
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(ON_BUSY)}{hint}")
 
     RedisOpt = Annotated[
         str | None,
@@ -510,8 +517,14 @@ if app is not None:
         ] = None,
         redis_url: RedisOpt = None,
         on_busy: Annotated[
-            OnBusy, typer.Option(help="When another holder has the claim.")
-        ] = OnBusy.skip,  # type: ignore[attr-defined]
+            str,
+            typer.Option(
+                metavar="|".join(ON_BUSY),
+                callback=_on_busy,
+                help="When another holder has the claim: skip it (exit 0), wait for it, "
+                "or raise (exit 75; 'fail' is another name for raise).",
+            ),
+        ] = "skip",
         wait_timeout: Annotated[
             float | None,
             _duration("With --on-busy wait: give up after this long (90s, 5m, or seconds)."),
@@ -569,7 +582,7 @@ if app is not None:
         Exit status:
           CMD's  the command's own status; killed by signal N: 128+N
           0      busy with --on-busy skip (the default)
-          75     busy with --on-busy raise (or fail), or waited past --wait-timeout
+          75     busy with --on-busy raise, or waited past --wait-timeout
           0/75   ran recently (--cooldown): as busy; a window is never waited out
           76     claim lost while the command ran: SIGTERM, then SIGKILL
           69     Redis unreachable: the command was not started
@@ -583,7 +596,7 @@ if app is not None:
             name=name,
             argv=list(command or []),
             claim=claim or {},
-            on_busy=on_busy.value,
+            on_busy=on_busy,
             wait_timeout=wait_timeout,
             grace=grace,
             quiet=quiet,
@@ -630,6 +643,10 @@ if app is not None:
 
         # Names, commands and reasons are data: never read them as markup or emoji codes.
         console = Console(markup=False, emoji=False, highlight=False)
+        if not console.is_terminal and "COLUMNS" not in os.environ:
+            # Piped: a line per row, as long as its values, never a value cut in two
+            # (an explicit COLUMNS still rules).
+            return Console(markup=False, emoji=False, highlight=False, width=PIPED_WIDTH)
         if wide and console.width < WIDE:
             console = Console(markup=False, emoji=False, highlight=False, width=2 * WIDE)
         return console
@@ -699,9 +716,12 @@ if app is not None:
             return
         console = _console(wide)
         console.print(report_table(report) if console.width >= WIDE else report_list(report))
-        if not report.runs:
+        if all(run.outcome == "skipped" for run in report.runs):
+            # Skips are recorded whatever the claim's options; runs only where asked.
+            only = " (only skips)" if report.runs else ""
             console.print(
-                "no run records (fenced run records every run; in Python: Claim(records=True))"
+                f"no run recorded{only}: this name's runs are not recorded. fenced run and "
+                "ClaimedTask record every run; @exclusive and Claim with records=True"
             )
 
     @app.command("web")
