@@ -163,3 +163,44 @@ def test_gc_still_removes_what_it_should(tmp_path: Path, grace: float) -> None:
     assert removed == [gone] and not gone.path.exists() and kept.path.exists()
     assert not stray.exists()
     assert [ref.digest for ref in store.refs()] == [kept.digest]
+
+
+def test_a_pointer_directory_swapped_for_a_link_is_neither_read_nor_written(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "builds"
+    (root / "ptrs").mkdir(parents=True)
+    target = root / "out"
+    target.write_bytes(b"output")
+    ptr = FilePointer(root / "ptrs" / "current", root=root)
+    ptr.swap(target, fence=5)
+    # The directory of the pointer, inside the root, swapped for a link to a victim's
+    # directory holding a file of the same name.
+    kept = _victim(tmp_path / "victim", ["current"])
+    (root / "ptrs").rename(root / "ptrs.aside")
+    (root / "ptrs").symlink_to(tmp_path / "victim", target_is_directory=True)
+    for act in (lambda: ptr.swap(target, fence=6), ptr.read):
+        with pytest.raises(StoreError, match="symbolic link"):
+            act()
+    _survived(tmp_path / "victim", kept)  # not replaced, and no lock file made there
+    # Put back, the pointer works again.
+    (root / "ptrs").unlink()
+    (root / "ptrs.aside").rename(root / "ptrs")
+    assert ptr.swap(target, fence=6).fence == 6
+
+
+def test_a_pointer_under_a_root_is_made_in_new_directories_and_read_through_inner_links(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "builds"
+    (root / "real").mkdir(parents=True)
+    (root / "alias").symlink_to(root / "real", target_is_directory=True)
+    target = root / "out"
+    target.write_bytes(b"output")
+    # A link that was there when the pointer was made is the user's: it is followed once.
+    ptr = FilePointer(root / "alias" / "new" / "current", root=root)
+    assert ptr.read() is None
+    ptr.swap(target, fence=1)
+    assert (root / "real" / "new" / "current").is_file()
+    read = ptr.read()
+    assert read is not None and read.fence == 1

@@ -193,12 +193,17 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def write_atomic(path: Path, data: bytes, *, point: str = "write") -> None:
-    """Replace ``path`` with ``data`` in one step: temp file, fsync, os.replace, dir fsync."""
+def write_atomic(
+    path: Path, data: bytes, *, point: str = "write", dir_fd: int | None = None
+) -> None:
+    """Replace ``path`` with ``data`` in one step: temp file, fsync, os.replace, dir fsync.
+
+    ``dir_fd``: the directory of ``path``, already open (else it is opened here).
+    """
     # The directory is opened once and every step names files beside it (dir_fd): the
     # temporary file, the replace and a failed write's clean-up all happen in it, even
     # when the path to it is changed meanwhile.
-    directory = open_root(path.parent)
+    directory = open_root(path.parent) if dir_fd is None else dir_fd
     try:
         tmp = temp_name(path.parent, path.name).name
         # O_EXCL: a name that exists, a link included, is never opened.
@@ -220,7 +225,8 @@ def write_atomic(path: Path, data: bytes, *, point: str = "write") -> None:
         checkpoint(f"{point}:replaced")
         os.fsync(directory)
     finally:
-        os.close(directory)
+        if dir_fd is None:
+            os.close(directory)
 
 
 def writable_fix(path: Path, err: int | None) -> str:
