@@ -224,9 +224,8 @@ local function fence_clock()
   local t = redis.call('TIME')
   return t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
 end
-local function not_a_fence(key, v)
-  return redis.error_reply('ERR fence key ' .. key .. ' holds ' .. string.sub(v, 1, 40) ..
-                           ', not a fence (an integer from 0 to 2^63-2)')
+local function not_a_fence(key)
+  return redis.error_reply('ERR ' .. key .. ' holds what is not a fence (0 to 2^63-2)')
 end
 """
 
@@ -412,7 +411,7 @@ if limit <= 1 then
   if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
     if not fence_ok(last_fence) then
       redis.call('DEL', KEYS[1])  -- granted nothing
-      return not_a_fence(KEYS[2], last_fence)
+      return not_a_fence(KEYS[2])
     end
     return {1, mint()}
   end
@@ -422,7 +421,7 @@ if limit <= 1 then
   if holder == ARGV[1] then
     if not fence_ok(last_fence) then
       redis.call('DEL', KEYS[1])
-      return not_a_fence(KEYS[2], last_fence)
+      return not_a_fence(KEYS[2])
     end
     return {1, last_fence}
   end
@@ -439,7 +438,7 @@ for i, key in ipairs(slots) do
     local fence = redis.call('HGET', KEYS[7], tostring(i - 1)) or '0'
     if not fence_ok(fence) then
       redis.call('DEL', key)
-      return not_a_fence(KEYS[7], fence)
+      return not_a_fence(KEYS[7])
     end
     return {1, fence, i - 1}
   elseif holder then
@@ -454,7 +453,7 @@ for i, key in ipairs(slots) do
   end
 end
 if free and not own then
-  if not fence_ok(last_fence) then return not_a_fence(KEYS[2], last_fence) end
+  if not fence_ok(last_fence) then return not_a_fence(KEYS[2]) end
   redis.call('SET', slots[free], ARGV[1], 'PX', ARGV[2])
   local fence = mint()
   redis.call('HSET', KEYS[7], tostring(free - 1), fence, 'limit', tostring(limit))
@@ -736,7 +735,7 @@ local idle = tonumber(ARGV[6])
 local holder = redis.call('GET', KEYS[1])
 local last_fence = redis.call('GET', KEYS[2]) or '0'
 if holder == ARGV[1] then
-  if not fence_ok(last_fence) then return not_a_fence(KEYS[2], last_fence) end
+  if not fence_ok(last_fence) then return not_a_fence(KEYS[2]) end
   return {1, last_fence}
 end
 if holder then
@@ -750,7 +749,7 @@ elseif ARGV[7] and ARGV[7] ~= '' then
   if recently then return recently end
 end
 -- a kept lease stays kept, and a free name free, when no fence can be minted
-if not fence_ok(last_fence) then return not_a_fence(KEYS[2], last_fence) end
+if not fence_ok(last_fence) then return not_a_fence(KEYS[2]) end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('DEL', KEYS[4])
 local minted = mint_fence(KEYS[2], last_fence, idle)
@@ -852,7 +851,7 @@ end
 local last = redis.call('GET', KEYS[2]) or '0'
 if not fence_ok(last) then
   redis.call('DEL', KEYS[1])  -- ours, set above: the lock is not taken
-  return not_a_fence(KEYS[2], last)
+  return not_a_fence(KEYS[2])
 end
 local fence = fence_after(last)
 local now = fence_clock()
