@@ -59,8 +59,13 @@ def _swapping(real: Path, victim: Path) -> Iterator[Callable[[], int]]:
 
     thread = threading.Thread(target=swap, daemon=True)
     thread.start()
+
+    def swapped() -> int:
+        assert thread.is_alive(), "the swapping thread stopped"
+        return swaps
+
     try:
-        yield lambda: swaps
+        yield swapped
     finally:
         stop.set()
         thread.join(timeout=60)
