@@ -60,6 +60,7 @@ from ._lease import (
     corrupt_key_error,
     current_pid,
     describe_client,
+    fence_or_none,
     int_or_none,
     new_token,
     why_unreachable,
@@ -548,7 +549,7 @@ class ClaimState(LeaseState):
             self.ran_recently = (int_or_none(pttl) or 0) / 1000
             return False
         self.ran_recently = None
-        self.holder = Holder.parse(res[1], int_or_none(pttl), int_or_none(fence))
+        self.holder = Holder.parse(res[1], int_or_none(pttl), fence_or_none(fence))
         return False
 
     def _held_unreadably(self) -> bool:

@@ -115,6 +115,11 @@ _TOKEN = re.compile(TOKEN_PATTERN, re.DOTALL)
 _PID = re.compile("[0-9]{1,20}")
 # An integer as Redis writes one (Python's int() also takes "1_000", " 7", "٣").
 _INTEGER = re.compile("-?[0-9]{1,19}")
+# A fence as the scripts mint one: no sign, no leading zero (see _scripts._FENCE).
+_FENCE = re.compile("0|[1-9][0-9]{0,18}")
+#: Largest fence the scripts mint on: its successor, 2**63-1, still fits a signed
+#: 64-bit column. A fence key above it (or not an integer) mints nothing.
+LAST_FENCE = 2**63 - 2
 
 
 def new_token(task_id: str | None = None) -> str:
@@ -673,10 +678,18 @@ class LeaseCalls:
             for i in range(self.limit)
         ]
 
-    def inspect_commands(self) -> list[tuple[str, str]]:
+    def inspect_commands(self) -> list[tuple[str, ...]]:
         """Commands that read what the name's keys hold, for :meth:`corrupt_key`."""
         k = self.keys
-        return [*(("TYPE", key) for key in _key_types(k)), ("GET", k.fence), ("GET", k.skips)]
+        slots: list[tuple[str, ...]] = []
+        if self.limit > 1:
+            slots.append(("HMGET", k.slots, *map(str, range(self.limit))))
+        return [
+            *(("TYPE", key) for key in _key_types(k)),
+            ("GET", k.fence),
+            ("GET", k.skips),
+            *slots,
+        ]
 
     def corrupt_key(self, replies: Sequence[Any]) -> tuple[str, str] | None:
         """The key (and what is wrong with it) that keeps ACQUIRE from running, if any.
@@ -688,9 +701,15 @@ class LeaseCalls:
             kind = readable(kind)
             if kind != "none" and kind not in kinds:
                 return key, f"is a {kind}, where fenced keeps a {' or a '.join(kinds)}"
-        for key, value in zip((self.keys.fence, self.keys.skips), replies[len(expected) :]):
-            if value is not None and int_or_none(value) is None:
-                return key, f"holds {readable(value)[:40]!r}, not an integer"
+        fence, skips, *slots = replies[len(expected) :]
+        if fence is not None and not isinstance(fence, Exception) and fence_or_none(fence) is None:
+            return self.keys.fence, not_a_fence(fence)
+        if skips is not None and int_or_none(skips) is None:
+            return self.keys.skips, f"holds {readable(skips)[:40]!r}, not an integer"
+        for values in slots:
+            for value in values if isinstance(values, list) else ():
+                if value is not None and fence_or_none(value) is None:
+                    return self.keys.slots, not_a_fence(value)
         return None
 
 
@@ -718,12 +737,21 @@ def corrupt_key_error(
 ) -> CorruptKey:
     """CorruptKey for a script that failed at a key it could not use; names the fix."""
     is_fence = key.endswith(":fence") if is_fence is None else is_fence
-    safe = " (the next fence comes from the server's clock)" if is_fence else ""
+    shown = printable(key)
     started = "; the work was not started" if doing.startswith("acquire") else ""
+    if is_fence:
+        # Stores remember the highest fence they accepted: a fence below it is refused.
+        fix = (
+            f"Set it to the highest fence issued or accepted by your stores (SET {shown} N, "
+            "N at most 2**63-2; run records carry each run's fence), or delete it "
+            f"(DEL {shown}) when no fence above the server's clock in microseconds was "
+            "issued: the next fence then comes from that clock"
+        )
+    else:
+        fix = f"Delete the key (DEL {shown}) or restore what fenced keeps there"
     return CorruptKey(
-        f"cannot {doing} {name!r}: its key {printable(key)!r} {problem} ({exc}); "
-        f"fenced did not write that value. Delete the key (DEL {printable(key)}){safe} or "
-        f"restore what fenced keeps there{started}",
+        f"cannot {doing} {name!r}: its key {shown!r} {problem} ({exc}); "
+        f"fenced did not write that value. {fix}{started}",
         name=name,
         key=key,
     )
@@ -839,6 +867,21 @@ class LeaseStore(LeaseCalls):
                 self.send(call)
         except Exception:  # best effort; the lease expires within its ttl anyway
             pass
+
+
+def fence_or_none(value: Any) -> int | None:
+    """A fence read from Redis as an int; None unless it is one the scripts mint on: a
+    decimal integer from 0 to LAST_FENCE, without sign or leading zero."""
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    if isinstance(value, str) and _FENCE.fullmatch(value) and int(value) <= LAST_FENCE:
+        return int(value)
+    return None
+
+
+def not_a_fence(value: Any) -> str:
+    """What is wrong with a fence key's value (for CorruptKey)."""
+    return f"holds {readable(value)[:40]!r}, not a fence (an integer from 0 to 2**63-2)"
 
 
 def int_or_none(value: Any) -> int | None:

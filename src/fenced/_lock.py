@@ -56,9 +56,9 @@ from ._lease import (
     check_namespace,
     check_timing,
     corrupt_key_error,
-    int_or_none,
+    fence_or_none,
+    not_a_fence,
 )
-from ._printable import readable
 from ._scripts import LOCK_ACQUIRE, LOCK_RELEASE, Call
 
 __all__ = ["Lock", "fence_key", "hash_tag", "shares_slot"]
@@ -84,11 +84,12 @@ def hash_tag(name: str) -> str | None:
 
 
 def corrupt_fence(name: str, key: str, value: Any, exc: BaseException) -> BaseException:
-    """CorruptKey when a lock's fence key holds what is not an integer, else ``exc``."""
-    if value is None or int_or_none(value) is not None:
+    """CorruptKey when a lock's fence key holds what is not a fence, else ``exc``."""
+    if value is None or fence_or_none(value) is not None:
         return exc
-    problem = f"holds {readable(value)[:40]!r}, not an integer"
-    return corrupt_key_error(name, key, problem, exc, doing="acquire lock", is_fence=True)
+    return corrupt_key_error(
+        name, key, not_a_fence(value), exc, doing="acquire lock", is_fence=True
+    )
 
 
 def fence_key(name: str, namespace: str = "fenced") -> str:

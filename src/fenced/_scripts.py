@@ -9,8 +9,10 @@ another token.
 The fence is minted inside ACQUIRE and TAKEOVER, the same way:
 ``max(previous fence + 1, Redis TIME in µs)``, in one write with the idle expiry. The
 ``TIME`` floor keeps it strictly increasing even after a restart of a Redis that keeps
-nothing on disk, as long as the server clock moves forward (µs values stay below 2^53,
-so Lua's doubles hold them exactly).
+nothing on disk, as long as the server clock moves forward. Fences are decimal text in
+the scripts, added to and compared as text (``_FENCE``): Lua's numbers are doubles,
+exact only below 2^53, and a fence key can hold more. A fence key that holds anything
+but an integer from 0 to 2^63-2 grants nothing: the script answers an error instead.
 """
 
 from __future__ import annotations
@@ -196,6 +198,37 @@ local function touch(idle, ...)
 end
 """
 
+# Fences as text: a fence key's value is used only when it is a decimal integer from 0 to
+# 2^63-2 (no sign, no leading zero, so the next fence still fits a signed 64-bit
+# column); anything else (a float, "nan", a sign, 2^63-1 and above) mints nothing.
+# Fewer than 16 digits are below 2^53, where Lua's doubles are exact.
+_FENCE = """
+local function fence_ok(v)
+  if v == '0' then return true end
+  if #v > 19 or not string.match(v, '^[1-9]%d*$') then return false end
+  return #v < 19 or v < '9223372036854775807'
+end
+local function fence_below(a, b)
+  if #a ~= #b then return #a < #b end
+  return a < b
+end
+local function fence_after(v)
+  if #v < 16 then return string.format('%d', tonumber(v) + 1) end
+  local i = #v
+  while i > 0 and string.byte(v, i) == 57 do i = i - 1 end
+  if i == 0 then return '1' .. string.rep('0', #v) end
+  return string.sub(v, 1, i - 1) .. string.char(string.byte(v, i) + 1) ..
+         string.rep('0', #v - i)
+end
+local function fence_clock()
+  local t = redis.call('TIME')
+  return t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
+end
+local function not_a_fence(key)
+  return redis.error_reply('ERR ' .. key .. ' holds what is not a fence (0 to 2^63-2)')
+end
+"""
+
 # A runs key someone replaced with another type cannot take an XADD: a script checks it
 # before its first write, so it either records nothing or stops with nothing written.
 _RECORDABLE = """
@@ -259,10 +292,14 @@ end
 #         {2, "", cooldown pttl ms, fence, consecutive skips, 0}   the name ran recently
 #         an error reply naming KEYS[3] (or KEYS[5]) when a skip (or a rerun trigger)
 #         would be written to a key of another type; nothing is written then
+#         an error reply naming KEYS[2] (or KEYS[7]) when the claim would be granted on
+#         a fence that is not one (see _FENCE); nothing is granted then
+# Every fence is decimal text (a holder's fence as the key holds it, unchecked).
 ACQUIRE = Script(
     "acquire",
     _TOUCH
     + _RECORDABLE
+    + _FENCE
     + """
 local idle = tonumber(ARGV[8])
 local limit = tonumber(ARGV[10] or '1')
@@ -312,18 +349,18 @@ if ARGV[9] and ARGV[9] ~= '' then
     redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
                'event', 'skipped', 'reason', ARGV[9], 'r', ARGV[3])
     touch(idle, KEYS[3], KEYS[4])
-    return {2, '', left, tonumber(redis.call('GET', KEYS[2]) or '0'), skips, 0}
+    return {2, '', left, redis.call('GET', KEYS[2]) or '0', skips, 0}
   end
 end
+-- the last fence minted, as text (checked by fence_ok before anything is granted on it)
+local last_fence = redis.call('GET', KEYS[2]) or '0'
 local function mint()
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local fence = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
-  if fence < now then
-    fence = now
+  local minted = fence_after(last_fence)
+  local now = fence_clock()
+  if fence_below(minted, now) then
+    minted = now
   end
   -- one write gives the fence its value and its idle expiry
-  local minted = string.format('%d', fence)
   if idle > 0 then
     redis.call('SET', KEYS[2], minted, 'PX', idle)
   else
@@ -335,7 +372,7 @@ local function mint()
   end
   -- the skip count and rerun triggers are given the expiry when they are written
   touch(idle, KEYS[3])
-  return fence
+  return minted
 end
 local function lose(holder, pttl, fence)
   local own = ARGV[7] ~= '' and own_task(holder)
@@ -372,16 +409,23 @@ local function lose(holder, pttl, fence)
 end
 if limit <= 1 then
   if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    if not fence_ok(last_fence) then
+      redis.call('DEL', KEYS[1])  -- granted nothing
+      return not_a_fence(KEYS[2])
+    end
     return {1, mint()}
   end
   local holder = redis.call('GET', KEYS[1]) or ''
-  local fence = tonumber(redis.call('GET', KEYS[2]) or '0')
   -- our own token: a client's retry of an ACQUIRE whose reply was lost; nobody can have
   -- acquired since, so the fence is the one minted for us
   if holder == ARGV[1] then
-    return {1, fence}
+    if not fence_ok(last_fence) then
+      redis.call('DEL', KEYS[1])
+      return not_a_fence(KEYS[2])
+    end
+    return {1, last_fence}
   end
-  return lose(holder, redis.call('PTTL', KEYS[1]), fence)
+  return lose(holder, redis.call('PTTL', KEYS[1]), last_fence)
 end
 local slots = {KEYS[1]}
 for i = 8, last do slots[#slots + 1] = KEYS[i] end
@@ -391,7 +435,12 @@ for i, key in ipairs(slots) do
   local holder = redis.call('GET', key)
   if holder == ARGV[1] then
     -- a retry of our own request: the fence minted for this slot
-    return {1, tonumber(redis.call('HGET', KEYS[7], tostring(i - 1)) or '0'), i - 1}
+    local fence = redis.call('HGET', KEYS[7], tostring(i - 1)) or '0'
+    if not fence_ok(fence) then
+      redis.call('DEL', key)
+      return not_a_fence(KEYS[7])
+    end
+    return {1, fence, i - 1}
   elseif holder then
     holders[i] = holder
     if not own and ARGV[7] ~= '' and own_task(holder) then own = i end
@@ -404,16 +453,16 @@ for i, key in ipairs(slots) do
   end
 end
 if free and not own then
+  if not fence_ok(last_fence) then return not_a_fence(KEYS[2]) end
   redis.call('SET', slots[free], ARGV[1], 'PX', ARGV[2])
   local fence = mint()
-  redis.call('HSET', KEYS[7], tostring(free - 1), string.format('%d', fence),
-             'limit', tostring(limit))
+  redis.call('HSET', KEYS[7], tostring(free - 1), fence, 'limit', tostring(limit))
   touch(idle, KEYS[7])
   return {1, fence, free - 1}
 end
 local pick = own or first
 return lose(holders[pick], redis.call('PTTL', slots[pick]),
-            tonumber(redis.call('HGET', KEYS[7], tostring(pick - 1)) or '0'))
+            redis.call('HGET', KEYS[7], tostring(pick - 1)) or '0')
 """,
 )
 
@@ -614,22 +663,21 @@ return kept
 
 # The fence of a new holder, minted as ACQUIRE's mint() does: max(previous fence + 1,
 # Redis TIME in µs), written with the name's idle expiry (ms, 0 = never) in one SET.
-# Returns the fence and its text (as written, and as run records carry it).
+# ``last`` is the fence key's value, checked with fence_ok. Returns the fence as text (as
+# written, and as run records carry it). Needs _FENCE.
 _MINT = """
-local function mint_fence(key, idle)
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local fence = tonumber(redis.call('GET', key) or '0') + 1
-  if fence < now then
-    fence = now
+local function mint_fence(key, last, idle)
+  local minted = fence_after(last)
+  local now = fence_clock()
+  if fence_below(minted, now) then
+    minted = now
   end
-  local minted = string.format('%d', fence)
   if idle > 0 then
     redis.call('SET', key, minted, 'PX', idle)
   else
     redis.call('SET', key, minted)
   end
-  return fence, minted
+  return minted
 end
 """
 
@@ -647,7 +695,7 @@ local function ran_recently(keys, reason, record, maxlen, idle)
   redis.call('XADD', keys.runs, 'MAXLEN', '~', maxlen, '*',
              'event', 'skipped', 'reason', reason, 'r', record)
   touch(idle, keys.runs, keys.skips)
-  return {2, '', left, tonumber(redis.call('GET', keys.fence) or '0'), skips, 0}
+  return {2, '', left, redis.call('GET', keys.fence) or '0', skips, 0}
 end
 """
 
@@ -673,39 +721,44 @@ end
 #         {2, "", cooldown pttl ms, fence, consecutive skips, 0}   the name is free but
 #                                                       ran recently, as ACQUIRE's
 #         an error reply naming KEYS[3] when a skip would be written to a key of another
-#         type; nothing is written then
+#         type; nothing is written then; one naming KEYS[2] when it holds what is not a
+#         fence: nothing is granted or taken over then
 TAKEOVER = Script(
     "takeover",
     _TOUCH
     + _RECORDABLE
+    + _FENCE
     + _MINT
     + _RAN_RECENTLY
     + """
 local idle = tonumber(ARGV[6])
 local holder = redis.call('GET', KEYS[1])
+local last_fence = redis.call('GET', KEYS[2]) or '0'
 if holder == ARGV[1] then
-  return {1, tonumber(redis.call('GET', KEYS[2]) or '0')}
+  if not fence_ok(last_fence) then return not_a_fence(KEYS[2]) end
+  return {1, last_fence}
 end
 if holder then
   local _, _, _, task_id = string.match(holder, TOKEN_PATTERN)
   if ARGV[5] == '' or task_id ~= ARGV[5] or redis.call('GET', KEYS[4]) ~= holder then
-    return {0, holder, redis.call('PTTL', KEYS[1]),
-            tonumber(redis.call('GET', KEYS[2]) or '0'), 0, 0}
+    return {0, holder, redis.call('PTTL', KEYS[1]), last_fence, 0, 0}
   end
 elseif ARGV[7] and ARGV[7] ~= '' then
   local recently = ran_recently({cooldown = KEYS[6], runs = KEYS[3], skips = KEYS[5],
                                  fence = KEYS[2]}, ARGV[7], ARGV[3], ARGV[4], idle)
   if recently then return recently end
 end
+-- a kept lease stays kept, and a free name free, when no fence can be minted
+if not fence_ok(last_fence) then return not_a_fence(KEYS[2]) end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('DEL', KEYS[4])
-local fence, minted = mint_fence(KEYS[2], idle)
+local minted = mint_fence(KEYS[2], last_fence, idle)
 if ARGV[3] ~= '' then
   redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*',
              'event', 'started', 'token', ARGV[1], 'fence', minted, 'r', ARGV[3])
 end
 touch(idle, KEYS[3])
-return {1, fence}
+return {1, minted}
 """,
 )
 
@@ -776,10 +829,12 @@ return id
 #         then this very acquire, retried after its reply was lost, and it is granted
 #         with the fence minted for it; "0" for a token the caller chose (as redis-py,
 #         a held name is not taken, whoever holds it)
-# returns the fence (> 0) when the lock is ours, 0 when another holder has it
+# returns the fence (> 0, as text) when the lock is ours, 0 when another holder has it,
+#         an error naming KEYS[2] when it holds what is not a fence (the lock not taken)
 LOCK_ACQUIRE = Script(
     "lock_acquire",
-    """
+    _FENCE
+    + """
 local granted
 if ARGV[2] == '' then
   granted = redis.call('SET', KEYS[1], ARGV[1], 'NX')
@@ -791,19 +846,23 @@ if not granted then
     return 0
   end
   local minted = redis.call('GET', KEYS[2])
-  if minted then return tonumber(minted) end
+  if minted and fence_ok(minted) then return minted end
 end
-local t = redis.call('TIME')
-local fence = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local last = tonumber(redis.call('GET', KEYS[2]) or '0')
-if fence <= last then
-  fence = last + 1
+local last = redis.call('GET', KEYS[2]) or '0'
+if not fence_ok(last) then
+  redis.call('DEL', KEYS[1])  -- ours, set above: the lock is not taken
+  return not_a_fence(KEYS[2])
+end
+local fence = fence_after(last)
+local now = fence_clock()
+if fence_below(fence, now) then
+  fence = now
 end
 local idle = tonumber(ARGV[3])
 if idle > 0 then
-  redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', idle)
+  redis.call('SET', KEYS[2], fence, 'PX', idle)
 else
-  redis.call('SET', KEYS[2], string.format('%d', fence))
+  redis.call('SET', KEYS[2], fence)
 end
 return fence
 """,

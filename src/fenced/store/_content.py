@@ -5,7 +5,9 @@ put streams into a temporary file under ``<root>/.tmp``, fsyncs it, renames it i
 place and fsyncs the directory, so a reader that finds an object finds all of it,
 and a crash leaves at most a stray temporary file (removed by :meth:`ContentStore.gc`).
 The fan-out directories, ``.tmp`` and the objects are never reached through a
-symbolic link (see ``_durable``): a link planted in the store is refused by name.
+symbolic link (see ``_durable``): a link planted in the store is refused by name, and
+gc removes names only beside a directory it opened (``dir_fd``), so a directory swapped
+for a link while gc runs cannot send a removal outside the store.
 Objects are read-only: the umask's read bits, no write bits.
 Reads check the digest, so a corrupted object raises :class:`~fenced.CorruptObject`
 instead of publishing bad bytes.
@@ -394,21 +396,56 @@ class ContentStore:
 
     def refs(self) -> Iterator[Ref]:
         """Every object in the store (its bytes are not read)."""
-        for fan in sorted(self.root.iterdir()):
-            if not _FAN.fullmatch(fan.name):
+        root = _durable.open_root(self.root)
+        try:
+            for fan, listed in self._listing(root):
+                for name, st in listed:
+                    yield Ref(fan + name, self.root / fan / name, st.st_size)
+        finally:
+            os.close(root)
+
+    def _listing(self, root: int) -> list[tuple[str, list[tuple[str, os.stat_result]]]]:
+        """Each fan-out directory's objects with their metadata, in full: a link where a
+        fan-out directory belongs is refused before anything is returned."""
+        found = []
+        for fan in sorted(_names(root)):
+            if not _FAN.fullmatch(fan):
                 continue
-            if fan.is_symlink():
-                # gc would remove files wherever the link leads.
-                raise _durable.not_followed(fan, "directory")
-            if not fan.is_dir():
-                continue
-            for entry in sorted(fan.iterdir()):
-                digest = fan.name + entry.name
-                if _DIGEST.fullmatch(digest):
+            with self._opened(root, fan) as fd:
+                if fd is None:
+                    continue
+                listed = []
+                for name in sorted(_names(fd)):
+                    if not _DIGEST.fullmatch(fan + name):
+                        continue
                     try:
-                        yield Ref(digest, entry, entry.lstat().st_size)
+                        listed.append((name, os.stat(name, dir_fd=fd, follow_symlinks=False)))
                     except FileNotFoundError:
                         continue  # removed by a concurrent gc
+                found.append((fan, listed))
+        return found
+
+    @contextlib.contextmanager
+    def _opened(self, root: int, name: str) -> Iterator[int | None]:
+        """The directory ``name`` of the root, open and never a link: None when it is
+        missing or a file; StoreError when it is a link (gc would follow it)."""
+        try:
+            st = os.stat(name, dir_fd=root, follow_symlinks=False)
+        except FileNotFoundError:
+            yield None
+            return
+        if stat.S_ISLNK(st.st_mode):
+            raise _durable.not_followed(self.root / name, "directory")
+        if not stat.S_ISDIR(st.st_mode):
+            yield None
+            return
+        # Swapped for a link since the stat: open_dir refuses it (O_NOFOLLOW).
+        fd = _durable.open_dir(root, self.root / name, create=False)
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     # -- garbage collection -----------------------------------------------------------
 
@@ -429,33 +466,56 @@ class ContentStore:
             )
         if grace < 0:
             raise ConfigError(f"grace={grace!r} must be >= 0 seconds")
-        if self._tmp.is_symlink():
-            raise _durable.not_followed(self._tmp, "directory")
-        live = self._live(keep)
-        cutoff = time.time() - grace
+        # Every directory gc removes from is opened once, never through a link, and
+        # names are removed beside it (dir_fd): a directory swapped for a link after it
+        # was checked cannot send a removal elsewhere.
+        root = _durable.open_root(self.root)
+        try:
+            with self._opened(root, TMP_DIR) as tmp:
+                live = self._live(keep)
+                cutoff = time.time() - grace
+                # Listed in full first: a planted link is refused before anything is removed.
+                listing = self._listing(root)
+                removed = self._remove_objects(root, listing, live, cutoff, dry_run)
+                if tmp is not None and not dry_run:
+                    _sweep(tmp, cutoff)
+        finally:
+            os.close(root)
+        return removed
+
+    def _remove_objects(
+        self,
+        root: int,
+        listing: list[tuple[str, list[tuple[str, os.stat_result]]]],
+        live: set[str],
+        cutoff: float,
+        dry_run: bool,
+    ) -> list[Ref]:
         removed: list[Ref] = []
-        # Listed in full first: a planted link is refused before anything is removed.
-        for ref in list(self.refs()):
-            if ref.digest in live:
+        for fan, listed in listing:
+            doomed = [
+                name for name, st in listed if fan + name not in live and st.st_mtime <= cutoff
+            ]
+            if not doomed:
                 continue
-            try:
-                if ref.path.lstat().st_mtime > cutoff:
+            with self._opened(root, fan) as fd:
+                if fd is None:
                     continue
-                if not dry_run:
-                    ref.path.unlink()
-            except FileNotFoundError:
-                continue
-            removed.append(ref)
-        if not dry_run and self._tmp.is_dir():
-            for tmp in self._tmp.iterdir():
-                try:
-                    if tmp.lstat().st_mtime <= cutoff:
-                        tmp.unlink()
-                except FileNotFoundError:
-                    continue
-        if removed and not dry_run:
-            for parent in {ref.path.parent for ref in removed}:
-                _durable.fsync_dir(parent)
+                gone = 0
+                for name in doomed:
+                    try:
+                        # Its age again: a put may have reused it since it was listed.
+                        now = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                        if now.st_mtime > cutoff:
+                            continue
+                        if not dry_run:
+                            os.unlink(name, dir_fd=fd)
+                            gone += 1
+                    except FileNotFoundError:
+                        continue
+                    removed.append(Ref(fan + name, self.root / fan / name, now.st_size))
+                if gone:
+                    os.fsync(fd)
         return removed
 
     def _live(self, keep: Iterable[Keep]) -> set[str]:
@@ -492,6 +552,24 @@ class ContentStore:
                 # A damaged manifest raises here, before anything is removed.
                 todo.extend(ref.digest for ref in self.read_manifest(digest).values())
         return live
+
+
+def _names(fd: int) -> list[str]:
+    """The names in an open directory."""
+    with os.scandir(fd) as entries:
+        return [entry.name for entry in entries]
+
+
+def _sweep(tmp: int, cutoff: float) -> None:
+    """Remove the stray files (and links, never what they lead to) older than ``cutoff``
+    from the open temporary directory."""
+    for name in _names(tmp):
+        try:
+            st = os.stat(name, dir_fd=tmp, follow_symlinks=False)
+            if not stat.S_ISDIR(st.st_mode) and st.st_mtime <= cutoff:
+                os.unlink(name, dir_fd=tmp)
+        except FileNotFoundError:
+            continue
 
 
 def _chunks(f: IO[bytes]) -> Iterator[bytes]:

@@ -19,7 +19,7 @@ import os
 import secrets
 import stat
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from .._errors import ConfigError, StoreError
@@ -193,24 +193,40 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def write_atomic(path: Path, data: bytes, *, point: str = "write") -> None:
-    """Replace ``path`` with ``data`` in one step: temp file, fsync, os.replace, dir fsync."""
-    tmp = temp_name(path.parent, path.name)
-    # O_EXCL: a name that exists, a link included, is never opened.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, FILE_MODE)
+def write_atomic(
+    path: Path, data: bytes, *, point: str = "write", dir_fd: int | None = None
+) -> None:
+    """Replace ``path`` with ``data`` in one step: temp file, fsync, os.replace, dir fsync.
+
+    ``dir_fd``: the directory of ``path``, already open (else it is opened here).
+    """
+    # The directory is opened once and every step names files beside it (dir_fd): the
+    # temporary file, the replace and a failed write's clean-up all happen in it, even
+    # when the path to it is changed meanwhile.
+    directory = open_root(path.parent) if dir_fd is None else dir_fd
     try:
+        tmp = temp_name(path.parent, path.name).name
+        # O_EXCL: a name that exists, a link included, is never opened.
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, FILE_MODE, dir_fd=directory
+        )
         try:
-            write_all(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        checkpoint(f"{point}:written")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    checkpoint(f"{point}:replaced")
-    fsync_dir(path.parent)
+            try:
+                write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            checkpoint(f"{point}:written")
+            os.replace(tmp, path.name, src_dir_fd=directory, dst_dir_fd=directory)
+        except BaseException:
+            with suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=directory)
+            raise
+        checkpoint(f"{point}:replaced")
+        os.fsync(directory)
+    finally:
+        if dir_fd is None:
+            os.close(directory)
 
 
 def writable_fix(path: Path, err: int | None) -> str:

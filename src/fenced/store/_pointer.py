@@ -21,7 +21,10 @@ A FilePointer trusts nothing it reads from disk: the pointer file is read only w
 is a regular file (not a link, device or FIFO) of at most :data:`MAX_POINTER_SIZE`
 bytes, and with a ``root`` a target it names must stay under the root (no ``..``, no
 absolute path, no link leading out), else :class:`~fenced.StoreError` names the file.
-Neither the pointer file nor its lock file is opened through a link.
+Neither the pointer file nor its lock file is opened through a link, and with a
+``root`` the pointer's directory is reached from the root one directory at a time,
+never through a link made after the pointer was (a link there when it was made is
+resolved then, once).
 """
 
 from __future__ import annotations
@@ -122,6 +125,11 @@ class FilePointer:
         # The lock file is never removed: removing it would let two writers lock two
         # different inodes under the same name.
         self.lock_path = self.path.with_name(self.path.name + ".lock")
+        # Under a root: the real directories from the root to the pointer's, as they are
+        # now; each read and swap opens them one by one, refusing a link put there later.
+        self._below_root: tuple[str, ...] | None = None
+        if self.root is not None:
+            self._below_root = self.path.parent.resolve().relative_to(self.root).parts
 
     def __repr__(self) -> str:
         return f"<FilePointer {str(self.path)!r}>"
@@ -168,11 +176,45 @@ class FilePointer:
             )
         return str(full)
 
-    def _load(self) -> dict[str, Any] | None:
+    @contextmanager
+    def _directory(self, *, create: bool) -> Iterator[int | None]:
+        """The pointer's directory, open (None when it is missing and not created)."""
+        try:
+            fd = self._open_directory(create)
+        except FileNotFoundError:
+            if create:
+                raise
+            fd = None
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def _open_directory(self, create: bool) -> int | None:
+        if self._below_root is None:
+            if create:
+                _durable.ensure_dir(self.path.parent)
+            return _durable.open_root(self.path.parent)
+        assert self.root is not None
+        fd = _durable.open_root(self.root)
+        where = self.root
+        for part in self._below_root:
+            where = where / part
+            try:
+                inner = _durable.open_dir(fd, where, create=create)
+            finally:
+                os.close(fd)
+            if inner is None:
+                return None
+            fd = inner
+        return fd
+
+    def _load(self, directory: int) -> dict[str, Any] | None:
         """The pointer file's entry (of at most MAX_POINTER_SIZE bytes); None before the
         first swap."""
         try:
-            fd = _durable.open_regular(self.path, os.O_RDONLY)
+            fd = _durable.open_regular(self.path, os.O_RDONLY, dir_fd=directory)
         except FileNotFoundError:
             return None
         with os.fdopen(fd, "rb") as f:
@@ -196,13 +238,14 @@ class FilePointer:
 
     def read(self) -> Published | None:
         """The last published target and its fence; None before the first swap."""
-        entry = self._load()
+        with self._directory(create=False) as directory:
+            entry = None if directory is None else self._load(directory)
         return None if entry is None else self._published(entry)
 
     @contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self, directory: int) -> Iterator[None]:
         # Never through a link: a planted one would lock, or create, a file elsewhere.
-        fd = _durable.open_regular(self.lock_path, os.O_RDWR | os.O_CREAT)
+        fd = _durable.open_regular(self.lock_path, os.O_RDWR | os.O_CREAT, dir_fd=directory)
         try:
             deadline = time.monotonic() + self.lock_timeout
             wait = 0.0005
@@ -232,10 +275,14 @@ class FilePointer:
             return self._swap(entry, fence)
 
     def _swap(self, entry: dict[str, Any], fence: int) -> Published:
-        _durable.ensure_dir(self.path.parent)
-        with self._locked():
+        with self._directory(create=True) as opened:
+            assert opened is not None  # made if missing
+            return self._swap_in(opened, entry, fence)
+
+    def _swap_in(self, directory: int, entry: dict[str, Any], fence: int) -> Published:
+        with self._locked(directory):
             _durable.checkpoint("swap:locked")
-            current = self._load()
+            current = self._load(directory)
             if current is not None:
                 if fence < current["fence"]:
                     raise _stale(str(self.path), fence, current["fence"])
@@ -247,7 +294,7 @@ class FilePointer:
                     f"pointer {self.path}: the target's path is too long to publish (the "
                     f"pointer file would exceed {MAX_POINTER_SIZE} bytes); use a shorter path"
                 )
-            _durable.write_atomic(self.path, body, point="swap")
+            _durable.write_atomic(self.path, body, point="swap", dir_fd=directory)
         return self._published(entry)
 
 
