@@ -160,6 +160,9 @@ class ClaimState(LeaseState):
         #: acquire (how many are waiting), taken by the holder at release.
         self.rerun_requested = 0
         self.rerun_triggers: list[str] = []
+        #: Whether release takes the rerun triggers; a front end whose busy policy asks
+        #: for no reruns leaves them (it would run calls nobody asked it for).
+        self.takes_reruns = True
         #: True when release() found the lease already gone (evicted, failed over,
         #: cleared by an operator), or could not reach Redis to find out before the
         #: lease would have run out: the run is not known to have ended under the claim.
@@ -601,6 +604,7 @@ class ClaimState(LeaseState):
             outcome,
             self.fence,
             self.task_id,
+            take_reruns=self.takes_reruns,
             slot=self.slot or 0,
             unqueue=self._unqueue,
         )

@@ -719,9 +719,10 @@ def registry_for_scrape() -> CollectorRegistry:
     return registry
 
 
-def serve(port: int, addr: str = "0.0.0.0") -> Any:
+def serve(port: int, addr: str = "127.0.0.1") -> Any:
     """Serve ``/metrics`` over HTTP from a daemon thread (every process's values in
-    multiprocess mode); returns the server (``shutdown()`` stops it)."""
+    multiprocess mode), on ``addr`` (this host only unless told); returns the server
+    (``shutdown()`` stops it)."""
     server, _thread = start_http_server(port, addr=addr, registry=registry_for_scrape())
     return server
 

@@ -16,6 +16,8 @@
 - ``_request``: :class:`ClaimedRequest`, the worker side (a pool child that died);
 - ``_disabled``: ``fenced_enabled = False``, :class:`LocalClaim` (tests without Redis);
 - ``_metrics``: ``fenced_metrics``, Prometheus metrics in a worker (:mod:`fenced.metrics`);
+- ``_hidden``: fenced's URL settings shown without passwords (``celery inspect conf``);
+- ``_rerun``: the rerun triggers of ``claim_on_busy="rerun"``, signed and checked;
 - ``signals``: the signals fenced sends.
 """
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from .._errors import ClaimInterrupted
 from .._inspect import clear_queued
-from . import _metrics, signals  # noqa: F401  (_metrics: the worker's signal receivers)
+from . import _hidden, _metrics, signals  # noqa: F401  (_metrics: the worker's signal receivers)
 from ._disabled import LocalClaim
 from ._options import DEFAULTS, ON_BUSY, lock_redis
 from ._request import ClaimedRequest

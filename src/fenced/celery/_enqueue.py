@@ -26,12 +26,24 @@ from .._lease import ClaimKeys
 from .._printable import printable
 from .._scripts import Script, as_text
 
-__all__ = ["ENQUEUE_TTL", "MODES", "check_mode", "check_ttl", "clear", "expiry_ms", "mark"]
+__all__ = [
+    "ENQUEUE_TTL",
+    "MAX_TASK_ID",
+    "MODES",
+    "check_mode",
+    "check_ttl",
+    "clear",
+    "expiry_ms",
+    "is_task_id",
+    "mark",
+]
 
 #: The modes: the marker lasts until the run starts, or until it ends.
 MODES = ("until_started", "until_finished")
 #: How long a marker lives by default: an hour (after the message's eta, if any).
 ENQUEUE_TTL = 3600.0
+#: The longest task id a marker may hand back (Celery's own are uuids, 36 characters).
+MAX_TASK_ID = 255
 
 # KEYS[1] marker; ARGV[1] the new message's task id, ARGV[2] expiry (ms), ARGV[3] the
 # task id of the run publishing ("" outside a run). A marker held by that run (a retry,
@@ -104,12 +116,18 @@ def mark(
 ) -> str | None:
     """Mark the name for ``task_id``; the task id already queued when it is marked.
 
-    A marker that holds what fenced never writes raises a RedisError naming its key, as
-    a Redis that cannot be reached does (the caller then sends unmarked).
+    A marker that holds what fenced never writes (not text, not a task id: see
+    :func:`is_task_id`) raises a RedisError naming its key, as a Redis that cannot be
+    reached does (the caller then sends unmarked, and its run's claim still keeps a
+    second run out).
     """
     try:
         found = MARK(client, [keys.queued], [task_id, expiry, running or ""])
-        return as_text(found) if found else None
+        queued = as_text(found) if found else None
+        if queued is None or is_task_id(queued):
+            return queued
+        # Not a task id fenced wrote: never a caller's result id, nor raw text in a log.
+        problem = f"holds {printable(queued[:80])!r}, not a task id"
     except UnicodeDecodeError:
         problem = "holds a value that is not UTF-8, not a task id"
     except ResponseError as exc:
@@ -120,6 +138,11 @@ def mark(
     raise DataError(
         f"the enqueue marker {key!r} {problem}; fenced did not write it. Delete it (DEL {key})"
     )
+
+
+def is_task_id(value: str) -> bool:
+    """Whether a marker's value can be a task id: printable, at most MAX_TASK_ID long."""
+    return 0 < len(value) <= MAX_TASK_ID and value.isprintable()
 
 
 def clear(client: Any, keys: ClaimKeys, task_id: str, expiry: int | None = None) -> bool:

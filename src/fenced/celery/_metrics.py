@@ -4,7 +4,10 @@
 given) installs :mod:`fenced.metrics` in the worker: in its main process when it starts
 (a prefork child is forked from it and inherits it) and again, idempotently, in each
 pool child. ``app.conf.fenced_metrics_port = 9808`` (or ``FENCED_METRICS_PORT``) also
-serves ``/metrics`` from the main process once the worker is ready.
+serves ``/metrics`` from the main process once the worker is ready, on 127.0.0.1 unless
+``fenced_metrics_address`` (or ``FENCED_METRICS_ADDRESS``) names another address to
+listen on (``0.0.0.0`` for every one): the numbers name claims and are served to
+anyone who can connect.
 
 The prefork pool's children each keep their own values, so the pool needs
 prometheus_client's multiprocess mode: ``PROMETHEUS_MULTIPROC_DIR`` names an empty
@@ -18,8 +21,10 @@ Nothing here imports prometheus_client until a worker asks for metrics.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import re
 import sys
 from typing import Any
 
@@ -28,7 +33,7 @@ from celery import signals as celery_signals
 from .._errors import ConfigError
 from ._options import PerApp
 
-__all__ = ["PORT_SETTING", "SETTING", "settings"]
+__all__ = ["ADDRESS_SETTING", "DEFAULT_ADDRESS", "PORT_SETTING", "SETTING", "address", "settings"]
 
 log = logging.getLogger("fenced.celery")
 
@@ -36,12 +41,18 @@ log = logging.getLogger("fenced.celery")
 #: they are not given.
 SETTING = "fenced_metrics"
 PORT_SETTING = "fenced_metrics_port"
+#: Where ``/metrics`` listens (``FENCED_METRICS_ADDRESS`` when not given).
+ADDRESS_SETTING = "fenced_metrics_address"
+#: Loopback: another host sees the metrics only when an address says so.
+DEFAULT_ADDRESS = "127.0.0.1"
+_HOSTNAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}[A-Za-z0-9])?")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 #: The pools that run tasks in child processes.
 _PROCESS_POOLS = ("prefork", "processes")
 
 _answers = PerApp((SETTING, PORT_SETTING))
+_addresses = PerApp((ADDRESS_SETTING,))
 
 
 def settings(app: Any) -> tuple[bool, int | None]:
@@ -79,6 +90,32 @@ def _settings(app: Any) -> tuple[bool, int | None]:
     return on, port
 
 
+def address(app: Any) -> str:
+    """The address a worker of ``app`` serves ``/metrics`` on (127.0.0.1 by default)."""
+    answer: str = _addresses(app, _address)
+    return answer
+
+
+def _address(app: Any) -> str:
+    value, where = app.conf.get(ADDRESS_SETTING), ADDRESS_SETTING
+    if value is None:
+        value = os.environ.get("FENCED_METRICS_ADDRESS", "").strip() or None
+        where = "FENCED_METRICS_ADDRESS"
+    if value is None:
+        return DEFAULT_ADDRESS
+    if isinstance(value, str):
+        try:
+            return str(ipaddress.ip_address(value))
+        except ValueError:
+            if _HOSTNAME.fullmatch(value):
+                return value
+    raise ConfigError(
+        f"{where}={value!r} is not an address to listen on: give an IP address or host "
+        f"name, e.g. {DEFAULT_ADDRESS} (this host only, the default) or 0.0.0.0 (every "
+        "address: put the port behind a firewall)"
+    )
+
+
 def _process_pool(worker: Any) -> bool:
     pool = getattr(worker, "pool_cls", None)
     if isinstance(pool, str):
@@ -99,8 +136,11 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     if app is None:
         return
     try:
-        if not settings(app)[0]:
+        on, port = settings(app)
+        if not on:
             return
+        if port is not None:
+            address(app)  # a bad address: refuse to start, as a bad port does
         from .. import metrics
 
         if _process_pool(sender) and metrics.multiprocess_dir() is None:
@@ -128,11 +168,12 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     from .. import metrics
 
     try:
-        metrics.serve(port)
-    except OSError as exc:
+        where = address(app)
+        metrics.serve(port, where)
+    except (OSError, ConfigError) as exc:
         log.error("fenced: claim metrics are not served on port %d: %s", port, exc)
         return
-    log.info("fenced: claim metrics served on port %d (/metrics)", port)
+    log.info("fenced: claim metrics served on port %d (/metrics, address %s)", port, where)
 
 
 @celery_signals.worker_process_init.connect(weak=False)

@@ -8,8 +8,10 @@ starts, not at 02:00 on the first run.
 
 Settings that are not task options: ``fenced_redis_url``, ``fenced_redis_client``,
 ``fenced_redis_options`` (the lock Redis, below), ``fenced_enabled`` (claims switched
-off for tests without Redis: :mod:`fenced.celery._disabled`), ``fenced_metrics`` and
-``fenced_metrics_port`` (Prometheus metrics in a worker: :mod:`fenced.celery._metrics`).
+off for tests without Redis: :mod:`fenced.celery._disabled`), ``fenced_metrics``,
+``fenced_metrics_port`` and ``fenced_metrics_address`` (Prometheus metrics in a worker:
+:mod:`fenced.celery._metrics`), ``fenced_secret_key`` (secret template fields, rerun
+triggers' signatures).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ KNOWN_SETTINGS = frozenset(
         "fenced_enabled",
         "fenced_metrics",
         "fenced_metrics_port",
+        "fenced_metrics_address",
     )
 )
 

@@ -52,7 +52,6 @@ first use, one per app and process.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import random
 import threading
@@ -85,7 +84,7 @@ from .._lease import HOST, ClaimKeys, Holder, short_token
 from .._naming import Namer, bounded_label
 from .._options import refuse_unknown
 from .._redact import exception_text
-from . import _enqueue, signals
+from . import _enqueue, _rerun, signals
 from ._disabled import LocalClaim, enabled
 from ._options import (
     OPTIONS,
@@ -110,6 +109,7 @@ REDELIVERY_MAX_RETRIES = 100
 
 
 #: In-process counters: runs, ok, failed, lost, skipped, skips_exceeded, reruns,
+#: reruns_dropped (triggers refused: unsigned, forged, another name's, malformed),
 #: conflict_retries, redelivery_retries, unavailable, duplicates, retried, takeovers,
 #: aborted, enqueue_skipped (calls not sent: ``claim_enqueue``). Per process: a prefork
 #: child counts its own runs, the main process counts ``aborted``, the sending process
@@ -124,6 +124,25 @@ def count(key: str) -> None:
         metrics[key] += 1
 
 
+_unsigned_warned = False
+
+
+def _warn_unsigned(name: str) -> None:
+    """Once per process: reruns are taken on trust, with no key to check them by."""
+    global _unsigned_warned
+    if _unsigned_warned:
+        return
+    _unsigned_warned = True
+    log.warning(
+        "fenced: rerun triggers of claim %r are not signed (no fenced_secret_key or "
+        "FENCED_SECRET_KEY): anyone who can write the claims' Redis can choose the "
+        "arguments of a rerun, within the claim's name. Set a secret key to have "
+        "triggers signed and checked",
+        name,
+        extra=claim_fields(name),
+    )
+
+
 _local = threading.local()
 
 
@@ -132,26 +151,6 @@ def _stack() -> list[tuple[Task[Any, Any], Claim]]:
     if stack is None:
         stack = _local.stack = []
     return stack
-
-
-def _trigger(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-    """A skipped call, as the holder's rerun gets it: equal calls give equal text."""
-    try:
-        return json.dumps([list(args), dict(kwargs)], sort_keys=True, separators=(",", ":"))
-    except (TypeError, ValueError):
-        # Arguments JSON cannot carry: the holder reruns with its own arguments.
-        return "*"
-
-
-def _call_of(trigger: str) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """The call a trigger names; None for one that names none ("*", or unreadable)."""
-    try:
-        rerun_args, rerun_kwargs = json.loads(trigger)
-    except (TypeError, ValueError):
-        return None
-    if not isinstance(rerun_args, list) or not isinstance(rerun_kwargs, dict):
-        return None
-    return tuple(rerun_args), rerun_kwargs
 
 
 def _signature_of(run: Any) -> inspect.Signature | None:
@@ -258,6 +257,8 @@ class ClaimedTask(Task[Any, Any]):
         options = cls._fenced_options = cls._resolve(app)
         if cls._fenced_namer.secret:  # no key: fail when the task is built
             cls._fenced_namer.key(app.conf.get("fenced_secret_key"))
+        if options.policy.asks_rerun:  # a key that signs no trigger: fail here too
+            _rerun.rerun_key(app.conf.get("fenced_secret_key"))
         for option, value in options.values.items():
             setattr(cls, option, as_attribute(value))
         return bound
@@ -465,8 +466,12 @@ class ClaimedTask(Task[Any, Any]):
         claim._front_end("task", self)
         self._enqueue_marker(claim, opts)
         policy = opts.policy
+        # Only the rerun policy takes the name's triggers: any other would send calls
+        # that nobody asked it for.
+        claim.takes_reruns = policy.asks_rerun
         try:
-            action = claim.enter(policy, _trigger(args, kwargs) if policy.asks_rerun else False)
+            trigger = self._rerun_trigger(name, args, kwargs) if policy.asks_rerun else False
+            action = claim.enter(policy, trigger)
         except ClaimUnavailable as exc:
             if opts.enqueue is not None and request.id:
                 self._started_queued(opts, request.id, args, kwargs)  # as ACQUIRE would
@@ -637,8 +642,57 @@ class ClaimedTask(Task[Any, Any]):
         if claim.rerun_triggers:
             self._send_reruns(claim, args, kwargs)
 
+    def _rerun_key(self) -> bytes | None:
+        """The MAC key of this app's rerun triggers (None: no secret key is set)."""
+        return _rerun.rerun_key(self.app.conf.get("fenced_secret_key"))
+
+    def _rerun_trigger(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """The trigger a call skipped on claim ``name`` leaves for the holder."""
+        return _rerun.encode(args, kwargs, name, self._rerun_key())
+
+    def _rerun_call(
+        self,
+        claim: Claim,
+        trigger: str,
+        key: bytes | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """The call one trigger asks for, or None for one dropped (logged, counted)."""
+        try:
+            call = _rerun.decode(trigger, claim.name, key)
+            if isinstance(call, str):  # the holder's own call
+                call = (args, kwargs)
+            elif self.claim_name_for(*call) != claim.name:
+                raise _rerun.Refused("a call that names another claim")
+        except Exception as exc:  # this trigger alone: the run's outcome stands
+            why = str(exc) if isinstance(exc, _rerun.Refused) else type(exc).__name__
+            count("reruns_dropped")
+            # Its text is not logged: a genuine call's arguments may be secret.
+            log.warning(
+                "fenced: dropped a rerun trigger of claim %r (%s; %d characters)",
+                claim.name,
+                why,
+                len(trigger),
+                extra=claim.log_fields(),
+            )
+            return None
+        if key is None:
+            _warn_unsigned(claim.name)
+        return call
+
     def _send_reruns(self, claim: Claim, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Send the task once more for each distinct trigger that arrived during the run."""
+        try:
+            self._send_each_rerun(claim, args, kwargs)
+        except Exception:  # never turn a run's outcome into a failure
+            log.exception(
+                "fenced: could not send the reruns asked for during a run of %r",
+                claim.name,
+                extra=claim.log_fields(),
+            )
+
+    def _send_each_rerun(self, claim: Claim, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         options: dict[str, Any] = {}
         info = self.request.delivery_info or {}
         exchange, routing_key = info.get("exchange"), info.get("routing_key")
@@ -649,10 +703,12 @@ class ClaimedTask(Task[Any, Any]):
         if info.get("priority") is not None:
             options["priority"] = info["priority"]
         calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        key = self._rerun_key()
         for trigger in claim.rerun_triggers:
-            call = _call_of(trigger) or (args, kwargs)
-            calls.setdefault(_trigger(*call), call)
-        for trigger, (rerun_args, rerun_kwargs) in calls.items():
+            call = self._rerun_call(claim, trigger, key, args, kwargs)
+            if call is not None:
+                calls.setdefault(_rerun.call_text(*call), call)
+        for rerun_args, rerun_kwargs in calls.values():
             try:
                 sent = self.apply_async(rerun_args, rerun_kwargs, **options)
             except Exception:
@@ -664,6 +720,7 @@ class ClaimedTask(Task[Any, Any]):
                     extra=claim.log_fields(),
                 )
                 try:  # hand the request back, so the next holder runs it
+                    trigger = _rerun.encode(rerun_args, rerun_kwargs, claim.name, key)
                     claim.redis.sadd(claim.keys.rerun, trigger)
                 except Exception:
                     pass

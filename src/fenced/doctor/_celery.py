@@ -88,6 +88,11 @@ def _hard_limit(task: Any, conf: Any) -> float | None:
     return float(limit) if limit else None
 
 
+def _asks_rerun(task: Any) -> bool:
+    policy = getattr(task, "claim_on_busy", None)
+    return policy == "rerun" or bool(getattr(policy, "asks_rerun", False))
+
+
 def _names(tasks: Iterable[Any]) -> str:
     return ", ".join(t.name for t in tasks)
 
@@ -275,6 +280,21 @@ def check_celery(
         "`task_reject_on_worker_lost = True` (or `reject_on_worker_lost=True` on the "
         "task; newer Celery also offers `task_retry_on_worker_lost = True`).",
     )
+
+    if not (conf.get("fenced_secret_key") or os.environ.get("FENCED_SECRET_KEY")):
+        found += _about(
+            [t for t in claimed if _asks_rerun(t)],
+            "warning",
+            "celery.rerun-unsigned",
+            "claim_on_busy='rerun' with no secret key to sign reruns, for claimed task(s): ",
+            "A skipped call leaves its arguments in the claims' Redis for the holder to "
+            "run once more. Unsigned, anyone who can write that Redis can choose the "
+            "arguments of a rerun (within the claim's name), and the worker sends it with "
+            "its broker credentials.",
+            "`fenced_secret_key` in the Celery config (or FENCED_SECRET_KEY in every "
+            "worker's environment), the same in every worker: at least 16 random bytes, "
+            "e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`.",
+        )
 
     setting = "worker_cancel_long_running_tasks_on_connection_loss"
     if late and setting in conf and not conf.get(setting):
