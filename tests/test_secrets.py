@@ -332,6 +332,32 @@ def test_redact_leaves_out_secret_values() -> None:
     assert SECRET not in exception_text(RuntimeError(f"token={SECRET} " * 5_000))
 
 
+@pytest.mark.parametrize(
+    "message, kept",
+    [
+        # CalledProcessError shows the argv list: the option's value is the next item.
+        (
+            str(subprocess.CalledProcessError(1, ["mysql", "--password", SECRET, "-u", "bob"])),
+            "Command '['mysql', '--password', '***', '-u', 'bob']' returned",
+        ),
+        (
+            str(subprocess.CalledProcessError(2, [b"pg_dump", b"--db-password", SECRET.encode()])),
+            "[b'pg_dump', b'--db-password', b'***']",
+        ),
+        (f"Command 'mysql --password {SECRET} -u bob' failed", "mysql --password *** -u bob"),
+        # Authorization with any scheme: the credential, not only the scheme's word.
+        (f"Authorization: Token {SECRET}", "Authorization: "),
+        (f"proxy-authorization: Negotiate {SECRET}", "proxy-authorization: "),
+        # A bytes (or raw) value: the whole literal, not its prefix.
+        (str({"password": SECRET.encode()}), "{'password': ***}"),
+        (f"{{'api_key': rb'{SECRET}', 'n': 1}}", "{'api_key': ***, 'n': 1}"),
+    ],
+)
+def test_redact_command_lines_auth_schemes_and_bytes_values(message: str, kept: str) -> None:
+    text = redact(message)
+    assert SECRET not in text and kept in text, text
+
+
 def test_failure_reason_is_redacted_for_every_front_end(
     app: Celery, pw_server: Any, r: Any
 ) -> None:

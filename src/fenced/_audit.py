@@ -38,6 +38,8 @@ import socket
 import sys
 from typing import Any
 
+from ._printable import printable
+
 __all__ = [
     "CLAIM_FIELDS",
     "FIELDS",
@@ -127,6 +129,12 @@ def _act(
     )
 
 
+def _shown(value: Any) -> str:
+    """A field as the line prints it: control characters as visible escapes, so a
+    newline in a reason cannot start a forged line, nor an ESC reach a terminal."""
+    return "-" if value is None else printable(value)
+
+
 def force_released(
     name: str,
     *,
@@ -143,13 +151,13 @@ def force_released(
         "pid %d; reason: %s)",
         name,
         outcome,
-        token_prefix or "-",
+        _shown(token_prefix or None),
         "-" if fence is None else fence,
-        extra["fenced_by"],
+        _shown(extra["fenced_by"]),
         extra["fenced_uid"],
-        extra["fenced_host"],
+        _shown(extra["fenced_host"]),
         extra["fenced_pid"],
-        reason,
+        _shown(reason),
         extra=extra,
     )
 
@@ -164,12 +172,12 @@ def unqueued(
         "fenced: enqueue marker of %r: %s (task %s; by %s, uid %d, on %s pid %d; reason: %s)",
         name,
         outcome,
-        task_id or "-",
-        extra["fenced_by"],
+        _shown(task_id or None),
+        _shown(extra["fenced_by"]),
         extra["fenced_uid"],
-        extra["fenced_host"],
+        _shown(extra["fenced_host"]),
         extra["fenced_pid"],
-        reason,
+        _shown(reason),
         extra=extra,
     )
 

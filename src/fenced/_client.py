@@ -86,10 +86,37 @@ _TEXT = (
 )
 _SENTINEL_ONLY = ("sentinel_password", "sentinel_username")
 _FLAGS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+_CERT_REQS = ("none", "optional", "required")
+_TLS_VERSIONS = ("TLSv1_2", "TLSv1_3")
+
+
+def _tls_version(text: str) -> Any:
+    import ssl
+
+    name = {v.lower(): v for v in _TLS_VERSIONS}[text.lower()]
+    return ssl.TLSVersion[name]
+
+
+def _cert_reqs(text: str) -> str:
+    if text not in _CERT_REQS:
+        raise ValueError(text)
+    return text
+
+
+# redis-py checks some options only when it first connects (and then with a traceback):
+# these are read here, so a bad value is a ConfigError naming the option.
 _READ: dict[str, Callable[[str], Any]] = {
     **dict.fromkeys(_FLOAT, float),
     **dict.fromkeys(_INT, int),
     **dict.fromkeys(_BOOL, lambda text: _FLAGS[text.lower()]),
+    "ssl_cert_reqs": _cert_reqs,
+    "ssl_min_version": _tls_version,
+}
+#: What a value of an option with a fixed set of values may be, for the message.
+_CHOICES = {
+    **dict.fromkeys(_BOOL, ("true", "false")),
+    "ssl_cert_reqs": _CERT_REQS,
+    "ssl_min_version": _TLS_VERSIONS,
 }
 #: Query options whose values are printed (every other value is shown as ***).
 _PLAIN_PARAMS = frozenset((*_FLOAT, *_INT, *_BOOL, *_TEXT, "db", "username", "sentinel_username"))
@@ -150,7 +177,9 @@ def _read_options(url: str, query: str, topology: str) -> dict[str, Any]:
         try:
             options[key] = _READ.get(key, str)(value)
         except (KeyError, ValueError):
-            raise _bad(url, f"option {key}={value!r} is not a valid value") from None
+            choices = _CHOICES.get(key)
+            hint = f": give one of {', '.join(choices)}" if choices else ""
+            raise _bad(url, f"option {key}={value!r} is not a valid value{hint}") from None
     return options
 
 

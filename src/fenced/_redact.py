@@ -8,7 +8,11 @@ reason a run failed keeps the exception's type and a bounded message in which:
   secret, token, api_key, apikey, auth, credential, private_key, access_key, session,
   cookie, signature) have ``***`` for a value, and so does such a key followed by a
   value with a digit in it or a long token (``password hunter2``);
-- ``Bearer ...`` and ``Basic ...`` credentials are ``***``.
+- ``Bearer ...`` and ``Basic ...`` credentials are ``***``, and so is the credential of
+  ``Authorization: <any scheme> ...``;
+- the value after a secret-looking option of a command line is ``***``, as a shell or a
+  Python argv list (``CalledProcessError``) shows it: ``--password S``,
+  ``'--password', 'S'``.
 
 It is a filter for the usual leaks, not a guarantee: a message made of nothing but a
 secret is kept as it is. Work that handles secrets should not put them in exceptions.
@@ -38,7 +42,8 @@ _KEYWORD = (
 # its word starts, and then asked whether it looks secret: a pattern with the secret
 # words inside a key would backtrack through a long word once per word in it.
 _KEY = re.compile(r"(?<![\w.\-])([\w.\-]+)([\"']?\s*[=:]\s*)")
-_VALUE = re.compile(r"\"[^\"]*\"|'[^']*'|[^\s,;&)}\]'\"]+")
+# A quoted value may carry Python's prefix: {'password': b'S'} is a bytes value.
+_VALUE = re.compile(r"[bBrRuU]{0,2}(?:\"[^\"]*\"|'[^']*')|[^\s,;&)}\]'\"]+")
 _SECRET_KEY = re.compile(r"(?i)" + _KEYWORD)
 # "password hunter2": a secret word, then a value that looks like one (a digit, or long).
 _SPACED = re.compile(
@@ -46,6 +51,15 @@ _SPACED = re.compile(
     r"(?P<value>(?=[^\s]*\d)[^\s,;]+|[A-Za-z0-9+/=_\-.~]{16,})"
 )
 _SCHEME = re.compile(r"(?i)\b(?P<key>bearer|basic)(?P<sep>\s+)(?P<value>[A-Za-z0-9._~+/=\-]+)")
+# "Authorization: Token X" (any scheme): the credential after the scheme's word.
+_AUTH_HEADER = re.compile(
+    r"(?i)\b(?P<key>(?:proxy-)?authorization[\"']?\s*[=:]\s*[\"']?[A-Za-z][\w\-]*)"
+    r"(?P<sep>\s+)(?P<value>[^\s'\",;]+)"
+)
+# A command line's option, as a shell or a Python argv list shows it: --password S,
+# '--password', 'S'. Read once from where it starts, then asked whether it looks secret.
+_FLAG = re.compile(r"(?<![\w\-])(--?[A-Za-z][\w\-]*)")
+_FLAG_VALUE = re.compile(r"(?:[\"']?,\s*[bBrRuU]{0,2}[\"']|\s+)([^\s'\",;)\]]+)")
 
 
 def _pairs(text: str) -> str:
@@ -63,6 +77,21 @@ def _pairs(text: str) -> str:
     return "".join(out) + text[done:] if out else text
 
 
+def _flags(text: str) -> str:
+    """``text`` with the value after each secret-looking option (``--password S``) as ``***``."""
+    out: list[str] = []
+    done = 0
+    for flag in _FLAG.finditer(text):
+        if flag.start() < done or not _SECRET_KEY.search(flag.group(1)):
+            continue
+        value = _FLAG_VALUE.match(text, flag.end())
+        if value is None:
+            continue
+        out += (text[done : value.start(1)], "***")
+        done = value.end(1)
+    return "".join(out) + text[done:] if out else text
+
+
 def _mask(match: re.Match[str]) -> str:
     return f"{match['key']}{match['sep']}***"
 
@@ -73,6 +102,8 @@ def redact(text: str) -> str:
         text = _URL.sub(lambda m: redact_url(m.group(0)), text)
     # "Authorization: Bearer X": the scheme's value first, or the pair would take "Bearer".
     text = _SCHEME.sub(_mask, text)
+    text = _AUTH_HEADER.sub(_mask, text)
+    text = _flags(text)
     text = _pairs(text)
     return _SPACED.sub(_mask, text)
 

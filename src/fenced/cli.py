@@ -20,7 +20,14 @@ except ImportError:  # pragma: no cover - exercised only without the extra
 from ._run import EXIT_UNAVAILABLE, EXIT_USAGE, ON_BUSY, ON_BUSY_ALIASES, RUN_CLAIM_OPTIONS
 
 app = (
-    typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None)
+    typer.Typer(
+        no_args_is_help=True,
+        add_completion=False,
+        rich_markup_mode=None,
+        # A crash's traceback must not print the Redis URL (and its password) from the
+        # frames' locals, which older typer versions show by default.
+        pretty_exceptions_show_locals=False,
+    )
     if typer
     else None
 )
@@ -150,6 +157,11 @@ def _talking_to(client: Any) -> Iterator[None]:
         _fail(f"fenced: Redis at {where} answered with an error: {exc}", EXIT_UNAVAILABLE)
     except (ClaimUnavailable, ConfigError) as exc:
         _fail(f"fenced: {exc}", EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_UNAVAILABLE)
+    except redis.RedisError as exc:
+        # The client refusing its own options when it first connects, and the like: one
+        # line, never a traceback.
+        where = describe_client(client)
+        _fail(f"fenced: the Redis client for {where} failed: {type(exc).__name__}: {exc}")
 
 
 @contextmanager
@@ -768,6 +780,15 @@ if app is not None:
                 "default is Celery's claim_alert_after_skips default.",
             ),
         ] = 5,
+        forwarded_allow_ips: Annotated[
+            str | None,
+            typer.Option(
+                metavar="ADDRS",
+                help="Believe X-Forwarded-For (the client address a release is recorded "
+                "for) from these proxy addresses, comma-separated; default: from none.",
+            ),
+        ] = None,
+        ctx: typer.Context = None,  # type: ignore[assignment]
     ) -> None:
         """Serve a dashboard of the held claims and their runs, and its JSON API.
 
@@ -793,6 +814,11 @@ if app is not None:
 
         client = _client(redis_url)
         label = redact(redis_url) if redis_url else describe_client(client)
+        if redis_url and _given_on_command_line(ctx, "redis_url") and _has_password(redis_url):
+            _err(
+                "fenced web: WARNING: the --redis URL holds a password, which other users "
+                "see in ps for as long as the server runs: set FENCED_REDIS_URL instead"
+            )
         with _talking_to(client):
             client.ping()
         token = _web_token(token_file) if allow_release else None
@@ -827,7 +853,20 @@ if app is not None:
             f"{namespace!r} on {label}{'; release allowed' if allow_release else ''} "
             "(Ctrl-C stops)"
         )
-        serve(web, sock, lambda: _err(serving))
+        serve(web, sock, lambda: _err(serving), forwarded_allow_ips=forwarded_allow_ips)
+
+    def _has_password(url: str) -> bool:
+        from ._client import parse_url
+
+        parsed = parse_url(url)  # a bad URL was refused before this
+        return bool(parsed.password or parsed.options.get("sentinel_password"))
+
+    def _given_on_command_line(ctx: Any, param: str) -> bool:
+        """Whether an option's value came from the command line (not its envvar)."""
+        try:
+            return bool(ctx.get_parameter_source(param).name == "COMMANDLINE")
+        except Exception:  # no context: say it did, to warn rather than not
+            return True
 
     def _host_names(host: str, given: list[str]) -> list[str] | None:
         """The Host names the server answers to (None: any), so that a page elsewhere

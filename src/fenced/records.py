@@ -56,6 +56,8 @@ __all__ = [
 OUTCOMES = ("ok", "skipped", "failed", "lost", "aborted", "released", "retried", "running")
 #: The outcome of a stored entry that says none of the above (its ``unreadable`` says why).
 UNREADABLE = "unreadable"
+#: How deep a record's data is read; anyone who can write Redis may write a record.
+MAX_DEPTH = 32
 
 # One encoder for every record: json.dumps with options builds a new encoder per call.
 _encode = json.JSONEncoder(separators=(",", ":"), default=str).encode
@@ -207,7 +209,11 @@ class _Entry:
 
 
 def _data(text: str | None, problems: list[str]) -> dict[str, Any]:
-    """The record's JSON object ({} for none); anything else is noted as a problem."""
+    """The record's JSON object ({} for none); anything else is noted as a problem.
+
+    Data nested deeper than :data:`MAX_DEPTH` is cut there (and noted): whatever reads
+    a record next (``asdict``, an encoder) recurses once per level.
+    """
     if not text:
         return {}
     try:
@@ -218,7 +224,24 @@ def _data(text: str | None, problems: list[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         problems.append(f"r is a JSON {type(data).__name__}, not an object")
         return {}
-    return data
+    if text.count("[") + text.count("{") > MAX_DEPTH:  # else it cannot be that deep
+        cut: list[bool] = []
+        data = _bounded(data, 0, cut)
+        if cut:
+            problems.append(f"r is nested deeper than {MAX_DEPTH} levels (cut there)")
+    return data  # type: ignore[no-any-return]
+
+
+def _bounded(value: Any, depth: int, cut: list[bool]) -> Any:
+    """``value`` with every list or object deeper than MAX_DEPTH as a note (``cut`` told)."""
+    if not isinstance(value, (dict, list)):
+        return value
+    if depth >= MAX_DEPTH:
+        cut.append(True)
+        return "… (nested too deep)"
+    if isinstance(value, dict):
+        return {k: _bounded(v, depth + 1, cut) for k, v in value.items()}
+    return [_bounded(v, depth + 1, cut) for v in value]
 
 
 def history(

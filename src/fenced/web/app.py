@@ -12,12 +12,14 @@ that a name holding ``/`` is never read as a route.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hmac
 import json
 import math
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from importlib import resources
@@ -48,7 +50,7 @@ from .._lease import MAX_RECORDS, UNREACHABLE, describe_client, why_unreachable
 from .._printable import printable
 from ..records import consecutive_skips, history
 
-__all__ = ["HEADERS", "create_app", "listen", "serve"]
+__all__ = ["HEADERS", "create_app", "listen", "serve", "server_config"]
 
 #: Sent with every response: nothing but the app's own files runs or loads in the page.
 HEADERS = {
@@ -68,8 +70,20 @@ STATIC = {
 }
 #: The largest release request read (a reason, a token prefix).
 MAX_BODY = 64 * 1024
+#: Seconds a request's body may take to arrive.
+BODY_TIMEOUT = 30.0
+#: Seconds a request's head may take to arrive (from the connection, or the last answer).
+HEAD_TIMEOUT = 30.0
+#: Connections served at once; the page needs two or three per viewer.
+MAX_CONNECTIONS = 64
+#: Wrong release tokens a client may send in GUESS_WINDOW seconds; then it gets 429.
+MAX_GUESSES = 5
+GUESS_WINDOW = 60.0
 #: How deep the data of a run record is shown (anyone may write a record).
 DEPTH = 32
+#: The longest text sent of one value (a record's field may be megabytes, and the page
+#: asks again every few seconds).
+MAX_TEXT = 4096
 #: Runs the timeline shows by default.
 RUNS = 50
 #: The fields of a run the timeline takes as they are (after start, end, outcome, holder).
@@ -90,9 +104,13 @@ def _safe(value: Any, depth: int = 0) -> Any:
     """JSON-ready data with every string escaped for display (keys too).
 
     What JSON cannot carry (NaN and infinities, which a record's JSON may hold) is sent as
-    text, and a record nested deeper than :data:`DEPTH` is cut there.
+    text, a record nested deeper than :data:`DEPTH` is cut there, and a text longer than
+    :data:`MAX_TEXT` is cut, saying so.
     """
     if isinstance(value, str):
+        if len(value) > MAX_TEXT:
+            more = len(value) - MAX_TEXT
+            return printable(value[:MAX_TEXT]) + f"… ({more} more characters not shown)"
         return printable(value)
     if isinstance(value, bool) or value is None or isinstance(value, int):
         return value
@@ -155,9 +173,12 @@ class _Headers:
 
     @staticmethod
     async def _with_headers(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
 
         async def send_with(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 have = {k.lower() for k, _v in message.get("headers", [])}
                 extra = [
                     (k.lower().encode(), v.encode())
@@ -167,7 +188,39 @@ class _Headers:
                 message["headers"] = [*message.get("headers", []), *extra]
             await send(message)
 
-        await app(scope, receive, send_with)
+        try:
+            await app(scope, receive, send_with)
+        except Exception:
+            # Starlette answers a crash outside this middleware, without the headers:
+            # answer here, and let the error go on to the server's log.
+            if not started:
+                await _crash_answer(scope, receive, send_with)
+            raise
+
+
+class _Guesses:
+    """Wrong tokens per client address: enough for a typo, too few to guess one."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: dict[str, tuple[float, int]] = {}  # address: (window start, wrong)
+
+    def wait(self, peer: str) -> float:
+        """Seconds until ``peer`` may send a token again (0: now)."""
+        with self._lock:
+            start, wrong = self._seen.get(peer, (0.0, 0))
+            left = start + GUESS_WINDOW - time.monotonic()
+            return left if wrong >= MAX_GUESSES and left > 0 else 0.0
+
+    def wrong(self, peer: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            start, wrong = self._seen.get(peer, (now, 0))
+            if now - start >= GUESS_WINDOW:
+                start, wrong = now, 0
+            self._seen[peer] = (start, wrong + 1)
+            if len(self._seen) > 10_000:  # many addresses: forget the windows that ended
+                self._seen = {p: v for p, v in self._seen.items() if now - v[0] < GUESS_WINDOW}
 
 
 def _server_now(client: Any) -> float:
@@ -227,6 +280,7 @@ def create_app(
     page = (files / "index.html").read_bytes()
     static = {name: (files / name).read_bytes() for name in STATIC}
     where = redis_label if redis_label is not None else describe_client(client)
+    guesses = _Guesses()
 
     def alerting(skips: int) -> bool:
         return alert_after_skips > 0 and skips >= alert_after_skips
@@ -332,6 +386,14 @@ def create_app(
         foreign = _cross_site(request)
         if foreign:
             return _error(403, foreign)
+        peer = request.client.host if request.client else "?"
+        wait = guesses.wait(peer)
+        if wait:
+            return _error(
+                429,
+                f"too many wrong tokens from {peer}: wait {math.ceil(wait)} seconds",
+                {"Retry-After": str(math.ceil(wait))},
+            )
         auth = request.headers.get("authorization", "")
         scheme, _sp, given = auth.partition(" ")
         if not auth or scheme.lower() != "bearer" or not given.strip():
@@ -343,6 +405,7 @@ def create_app(
             )
         assert token is not None  # checked when the app was made
         if not hmac.compare_digest(given.strip().encode(), token.encode()):
+            guesses.wrong(peer)
             return _error(403, "wrong token: not the one fenced web was started with")
         body = _body(request, raw)
         if isinstance(body, Response):
@@ -362,7 +425,6 @@ def create_app(
                 f"{name!r} has {len(held)} holders ({who}); name the one to clear with "
                 '"token": PREFIX',
             )
-        peer = request.client.host if request.client else "?"
         by = f"{operator()} (fenced web, for {peer})"
         holder = force_release(
             client,
@@ -399,7 +461,9 @@ def create_app(
             size = request.headers.get("content-length", "0")
             if not size.isdigit() or int(size) > MAX_BODY:
                 return _error(413, f"send at most {MAX_BODY} bytes, with a Content-Length")
-            body = await request.body() if request.method == "POST" else b""
+            body = await _read_body(request) if request.method == "POST" else b""
+            if isinstance(body, Response):
+                return body
             if not blocking:
                 return handler(request, body)
             return await run_in_threadpool(talking, handler, request, body)
@@ -433,6 +497,33 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 async def _crash(request: Request, exc: Exception) -> Response:
     """A bug: the server's log has the traceback; the answer names nothing of it."""
     return _error(500, "internal error: fenced web's log (its stderr) has the details")
+
+
+async def _crash_answer(scope: Scope, receive: Receive, send: Send) -> None:
+    await (await _crash(Request(scope), RuntimeError()))(scope, receive, send)
+
+
+async def _read_body(request: Request) -> bytes | Response:
+    """The request's body, counted as it arrives: a 413 at :data:`MAX_BODY` bytes, whatever
+    ``Content-Length`` says (a chunked body has none), and a 408 when it has not all
+    come within :data:`BODY_TIMEOUT` seconds; what is past the cap is never read."""
+    chunks: list[bytes] = []
+    size = 0
+    deadline = time.monotonic() + BODY_TIMEOUT
+    stream = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(
+                stream.__anext__(), max(0.0, deadline - time.monotonic())
+            )
+        except StopAsyncIteration:
+            return b"".join(chunks)
+        except asyncio.TimeoutError:
+            return _error(408, f"the body did not come within {BODY_TIMEOUT:g} seconds")
+        size += len(chunk)
+        if size > MAX_BODY:
+            return _error(413, f"send at most {MAX_BODY} bytes")
+        chunks.append(chunk)
 
 
 def _limit(request: Request) -> int:
@@ -482,7 +573,7 @@ def _body(request: Request, raw: bytes) -> dict[str, Any] | Response:
         return _error(415, 'send JSON: Content-Type: application/json, {"reason": "..."}')
     try:
         data = json.loads(raw or b"{}")
-    except ValueError:
+    except (ValueError, RecursionError):
         return _error(400, 'the body is not JSON: send {"reason": "..."}')
     if not isinstance(data, dict):
         return _error(400, 'the body is not a JSON object: send {"reason": "..."}')
@@ -517,12 +608,79 @@ def listen(host: str, port: int, *, option: str = "--port") -> socket.socket:
     return sock
 
 
-def serve(app: ASGIApp, sock: socket.socket, started: Callable[[], None] | None = None) -> None:
-    """Serve ``app`` with uvicorn on ``sock`` until Ctrl-C or SIGTERM, then return;
-    ``started`` is called once a stop is sure to be caught (to say the server is up)."""
+def _timely_protocol() -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with a deadline for each request's head: uvicorn waits for
+    one as long as a connection stays open, so connections that send nothing or half a
+    request would pile up. Each is closed :data:`HEAD_TIMEOUT` seconds after it opened, or
+    after its last answer, unless a whole request head came in the meantime."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Timely(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._wait_for_head()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._wait_for_head()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            super().connection_lost(exc)
+
+        def _wait_for_head(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT, self._head_late)
+
+        def _head_late(self) -> None:
+            # No request since the timer was set: the cycle is the answered one, or none.
+            if self.cycle is None or self.cycle.response_complete:
+                self.transport.close()
+
+    return Timely
+
+
+def server_config(app: ASGIApp, *, forwarded_allow_ips: str | None = None) -> Any:
+    """The uvicorn configuration ``fenced web`` serves ``app`` with.
+
+    ``X-Forwarded-For`` (the client address a release is recorded for) is believed only
+    from the proxies named in ``forwarded_allow_ips`` (None: from nobody); a request head
+    has :data:`HEAD_TIMEOUT` seconds to come, and at most :data:`MAX_CONNECTIONS`
+    connections are served at once (those beyond are answered 503).
+    """
     import uvicorn
 
-    config = uvicorn.Config(app, log_level="warning", access_log=False, server_header=False)
+    return uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        server_header=False,
+        http=_timely_protocol(),
+        proxy_headers=bool(forwarded_allow_ips),
+        forwarded_allow_ips=forwarded_allow_ips or "",
+        timeout_keep_alive=5,
+        limit_concurrency=MAX_CONNECTIONS,
+        h11_max_incomplete_event_size=16 * 1024,
+    )
+
+
+def serve(
+    app: ASGIApp,
+    sock: socket.socket,
+    started: Callable[[], None] | None = None,
+    *,
+    forwarded_allow_ips: str | None = None,
+) -> None:
+    """Serve ``app`` with uvicorn on ``sock`` until Ctrl-C or SIGTERM, then return;
+    ``started`` is called once a stop is sure to be caught (to say the server is up).
+    ``forwarded_allow_ips``: see :func:`server_config`."""
+    import uvicorn
+
+    config = server_config(app, forwarded_allow_ips=forwarded_allow_ips)
     # uvicorn stops on SIGINT or SIGTERM, then raises it again: a stop asked for returns
     # (exit 0), not a KeyboardInterrupt (130) or a death by signal, even one that comes
     # before uvicorn's own handlers are in place.
