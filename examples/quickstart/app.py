@@ -2,7 +2,7 @@
 
 From the repository's root (``examples`` must be importable)::
 
-    celery -A examples.quickstart.app worker --concurrency 2
+    celery -A examples.quickstart.app worker --concurrency 2 --loglevel INFO
     python -m examples.quickstart          # sends the task twice: one runs, one skips
     fenced doctor --app examples.quickstart.app
 
