@@ -1,13 +1,13 @@
-"""The README's code blocks, executed: they cannot drift from the code.
+"""The code blocks of README.md and docs/*.md, executed: they cannot drift from the code.
 
-The README is parsed into its fenced code blocks. Every ``python`` block runs against a
-redis-server this module starts, with the hosts the README names (``locks:6379``)
-replaced by that server's address (``URLS``), and with small real stand-ins for the
-names the README leaves to the reader (``build_steps``, ``app``, ``conn``, ...). The
-blocks of the tour share one namespace, in order; every other block runs on its own,
-and a block with ``# before`` / ``# after`` runs as two blocks. ``fenced ...`` lines of
-the shell blocks run as the command line, and the other blocks (the error tree, the
-source layout) are checked against the package.
+Every ``python`` block of the README runs as pasted, with nothing but the environment a
+reader sets (``FENCED_REDIS_URL``, ``CELERY_BROKER_URL``) pointing at a redis-server this
+module starts; a block marked ``<!-- fragment: see examples/... -->`` names the example
+that runs it instead. The blocks of docs/ run with the hosts they name replaced by that
+server, and with small real stand-ins for the names some still leave to the reader
+(``build_steps``, ``app``, ``conn``, ...); a block with ``# before`` / ``# after`` runs as
+two. ``fenced ...`` lines of the README's shell blocks run as the command line; the error
+tree and the source layout are checked against the package.
 """
 
 from __future__ import annotations
@@ -33,21 +33,22 @@ import sqlalchemy as sa
 from celery import Celery
 
 import fenced
-from fenced import Claim, records
+from fenced import Claim
 from fenced.celery import ClaimedTask
-from fenced.store import FilePointer
 from fenced.testing import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-
-# The sections whose blocks build on each other (one namespace, in document order).
-TOURS = {"A five-minute tour"}
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+#: A block that does not run on its own says which file under examples/ runs it.
+FRAGMENT = re.compile(r"^<!-- fragment: see (\S+) -->$")
 
 # Shell lines that do not run here, each with why.
 NOT_RUN = {
     "make demo": "sets up a virtualenv first; tests/test_demo.py runs `fenced demo`",
     "make test": "the whole suite; it runs this test among the others",
+    "pip install fenced[celery,cli]": "installs; `make dist` installs the wheel",
+    "pip install fenced[web]": "installs; `make dist` installs the wheel",
 }
 
 # A cron line: five schedule fields, then the command.
@@ -60,10 +61,12 @@ class Block:
     heading: str  # the nearest heading
     lang: str  # the fence's info string ("" for none)
     text: str
-    line: int  # the README line of the block's first line of code
+    line: int  # the line of the block's first line of code
+    path: Path = README
+    fragment: str | None = None  # the example that runs it, for a marked fragment
 
 
-def parse(text: str) -> list[Block]:
+def parse(text: str, path: Path = README) -> list[Block]:
     """Every fenced code block of a Markdown text, with the headings it sits under."""
     blocks: list[Block] = []
     section = heading = ""
@@ -73,11 +76,14 @@ def parse(text: str) -> list[Block]:
         line = lines[i]
         if line.startswith("```"):
             lang, start, body = line[3:].strip(), i + 1, []
+            marker = FRAGMENT.match(lines[i - 1]) if i else None
             i += 1
             while not lines[i].startswith("```"):
                 body.append(lines[i])
                 i += 1
-            blocks.append(Block(section, heading, lang, "\n".join(body) + "\n", start + 1))
+            text = "\n".join(body) + "\n"
+            fragment = marker.group(1) if marker else None
+            blocks.append(Block(section, heading, lang, text, start + 1, path, fragment))
         elif line.startswith("## "):
             section = heading = line[3:].strip()
         elif line.startswith("### "):
@@ -87,6 +93,7 @@ def parse(text: str) -> list[Block]:
 
 
 BLOCKS = parse(README.read_text(encoding="utf-8"))
+DOC_BLOCKS = [b for p in DOCS[1:] for b in parse(p.read_text(encoding="utf-8"), p)]
 
 
 def substitute(text: str, urls: dict[str, str]) -> str:
@@ -239,7 +246,7 @@ def urls(redis_server: RedisServer) -> dict[str, str]:
     """The README's hosts, mapped to the test's server."""
     redis_server.client().flushall()
     base = redis_server.url.rsplit("/", 1)[0]  # redis://127.0.0.1:PORT
-    return {"redis://locks:6379": base}
+    return {"redis://locks:6379": base, "redis://localhost:6379": base}
 
 
 @pytest.fixture
@@ -271,102 +278,77 @@ def reader(urls: dict[str, str], workdir: Path) -> Reader:
 def test_parse_finds_every_block() -> None:
     langs = {b.lang for b in BLOCKS}
     assert langs <= {"python", "sh", ""}, langs  # a new kind of block needs a runner here
-    assert sum(b.lang == "python" for b in BLOCKS) >= 10
-    assert all(b.text.strip() for b in BLOCKS)
+    assert sum(b.lang == "python" for b in BLOCKS) >= 5
+    assert sum(b.lang == "python" for b in DOC_BLOCKS) >= 20
+    assert all(b.text.strip() for b in BLOCKS + DOC_BLOCKS)
 
 
-def test_the_tour(urls: dict[str, str], workdir: Path) -> None:
-    """The tour's blocks in order, in one namespace, python and shell alike."""
-    tour = [b for b in BLOCKS if b.section in TOURS]
-    assert [b.heading for b in tour if b.lang == "python"][:4] == [
-        "1. The claim",
-        "asyncio: `fenced.aio`",
-        "2. Celery: `ClaimedTask`",
-        "3. Output that converges: `fenced.store`",
-    ]
-    me = reader(urls, workdir)
-    ns = me.names()
-    server = redis.Redis.from_url(me.url)
-    ran: list[str] = []
-    for block in tour:
-        text = substitute(block.text, urls)
-        if block.lang == "python":
-            execute(text, block.line, ns)
-            after_python(block, ns, me, server)
-            ran.append(block.heading)
-            continue
-        for line in commands(Block(block.section, block.heading, block.lang, text, block.line)):
-            if line in NOT_RUN:
-                continue
-            argv = shlex.split(line, comments=True)
-            argv = [str(workdir / "backup.sh") if a == "/opt/bin/backup.sh" else a for a in argv]
-            assert argv[0] == "fenced", line
-            res = run_fenced(argv, me.url, workdir)
-            assert res.returncode == 0, (line, res.stdout, res.stderr)
-            after_shell(argv, res, workdir, server)
-            ran.append(argv[1])
-    assert {"run", "ls", "show", "release", "doctor"} <= set(ran), ran
-
-
-def after_python(block: Block, ns: dict[str, Any], me: Reader, server: redis.Redis) -> None:
-    """What each block of the tour says it did, checked."""
-    if block.heading == "1. The claim":
-        # the with block ran the three steps under a fence; the skip idiom acquired
-        fences = [f for what, f in me.calls if what == "step"]
-        assert len(fences) == 3 and len(set(fences)) == 1, me.calls
-        assert ("rebuild", None) in me.calls
-        assert not ns["claim"].held and not server.exists(ns["claim"].key)  # given back
-    elif block.heading.startswith("asyncio"):
-        fences = [f for what, f in me.calls if what == "rebuild" and f is not None]
-        assert len(fences) == 1 and fences[0] > ns["claim"].fence - 10**9, me.calls
-        assert not server.exists(ns["claim"].key)
-    elif block.heading.startswith("2. Celery"):
-        task = ns["rebuild_map"]
-        me.calls.clear()
-        assert task.apply(args=("acme", "incidents")).get() is None
-        assert [what for what, _ in me.calls] == ["step"] * 3
-        # while another holder has the claim, the task returns a skip as its result
-        with Claim(server, "rebuild:acme:incidents", ttl=30):
-            skipped = task.apply(args=("acme", "incidents")).get()
-        assert skipped["status"] == "skipped" and skipped["reason"] == "already running"
-    elif block.heading.startswith("3. Output"):
-        store, manifest = ns["store"], ns["manifest"]
-        assert store.read_bytes(ns["ref"]) == ns["tile_bytes"]
-        assert store.put(ns["tile_bytes"]) == ns["ref"]  # a repeat writes the same name
-        assert FilePointer("builds/incidents/current").read() is not None
-        assert manifest
-        got = ns["conn"].execute(sa.text("select guid, fence from entries order by guid"))
-        assert [row[0] for row in got] == ["a", "b"]
-
-
-def after_shell(
-    argv: list[str], res: subprocess.CompletedProcess[str], workdir: Path, server: redis.Redis
-) -> None:
-    if argv[1] == "run":
-        log = workdir / "backups.log"
-        assert log.read_text() == "--full\n"
-        assert records.history(server, "backup:db")[0].outcome == "ok"
-        # the exit statuses the README gives for fenced run
-        url = argv[argv.index("--redis") + 1]
-        with Claim(server, "backup:db", ttl=30):
-            busy = run_fenced(argv, url, workdir)
-            assert busy.returncode == 0 and len(busy.stdout.splitlines()) <= 1, busy
-            raised = run_fenced([*argv[:2], "--on-busy", "raise", *argv[2:]], url, workdir)
-            assert raised.returncode == 75, raised
-        down = [a.replace(url, "redis://127.0.0.1:1/1") for a in argv]
-        assert run_fenced(down, url, workdir).returncode == 69
-        assert log.read_text() == "--full\n"  # none of them ran the command
-    elif argv[1] == "show":
-        assert "rebuild:acme:roads" in res.stdout
+@pytest.fixture
+def pasted(urls: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> str:
+    """The environment a reader's blocks read: the claims' Redis, Celery's broker."""
+    base = urls["redis://locks:6379"]
+    monkeypatch.setenv("FENCED_REDIS_URL", f"{base}/1")
+    monkeypatch.setenv("CELERY_BROKER_URL", f"{base}/0")
+    return f"{base}/1"
 
 
 @pytest.mark.parametrize(
     "block",
-    [b for b in BLOCKS if b.lang == "python" and b.section not in TOURS],
+    [b for b in BLOCKS if b.lang == "python" and not b.fragment],
     ids=lambda b: f"L{b.line}",
 )
-def test_python_block(block: Block, urls: dict[str, str], workdir: Path) -> None:
-    """Every other python block, on its own (a migration's before and after apart)."""
+def test_readme_python_block_runs_as_pasted(block: Block, pasted: str, workdir: Path) -> None:
+    """A README block, with nothing but what it defines itself."""
+    ns: dict[str, Any] = {"__name__": "readme"}
+    execute(block.text, block.line, ns)
+    for value in list(ns.values()):
+        if isinstance(value, ClaimedTask):
+            check_claimed_task(value)
+
+
+def test_fragments_point_to_examples_a_test_runs() -> None:
+    """A marked block names a file under examples/ that exists and a test runs."""
+    fragments = [b for b in BLOCKS + DOC_BLOCKS if b.fragment]
+    assert fragments
+    tests = "".join(p.read_text(encoding="utf-8") for p in (ROOT / "tests").glob("test_*.py"))
+    for block in fragments:
+        assert block.fragment is not None
+        path = ROOT / block.fragment
+        assert block.fragment.startswith("examples/") and path.is_file(), block
+        module = block.fragment.removesuffix(".py").replace("/", ".")
+        assert block.fragment in tests or module in tests, (block, "no test runs it")
+        code = path.read_text(encoding="utf-8")
+        first = next(line for line in block.text.splitlines() if line.strip())
+        assert first.strip() in code, (block, "the fragment is not in the file it names")
+
+
+@pytest.mark.parametrize(
+    "block",
+    [b for b in BLOCKS if b.lang == "sh" and "redis-server" not in b.text],
+    ids=lambda b: f"L{b.line}",
+)
+def test_readme_fenced_lines(block: Block, urls: dict[str, str], workdir: Path) -> None:
+    """The fenced command lines of the README (the quick start's: test_quickstart.py)."""
+    me = reader(urls, workdir)
+    for line in commands(block):
+        line = line.replace("redis://localhost:6379", urls["redis://locks:6379"])
+        argv = shlex.split(line, comments=True)
+        if argv[0] != "fenced":
+            assert " ".join(argv) in NOT_RUN, line
+            continue
+        if argv[1] == "web":
+            continue  # serves until stopped: tests/test_web.py
+        res = run_fenced(argv, me.url, workdir)
+        assert res.returncode == 0, (line, res.stdout, res.stderr)
+
+
+@pytest.mark.parametrize(
+    "block",
+    [b for b in DOC_BLOCKS if b.lang == "python" and not b.fragment],
+    ids=lambda b: f"{b.path.name}:L{b.line}",
+)
+def test_docs_python_block(block: Block, urls: dict[str, str], workdir: Path, pasted: str) -> None:
+    """Every python block of docs/, on its own (a migration's before and after apart)."""
     for code, line in halves(block):
         me = reader(urls, workdir)
         ns = me.names()
@@ -389,7 +371,7 @@ def check_claimed_task(task: ClaimedTask) -> None:
 
 def test_error_tree() -> None:
     """The error tree drawn in the README is the package's."""
-    (block,) = [b for b in BLOCKS if b.section == "Errors"]
+    (block,) = [b for b in DOC_BLOCKS if b.section == "Errors"]
     parents: list[type[BaseException]] = []
     for raw in block.text.splitlines():
         depth = 0 if raw[:1].isalpha() else (len(raw) - len(raw.lstrip(" │├└─")) + 1) // 5
@@ -406,7 +388,7 @@ def test_error_tree() -> None:
 
 def test_layout_names_real_paths() -> None:
     """Every path the layout block names exists."""
-    (block,) = [b for b in BLOCKS if b.section == "Layout"]
+    (block,) = [b for b in DOC_BLOCKS if b.section == "Layout"]
     checked = 0
     for raw in block.text.splitlines():
         first = raw.split()[0] if raw.strip() and not raw.startswith("    ") else ""
