@@ -578,7 +578,7 @@ def keys(data: Any) -> Any:
 def test_the_docs_examples_have_the_keys_of_the_real_answers(r: Any) -> None:
     text = (ROOT / "docs" / "web.md").read_text()
     shown = {}
-    for section in text.split("\n#### ")[1:]:
+    for section in text.split("\n### ")[1:]:
         title = section.split("\n", 1)[0].strip("`")
         blocks = re.findall(r"```json\n(.*?)```", section, re.S)
         if blocks:
