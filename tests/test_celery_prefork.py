@@ -241,7 +241,10 @@ def test_redelivered_task_waits_for_its_earlier_attempts_lease(cel: Cel) -> None
     assert records.consecutive_skips(cel.locks, name) == 0
 
 
-def test_a_second_delivery_of_a_completed_task_does_not_run_again(cel: Cel) -> None:
+@pytest.mark.parametrize("flagged", [True, False], ids=["retried", "unflagged"])
+def test_a_second_delivery_of_a_completed_task_does_not_run_again(cel: Cel, flagged: bool) -> None:
+    """Flagged (a retry, a broker's redelivered flag) or not (SQS sets no flag; a publish
+    kombu retried, or a caller's own task_id sent twice): the grant says the task id ran."""
     k = key()
     task_id = f"done-{k}"
     name = f"rebuild:{k}:roads"
@@ -258,7 +261,8 @@ def test_a_second_delivery_of_a_completed_task_does_not_run_again(cel: Cel) -> N
 
     first = send().get(timeout=WAIT)
     assert first["status"] == "ok"
-    send(retries=1)  # the same message once more, as a retry or a redelivery arrives
+    # The same message once more, as a retry or a redelivery arrives, or sent again.
+    send(**({"retries": 1} if flagged else {}))
     # Its run record opens as "running" when the claim is taken, then ends as a skip.
     wait_for(
         "the second delivery to end",
@@ -276,6 +280,30 @@ def test_a_second_delivery_of_a_completed_task_does_not_run_again(cel: Cel) -> N
     assert ends[0]["state"] == "IGNORED"
     assert not _signals(cel, "failure", task_id)
     assert not _signals(cel, "retry", task_id)
+
+
+def test_a_completed_task_sent_again_does_not_run_inside_its_own_cooldown_window(
+    cel: Cel,
+) -> None:
+    """The window lets a delivery of the task id that started it reach the lease (a
+    redelivery is not 'ran recently'); the grant then says that task id ended ok."""
+    k = key()
+    task_id = f"cooled-{k}"
+
+    def send() -> AsyncResult[Any]:
+        return cel.client.send_task(
+            "t.cooled", args=(k,), queue=cel.services.queue, task_id=task_id
+        )
+
+    assert send().get(timeout=WAIT)["status"] == "ok"
+    send()  # unflagged, inside the 60 s window
+    name = f"cooled:{k}"
+    wait_for(
+        "the second delivery to end",
+        lambda: len(runs := cel.history(name)) == 2 and runs[0].outcome != "running",
+    )
+    assert cel.history(name)[0].reason == "duplicate delivery of a completed task"
+    assert len(notes(cel.obs, f"runs:{k}")) == 1  # the body ran once
 
 
 # -- many runs, policies ---------------------------------------------------------------------

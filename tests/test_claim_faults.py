@@ -231,6 +231,7 @@ def test_an_ok_release_sent_again_is_answered_by_its_done_marker(r: Any) -> None
         redelivery_window=60,
     )
     assert claim.acquire()
+    assert claim.completed_before is False  # no run of t-1 had ended
     assert claim.token is not None
     first = claim._store.release(claim._release_call("ok", "{}"))  # done marker: 60 s
     assert first == (True, "ok", [])
@@ -243,6 +244,8 @@ def test_an_ok_release_sent_again_is_answered_by_its_done_marker(r: Any) -> None
     # Another token's release is not answered by that marker: its lease was gone.
     stray = Claim(r, "sent-twice-done", ttl=5, heartbeat=False, task_id="t-1", redelivery_window=60)
     assert stray.acquire()
+    # Its grant said the task id had run to the end: known without a round trip.
+    assert stray.completed_before is True and stray.finished_ok()
     r.delete(stray.key)
     assert stray.release() is False
     assert stray.vanished

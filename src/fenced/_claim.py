@@ -163,6 +163,10 @@ class ClaimState(LeaseState):
         #: Whether release takes the rerun triggers; a front end whose busy policy asks
         #: for no reruns leaves them (it would run calls nobody asked it for).
         self.takes_reruns = True
+        #: What the last grant said of this claim's task id: True when a run of it had
+        #: already ended ok (a duplicate delivery, flagged by its broker or not), False
+        #: when not, None when the grant did not look (no task id, no redelivery window).
+        self.completed_before: bool | None = None
         #: True when release() found the lease already gone (evicted, failed over,
         #: cleared by an operator), or could not reach Redis to find out before the
         #: lease would have run out: the run is not known to have ended under the claim.
@@ -527,8 +531,9 @@ class ClaimState(LeaseState):
             name=self.name,
         )
 
-    def _took(self, token: str, res: list[Any], sent: float) -> bool:
-        """Take in the answer of an ACQUIRE sent at ``sent``: True if the claim is ours."""
+    def _took(self, token: str, res: list[Any], sent: float, takeover: bool = False) -> bool:
+        """Take in the answer of an ACQUIRE (or a TAKEOVER) sent at ``sent``: True if the
+        claim is ours."""
         if int(res[0]) == 1:
             slot = self._granted_slot(res)
             with self._mutex:
@@ -538,6 +543,8 @@ class ClaimState(LeaseState):
                 self.ran_recently = None
                 self.vanished = False
                 self.rerun_triggers = []
+                asked = not takeover and self._store.asks_done(self.task_id)
+                self.completed_before = bool(int(res[3])) if asked else None
                 self._hold(token, int(res[1]), sent)
             if events.enabled():
                 self._emit_held("acquired")
@@ -789,7 +796,7 @@ class Claim(ClaimState):
         if late is not None:
             self._give_back(token, res, _LATE, late)
             raise self._late_error(late)
-        if not self._took(token, res, sent):
+        if not self._took(token, res, sent, takeover):
             return False
         if self.heartbeat:
             _heartbeat().add(self)
@@ -927,7 +934,10 @@ class Claim(ClaimState):
         return self._ended(before, outcome, released, recorded, triggers)
 
     def finished_ok(self) -> bool:
-        """Whether a run of this claim's task id ended ``ok`` within its redelivery window."""
+        """Whether a run of this claim's task id ended ``ok`` within its redelivery window
+        (when the grant of the claim held said so: no round trip)."""
+        if self.completed_before and self._mine():
+            return True
         return self.task_id is not None and self._store.finished_ok(self.task_id)
 
     # -- work under the claim: the drivers of fenced._guard -----------------------------

@@ -584,14 +584,14 @@ class LeaseCalls:
         ]
         cooldown_reason = cooldown_reason if o.cooldown_ms else ""
         queued = queued if task_id else ""
-        if self.limit == 1 and not cooldown_reason and not queued:
+        # A delivery of a task id whose run ended ok: the script says so in its grant
+        # (whatever the broker's flags), and the window that run started does not skip it.
+        done = self.asks_done(task_id)
+        if self.limit == 1 and not cooldown_reason and not queued and not done:
             # The plain claim sends what it always sent: no cooldown key, no slots.
             return ACQUIRE, self._plain_keys, args
         args.append(cooldown_reason)
         keys = self._acquire_keys
-        # A redelivery of a task whose run ended ok is not skipped by the window that
-        # run started: the script looks at its done marker first.
-        done = bool(cooldown_reason and task_id)
         if done or queued:
             args += [self.limit, "1" if done else "0"]
             if done:
@@ -602,6 +602,10 @@ class LeaseCalls:
         elif self.limit > 1:
             args.append(self.limit)
         return ACQUIRE, keys, args
+
+    def asks_done(self, task_id: str | None) -> bool:
+        """Whether ACQUIRE for ``task_id`` looks at its done marker (and its grant says)."""
+        return bool(task_id) and self.opts.done_ms > 0
 
     def refresh_call(self, token: str, slot: int = 0) -> Call:
         """REFRESH of ``token``'s lease (and the name's lasting keys); 1 when extended."""

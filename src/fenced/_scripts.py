@@ -275,7 +275,8 @@ end
 #         absent: KEYS[1] alone, and nothing else of slots is touched); the first free
 #         slot is taken
 # ARGV[11] (optional) "1" when KEYS carry the done marker of ARGV[7]'s task id (see
-#         RELEASE), after the slots
+#         RELEASE), after the slots: a grant then says whether it exists (a delivery
+#         of a task id whose run already ended ok, whatever the broker's flags say)
 # ARGV[12] (optional) what the run of ARGV[7] does to the enqueue marker, first and
 #         whatever the answer, when the marker still holds ARGV[7]: "-" deletes it (the
 #         message left the queue), a number of ms gives it that expiry (it now covers
@@ -284,6 +285,9 @@ end
 #                                                       when ARGV[1] already holds it:
 #                                                       a retried request is idempotent)
 #         {1, fence, slot index}                        the same, with ARGV[10] > 1
+#         {1, fence, slot index or 0, done}             the same, with ARGV[11] = "1":
+#                                                       done is 1 when the task id's
+#                                                       done marker exists
 #         {0, holder token, pttl ms, holder fence, consecutive skips, distinct triggers}
 #                                                       busy (with slots: every slot;
 #                                                       the holder reported is the
@@ -320,6 +324,13 @@ local done
 if ARGV[11] == '1' then
   done = KEYS[last]
   last = last - 1
+end
+-- a grant: {1, fence}, {1, fence, slot} with slots; with the done marker asked for,
+-- {1, fence, slot, 1 when a run of this task id already ended ok, else 0}
+local function granted(fence, slot)
+  if done then return {1, fence, slot or 0, redis.call('EXISTS', done)} end
+  if limit > 1 then return {1, fence, slot} end
+  return {1, fence}
 end
 local function own_task(holder)
   local _, _, _, task_id = string.match(holder, TOKEN_PATTERN)
@@ -413,7 +424,7 @@ if limit <= 1 then
       redis.call('DEL', KEYS[1])  -- granted nothing
       return not_a_fence(KEYS[2])
     end
-    return {1, mint()}
+    return granted(mint())
   end
   local holder = redis.call('GET', KEYS[1]) or ''
   -- our own token: a client's retry of an ACQUIRE whose reply was lost; nobody can have
@@ -423,7 +434,7 @@ if limit <= 1 then
       redis.call('DEL', KEYS[1])
       return not_a_fence(KEYS[2])
     end
-    return {1, last_fence}
+    return granted(last_fence)
   end
   return lose(holder, redis.call('PTTL', KEYS[1]), last_fence)
 end
@@ -440,7 +451,7 @@ for i, key in ipairs(slots) do
       redis.call('DEL', key)
       return not_a_fence(KEYS[7])
     end
-    return {1, fence, i - 1}
+    return granted(fence, i - 1)
   elseif holder then
     holders[i] = holder
     if not own and ARGV[7] ~= '' and own_task(holder) then own = i end
@@ -458,7 +469,7 @@ if free and not own then
   local fence = mint()
   redis.call('HSET', KEYS[7], tostring(free - 1), fence, 'limit', tostring(limit))
   touch(idle, KEYS[7])
-  return {1, fence, free - 1}
+  return granted(fence, free - 1)
 end
 local pick = own or first
 return lose(holders[pick], redis.call('PTTL', slots[pick]),

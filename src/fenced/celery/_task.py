@@ -493,7 +493,14 @@ class ClaimedTask(Task[Any, Any]):
                 claim.fence,
                 extra=claim.log_fields("acquired"),
             )
-        if request.id and (request.retries or (request.delivery_info or {}).get("redelivered")):
+        # A delivery of a task id whose run already ended ok: the grant says so, whatever
+        # the broker's flags (SQS never sets one; a publish retried, or a caller's own
+        # task_id sent twice, is not flagged either).
+        if request.id and (
+            claim.completed_before
+            or request.retries
+            or (request.delivery_info or {}).get("redelivered")
+        ):
             try:
                 self._settle_earlier_attempts(claim, request.id, args, kwargs)
             except Ignore:
