@@ -88,26 +88,29 @@ def _redis_url(url: str | None) -> str:
 
 
 def _retry_options() -> dict[str, Any]:
-    """Client options for $FENCED_REDIS_RETRIES (unset: redis-py's own retry policy).
+    """Client options for $FENCED_REDIS_RETRIES: how many times a command is tried again
+    after a connection error or a timeout (0 fails at the first).
 
-    How many times a command is tried again after a connection error or a timeout: 0
-    fails at the first, so a command against a Redis that is down says so at once
-    instead of after redis-py's backoff (seconds, from redis-py 6 on).
+    Unset, a command is tried again twice after a refused or dropped connection, within
+    about a second, and never after a timeout: each attempt has already waited its whole
+    timeout, and redis-py's own policy (10 retries, each waiting again) kept an
+    operator's command on a server that does not answer (or a TLS URL at a plain port)
+    for about two minutes. ``fenced run`` renews on a schedule of its own, whatever this.
     """
     from ._errors import ConfigError
 
     text = os.environ.get("FENCED_REDIS_RETRIES", "").strip()
-    if not text:
-        return {}
-    if not (text.isascii() and text.isdigit()):
-        raise ConfigError(
-            f"FENCED_REDIS_RETRIES={text!r} is not a number of retries: give a whole "
-            "number, 0 for none, or leave it unset for redis-py's default"
-        )
-    from redis.backoff import NoBackoff, default_backoff
+    from redis.backoff import ExponentialBackoff, NoBackoff, default_backoff
     from redis.exceptions import ConnectionError, TimeoutError
     from redis.retry import Retry
 
+    if not text:
+        return {"retry": Retry(ExponentialBackoff(cap=0.5, base=0.1), 2, (ConnectionError,))}
+    if not (text.isascii() and text.isdigit()):
+        raise ConfigError(
+            f"FENCED_REDIS_RETRIES={text!r} is not a number of retries: give a whole "
+            "number, 0 for none, or leave it unset for 2 retries of a refused connection"
+        )
     retries = int(text)
     if not retries:
         return {"retry": Retry(NoBackoff(), 0)}
