@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import math
@@ -88,6 +89,12 @@ def _redis_url(url: str | None) -> str:
 
 
 def _retry_options() -> dict[str, Any]:
+    """The client options of ``$FENCED_REDIS_RETRIES`` (see :func:`_retry_policy`)."""
+    return _retry_policy(os.environ.get("FENCED_REDIS_RETRIES", "").strip())
+
+
+@functools.lru_cache(maxsize=8)
+def _retry_policy(text: str) -> dict[str, Any]:
     """Client options for $FENCED_REDIS_RETRIES: how many times a command is tried again
     after a connection error or a timeout (0 fails at the first).
 
@@ -97,12 +104,12 @@ def _retry_options() -> dict[str, Any]:
     operator's command on a server that does not answer (or a TLS URL at a plain port)
     for about two minutes. ``fenced run`` renews on a schedule of its own, whatever this.
     """
-    from ._errors import ConfigError
-
-    text = os.environ.get("FENCED_REDIS_RETRIES", "").strip()
+    # Made once per setting: clients are cached by their options, a policy among them.
     from redis.backoff import ExponentialBackoff, NoBackoff, default_backoff
     from redis.exceptions import ConnectionError, TimeoutError
     from redis.retry import Retry
+
+    from ._errors import ConfigError
 
     if not text:
         return {"retry": Retry(ExponentialBackoff(cap=0.5, base=0.1), 2, (ConnectionError,))}
