@@ -572,10 +572,12 @@ def test_show_reads_a_claim_in_one_round_trip_and_as_it_reads_part_by_part(
 
 
 def test_release_refuses_without_force(url: str, r: Any) -> None:
-    held(r, "stale")
+    claim = held(r, "stale")
     res = fenced(url, "release", "stale", "--reason", "x")
     assert res.returncode == 1
     assert "--force" in res.stderr and f"pid {os.getpid()}" in res.stderr
+    # The command to clear that holder, and only it, should another take the name since.
+    assert f"--token {str(claim.token)[:8]}" in res.stderr
     assert r.exists(ClaimKeys.of("stale").lock)
     res = fenced(url, "release", "stale", "--force")
     assert res.returncode == 2 and "--reason" in res.stderr

@@ -163,7 +163,8 @@ def test_the_recorded_client_address_ignores_x_forwarded_for(
         assert claim.acquire()
         web = Web("--allow-release", *args, env=env)
         try:
-            status, body = web.post(f"/api/claims/{name}/release", {"reason": "gone"}, **auth)
+            aimed = {"reason": "gone", "token": str(claim.token)[:8]}
+            status, body = web.post(f"/api/claims/{name}/release", aimed, **auth)
         finally:
             said = web.stop()
         assert status == 200 and body["released"], body

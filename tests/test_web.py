@@ -205,14 +205,24 @@ def test_release_with_the_token_is_recorded_with_reason_and_operator(
 ) -> None:
     claim = held(r, "job")
     web = api(r, allow_release=True, token=TOKEN)
-    for body, status in (({}, 400), ({"reason": "  "}, 400), ({"reason": 5}, 400)):
+    shown = web.get("/api/claims/job").json()["holder"]["token"]
+    for body, status in (
+        ({"token": shown}, 400),
+        ({"reason": "  ", "token": shown}, 400),
+        ({"reason": 5, "token": shown}, 400),
+        ({"reason": "x"}, 400),  # no holder named
+        ({"reason": "x", "token": " "}, 400),
+        ({"reason": "x", "token": 5}, 400),
+        ({"reason": "x", "token": shown[:3]}, 400),  # too short to name one holder
+    ):
         assert web.post("/api/claims/job/release", json=body, headers=AUTH).status_code == status
     as_form = web.post("/api/claims/job/release", data={"reason": "x"}, headers=AUTH)
     assert as_form.status_code == 415  # a cross-site form cannot post JSON
     assert r.exists("fenced:{job}:lock")
 
     with caplog.at_level(logging.INFO, logger="fenced.audit"):
-        answer = web.post("/api/claims/job/release", json={"reason": "host died"}, headers=AUTH)
+        body = {"reason": "host died", "token": shown}
+        answer = web.post("/api/claims/job/release", json=body, headers=AUTH)
     assert answer.status_code == 200, answer.text
     data = answer.json()
     assert data["released"] is True and data["holder"]["fence"] == claim.fence
@@ -225,7 +235,8 @@ def test_release_with_the_token_is_recorded_with_reason_and_operator(
     assert audit and audit[-1].fenced_outcome == "released"  # type: ignore[attr-defined]
     assert audit[-1].fenced_by == data["by"]  # type: ignore[attr-defined]
 
-    again = web.post("/api/claims/job/release", json={"reason": "again"}, headers=AUTH).json()
+    body = {"reason": "again", "token": shown}
+    again = web.post("/api/claims/job/release", json=body, headers=AUTH).json()
     assert again["released"] is False and "nothing held" in again["message"]
 
 
@@ -233,7 +244,7 @@ def test_release_of_a_name_held_by_several_needs_the_holder(r: Any) -> None:
     first, second = held(r, "pool", limit=2), held(r, "pool", limit=2)
     web = api(r, allow_release=True, token=TOKEN)
     vague = web.post("/api/claims/pool/release", json={"reason": "x"}, headers=AUTH)
-    assert vague.status_code == 409 and "2 holders" in vague.json()["error"]
+    assert vague.status_code == 400 and '"token"' in vague.json()["error"]
     prefix = str(second.token)[:8]
     named = web.post(
         "/api/claims/pool/release", json={"reason": "x", "token": prefix}, headers=AUTH
@@ -266,18 +277,16 @@ def test_a_release_from_a_page_of_another_site_is_refused_even_with_the_token(
 
 
 def test_a_release_from_the_page_itself_and_a_token_only_in_the_url(r: Any) -> None:
-    held(r, "job")
-    held(r, "other")
+    job = {"reason": "x", "token": str(held(r, "job").token)[:8]}
+    other = {"reason": "x", "token": str(held(r, "other").token)[:8]}
     web = api(r, allow_release=True, token=TOKEN)
-    in_url = web.post(f"/api/claims/job/release?token={TOKEN}", json={"reason": "x"})
+    in_url = web.post(f"/api/claims/job/release?token={TOKEN}", json=job)
     assert in_url.status_code == 401 and r.exists("fenced:{job}:lock")
     own = {"Origin": "http://testserver", "Sec-Fetch-Site": "same-origin"}
-    answer = web.post("/api/claims/job/release", json={"reason": "x"}, headers={**AUTH, **own})
+    answer = web.post("/api/claims/job/release", json=job, headers={**AUTH, **own})
     assert answer.status_code == 200 and answer.json()["released"] is True
     proxied = {"Origin": "https://dash.example", "X-Forwarded-Host": "dash.example"}
-    answer = web.post(
-        "/api/claims/other/release", json={"reason": "x"}, headers={**AUTH, **proxied}
-    )
+    answer = web.post("/api/claims/other/release", json=other, headers={**AUTH, **proxied})
     assert answer.status_code == 200 and answer.json()["released"] is True
 
 
@@ -372,8 +381,11 @@ def test_hostile_data_is_served_escaped_and_never_breaks_the_api(case: str, r: A
         answer = web.get(path)
         assert answer.status_code == 200, (path, answer.text)
         no_controls(answer.json())
-    released = web.post("/api/claims/bad/release", json={"reason": EVIL_HOST}, headers=AUTH)
-    assert released.status_code in (200, 503), released.text  # 503: a key of the wrong type
+    shown = (web.get("/api/claims/bad").json()["holder"] or {}).get("token") or "00000000"
+    body = {"reason": EVIL_HOST, "token": shown}
+    released = web.post("/api/claims/bad/release", json=body, headers=AUTH)
+    # 409: a value the shown token does not start (escaped); 503: a key of the wrong type
+    assert released.status_code in (200, 409, 503), released.text
     no_controls(released.json())
 
 
@@ -537,7 +549,8 @@ def test_a_cluster_lists_the_claims_of_every_primary() -> None:
             detail = web.get(path).json()
             assert detail["holder"]["fence"] == claim.fence
             assert [run["outcome"] for run in web.get(path + "/runs").json()["runs"]] == ["running"]
-        gone = web.post(path + "/release", json={"reason": "node test"}, headers=AUTH)
+        body = {"reason": "node test", "token": detail["holder"]["token"]}
+        gone = web.post(path + "/release", json=body, headers=AUTH)
         assert gone.status_code == 200 and gone.json()["released"] is True
         assert len(web.get("/api/claims").json()["claims"]) == len(names) - 1
         client.close()
@@ -588,13 +601,14 @@ def test_the_docs_examples_have_the_keys_of_the_real_answers(r: Any) -> None:
     held(r, "backup:db")
     assert not Claim(r, "backup:db", ttl=30, records=True, heartbeat=False).acquire()
     web = api(r, allow_release=True, token=TOKEN)
+    aimed = {"reason": "docs", "token": web.get("/api/claims/backup:db").json()["holder"]["token"]}
     real = {
         "GET /api/config": web.get("/api/config"),
         "GET /api/claims": web.get("/api/claims"),
         "GET /api/claims/{name}": web.get("/api/claims/backup:db"),
         "GET /api/claims/{name}/runs": web.get("/api/claims/backup:db/runs"),
         "POST /api/claims/{name}/release": web.post(
-            "/api/claims/backup:db/release", json={"reason": "docs"}, headers=AUTH
+            "/api/claims/backup:db/release", json=aimed, headers=AUTH
         ),
     }
     assert set(shown) == set(real)

@@ -227,13 +227,20 @@ def test_a_name_held_by_several_in_a_browser(
         assert slots
         holders = Select(browser.find_element(By.ID, "release-holder"))
         prefix = str(second.token)[:8]
-        assert [o.get_attribute("value") for o in holders.options] == [
-            str(first.token)[:8],
-            prefix,
-        ]
-        holders.select_by_value(prefix)
+        assert (
+            [o.get_attribute("value") for o in holders.options]
+            == [
+                "",  # nothing chosen: the page never picks a holder for the operator
+                str(first.token)[:8],
+                prefix,
+            ]
+        )
         browser.find_element(By.ID, "release-reason").send_keys("second worker is gone")
         browser.find_element(By.ID, "release-token").send_keys(TOKEN)
+        browser.find_element(By.ID, "release-button").click()
+        said = wait_for("the refusal", lambda: message(browser, "choose"), timeout=10)
+        assert first.refresh() and second.refresh()
+        holders.select_by_value(prefix)
         browser.find_element(By.ID, "release-button").click()
         said = wait_for("the release", lambda: message(browser), timeout=10)
         assert "released 'pool'" in said, said
@@ -245,6 +252,83 @@ def test_a_name_held_by_several_in_a_browser(
         browser.find_element(By.ID, "release-reason").clear()
         first.release()
         second.release()
+
+
+def test_a_release_aimed_at_a_holder_that_finished_leaves_the_next_one(
+    redis_server: RedisServer, browser: Any, tmp_path: Path
+) -> None:
+    # The operator sees X; X finishes and Y takes the name before the click. The page
+    # is redrawn only on the hour here: the release names the X it still shows.
+    from selenium.webdriver.common.by import By
+
+    r = redis_server.client()
+    r.flushall()
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    x = Claim(r, "nightly", ttl=60, records=True, heartbeat=False, task_id="run-x")
+    assert x.acquire()
+    shown = str(x.token)[:8]
+
+    def holder() -> str:
+        return str(browser.find_element(By.ID, "detail-holder").text)
+
+    def target() -> str:
+        return str(browser.find_element(By.ID, "release-target").text)
+
+    with serving(
+        redis_server.url, "--allow-release", "--token-file", str(token_file), "--refresh", "3600"
+    ) as base:
+        browser.get(base + "/#claim=nightly")
+        browser.refresh()  # a new page, not the hash of the last test's
+        wait_for("the holder on the page", lambda: "task run-x" in holder(), timeout=10)
+        browser.find_element(By.ID, "release-reason").send_keys("x is hung")
+        browser.find_element(By.ID, "release-token").send_keys(TOKEN)
+        assert x.release()
+        y = Claim(r, "nightly", ttl=60, records=True, heartbeat=False, task_id="run-y")
+        assert y.acquire()
+        browser.find_element(By.ID, "release-button").click()
+        said = wait_for("the answer", lambda: message(browser), timeout=10)
+        assert y.refresh(), said  # Y still holds
+        assert "refused (409): the holder changed" in said and shown in said, said
+        assert not [run for run in records.history(r, "nightly") if run.outcome == "released"]
+
+        # The refusal redraws the form: it now aims at Y, and clears Y.
+        now = str(y.token)[:8]
+        wait_for("the new holder in the form", lambda: now in target(), timeout=10)
+        browser.find_element(By.ID, "release-button").click()
+        said = wait_for("the release", lambda: message(browser, "released"), timeout=10)
+        assert not y.refresh()
+        released = [run for run in records.history(r, "nightly") if run.outcome == "released"]
+        assert [run.token for run in released] == [now]
+
+
+def test_the_page_says_when_the_holder_changes_under_the_form(
+    redis_server: RedisServer, web: str, browser: Any
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    r = redis_server.client()
+    r.flushall()
+    x = Claim(r, "hourly", ttl=60, records=True, heartbeat=False)
+    assert x.acquire()
+    try:
+        browser.get(web + "/#claim=hourly")
+        browser.refresh()
+        wait_for(
+            "the holder in the form",
+            lambda: str(x.token)[:8] in browser.find_element(By.ID, "release-target").text,
+            timeout=10,
+        )
+        browser.find_element(By.ID, "release-reason").send_keys("x is hung")
+        assert x.release()
+        said = wait_for("the notice", lambda: message(browser, "holder changed"), timeout=10)
+        assert (
+            str(x.token)[:8] in said
+            and "nothing to clear" in browser.find_element(By.ID, "release-target").text
+        )
+    finally:
+        browser.find_element(By.ID, "release-reason").clear()
 
 
 def test_a_name_marked_at_enqueue_shows_its_queued_task(

@@ -971,8 +971,11 @@ if app is not None:
 
         A claim whose holder died is freed by its ttl anyway: use this when the
         ttl is long and the holder is known to be gone. Clearing a live claim
-        lets a second run start beside the first. A name held by several at once
-        (--limit) needs --token PREFIX for the one to clear, or --all.
+        lets a second run start beside the first. Without --token it clears
+        whoever holds the name when it runs, which may be a run that started
+        after the one you checked: --token PREFIX (as fenced ls shows it) clears
+        that holder only. A name held by several at once (--limit) needs --token
+        PREFIX for the one to clear, or --all.
 
         \b
         Exit status:
@@ -992,14 +995,18 @@ if app is not None:
         client = _client(redis_url)
         if not force:
             held = ""
+            aim = ""
             try:
                 holder = read_holder(client, name, namespace=namespace)
                 held = f" (held by {holder})" if holder else " (nothing is held under it)"
+                if holder and holder.token.isalnum() and holder.unreadable is None:
+                    # Named, the holder checked is the only one the release clears.
+                    aim = f" --token {holder.token}"
             except Exception:
                 pass  # the refusal stands on its own; Redis is only asked to say more
             _fail(
                 f"fenced: refusing to release {name!r} without --force{held}; check that "
-                "its holder is gone (fenced ls), then add --force --reason TEXT",
+                f"its holder is gone (fenced ls), then add --force --reason TEXT{aim}",
                 EXIT_REFUSED,
             )
         if not reason or not reason.strip():

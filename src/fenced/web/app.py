@@ -4,7 +4,8 @@ Everything is read through the operator tools (``fenced._inspect``, ``fenced.rec
 as ``fenced ls`` and ``fenced show`` read it, and every string that came from Redis is
 escaped by :func:`fenced._printable.printable` before it is sent (the page then shows it
 as text, never as markup). A release goes through ``fenced._inspect.force_release``,
-as ``fenced release`` does: recorded in the claim's run records and on ``fenced.audit``.
+as ``fenced release --token`` does: it names the holder it clears (the one the page
+showed), and is recorded in the claim's run records and on ``fenced.audit``.
 
 A claim name is one path segment of the API, percent-encoded (``/`` as ``%2F``), so
 that a name holding ``/`` is never read as a route.
@@ -68,6 +69,9 @@ STATIC = {
     "app.js": "text/javascript; charset=utf-8",
     "app.css": "text/css; charset=utf-8",
 }
+#: The length of a holder's token as the API shows it (``fenced._lease.short_token``):
+#: the shortest prefix a release takes, unless a holder's whole shown token is shorter.
+SHOWN = 8
 #: The largest release request read (a reason, a token prefix).
 MAX_BODY = 64 * 1024
 #: Seconds a request's body may take to arrive.
@@ -413,19 +417,19 @@ def create_app(
         reason = body.get("reason")
         if not isinstance(reason, str) or not reason.strip():
             return _error(400, 'give a reason: {"reason": "..."}; the run records keep it')
-        prefix = body.get("token") or ""
-        if not isinstance(prefix, str):
-            return _error(400, '"token" is the start of the holder\'s token, as text')
-        prefix = prefix.strip()
+        prefix = _holder_named(body)
+        if isinstance(prefix, Response):
+            return prefix
         held = read_slots(client, name, namespace=namespace)
-        if len(held) > 1 and not prefix:
-            who = "; ".join(f"slot {i}: {h.token} {h}" for i, h in held)
+        if len(prefix) < SHOWN and prefix not in {h.token for _i, h in held}:
             return _error(
-                409,
-                f"{name!r} has {len(held)} holders ({who}); name the one to clear with "
-                '"token": PREFIX',
+                400,
+                f'"token": {prefix!r} is too short to name one holder: send its "token" as '
+                f"GET /api/claims/{{name}} shows it ({SHOWN} characters)",
             )
         by = f"{operator()} (fenced web, for {peer})"
+        # The prefix is compared with the lease in the script that deletes it: a holder
+        # that came after the one aimed at is never cleared.
         holder = force_release(
             client,
             name,
@@ -435,12 +439,24 @@ def create_app(
             token_prefix=prefix,
             slot=release_slot(held, prefix),
         )
-        if holder is None and held:
-            return _error(409, f"{name!r} is held by another token; not released")
+        if holder is None:
+            now = read_slots(client, name, namespace=namespace)
+            if now:
+                who = "; ".join(f"slot {i}: token {h.token}, {h}" for i, h in now)
+                return _json(
+                    {
+                        "error": f"the holder changed: token {prefix} no longer holds "
+                        f"{name!r}, which is held by {who} now; nothing released (check "
+                        "the new holder before releasing it)",
+                        "holder": now[0][1].as_dict(),
+                        "slots": [{"slot": i, **h.as_dict()} for i, h in now],
+                    },
+                    409,
+                )
         message = (
             f"released {name!r}, was held by {holder}"
             if holder
-            else f"nothing held under {name!r} in namespace {namespace!r}"
+            else f"nothing held under {name!r} in namespace {namespace!r} (token {prefix} is gone)"
         )
         return _json(
             {
@@ -578,6 +594,25 @@ def _body(request: Request, raw: bytes) -> dict[str, Any] | Response:
     if not isinstance(data, dict):
         return _error(400, 'the body is not a JSON object: send {"reason": "..."}')
     return data
+
+
+def _holder_named(body: dict[str, Any]) -> str | Response:
+    """The ``token`` prefix of the holder a release is aimed at, or the 400 naming it.
+
+    Required whatever the holders: without it, a release clears whoever holds the name
+    when it lands, which may be the run that started after the one the operator saw.
+    """
+    prefix = body.get("token")
+    if prefix is not None and not isinstance(prefix, str):
+        return _error(400, '"token" is the start of the holder\'s token, as text')
+    prefix = (prefix or "").strip()
+    if not prefix:
+        return _error(
+            400,
+            'name the holder to clear: {"reason": "...", "token": PREFIX}, the "token" of '
+            "the holder as GET /api/claims/{name} shows it; only that holder is released",
+        )
+    return prefix
 
 
 def listen(host: str, port: int, *, option: str = "--port") -> socket.socket:

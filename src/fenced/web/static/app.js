@@ -6,7 +6,8 @@
 (function () {
   const SVG = "http://www.w3.org/2000/svg";
   const OUTCOMES = ["running", "ok", "failed", "lost", "released", "retried", "aborted", "skipped"];
-  const state = { config: null, selected: null, timer: null, token: "", since: null };
+  const state = { config: null, selected: null, timer: null, token: "", since: null,
+    target: null };
 
   function $(id) { return document.getElementById(id); }
 
@@ -140,6 +141,8 @@
     $("release-message").textContent = "";
     $("release-holder").replaceChildren();
     delete $("release-holder").dataset.key;
+    state.target = null;
+    $("release-target").textContent = "";
     for (const tr of $("claims").tBodies[0].rows) {
       tr.classList.toggle("selected", tr.dataset.path === path);
     }
@@ -181,6 +184,7 @@
     $("detail-holder").textContent = line;
     $("detail-holder").classList.toggle("alert", Boolean(detail.alert));
     renderSlots(detail.slots);
+    renderTarget(detail.slots);
     drawTimeline(runs);
     renderRuns(runs.runs);
   }
@@ -191,9 +195,10 @@
     $("detail-slots").replaceChildren(...(several ? slots.map((s) => el("li", slotText(s))) : []));
     // A release of a name held by several names the holder: by the start of its token.
     // Rebuilt only when the holders change: an open list stays open across refreshes.
+    // A holder chosen that is gone leaves nothing chosen, never the next one.
     const select = $("release-holder");
-    const options = several ? slots.map((s) => [s.token, "slot " + s.slot + ": " +
-      holderText(s) + " · token " + s.token]) : [];
+    const options = several ? [["", "choose the holder to clear"], ...slots.map((s) =>
+      [s.token, "slot " + s.slot + ": " + holderText(s) + " · token " + s.token])] : [];
     const key = JSON.stringify(options);
     if (select.dataset.key !== key) {
       const chosen = select.value;
@@ -202,10 +207,30 @@
         option.value = token;
         return option;
       }));
-      if (options.some(([token]) => token === chosen)) select.value = chosen;
+      select.value = options.some(([token]) => token === chosen) ? chosen : "";
       select.dataset.key = key;
     }
     $("release-holder-label").hidden = !several;
+  }
+
+  // The one holder a release clears: the one shown. The API clears it only if it still
+  // holds the name when the release lands.
+  function renderTarget(slots) {
+    const one = slots.length === 1 ? slots[0] : null;
+    const token = one ? one.token : null;
+    const node = $("release-target");
+    // Said to an operator filling the form: the holder they read is not the one now.
+    if (state.target && token !== state.target && $("release-reason").value) {
+      const message = $("release-message");
+      message.className = "message bad";
+      message.textContent = "the holder changed: token " + state.target + " no longer holds " +
+        "this claim" + (one ? "; it is held by " + holderText(one) + " · token " + token +
+        " now" : "") + ": check before releasing";
+    }
+    state.target = token;
+    node.hidden = slots.length > 1;
+    node.textContent = one ? "Clears " + holderText(one) + " · token " + one.token +
+      ", and only it" : "Not held: nothing to clear";
   }
 
   function renderRuns(runs) {
@@ -339,10 +364,17 @@
     const message = $("release-message");
     const path = state.selected;
     const token = $("release-token").value.trim();
-    const body = { reason: $("release-reason").value };
-    if (!$("release-holder-label").hidden && $("release-holder").value) {
-      body.token = $("release-holder").value;
+    // The holder shown, and only it (the API refuses a release naming no holder).
+    const several = !$("release-holder-label").hidden;
+    const aimed = several ? $("release-holder").value : state.target;
+    if (!aimed) {
+      message.className = "message bad";
+      message.textContent = several ? "choose the holder to clear" : state.target === "" ?
+        "the holder shows no token to name it by: clear it with fenced release" :
+        "not held: nothing to clear";
+      return;
     }
+    const body = { reason: $("release-reason").value, token: aimed };
     message.className = "message";
     message.textContent = "releasing…";
     const headers = { "Content-Type": "application/json", Accept: "application/json" };
@@ -355,10 +387,15 @@
       if (!response.ok) {
         message.className = "message bad";
         message.textContent = "refused (" + response.status + "): " + (data.error || "");
+        if (response.status === 409) {
+          state.target = null; // the refusal says who holds it now: no second notice
+          await refresh();
+        }
         return;
       }
       message.className = "message good";
       message.textContent = data.message;
+      state.target = null;
       await refresh();
     } catch (err) {
       message.className = "message bad";
