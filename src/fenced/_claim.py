@@ -868,7 +868,9 @@ class Claim(ClaimState):
     def _give_back(self, token: str, res: list[Any], why: str, elapsed: float) -> None:
         """Remove a lease granted to us that we must not use (its run record says why)."""
         try:
-            self._store.release(self._give_back_call(token, res, why, elapsed))
+            # No WAIT: a failover that forgets this release brings back a lease that
+            # expires by itself.
+            self._store.release(self._give_back_call(token, res, why, elapsed), wait=False)
         except Exception:  # best effort: the lease expires within its ttl anyway
             log.warning(
                 "fenced: could not give back the grant of %r (%s)",

@@ -61,6 +61,7 @@ __all__ = [
     "new_token",
     "reachable",
     "released",
+    "run_replicated",
     "why_unreachable",
 ]
 
@@ -476,6 +477,28 @@ class NotReplicated(Exception):
         self.acked = acked
 
 
+def run_replicated(
+    client: Any, route_key: str, call: Call, wait: tuple[int, int]
+) -> tuple[Any, int]:
+    """Run a script, then ``WAIT replicas timeout_ms`` on the same connection, in one
+    round trip to the server that holds ``route_key`` (on a cluster, its node):
+    (reply, how many replicas acknowledged). An error reply is raised."""
+    for attempt in (1, 2):
+        server = node_client(client, route_key)
+        try:
+            reply, acked = run_pipeline(server, [call], wait=wait)
+        except UNREACHABLE:
+            refresh_slots(client)  # a cluster node gone: the next try finds its heir
+            raise
+        if isinstance(reply, redis.exceptions.AskError) and attempt == 1:
+            refresh_slots(client)  # MOVED: the slot map was out of date
+            continue
+        if isinstance(reply, Exception):
+            raise reply
+        return reply, 0 if isinstance(acked, Exception) else int(acked)
+    raise AssertionError("unreachable")
+
+
 def check_replicas(
     replicas: Any,
     timeout: Any,
@@ -808,25 +831,9 @@ class LeaseStore(LeaseCalls):
     def replicated(
         self, script: Script, keys: Sequence[str], args: Sequence[Any]
     ) -> tuple[Any, int]:
-        """Run a script, then WAIT for the replicas on the same connection: (reply, acked).
-
-        One round trip to the server that holds the name (on a cluster, its node).
-        """
+        """Run a script, then WAIT for the replicas on the same connection: (reply, acked)."""
         wait = (self.opts.replicas, self.opts.replica_ms)
-        for attempt in (1, 2):
-            server = node_client(self.client, self.keys.lock)
-            try:
-                reply, acked = run_pipeline(server, [(script, keys, args)], wait=wait)
-            except UNREACHABLE:
-                refresh_slots(self.client)  # a cluster node gone: the next try finds its heir
-                raise
-            if isinstance(reply, redis.exceptions.AskError) and attempt == 1:
-                refresh_slots(self.client)  # MOVED: the slot map was out of date
-                continue
-            if isinstance(reply, Exception):
-                raise reply
-            return reply, 0 if isinstance(acked, Exception) else int(acked)
-        raise AssertionError("unreachable")
+        return run_replicated(self.client, self.keys.lock, (script, keys, args), wait)
 
     def refresh(self, token: str, slot: int = 0) -> bool:
         """Extend the lease if ``token`` still holds it (and keep the name's lasting keys)."""
@@ -838,17 +845,46 @@ class LeaseStore(LeaseCalls):
             return int(reply) == 1
         return int(self.send(call)) == 1
 
-    def release(self, call: Call) -> tuple[bool, str, list[str]]:
-        """Send RELEASE: (our token held the lease, the outcome recorded, reruns taken)."""
+    def release(self, call: Call, *, wait: bool = True) -> tuple[bool, str, list[str]]:
+        """Send RELEASE: (our token held the lease, the outcome recorded, reruns taken).
+
+        With replicas to wait for (and ``wait``), a WAIT follows in the same round trip;
+        fewer acknowledgements are logged: the release stands on the master, but a
+        failover may forget what it wrote (a cooldown window, a done marker).
+        """
+        if wait and self.opts.replicas:
+            reply, acked = self.replicated(*call)
+            if int(reply[0]) == 1:
+                self._warn_unreplicated(acked, "release", "its cooldown window and done marker")
+            return released(reply)
         return released(self.send(call))
 
     def hand_over(self, call: Call) -> bool:
         """Send HANDOVER: True when the token held the lease and it is now kept."""
-        reply = self.send(call)
+        if self.opts.replicas:
+            reply, acked = self.replicated(*call)
+            if int(reply[0] if isinstance(reply, list) else reply) == 1:
+                self._warn_unreplicated(acked, "hand-over", "the lease kept for the retry")
+        else:
+            reply = self.send(call)
         if isinstance(reply, list):
             unrecorded(reply[1], reply[2], "hand-over")
             reply = reply[0]
         return int(reply) == 1
+
+    def _warn_unreplicated(self, acked: int, what: str, forgets: str) -> None:
+        if acked < self.opts.replicas:
+            log.warning(
+                "fenced: the %s of %r was acknowledged by %d of the %d replica(s) asked "
+                "for within %g s: it stands on the master, but a failover now could "
+                "forget %s. Check the replicas (INFO replication)",
+                what,
+                self.keys.name,
+                acked,
+                self.opts.replicas,
+                self.opts.replica_ms / 1000,
+                forgets,
+            )
 
     def finished_ok(self, task_id: str) -> bool:
         """Whether a run of ``task_id`` ended ``ok`` within its redelivery window."""

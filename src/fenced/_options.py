@@ -67,7 +67,8 @@ class ClaimOptions:
         0,
         "replicas that must acknowledge the acquire (and each renewal) within "
         "replica_timeout (Redis WAIT): an acquire they do not acknowledge removes its lease "
-        "(the claim is unavailable); a renewal they do not acknowledge is not confirmed",
+        "(the claim is unavailable); a renewal they do not acknowledge is not confirmed; "
+        "a release or hand-over they do not acknowledge is logged",
     )
     replica_timeout: float = _option(1.0, "seconds to wait for the replicas (below ttl/2)")
     cooldown: float | None = _option(

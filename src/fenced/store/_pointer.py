@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -42,7 +43,7 @@ from redis.exceptions import ResponseError
 
 from .._client import connect
 from .._errors import ConfigError, StaleFence, StoreError
-from .._lease import UNREACHABLE, ClaimKeys
+from .._lease import UNREACHABLE, ClaimKeys, check_replicas, run_replicated
 from .._printable import printable, readable
 from .._scripts import Script, as_text
 from . import _durable
@@ -302,6 +303,8 @@ class FilePointer:
 # KEYS[1] pointer hash (target, fence, digest, size)   KEYS[2] publish log (a stream)
 # ARGV[1] target   ARGV[2] fence, decimal without leading zeros
 # ARGV[3] digest or ""   ARGV[4] size or ""   ARGV[5] log length to keep, "0" for no log
+# ARGV[6] "1" to write the hash again when it already holds this publish (so that a
+#         WAIT after the script covers the earlier write too), else absent
 # returns {1, fence} when accepted, {0, current fence} when a higher fence was accepted,
 #         {2, key, what is wrong} when KEYS[1] or KEYS[2] holds what PUBLISH never writes
 #         (another type, a fence that is not a decimal integer): nothing is written then
@@ -334,6 +337,9 @@ if current and below(ARGV[2], current) then
 end
 if current == ARGV[2] and redis.call('HGET', KEYS[1], 'target') == ARGV[1]
    and redis.call('HGET', KEYS[1], 'digest') == ARGV[3] then
+  if ARGV[6] == '1' then
+    redis.call('HSET', KEYS[1], 'fence', current)
+  end
   return {1, current}
 end
 redis.call('HSET', KEYS[1], 'target', ARGV[1], 'fence', ARGV[2],
@@ -348,14 +354,28 @@ return {1, ARGV[2]}
 
 
 class RedisPointer:
-    """A pointer kept in Redis, swapped under a fence by one Lua script."""
+    """A pointer kept in Redis, swapped under a fence by one Lua script.
+
+    With ``replicas=N``, each swap waits up to ``replica_timeout`` seconds for N replicas
+    to acknowledge it (``WAIT``, in the same round trip), and raises StoreError when
+    fewer do: a failover could forget the publish, and then accept a lower fence.
+    """
 
     def __init__(
-        self, redis: Any, name: str, *, namespace: str = "fenced", history: int = HISTORY
+        self,
+        redis: Any,
+        name: str,
+        *,
+        namespace: str = "fenced",
+        history: int = HISTORY,
+        replicas: int = 0,
+        replica_timeout: float = 1.0,
     ) -> None:
         redis = connect(redis, what="the pointer")
         if isinstance(history, bool) or not isinstance(history, int) or history < 0:
             raise ConfigError(f"history={history!r} must be an int >= 0 (0 keeps no log)")
+        # No lease to outlast: any timeout is allowed.
+        self.replicas, self._replica_ms = check_replicas(replicas, replica_timeout, math.inf)
         keys = ClaimKeys.of(name, namespace)
         self.redis = redis
         self.name = keys.name
@@ -374,10 +394,15 @@ class RedisPointer:
         where, digest, size = _parts(target)
         text = os.fspath(where)
         args = [text, str(fence), digest or "", "" if size is None else str(size)]
+        keys = [self.key, self.log_key]
+        acked = 0
         try:
-            answer = PUBLISH(
-                self.redis, [self.key, self.log_key], [*args, str(self.history_length)]
-            )
+            if self.replicas:
+                wait = (self.replicas, self._replica_ms)
+                call = (PUBLISH, keys, [*args, str(self.history_length), "1"])
+                answer, acked = run_replicated(self.redis, self.key, call, wait)
+            else:
+                answer = PUBLISH(self.redis, keys, [*args, str(self.history_length)])
         except UNREACHABLE as exc:
             raise StoreError(
                 f"pointer {self.key}: Redis unreachable ({exc})", name=self.name
@@ -387,7 +412,23 @@ class RedisPointer:
             raise self._foreign(f"cannot swap to fence {fence}", answer[1], answer[2])
         if not accepted:
             raise _stale(self.key, fence, int(as_text(answer[1])))
+        if acked < self.replicas:
+            raise self._unreplicated(fence, acked)
         return Published(text, fence, digest, size)
+
+    def _unreplicated(self, fence: int, acked: int) -> StoreError:
+        # Fail closed: the master holds the publish, a promoted replica may not, and
+        # would then take a lower fence. Swapping again (same fence) is safe.
+        return StoreError(
+            f"pointer {self.key}: the master accepted fence {fence}, but only {acked} of "
+            f"the {self.replicas} replica(s) asked for acknowledged it within "
+            f"{self._replica_ms / 1000:g} s, so the publish is not durable: readers of the "
+            "master see the new target, and a failover now could bring back the previous "
+            "one and accept a lower fence. Do not count it as published: swap again once "
+            "the replicas answer (INFO replication), or lower replicas=",
+            name=self.name,
+            fence=fence,
+        )
 
     def _foreign(self, doing: str, key: Any, problem: Any) -> StoreError:
         """StoreError for a key of the pointer holding what fenced never writes there."""
