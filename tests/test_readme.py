@@ -49,6 +49,10 @@ NOT_RUN = {
     "pip install fenced[celery,cli]": "installs; `make dist` installs the wheel",
     "pip install fenced[web]": "installs; `make dist` installs the wheel",
     "fenced web": "serves until stopped: tests/test_web.py runs the dashboard over HTTP",
+    "holder=$(curl -s http://127.0.0.1:8377/api/claims/backup:db": (
+        "needs a running `fenced web`: tests/test_security_web_release.py reads the holder "
+        "and releases it over HTTP"
+    ),
     "curl -s -X POST http://127.0.0.1:8377/api/claims/backup:db/release": (
         "needs a running `fenced web --allow-release` and its token file: tests/test_web.py "
         "releases through the API"

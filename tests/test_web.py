@@ -322,6 +322,8 @@ def test_the_page_its_files_and_headers(r: Any) -> None:
     assert page.headers["content-security-policy"].startswith("default-src 'self'")
     assert page.headers["x-content-type-options"] == "nosniff"
     assert "access-control-allow-origin" not in page.headers
+    # Until the first answer arrives, the tables say they are loading, not empty.
+    assert "Loading the claims" in page.text and "Loading the run records" in page.text
     for name, kind in (("app.js", "text/javascript"), ("app.css", "text/css")):
         answer = web.get(f"/static/{name}")
         assert answer.status_code == 200 and answer.headers["content-type"].startswith(kind)

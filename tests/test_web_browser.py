@@ -135,6 +135,7 @@ def test_dashboard_in_a_browser(redis_server: RedisServer, web: str, browser: An
     browser.get(web + "/")
     wait_for("the page to list backup:db", lambda: rows(browser).get("backup:db"), timeout=10)
     assert "alert" in rows(browser)["backup:db"]
+    assert "Loading" not in browser.find_element(By.ID, "claims").text  # replaced by data
 
     claim = Claim(r, "export:acme", ttl=30, records=True)
     with claim:
