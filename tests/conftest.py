@@ -142,6 +142,16 @@ def own_ha_cluster() -> Iterator[RedisCluster]:
 
 
 @pytest.fixture
+def slow_failover_cluster() -> Iterator[RedisCluster]:
+    """:func:`own_ha_cluster` whose nodes wait 20 s before they fail a silent master over:
+    for what a node that is down (and not yet replaced) does to its claims."""
+    with RedisCluster(
+        masters=3, replicas=1, binary=_ha_binary(), node_timeout_ms=20_000
+    ) as cluster:
+        yield cluster
+
+
+@pytest.fixture
 def sentinel_group() -> Iterator[SentinelGroup]:
     """A master, its replica and 3 sentinels, owned by one test: to kill the master."""
     with SentinelGroup(binary=_ha_binary(), service="fenced-test") as group:

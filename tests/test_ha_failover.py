@@ -300,7 +300,12 @@ def test_a_thousand_claims_over_every_slot_are_renewed_per_node(
             claim.release()
 
 
-def test_a_node_that_is_down_delays_only_its_own_claims(own_ha_cluster: RedisCluster) -> None:
+def test_a_node_that_is_down_delays_only_its_own_claims(
+    slow_failover_cluster: RedisCluster,
+) -> None:
+    # Its nodes take 20 s to fail the paused master over: with the tests' usual 1 s, a
+    # loaded machine could promote its replica inside the 2.5 s looked at here.
+    own_ha_cluster = slow_failover_cluster
     client = connect(own_ha_cluster.startup_url, socket_timeout=1.0, socket_connect_timeout=1.0)
     claims = _spread(client, 300, ttl=6.0, every=1.0)
     try:
