@@ -163,6 +163,12 @@ class ClaimState(LeaseState):
         #: Whether release takes the rerun triggers; a front end whose busy policy asks
         #: for no reruns leaves them (it would run calls nobody asked it for).
         self.takes_reruns = True
+        #: Whether the triggers taken stay in Redis (``keys.rerun_sending``) until the
+        #: front end forgets each once its rerun is sent (``RERUN_SENT``);
+        #: ``rerun_sending`` then pairs each trigger's field there ("" when it could not
+        #: be kept) with the trigger.
+        self.keeps_reruns = False
+        self.rerun_sending: list[tuple[str, str]] = []
         #: True when release() found the lease already gone (evicted, failed over,
         #: cleared by an operator), or could not reach Redis to find out before the
         #: lease would have run out: the run is not known to have ended under the claim.
@@ -538,6 +544,7 @@ class ClaimState(LeaseState):
                 self.ran_recently = None
                 self.vanished = False
                 self.rerun_triggers = []
+                self.rerun_sending = []
                 self._hold(token, int(res[1]), sent)
             if events.enabled():
                 self._emit_held("acquired")
@@ -607,6 +614,7 @@ class ClaimState(LeaseState):
             take_reruns=self.takes_reruns,
             slot=self.slot or 0,
             unqueue=self._unqueue,
+            keep_reruns=self.keeps_reruns,
         )
 
     def _release_unconfirmed(self, exc: BaseException, outcome: str) -> None:
@@ -635,6 +643,9 @@ class ClaimState(LeaseState):
     ) -> bool:
         """Take in the answer of a RELEASE; returns ``released``."""
         self.unqueued = self._unqueue
+        if self.keeps_reruns:
+            self.rerun_sending = list(zip(triggers[::2], triggers[1::2], strict=False))
+            triggers = [trigger for _field, trigger in self.rerun_sending]
         self.rerun_triggers = triggers
         self.rerun_requested = len(triggers)
         lost_first = before == LOST and outcome == "ok"
