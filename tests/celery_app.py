@@ -109,6 +109,29 @@ def _on_skips_exceeded(sender: Any = None, name: str = "", skips: int = 0, **kw:
     note("signal:skips_exceeded", name=name, skips=skips, holder=getattr(holder, "task_id", None))
 
 
+def _die_publishing(when: str, headers: Any, body: Any) -> None:
+    """SIGKILL this whole worker (main process and pool children) as it publishes a
+    rerun of a key the test marked ``die:<when>:<key>`` (taken once): a holder that dies
+    between its release and its rerun's publish (``before``) or just after (``after``)."""
+    if not isinstance(headers, dict) or headers.get("task") not in ("t.rerun", "t.rerun_layers"):
+        return
+    args = body[0] if isinstance(body, (list, tuple)) and body else None
+    if not args or obs().getdel(f"die:{when}:{args[0]}") is None:
+        return
+    note(f"died:{args[0]}", when=when, task_id=headers.get("id"))
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+@celery_signals.before_task_publish.connect
+def _before_publish(body: Any = None, headers: Any = None, **_: Any) -> None:
+    _die_publishing("before", headers, body)
+
+
+@celery_signals.after_task_publish.connect
+def _after_publish(body: Any = None, headers: Any = None, **_: Any) -> None:
+    _die_publishing("after", headers, body)
+
+
 def _on_lifecycle(signal: Any, sender: Any, **kw: Any) -> None:
     event = kw.pop("event")
     data = {

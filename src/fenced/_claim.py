@@ -167,6 +167,12 @@ class ClaimState(LeaseState):
         #: already ended ok (a duplicate delivery, flagged by its broker or not), False
         #: when not, None when the grant did not look (no task id, no redelivery window).
         self.completed_before: bool | None = None
+        #: Whether the triggers taken stay in Redis (``keys.rerun_sending``) until the
+        #: front end forgets each once its rerun is sent (``RERUN_SENT``);
+        #: ``rerun_sending`` then pairs each trigger's field there ("" when it could not
+        #: be kept) with the trigger.
+        self.keeps_reruns = False
+        self.rerun_sending: list[tuple[str, str]] = []
         #: True when release() found the lease already gone (evicted, failed over,
         #: cleared by an operator), or could not reach Redis to find out before the
         #: lease would have run out: the run is not known to have ended under the claim.
@@ -545,6 +551,7 @@ class ClaimState(LeaseState):
                 self.rerun_triggers = []
                 asked = not takeover and self._store.asks_done(self.task_id)
                 self.completed_before = bool(int(res[3])) if asked else None
+                self.rerun_sending = []
                 self._hold(token, int(res[1]), sent)
             if events.enabled():
                 self._emit_held("acquired")
@@ -614,6 +621,7 @@ class ClaimState(LeaseState):
             take_reruns=self.takes_reruns,
             slot=self.slot or 0,
             unqueue=self._unqueue,
+            keep_reruns=self.keeps_reruns,
         )
 
     def _release_unconfirmed(self, exc: BaseException, outcome: str) -> None:
@@ -642,6 +650,9 @@ class ClaimState(LeaseState):
     ) -> bool:
         """Take in the answer of a RELEASE; returns ``released``."""
         self.unqueued = self._unqueue
+        if self.keeps_reruns:
+            self.rerun_sending = list(zip(triggers[::2], triggers[1::2], strict=False))
+            triggers = [trigger for _field, trigger in self.rerun_sending]
         self.rerun_triggers = triggers
         self.rerun_requested = len(triggers)
         lost_first = before == LOST and outcome == "ok"

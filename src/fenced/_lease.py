@@ -263,6 +263,11 @@ class ClaimKeys:
         return self._key("rerun")
 
     @property
+    def rerun_sending(self) -> str:
+        """Rerun triggers a release took and whose reruns are not known to be sent yet."""
+        return self._key("rerun:sending")
+
+    @property
     def queued(self) -> str:
         """The task id of the message queued for this name (``claim_enqueue``)."""
         return self._key("queued")
@@ -647,11 +652,15 @@ class LeaseCalls:
         slot: int = 0,
         unqueue: bool = False,
         window: bool = True,
+        keep_reruns: bool = False,
     ) -> Call:
         """RELEASE of ``token``'s lease (in ``slot``); its answer is read by :func:`released`.
 
         With ``unqueue``, the name's enqueue marker goes too while it holds ``task_id``;
-        with ``window``, an ``ok`` outcome starts the cooldown window the options give.
+        with ``window``, an ``ok`` outcome starts the cooldown window the options give;
+        with ``keep_reruns``, the triggers taken stay in :attr:`ClaimKeys.rerun_sending`
+        until the caller forgets them (``RERUN_SENT``), and the answer pairs each with
+        its field.
         """
         # Without a task id there is no marker to set; the key still names this slot.
         done = self.keys.done(task_id) if task_id else self._no_done
@@ -665,7 +674,7 @@ class LeaseCalls:
             o.max_records,
             outcome,
             fence or 0,
-            "1" if take_reruns else "0",
+            ("2" if keep_reruns else "1") if take_reruns else "0",
             o.idle_ms,
             o.done_ms if task_id else 0,
         ]
@@ -676,6 +685,8 @@ class LeaseCalls:
         if unqueue and task_id:
             keys += (self.keys.queued,)
             args.append(task_id)
+        if take_reruns and keep_reruns:
+            keys += (self.keys.rerun_sending,)
         return RELEASE, keys, args
 
     def handover_call(self, token: str, keep_ms: int, record: str, fence: int) -> Call:

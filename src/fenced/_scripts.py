@@ -34,6 +34,7 @@ __all__ = [
     "RECORD",
     "REFRESH",
     "RELEASE",
+    "RERUN_SENT",
     "TAKEOVER",
     "TOKEN_PATTERN",
     "Script",
@@ -496,6 +497,21 @@ return 0
 """,
 )
 
+# The sending set of a name (``claim_on_busy="rerun"`` in Celery): each member is
+# "<random part of the releasing token>:<trigger>". A member's field, as RELEASE answers
+# it and RERUN_SENT takes it, is "<that random part>:<SHA1 of the member>": plain text
+# whatever bytes the trigger holds, and the same for the same release and trigger.
+_SENDING = """
+local function sending_entry(member)
+  local at = string.find(member, ':', 1, true)
+  local release_id, trigger = '', member
+  if at then
+    release_id, trigger = string.sub(member, 1, at - 1), string.sub(member, at + 1)
+  end
+  return release_id .. ':' .. redis.sha1hex(member), trigger
+end
+"""
+
 # RELEASE (safe to send again: a retry of a release whose reply was lost gets the first
 #          answer back, from a short-lived note of it or from the done marker it set,
 #          and records nothing twice)
@@ -509,7 +525,9 @@ return 0
 # ARGV[4] outcome ("ok" resets the consecutive-skip count); a run that says "ok" but
 #         whose lease was already gone ended "lost": it did not end under the claim
 # ARGV[5] fence of the run being finished (recorded beside the outcome)
-# ARGV[6] "1" to take (read and clear) the rerun triggers, else "0"
+# ARGV[6] "1" to take (read and clear) the rerun triggers; "2" to take them into the
+#         name's sending set, KEYS[#KEYS] (see _SENDING), where they stay until the
+#         caller forgets each once its rerun is published (RERUN_SENT); "0" to leave them
 # ARGV[7] idle expiry of the name's lasting keys in ms (0 = never)
 # ARGV[8] how long to remember that this task id finished "ok", in ms (0 = not at all)
 # ARGV[9] (optional) the cooldown window in ms that a run ending "ok" starts (0 = none);
@@ -517,13 +535,18 @@ return 0
 # KEYS[8] and ARGV[10] (optional) the name's enqueue marker (``claim_enqueue``) and the
 #         task id of this run: the marker is deleted if it still holds that task id
 #         (the run ended, not by a retry)
+# KEYS[#KEYS] (with ARGV[6] = "2") the sending set, after the keys above
 # returns {1 if our token held the lease and it is now deleted else 0, the outcome
 #          recorded, {the rerun triggers taken}}, and two more items when the run was
-#          not recorded because KEYS[2] is not a stream: KEYS[2] and its type
+#          not recorded because KEYS[2] is not a stream: KEYS[2] and its type. With
+#          ARGV[6] = "2" the triggers are {field, trigger, ...}: the whole sending set,
+#          with what earlier releases left unsent ("" for the field of a trigger taken
+#          while the set's key held another type: it is kept nowhere)
 RELEASE = Script(
     "release",
     _TOUCH
     + _RECORDABLE
+    + _SENDING
     + """
 -- the done marker of a run that ended ok holds the start of its token: it is also
 -- that release's note (see below)
@@ -594,15 +617,43 @@ if outcome == 'ok' and tonumber(ARGV[9] or '0') > 0 then
   redis.call('SET', KEYS[7], ARGV[5], 'PX', ARGV[9])
 end
 local reruns = {}
-if ARGV[6] == '1' and released == 1 then
+if ARGV[6] ~= '0' and released == 1 then
   local kind = redis.call('TYPE', KEYS[4]).ok
+  local taken = {}
   if kind == 'set' then
-    reruns = redis.call('SMEMBERS', KEYS[4])
+    taken = redis.call('SMEMBERS', KEYS[4])
   elseif kind == 'string' then
-    reruns = {''}  -- a counter left by fenced 0.1: one rerun, with the holder's arguments
+    taken = {''}  -- a counter left by fenced 0.1: one rerun, with the holder's arguments
   end
   if kind ~= 'none' then
     gone[#gone + 1] = KEYS[4]
+  end
+  if ARGV[6] ~= '2' then
+    reruns = taken
+  else
+    -- kept until each rerun is sent: a holder that dies first leaves them to the
+    -- name's next release (one TYPE when there are none)
+    local sending = KEYS[#KEYS]
+    local out = redis.call('TYPE', sending).ok
+    if out == 'set' or out == 'none' then
+      local release_id = string.match(ARGV[1], '^[^:]*')
+      for _, t in ipairs(taken) do
+        redis.call('SADD', sending, release_id .. ':' .. t)
+      end
+      if out == 'set' or #taken > 0 then
+        touch(idle, sending)
+        for _, member in ipairs(redis.call('SMEMBERS', sending)) do
+          local field, trigger = sending_entry(member)
+          reruns[#reruns + 1] = field
+          reruns[#reruns + 1] = trigger
+        end
+      end
+    else
+      for _, t in ipairs(taken) do
+        reruns[#reruns + 1] = ''
+        reruns[#reruns + 1] = t
+      end
+    end
   end
 end
 if #gone > 0 then
@@ -621,6 +672,31 @@ if unrecorded then
   answer[4], answer[5] = KEYS[2], unrecorded
 end
 return answer
+""",
+)
+
+# RERUN_SENT: forget the triggers of a name's sending set whose rerun is published (or
+#             that ask for none). Only the commands a worker's ACL allows: the set is
+#             written again without them.
+# KEYS[1] the sending set
+# ARGV the fields of the triggers to forget, as RELEASE answered them
+# returns how many triggers stay
+RERUN_SENT = Script(
+    "rerun_sent",
+    _SENDING
+    + """
+local forget = {}
+for _, field in ipairs(ARGV) do forget[field] = true end
+if redis.call('TYPE', KEYS[1]).ok ~= 'set' then return 0 end
+local stay = {}
+for _, member in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  if not forget[(sending_entry(member))] then stay[#stay + 1] = member end
+end
+local left = redis.call('PTTL', KEYS[1])
+redis.call('DEL', KEYS[1])
+for _, member in ipairs(stay) do redis.call('SADD', KEYS[1], member) end
+if #stay > 0 and left > 0 then redis.call('PEXPIRE', KEYS[1], left) end
+return #stay
 """,
 )
 

@@ -14,6 +14,13 @@ the worker's broker credentials, so it believes a trigger only as far as it can 
   used, and the first one a process takes logs a warning saying so.
 
 Equal calls still give equal triggers (the MAC is deterministic), so they coalesce.
+
+A release keeps the triggers it takes in the name's sending set (each under a field,
+``<the release's token's random part>:<SHA1>``) until their rerun is published; a
+holder that dies before that leaves them to the name's next release, which publishes
+them again. Each rerun's task id is derived from its field (:func:`task_id`) and its
+message carries :data:`HEADER`, so a rerun published twice runs once: the second copy
+finds the first's done marker and is ignored.
 No I/O here: the task reads and sends.
 """
 
@@ -24,12 +31,23 @@ import hmac
 import json
 import os
 import re
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._naming import SECRET_KEY_ENV, check_secret_key
 
-__all__ = ["MAX_BYTES", "MAX_DEPTH", "OWN", "Refused", "decode", "encode", "rerun_key"]
+__all__ = [
+    "HEADER",
+    "MAX_BYTES",
+    "MAX_DEPTH",
+    "OWN",
+    "Refused",
+    "decode",
+    "encode",
+    "rerun_key",
+    "task_id",
+]
 
 #: Longest trigger accepted, in bytes of its text; a longer call is sent as OWN.
 MAX_BYTES = 1 << 20
@@ -38,6 +56,8 @@ MAX_DEPTH = 64
 #: The call of a trigger that names none: the holder reruns with its own arguments
 #: (arguments JSON cannot carry; ``""`` is the counter fenced 0.1 left).
 OWN = "*"
+#: The message header of a rerun: its task id may have run already (sent twice).
+HEADER = "fenced_rerun"
 _SIGNED = "m1:"
 _KEY_LABEL = b"fenced rerun trigger v1"
 _MAC_HEX = 64
@@ -116,6 +136,14 @@ def decode(
     if not isinstance(args, list) or not isinstance(kwargs, dict):
         raise Refused("not a call ([args, kwargs] in JSON)")
     return tuple(args), kwargs
+
+
+def task_id(field: str) -> str:
+    """The task id of the rerun of the triggers kept under ``field`` (the smallest
+    field of the release's triggers that ask for one call): the same every time it is
+    published, whoever publishes it."""
+    digest = hashlib.sha256(b"fenced rerun v1\0" + field.encode("utf-8", "surrogatepass"))
+    return str(uuid.UUID(digest.hexdigest()[:32]))
 
 
 def _too_deep(text: str) -> bool:

@@ -31,7 +31,8 @@ What one run does:
    holder's lease. (Under gevent or eventlet there is no interrupt; checks still raise.)
 4. In ``finally`` the claim is released with the run's outcome (one round trip, which
    also ends the run record), and if a rerun was asked meanwhile the task is sent once
-   more with the same arguments. A run that asked for a retry (``self.retry()``,
+   more per distinct call (each trigger stays in Redis until its rerun is published,
+   ``_rerun``). A run that asked for a retry (``self.retry()``,
    ``autoretry_for``) instead keeps its lease, unrenewed, for the countdown plus the
    claim's ttl (record ``retried``); the retried message takes it over with a new fence
    (``TAKEOVER``), so a duplicate arriving during the countdown is skipped.
@@ -84,6 +85,7 @@ from .._lease import HOST, ClaimKeys, Holder, short_token
 from .._naming import Namer, bounded_label
 from .._options import refuse_unknown
 from .._redact import exception_text
+from .._scripts import RERUN_SENT
 from . import _enqueue, _rerun, signals
 from ._disabled import LocalClaim, enabled
 from ._options import (
@@ -469,6 +471,7 @@ class ClaimedTask(Task[Any, Any]):
         # Only the rerun policy takes the name's triggers: any other would send calls
         # that nobody asked it for.
         claim.takes_reruns = policy.asks_rerun
+        claim.keeps_reruns = True  # until each rerun is published
         try:
             trigger = self._rerun_trigger(name, args, kwargs) if policy.asks_rerun else False
             action = claim.enter(policy, trigger)
@@ -494,8 +497,8 @@ class ClaimedTask(Task[Any, Any]):
                 extra=claim.log_fields("acquired"),
             )
         # A delivery of a task id whose run already ended ok: the grant says so, whatever
-        # the broker's flags (SQS never sets one; a publish retried, or a caller's own
-        # task_id sent twice, is not flagged either).
+        # the broker's flags (SQS never sets one; a publish retried, a caller's own
+        # task_id sent twice, a rerun published again by a sender that died: none flagged).
         if request.id and (
             claim.completed_before
             or request.retries
@@ -700,6 +703,9 @@ class ClaimedTask(Task[Any, Any]):
             )
 
     def _send_each_rerun(self, claim: Claim, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """One rerun per distinct call of a release's triggers; each trigger leaves the
+        name's sending set only once its rerun is published (a holder that dies first
+        leaves it to the name's next release, which publishes it under the same id)."""
         options: dict[str, Any] = {}
         info = self.request.delivery_info or {}
         exchange, routing_key = info.get("exchange"), info.get("routing_key")
@@ -709,15 +715,32 @@ class ClaimedTask(Task[Any, Any]):
             options.update(exchange=exchange, routing_key=routing_key)
         if info.get("priority") is not None:
             options["priority"] = info["priority"]
-        calls: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        # call -> (the call, its triggers' fields); "" for a trigger kept nowhere
+        calls: dict[str, tuple[tuple[tuple[Any, ...], dict[str, Any]], list[str]]] = {}
+        dropped: list[str] = []
         key = self._rerun_key()
-        for trigger in claim.rerun_triggers:
+        for field, trigger in claim.rerun_sending:
             call = self._rerun_call(claim, trigger, key, args, kwargs)
-            if call is not None:
-                calls.setdefault(_rerun.call_text(*call), call)
-        for rerun_args, rerun_kwargs in calls.values():
+            if call is None:
+                dropped.append(field)
+                continue
+            calls.setdefault(_rerun.call_text(*call), (call, []))[1].append(field)
+        self._sent(claim, dropped)
+        ours = f"{(claim.token or '').split(':', 1)[0]}:"
+        for (rerun_args, rerun_kwargs), fields in calls.values():
+            kept = sorted(f for f in fields if f)
+            # Named by this release's trigger when it took one (a rerun that runs after
+            # now answers every earlier request for the call too), else by what an
+            # earlier release left: the id it may have published under already.
+            named = [f for f in kept if f.startswith(ours)] or kept
             try:
-                sent = self.apply_async(rerun_args, rerun_kwargs, **options)
+                sent = self.apply_async(
+                    rerun_args,
+                    rerun_kwargs,
+                    task_id=_rerun.task_id(named[0]) if named else None,
+                    headers={_rerun.HEADER: "1"},
+                    **options,
+                )
             except Exception:
                 log.exception(
                     "fenced: could not send a rerun of %s asked for during a run of %r; "
@@ -726,18 +749,36 @@ class ClaimedTask(Task[Any, Any]):
                     claim.name,
                     extra=claim.log_fields(),
                 )
-                try:  # hand the request back, so the next holder runs it
-                    trigger = _rerun.encode(rerun_args, rerun_kwargs, claim.name, key)
-                    claim.redis.sadd(claim.keys.rerun, trigger)
-                except Exception:
-                    pass
+                if not kept:  # kept nowhere: hand it back, so the next holder runs it
+                    try:
+                        trigger = _rerun.encode(rerun_args, rerun_kwargs, claim.name, key)
+                        claim.redis.sadd(claim.keys.rerun, trigger)
+                    except Exception:
+                        pass
                 continue
+            self._sent(claim, kept)
             count("reruns")
             log.info(
                 "fenced: %s ran while a trigger asked for another run of %r: sent %s",
                 self.name,
                 claim.name,
                 sent.id,
+                extra=claim.log_fields(),
+            )
+
+    def _sent(self, claim: Claim, fields: list[str]) -> None:
+        """Delete triggers whose rerun is published (or that ask for none)."""
+        fields = [f for f in fields if f]
+        if not fields:
+            return
+        try:
+            RERUN_SENT(claim.redis, [claim.keys.rerun_sending], fields)
+        except Exception:  # left for the next release: published again, it runs once
+            log.warning(
+                "fenced: could not clear %d sent rerun trigger(s) of %r",
+                len(fields),
+                claim.name,
+                exc_info=True,
                 extra=claim.log_fields(),
             )
 
