@@ -353,6 +353,29 @@ def test_rerun_policy_coalesces_triggers_into_one_more_run(cel: Cel) -> None:
     assert read_holder(cel.locks, f"gated:{k}") is None
 
 
+def test_a_completed_task_sent_again_while_its_name_is_held_is_ignored(cel: Cel) -> None:
+    """Busy or not, a delivery of a task id that ran to the end is a duplicate: no skip
+    result over the stored one, no rerun asked of the holder."""
+    k = key()
+    task_id = f"done-busy-{k}"
+    _open_gate(cel, k, 0)
+    first = cel.send("t.rerun", k, _opts={"task_id": task_id}).get(timeout=WAIT)
+    assert first["status"] == "ok"
+    holder = cel.send("t.rerun", k)
+    wait_for("the holder's run", lambda: len(_runs(cel, k)) == 2)
+    cel.send("t.rerun", k, _opts={"task_id": task_id})  # unflagged, while held
+    ends = wait_for(
+        "the duplicate to end",
+        lambda: [n for n in notes(cel.obs, "signal:postrun") if n["task_id"] == task_id][1:],
+    )
+    assert ends[0]["state"] == "IGNORED"
+    assert AsyncResult(task_id, app=cel.client).get(timeout=WAIT) == first  # result kept
+    assert not cel.locks.scard(ClaimKeys("fenced", f"gated:{k}").rerun)  # no rerun asked
+    assert records.consecutive_skips(cel.locks, f"gated:{k}") == 0
+    _open_gate(cel, k, 1)
+    assert holder.get(timeout=WAIT)["status"] == "ok"
+
+
 def test_rerun_policy_runs_each_distinct_skipped_call_once(cel: Cel) -> None:
     # The claim (per key) is coarser than the arguments (key, layer): a trigger for
     # another layer must not be answered by a rerun of the holder's layer.

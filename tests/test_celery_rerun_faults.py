@@ -52,8 +52,11 @@ def test_a_rerun_survives_its_holder_dying_as_it_publishes(
             proc = victim.proc
             wait_for("the worker to die publishing the rerun", lambda: proc.poll() is not None)
         assert obs.get(f"die:{when}:{k}") is None  # it died where the test asked
-        # The holder released (ok) before it died, and took the trigger with it.
-        assert read_holder(locks, name) is None
+        # The holder released (ok) before it died, and took the trigger with it. (After
+        # the publish, the victim's other child may have started the rerun as the group
+        # died: its lease then waits out its ttl.)
+        left = read_holder(locks, name)
+        assert left is None or (when == "after" and left.task_id != holder.id), left
         assert [r.outcome for r in records.history(locks, name) if r.task_id == holder.id] == ["ok"]
         assert locks.smembers(rerun) or locks.scard(sending), "the trigger is gone from Redis"
         # Redis brings the holder's unacknowledged message back after the visibility
@@ -79,7 +82,9 @@ def test_a_rerun_survives_its_holder_dying_as_it_publishes(
             # consumer had popped but not yet recorded as unacknowledged.)
             [died] = notes(obs, f"died:{k}")
             assert died["task_id"] == rerun_id
-        assert len(runs("rivers")) == 1
+        # Ran to the end once (a start the dying victim cut short does not end).
+        assert [n["task_id"] for n in notes(obs, f"ends:{k}")].count(rerun_id) == 1
+        assert len(runs("rivers")) in ((1,) if left is None else (1, 2))
         assert len(runs("roads")) == 1
         assert not locks.exists(rerun)
     finally:

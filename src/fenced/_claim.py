@@ -559,6 +559,8 @@ class ClaimState(LeaseState):
         # ACQUIRE's reply ends at a value Lua could not read as a number (a fence or
         # skip count someone else wrote): what is missing is unknown, the lease is held.
         pttl, fence, skips, rerun = (*res[2:6], None, None, None, None)[:4]
+        asked = not takeover and self._store.asks_done(self.task_id) and len(res) > 6
+        self.completed_before = bool(int_or_none(res[6])) if asked else None
         self.skips = int_or_none(skips) or 0
         self.rerun_requested = int_or_none(rerun) or 0
         if int_or_none(res[0]) == 2:  # nobody holds it: a run ended ok within the window

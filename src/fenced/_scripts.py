@@ -290,6 +290,10 @@ end
 #                                                       done is 1 when the task id's
 #                                                       done marker exists
 #         {0, holder token, pttl ms, holder fence, consecutive skips, distinct triggers}
+#                                                       (with ARGV[11] = "1", then 1 when
+#                                                       the task id's done marker exists:
+#                                                       no skip, no trigger, as for its
+#                                                       own earlier attempt)
 #                                                       busy (with slots: every slot;
 #                                                       the holder reported is the
 #                                                       task's own, else the one whose
@@ -387,7 +391,10 @@ local function mint()
   return minted
 end
 local function lose(holder, pttl, fence)
-  local own = ARGV[7] ~= '' and own_task(holder)
+  -- an earlier attempt of this task id holds it, or a run of it already ended ok: not
+  -- a competitor (no skip counted or recorded, no rerun asked)
+  local completed = done and redis.call('EXISTS', done) or 0
+  local own = ARGV[7] ~= '' and (completed == 1 or own_task(holder))
   -- every key written below is checked first: a wrong one stops the script unwritten
   local rerun_kind
   if ARGV[6] ~= '' and not own then
@@ -417,6 +424,7 @@ local function lose(holder, pttl, fence)
     rerun = redis.call('SCARD', KEYS[5])
     touch(idle, KEYS[5])
   end
+  if done then return {0, holder, pttl, fence, skips, rerun, completed} end
   return {0, holder, pttl, fence, skips, rerun}
 end
 if limit <= 1 then

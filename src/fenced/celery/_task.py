@@ -485,6 +485,10 @@ class ClaimedTask(Task[Any, Any]):
             )
             raise
         if not isinstance(action, Run):
+            if claim.completed_before and request.id:
+                # Another run holds the name, and this task id already ran to the end:
+                # a duplicate delivery, ignored as when the name is free.
+                self._duplicate(claim, request.id)
             return self._busy(claim, action, opts)
         if action.taken_over:
             count("takeovers")
@@ -572,6 +576,11 @@ class ClaimedTask(Task[Any, Any]):
             return
         if not done:
             return
+        self._finish(claim, "skipped", DUPLICATE, args, kwargs)
+        self._duplicate(claim, task_id)
+
+    def _duplicate(self, claim: Claim, task_id: str) -> NoReturn:
+        """This delivery's task id already ran to the end: it does not run again."""
         count("duplicates")
         log.info(
             "fenced: %s[%s] already completed under claim %r: this delivery does not run again",
@@ -580,7 +589,6 @@ class ClaimedTask(Task[Any, Any]):
             claim.name,
             extra=claim.log_fields("released", "skipped"),
         )
-        self._finish(claim, "skipped", "duplicate delivery of a completed task", args, kwargs)
         # Ignore keeps the first run's stored result and fires neither failure nor retry.
         raise Ignore()
 
@@ -971,6 +979,8 @@ class ClaimedTask(Task[Any, Any]):
         return holder
 
 
+#: The reason recorded for a delivery of a task id that already ran to the end.
+DUPLICATE = "duplicate delivery of a completed task"
 #: The publish options of a canvas's part (a group or chord member, a chord body, a chain
 #: step, a call with callbacks): dropped in favour of another message, its canvas would
 #: wait forever for its task id.
