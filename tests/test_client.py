@@ -157,6 +157,24 @@ def test_one_url_one_client_and_claims_take_urls(redis_server: RedisServer) -> N
     assert describe_client(connect(url)) == f"redis://127.0.0.1:{redis_server.port}/0"
 
 
+def test_clients_with_other_option_objects_are_other_clients(redis_server: RedisServer) -> None:
+    """Options are part of the key by identity: a policy freed and another made at its
+    address (same repr) never gets the first one's cached client."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    url = redis_server.url + "?client_name=keyed"
+    made = []
+    for retries in range(20):
+        policy = Retry(NoBackoff(), retries)
+        client = connect(url, retry=policy)
+        assert client.connection_pool.connection_kwargs["retry"].get_retries() == retries
+        assert connect(url, retry=policy) is client
+        made.append(client)
+        del policy, client  # the cache keeps the policy: its address is not reused
+    assert len({id(c) for c in made}) == 20
+
+
 def test_unix_socket_url(server: RedisServer) -> None:
     assert server.socket_path
     client = connect(f"unix://{server.socket_path}?db=3")

@@ -350,6 +350,16 @@ _SYNC_CLIENTS: set[type] = set()
 _cache_lock = threading.Lock()
 
 
+def _keyed(value: Any) -> Any:
+    """An option as part of a cache key: a hashable object itself (the key keeps it
+    alive, so no other object can take its address and its repr), else its repr."""
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
 def connect(target: Any, *, what: str = "claims", **options: Any) -> Any:
     """A client for ``target``: a redis-py client as it is, or one built from a URL.
 
@@ -358,7 +368,7 @@ def connect(target: Any, *, what: str = "claims", **options: Any) -> Any:
     """
     if isinstance(target, str):
         parsed = parse_url(target)
-        key = (target, tuple(sorted((k, repr(v)) for k, v in options.items())))
+        key = (target, tuple(sorted((k, _keyed(v)) for k, v in options.items())))
         with _cache_lock:
             client = _cache.get(key)
         if client is not None:
