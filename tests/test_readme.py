@@ -21,6 +21,7 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -203,6 +204,18 @@ def run_lines(lines: list[str], url: str, base: str, workdir: Path) -> None:
 
 
 # -- fixtures -------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _shared_tasks_stay_here() -> Iterator[None]:
+    """The blocks' tasks are Celery's shared tasks (``@app.task`` shares by default):
+    every app made later in this process would get them, the doctor's test apps
+    included. Each test takes back the ones its blocks added."""
+    import celery._state
+
+    before = set(celery._state._on_app_finalizers)
+    yield
+    celery._state._on_app_finalizers.intersection_update(before)
 
 
 @pytest.fixture
