@@ -1,0 +1,106 @@
+"""on_busy="replace": the newest run takes the claim over, and the old one cannot write."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import redis.asyncio
+
+from _clock import ManualClock
+from fenced import Claim, ClaimLost, records
+from fenced._guard import POLICIES, RUN, Run
+from fenced.aio import Claim as AioClaim
+from fenced.testing import RedisServer
+
+REPLACE = POLICIES["replace"]()
+
+
+def test_a_newer_run_takes_the_claim_over_and_the_old_one_learns_it(
+    r: Any, fake_time: ManualClock
+) -> None:
+    a = Claim(r, "rebuild:roads", ttl=3.0, clock=fake_time, records=True)
+    assert a.acquire()
+    b = Claim(r, "rebuild:roads", ttl=3.0, clock=fake_time, records=True)
+    assert b.enter(REPLACE) is RUN  # at once: no wait for the holder
+    assert a.token is not None and b.token is not None
+    a_token, b_token = a.token[:8], b.token[:8]
+    assert b.fence is not None and a.fence is not None and b.fence > a.fence
+    assert a.held  # it cannot know yet: its next renewal tells it
+    fake_time.run(1.5)  # past one refresh interval (ttl / 3)
+    assert not a.held and a.lost
+    assert a.lost_reason is not None and a.lost_reason.startswith("replaced by ")
+    assert b_token in a.lost_reason
+    with pytest.raises(ClaimLost, match="replaced by"):
+        a.check()
+    # Its release is compare-token: the newer run's lease stays, and so does its record.
+    assert a.release() is False
+    assert b.held and b.refresh()
+    runs = {run.token: run for run in records.history(r, "rebuild:roads")}
+    old, new = runs[a_token], runs[b_token]
+    assert old.outcome == "lost" and old.reason is not None
+    assert old.reason.startswith(f"replaced by {b_token} (")
+    assert new.outcome == "running"
+    b.release()
+    assert records.last(r, "rebuild:roads").outcome == "ok"  # type: ignore[union-attr]
+
+
+def test_a_dead_holder_is_replaced_at_once_and_its_run_recorded_lost(r: Any) -> None:
+    dead = Claim(r, "feeds", ttl=60, heartbeat=False, records=True)  # never renews, never releases
+    assert dead.acquire()
+    assert dead.token is not None
+    dead_token = dead.token[:8]
+    b = Claim(r, "feeds", ttl=60, records=True)
+    assert b.replace()
+    assert b.fence is not None and dead.fence is not None and b.fence > dead.fence
+    (old,) = [run for run in records.history(r, "feeds") if run.token == dead_token]
+    assert old.outcome == "lost" and "replaced by" in (old.reason or "")
+    # The dead run's late renewal is refused, and says why.
+    assert dead.refresh() is False
+    assert "replaced by" in (dead.lost_reason or "")
+    b.release()
+
+
+def test_a_free_name_is_taken_as_acquire_takes_it(r: Any) -> None:
+    c = Claim(r, "free", ttl=10, records=True)
+    assert c.enter(REPLACE) is RUN
+    assert [run.outcome for run in records.history(r, "free")] == ["running"]
+    c.release()
+
+
+def test_replace_with_a_limit_above_one_is_refused(r: Any) -> None:
+    from fenced import ConfigError
+
+    c = Claim(r, "slots", ttl=10, limit=2)
+    with pytest.raises(ConfigError, match="ambiguous"):
+        c.replace()
+
+
+def test_an_earlier_attempt_of_the_same_task_is_not_replaced(r: Any) -> None:
+    first = Claim(r, "task-x", ttl=30, task_id="t-1")
+    assert first.acquire()
+    again = Claim(r, "task-x", ttl=30, task_id="t-1")
+    action = again.enter(REPLACE)
+    assert not isinstance(action, Run)
+    assert first.held and first.refresh()
+    first.release()
+
+
+def test_asyncio_claims_replace_and_learn_it(server: RedisServer) -> None:
+    async def main() -> None:
+        client = redis.asyncio.Redis.from_url(server.url)
+        try:
+            a = AioClaim(client, "aio-replace", ttl=30)
+            assert await a.acquire()
+            b = AioClaim(client, "aio-replace", ttl=30)
+            assert await b.enter(REPLACE) is RUN
+            assert await a.refresh() is False
+            assert "replaced by" in (a.lost_reason or "")
+            assert await a.release() is False
+            assert await b.refresh()
+            await b.release()
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
