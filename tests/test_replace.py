@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis.asyncio
 
 from _clock import ManualClock
+from _wait import wait_for
 from fenced import Claim, ClaimLost, records
 from fenced._guard import POLICIES, RUN, Run
+from fenced._lease import ClaimKeys
 from fenced.aio import Claim as AioClaim
 from fenced.testing import RedisServer
 
@@ -104,3 +110,53 @@ def test_asyncio_claims_replace_and_learn_it(server: RedisServer) -> None:
             await client.aclose()
 
     asyncio.run(main())
+
+
+# -- fenced run --------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+FENCED = [sys.executable, "-m", "fenced"]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+
+
+def test_fenced_run_replace_ends_the_running_command_and_runs_the_newer(
+    server: RedisServer,
+) -> None:
+    name = "cron:replace"
+    run = [*FENCED, "run", "--redis", server.url, "--ttl", "1.5", "--on-busy", "replace"]
+    first = subprocess.Popen(
+        [*run, "--grace", "2", name, "--", sys.executable, "-c", "import time; time.sleep(120)"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    client = server.client()
+    try:
+        lock = ClaimKeys.of(name).lock
+        wait_for("the first run to hold the claim", lambda: client.exists(lock), proc=first)
+        second = subprocess.run(
+            [*run, name, "--", sys.executable, "-c", "print('newest')"],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=60,
+        )
+        assert second.returncode == 0, second.stderr
+        assert "newest" in second.stdout
+        _out, err = first.communicate(timeout=60)  # its watchdog ends the command
+        assert first.returncode == 76, err
+        assert "replaced by" in err, err
+        newest, replaced = records.history(client, name)[:2]
+        assert newest.outcome == "ok"
+        assert replaced.outcome == "lost" and (replaced.reason or "").startswith("replaced by ")
+        assert newest.token is not None and newest.token in (replaced.reason or "")
+        assert not client.exists(lock)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.communicate()
+        client.close()
