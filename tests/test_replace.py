@@ -49,7 +49,7 @@ def test_a_newer_run_takes_the_claim_over_and_the_old_one_learns_it(
     assert old.reason.startswith(f"replaced by {b_token} (")
     assert new.outcome == "running"
     b.release()
-    assert records.last(r, "rebuild:roads").outcome == "ok"  # type: ignore[union-attr]
+    assert records.last(r, "rebuild:roads").outcome == "ok"
 
 
 def test_a_dead_holder_is_replaced_at_once_and_its_run_recorded_lost(r: Any) -> None:
