@@ -14,7 +14,7 @@ import redis.asyncio
 
 from _clock import ManualClock
 from _wait import wait_for
-from fenced import Claim, ClaimLost, records
+from fenced import Claim, ClaimLost, events, records
 from fenced._guard import POLICIES, RUN, Run
 from fenced._lease import ClaimKeys
 from fenced.aio import Claim as AioClaim
@@ -62,9 +62,15 @@ def test_a_dead_holder_is_replaced_at_once_and_its_run_recorded_lost(r: Any) -> 
     assert b.fence is not None and dead.fence is not None and b.fence > dead.fence
     (old,) = [run for run in records.history(r, "feeds") if run.token == dead_token]
     assert old.outcome == "lost" and "replaced by" in (old.reason or "")
-    # The dead run's late renewal is refused, and says why.
-    assert dead.refresh() is False
+    # The dead run's late renewal is refused, and says why (the "lost" event: its cause).
+    seen: list[events.ClaimEvent] = []
+    unsubscribe = events.subscribe(seen.append)
+    try:
+        assert dead.refresh() is False
+    finally:
+        unsubscribe()
     assert "replaced by" in (dead.lost_reason or "")
+    assert [e.reason for e in seen if e.kind == "lost"] == ["replaced"]
     b.release()
 
 

@@ -661,7 +661,7 @@ class LeaseCalls:
         k = self.keys
         keys: tuple[str, ...] = (k.lock, k.fence, k.runs, k.replaced)
         o = self.opts
-        ended = json.dumps({"reason": why, "replaced_by": short_token(token)}) if record else ""
+        ended = json.dumps({"reason": why}) if record else ""
         args: list[Any] = [token, o.ttl_ms, record, o.max_records, task_id, o.idle_ms, why, ended]
         if o.cooldown_ms:
             keys += (k.skips, self._cooldown)
