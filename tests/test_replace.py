@@ -166,3 +166,19 @@ def test_fenced_run_replace_ends_the_running_command_and_runs_the_newer(
             first.kill()
             first.communicate()
         client.close()
+
+
+def test_a_delivery_of_a_task_id_that_already_ran_ok_replaces_nobody(r: Any) -> None:
+    done = Claim(r, "dup", ttl=30, task_id="t-1", redelivery_window=60)
+    assert done.acquire()
+    done.release()  # ended ok: its done marker is set
+    running = Claim(r, "dup", ttl=30, task_id="t-2", redelivery_window=60)
+    assert running.acquire()
+    again = Claim(r, "dup", ttl=30, task_id="t-1", redelivery_window=60)
+    assert not isinstance(again.enter(REPLACE), Run)  # a duplicate: not a newer call
+    assert again.completed_before is True
+    assert running.refresh()  # untouched
+    running.release()
+    fresh = Claim(r, "dup", ttl=30, task_id="t-3", redelivery_window=60)
+    assert fresh.replace() and fresh.completed_before is False
+    fresh.release()

@@ -556,8 +556,11 @@ class ClaimState(LeaseState):
             name=self.name,
         )
 
-    def _took(self, token: str, res: list[Any], sent: float, takeover: bool = False) -> bool:
-        # ``takeover``: the answer of TAKEOVER or REPLACE, which do not read a done marker.
+    def _took(
+        self, token: str, res: list[Any], sent: float, takeover: bool = False, replace: bool = False
+    ) -> bool:
+        # ``takeover``: TAKEOVER's answer, which does not read a done marker; REPLACE's
+        # reads it as ACQUIRE's does.
         """Take in the answer of an ACQUIRE (or a TAKEOVER) sent at ``sent``: True if the
         claim is ours."""
         if int(res[0]) == 1:
@@ -835,7 +838,7 @@ class Claim(ClaimState):
         if late is not None:
             self._give_back(token, res, _LATE, late)
             raise self._late_error(late)
-        if not self._took(token, res, sent, takeover or replace):
+        if not self._took(token, res, sent, takeover, replace):
             return False
         if self.heartbeat:
             _heartbeat().add(self)

@@ -665,7 +665,11 @@ class LeaseCalls:
         args: list[Any] = [token, o.ttl_ms, record, o.max_records, task_id, o.idle_ms, why, ended]
         if o.cooldown_ms:
             keys += (k.skips, self._cooldown)
-            args.append(cooldown_reason)
+        args.append(cooldown_reason if o.cooldown_ms else "")
+        if self.asks_done(task_id):
+            # A duplicate delivery of a task id whose run ended ok replaces nobody.
+            keys += (k.done(task_id),)
+            args.append("1")
         return REPLACE, keys, args
 
     def release_call(

@@ -883,10 +883,15 @@ return {1, minted}
 # ARGV[8] JSON of the replaced run's "finished" record (outcome "lost"), written here so
 #         that it holds even when the holder is dead; "" to record nothing
 # ARGV[9] (optional) the skip reason to record while the cooldown key lives, checked
-#         only when the name is free, as TAKEOVER does
-# returns {1, fence, the replaced token or ""}   when the claim is ours (also when
-#                                               ARGV[1] already holds it)
-#         {0, holder token, pttl ms, holder fence, 0, 0}   an earlier attempt of this task
+#         only when the name is free, as TAKEOVER does ("" for none)
+# ARGV[10] (optional) "1" when KEYS[#KEYS] is the done marker of ARGV[5]'s task id (see
+#         RELEASE): a run of it that already ended ok replaces nobody (a duplicate
+#         delivery), and every answer says whether the marker exists
+# returns {1, fence, 0}   when the claim is ours (also when ARGV[1] already holds it);
+#         {1, fence, 0, done} with ARGV[10]
+#         {0, holder token, pttl ms, holder fence, 0, 0}   an earlier attempt of this
+#                                               task, or (with ARGV[10], then done) a
+#                                               task id whose run ended ok
 #         {2, "", cooldown pttl ms, fence, consecutive skips, 0}   as ACQUIRE's
 #         an error reply naming KEYS[3] (not a stream) or KEYS[2] (not a fence); nothing
 #         is written then
@@ -901,14 +906,22 @@ REPLACE = Script(
 local idle = tonumber(ARGV[6])
 local holder = redis.call('GET', KEYS[1])
 local last_fence = redis.call('GET', KEYS[2]) or '0'
+local done
+if ARGV[10] == '1' then done = redis.call('EXISTS', KEYS[#KEYS]) end
+local function granted(fence)
+  if done then return {1, fence, 0, done} end
+  return {1, fence, 0}
+end
 if holder == ARGV[1] then
   if not fence_ok(last_fence) then return not_a_fence(KEYS[2]) end
-  return {1, last_fence, ''}
+  return granted(last_fence)
 end
 if holder then
   local _, _, _, task_id = string.match(holder, TOKEN_PATTERN)
-  if ARGV[5] ~= '' and task_id == ARGV[5] then
-    return {0, holder, redis.call('PTTL', KEYS[1]), last_fence, 0, 0}
+  if (ARGV[5] ~= '' and task_id == ARGV[5]) or done == 1 then
+    local busy = {0, holder, redis.call('PTTL', KEYS[1]), last_fence, 0, 0}
+    if done then busy[7] = done end
+    return busy
   end
 elseif ARGV[9] and ARGV[9] ~= '' then
   local recently = ran_recently({cooldown = KEYS[6], runs = KEYS[3], skips = KEYS[5],
@@ -938,7 +951,7 @@ if ARGV[3] ~= '' then
              'event', 'started', 'token', ARGV[1], 'fence', minted, 'r', ARGV[3])
 end
 touch(idle, KEYS[3])
-return {1, minted, holder or ''}
+return granted(minted)
 """,
 )
 

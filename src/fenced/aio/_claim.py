@@ -140,7 +140,7 @@ class Claim(ClaimState):
                     extra=self.log_fields("unavailable"),
                 )
             raise self._late_error(late)
-        if not self._took(token, res, sent, replace):
+        if not self._took(token, res, sent, replace=replace):
             return False
         if self.heartbeat:
             renewer().add(self)
