@@ -257,6 +257,38 @@ def gated_rerun_layers(self: Any, key: str, layer: str) -> Any:
     return _gated(self, key, layer=layer)
 
 
+@app.task(
+    base=ClaimedTask, bind=True, name="t.replace", claim="replace:{key}", claim_on_busy="replace"
+)
+def gated_replace(self: Any, key: str) -> Any:
+    """Replace policy: publish under the run's fence, then wait for the gate. A run that a
+    newer one replaced is interrupted; it then writes once more (after the newer run
+    published), as a run that keeps writing would, and notes the refusal."""
+    from fenced import ClaimLost, StaleFence
+    from fenced.store import RedisPointer
+
+    r = obs()
+    n = r.rpush(f"runs:{key}", json.dumps({"task_id": self.request.id})) - 1
+    pointer = RedisPointer(os.environ["FENCED_REDIS_URL"], f"replace:{key}")
+    fence = self.claim.fence
+    pointer.swap(f"run-{n}", fence=fence)
+    note(f"published:{key}", n=n, fence=fence)
+    try:
+        while not r.exists(f"gate:{key}:{n}"):
+            time.sleep(0.05)  # no check(): the interruption stops it
+    except ClaimLost:
+        while len(r.lrange(f"published:{key}", 0, -1)) <= n + 1:
+            time.sleep(0.02)
+        try:
+            pointer.swap(f"late-{n}", fence=fence)
+            note(f"late:{key}", n=n, refused=False)
+        except StaleFence:
+            note(f"late:{key}", n=n, refused=True)
+        raise
+    note(f"ends:{key}", n=n, task_id=self.request.id)
+    return {"status": "ok", "run": n}
+
+
 @app.task(base=ClaimedTask, bind=True, name="t.retry", claim="gated:{key}", claim_on_busy="retry")
 def gated_retry(self: Any, key: str) -> Any:
     """Retry policy: wait for the holder's lease, then run."""

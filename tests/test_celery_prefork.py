@@ -353,6 +353,29 @@ def test_rerun_policy_coalesces_triggers_into_one_more_run(cel: Cel) -> None:
     assert read_holder(cel.locks, f"gated:{k}") is None
 
 
+def test_replace_policy_stops_the_running_task_and_refuses_its_late_write(cel: Cel) -> None:
+    from fenced.store import RedisPointer
+
+    k = key()
+    old = cel.send("t.replace", k)
+    wait_for("the first run to publish", lambda: len(notes(cel.obs, f"published:{k}")) == 1)
+    new = cel.send("t.replace", k)  # takes the claim over at once
+    wait_for("the newer run to publish", lambda: len(notes(cel.obs, f"published:{k}")) == 2)
+    with pytest.raises(ClaimLost):
+        old.get(timeout=WAIT)  # interrupted at its next renewal
+    late = [(n["n"], n["refused"]) for n in notes(cel.obs, f"late:{k}")]
+    assert late == [(0, True)]  # its write after the takeover: refused as stale
+    _open_gate(cel, k, 1)
+    assert new.get(timeout=WAIT)["status"] == "ok"
+    runs = {run.task_id: run for run in cel.history(f"replace:{k}")}
+    assert runs[old.id].outcome == "lost", runs[old.id]
+    assert (runs[old.id].reason or "").startswith("replaced by "), runs[old.id]
+    assert runs[new.id].outcome == "ok"
+    assert runs[new.id].fence > runs[old.id].fence  # type: ignore[operator]
+    published = RedisPointer(cel.locks, f"replace:{k}").read()
+    assert published is not None and published.target == "run-1"
+
+
 def test_a_completed_task_sent_again_while_its_name_is_held_is_ignored(cel: Cel) -> None:
     """Busy or not, a delivery of a task id that ran to the end is a duplicate: no skip
     result over the stored one, no rerun asked of the holder."""

@@ -456,7 +456,7 @@ def test_usage_mistakes_get_one_clean_line(url: str) -> None:
     res = fenced(url, "run", "--on-busy", "skipp", "x", "--", "true")
     assert res.returncode == 2
     text = flat(res.stderr)
-    assert "'skipp' is not one of skip, wait, raise; did you mean skip?" in text, text
+    assert "'skipp' is not one of skip, wait, raise, replace; did you mean skip?" in text, text
     assert "Value error" not in text
     for cmd in (["run", "x", "--", "true"], ["ls"]):
         res = fenced(url, *cmd[:1], "--redis", url + "?socket_timout=3", *cmd[1:])

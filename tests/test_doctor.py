@@ -724,3 +724,27 @@ def test_a_redelivery_window_shorter_than_the_visibility_timeout_is_an_error() -
     assert severity_of(found, "celery.redelivery-window") == "error"
     finding = next(f for f in found if f.code == "celery.redelivery-window")
     assert "t.once" in finding.what and "fenced_claim_redelivery_window = 14400" in finding.fix
+
+
+def test_replace_with_enqueue_until_finished_is_flagged_as_contradictory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("FENCED_REDIS_URL", raising=False)
+    app = make_app(**GOOD_CONF)
+
+    @app.task(
+        base=ClaimedTask,
+        shared=False,
+        name="t.newest",
+        claim="newest:{a}",
+        claim_on_busy="replace",
+        claim_enqueue="until_finished",
+        time_limit=3600,
+    )
+    def newest(a: str) -> str:
+        return a
+
+    found = check_celery(app)
+    (refused,) = [f for f in found if f.code == "celery.task-refused"]
+    assert refused.severity == "error"
+    assert "claim_on_busy='replace' contradicts claim_enqueue='until_finished'" in refused.what

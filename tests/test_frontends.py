@@ -4,8 +4,9 @@ Each front end (``with Claim``, ``async with aio.Claim``, ``@exclusive`` on a pl
 on a coroutine function, ``ClaimedTask`` and ``fenced run``) is driven through the
 same cases against a real Redis:
 
-- busy, under each busy policy it accepts: skip, wait, raise, retry, rerun;
+- busy, under each busy policy it accepts: skip, wait, raise, retry, rerun, replace;
 - a policy it refuses is refused when the work is defined, naming the ones it has;
+  ``replace`` with a limit above 1 too;
 - the work raises: ``failed``; it returns: ``ok``;
 - its lease vanished while it ran and it returned: ``lost``, and ClaimLost;
 - its claim was lost mid-run: ClaimLost (or the work interrupted), ``lost``.
@@ -231,10 +232,15 @@ def _run(r: Any, server: RedisServer, name: str, does: str, on_busy: str) -> Any
 FRONTENDS = [
     Frontend("with Claim", ("raise",), _claim),
     Frontend("async with aio.Claim", ("raise",), _aio_claim),
-    Frontend("@exclusive", ("skip", "wait", "raise"), _exclusive, ("retry", "rerun")),
-    Frontend("@exclusive async", ("skip", "wait", "raise"), _exclusive_async, ("retry", "rerun")),
-    Frontend("ClaimedTask", ("skip", "rerun", "retry", "raise"), _task, ("wait",)),
-    Frontend("fenced run", ("skip", "wait", "raise"), _run, ("retry", "rerun")),
+    Frontend("@exclusive", ("skip", "wait", "raise", "replace"), _exclusive, ("retry", "rerun")),
+    Frontend(
+        "@exclusive async",
+        ("skip", "wait", "raise", "replace"),
+        _exclusive_async,
+        ("retry", "rerun"),
+    ),
+    Frontend("ClaimedTask", ("skip", "rerun", "retry", "raise", "replace"), _task, ("wait",)),
+    Frontend("fenced run", ("skip", "wait", "raise", "replace"), _run, ("retry", "rerun")),
 ]
 
 
@@ -291,6 +297,15 @@ def test_busy_under_each_policy_it_accepts(
         assert ended.error is None and ended.exit in (None, 0), ended
         assert _outcomes(r, name)[0] == "ok"  # the work ran, once the holder let go
         return
+    if policy == "replace":
+        # The work ran at once; the holder's run ended lost, naming it.
+        assert ended.error is None and ended.exit in (None, 0), ended
+        newest, replaced = records.history(r, name)[:2]
+        assert newest.outcome == "ok", newest
+        assert replaced.outcome == "lost" and (replaced.reason or "").startswith("replaced by ")
+        assert holder.release() is False  # its lease was taken: nothing of it to give back
+        assert _outcomes(r, name)[:2] == ["ok", "lost"]
+        return
     # The work did not run and the holder's lease is untouched.
     assert r.get(ClaimKeys.of(name).lock) == held
     if policy == "raise":
@@ -322,6 +337,48 @@ def test_a_policy_it_refuses_is_refused_when_the_work_is_defined(
         return
     with pytest.raises(ConfigError, match=rf"on_busy={policy!r} is not one of: .*'skip'"):
         fe.define(r, redis_server, name, OK, policy)
+
+
+def _define_limited(fe: Frontend, r: Any, redis_server: RedisServer, name: str) -> Any:
+    """Define the work with on_busy replace and a limit of 2."""
+    if fe.name.startswith("@exclusive"):
+        return exclusive(name, redis=r, ttl=TTL, on_busy="replace", limit=2)(lambda: None)
+    if fe.name == "ClaimedTask":
+        from celery import Celery
+
+        from fenced.celery import ClaimedTask
+
+        app = Celery("contract-limit", set_as_current=False, broker="memory://")
+        app.conf.fenced_redis_url = redis_server.url
+
+        @app.task(
+            shared=False, base=ClaimedTask, claim=name, claim_on_busy="replace", claim_limit=2
+        )
+        def job() -> None:
+            pass
+
+        app.finalize()
+        return job
+    argv = [sys.executable, "-m", "fenced", "run", "--redis", redis_server.url]
+    argv += ["--on-busy", "replace", "--limit", "2", name, "--", "true"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+
+
+@pytest.mark.parametrize(
+    "fe", [pytest.param(fe, id=fe.name) for fe in FRONTENDS if "replace" in fe.accepts]
+)
+def test_replace_with_a_limit_above_one_is_refused_when_the_work_is_defined(
+    fe: Frontend, r: Any, redis_server: RedisServer
+) -> None:
+    name = _name(fe)
+    if fe.name == "fenced run":
+        done = _define_limited(fe, r, redis_server, name)
+        assert done.returncode == 2 and "ambiguous" in done.stderr, done
+        assert not r.exists(ClaimKeys.of(name).lock)
+        return
+    with pytest.raises(ConfigError, match=r"on_busy='replace' needs a limit of 1.*ambiguous"):
+        _define_limited(fe, r, redis_server, name)
 
 
 # -- how the work ended ----------------------------------------------------------------

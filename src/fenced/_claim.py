@@ -35,6 +35,7 @@ from ._errors import ClaimLost, ClaimUnavailable, ConfigError, FencedError, NotO
 from ._guard import (
     COOLDOWN_REASON,
     RAISE,
+    REPLACED,
     RUN,
     SKIP_REASON,
     SKIP_RERUN_REASON,
@@ -63,6 +64,7 @@ from ._lease import (
     fence_or_none,
     int_or_none,
     new_token,
+    short_token,
     why_unreachable,
 )
 from ._options import ClaimOptions
@@ -377,6 +379,7 @@ class ClaimState(LeaseState):
                 self.options.idle_ms,
                 self.replicas,
                 self.options.replica_ms,  # the heartbeat keeps it below its socket timeout
+                self.keys.replaced if self.limit == 1 else "",
             )
 
     def _snapshot(self) -> Snapshot:
@@ -410,7 +413,7 @@ class ClaimState(LeaseState):
         if lease is None:
             lease = self._snapshot()
         held_for = self._clock() - lease.started_at
-        cause = _CAUSES.get(reason, reason)
+        cause = "replaced" if reason.startswith(REPLACED) else _CAUSES.get(reason, reason)
         self._emit_held("lost", None, cause, held_for if held_for > 0.0 else 0.0, lease[:3])
 
     def _stop_work(self) -> None:
@@ -454,6 +457,22 @@ class ClaimState(LeaseState):
         return self._store.acquire_call(
             token, self._started(), skip, trigger, self.task_id, COOLDOWN_REASON, self._queued_op
         )
+
+    def _replace_call(self, token: str) -> Call:
+        """REPLACE for one try under ``token``: its note names this run to the holder."""
+        why = f"{REPLACED} {short_token(token)} ({Holder.parse(token)})"
+        return self._store.replace_call(
+            token, self._started(), self.task_id or "", why, COOLDOWN_REASON
+        )
+
+    def _check_replace(self) -> None:
+        # REPLACE takes the plain lease key: which of several slots to take is not known.
+        if self.limit > 1:
+            raise ConfigError(
+                f"replace works on a claim of limit 1 only (this one has limit={self.limit}): "
+                "which of the running holders a new run would replace is ambiguous",
+                name=self.name,
+            )
 
     def _takeover_call(self, token: str) -> Call:
         """TAKEOVER for one try under ``token`` (a free name within the cooldown window is
@@ -537,7 +556,11 @@ class ClaimState(LeaseState):
             name=self.name,
         )
 
-    def _took(self, token: str, res: list[Any], sent: float, takeover: bool = False) -> bool:
+    def _took(
+        self, token: str, res: list[Any], sent: float, takeover: bool = False, replace: bool = False
+    ) -> bool:
+        # ``takeover``: TAKEOVER's answer, which does not read a done marker; REPLACE's
+        # reads it as ACQUIRE's does.
         """Take in the answer of an ACQUIRE (or a TAKEOVER) sent at ``sent``: True if the
         claim is ours."""
         if int(res[0]) == 1:
@@ -778,12 +801,18 @@ class Claim(ClaimState):
             self._sleep(self._retry_wait(self._clock(), give_up))
 
     def _try_acquire(
-        self, record_skip: bool, mark_rerun: bool | str = False, takeover: bool = False
+        self,
+        record_skip: bool,
+        mark_rerun: bool | str = False,
+        takeover: bool = False,
+        replace: bool = False,
     ) -> bool:
         token = new_token(self.task_id)
         sent = self._clock()
         try:
-            if takeover:
+            if replace:
+                res = self._store.grant(self._replace_call(token))
+            elif takeover:
                 res = self._store.grant(self._takeover_call(token))
             else:
                 res = self._store.grant(self._acquire_call(token, record_skip, mark_rerun))
@@ -809,11 +838,26 @@ class Claim(ClaimState):
         if late is not None:
             self._give_back(token, res, _LATE, late)
             raise self._late_error(late)
-        if not self._took(token, res, sent, takeover):
+        if not self._took(token, res, sent, takeover, replace):
             return False
         if self.heartbeat:
             _heartbeat().add(self)
         return True
+
+    def replace(self) -> bool:
+        """Take the claim now, from whoever holds it (``on_busy="replace"``): the newest
+        run wins, with a fence above the holder's, never waiting for it.
+
+        The holder's run is recorded ``lost`` ("replaced by" this run), and the holder
+        learns it at its next renewal (``ClaimLost``, as any lost claim). A free name is
+        taken as :meth:`acquire` takes it (not within a cooldown window: then False and
+        ``ran_recently``); a holder carrying this claim's own task id (an earlier attempt
+        of the same task) is not replaced: then False, and ``holder`` says who has it.
+        Limit 1 only.
+        """
+        self._check_acquire(None)
+        self._check_replace()
+        return self._try_acquire(False, replace=True)
 
     def take_over(self) -> bool:
         """Take the lease an earlier attempt of this task id kept for it (``hand_over``).
@@ -912,11 +956,11 @@ class Claim(ClaimState):
         except UNREACHABLE as exc:
             self.retry_soon()
             raise self._refresh_unavailable(exc) from exc
-        if ok:
+        if ok is True:
             self.renewed(sent, token)
             self.renewal_event(self._clock() - sent)
             return self.held
-        self.renewal_refused(token)
+        self.renewal_refused(token, ok or None)
         return False
 
     # -- release ----------------------------------------------------------------------
@@ -966,7 +1010,10 @@ class Claim(ClaimState):
         """
         blocking, timeout = self._acquire_as(policy)
         rerun = trigger if policy.asks_rerun else False
-        if self.acquire(blocking, timeout, request_rerun=rerun):
+        if policy.replaces:
+            if self.replace():
+                return RUN
+        elif self.acquire(blocking, timeout, request_rerun=rerun):
             return RUN
         if self._kept_for_us() and self.take_over():
             return TAKEN_OVER

@@ -28,7 +28,7 @@ from typing import Any, TypeVar, cast
 from ._claim import Claim
 from ._client import connect, connect_async, parse_url
 from ._errors import ConfigError
-from ._guard import Run, Skip, Skipped, accepted, busy_policy
+from ._guard import Run, Skip, Skipped, accepted, busy_policy, check_replace
 from ._naming import Namer, NameSource, bounded_label
 from ._options import ClaimOptions
 
@@ -100,8 +100,10 @@ def exclusive(
     ...), checked here. With ``cooldown`` (seconds), calls within that long after a run
     that returned are skipped ("ran recently"), whatever ``on_busy`` says but ``raise``.
     With ``limit``, up to that many calls of one name run at once (each with a fence of
-    its own). ``secret_key`` keys the digests of template fields marked secret
-    (``{key:secret}``); without it, the ``FENCED_SECRET_KEY`` environment variable.
+    its own). ``on_busy="replace"`` takes the claim over from a running call, which
+    stops as lost at its next renewal (limit 1 only). ``secret_key`` keys the digests
+    of template fields marked secret (``{key:secret}``); without it, the
+    ``FENCED_SECRET_KEY`` environment variable.
     ``label`` names this kind of claim in :mod:`fenced.events` and log fields (default:
     the template, or the name callable's ``__qualname__``).
     """
@@ -112,6 +114,7 @@ def exclusive(
             "(seconds to wait for the holder before raising ClaimHeld)"
         )
     opts = ClaimOptions.of({"records": True, **options}, where="exclusive()")
+    check_replace(policy, opts.limit, "exclusive()")
     async_client = _async_client(redis, opts.replicas)
     # A URL serves both kinds of function; a redis.asyncio client only coroutines.
     client = None if async_client is not None and not isinstance(redis, str) else _client(redis)

@@ -30,6 +30,7 @@ from ._redact import REASON_MAX, exception_text, redact
 __all__ = [
     "COOLDOWN_REASON",
     "ON_BUSY",
+    "REPLACED",
     "RUN",
     "TAKEN_OVER",
     "BusyPolicy",
@@ -40,6 +41,7 @@ __all__ = [
     "Skipped",
     "busy_error",
     "busy_policy",
+    "check_replace",
     "ended_as",
     "is_skipped",
     "lost_error",
@@ -52,6 +54,8 @@ SKIP_REASON = "already running"
 SKIP_RERUN_REASON = "already running; rerun requested"
 #: Reason recorded for a trigger within a cooldown window after a run that ended ok.
 COOLDOWN_REASON = "ran recently"
+#: How the reason of a run that a newer one took the claim from begins.
+REPLACED = "replaced by"
 #: Why a wait ended without the claim.
 GAVE_UP_REASON = "gave up waiting"
 #: Added to a holder's remaining lease before retrying, so the retry finds it gone.
@@ -232,6 +236,8 @@ class BusyPolicy:
     blocks: ClassVar[bool] = False
     #: A loser asks the holder for one more run after its own.
     asks_rerun: ClassVar[bool] = False
+    #: Acquire by taking the claim over from its holder (``Claim.replace``).
+    replaces: ClassVar[bool] = False
     timeout: float | None = None
 
     def on_busy(self, claim: Seen) -> Action:
@@ -288,6 +294,16 @@ class RerunPolicy(BusyPolicy):
         return Skip(Skipped.of(claim, SKIP_RERUN_REASON))
 
 
+class ReplacePolicy(BusyPolicy):
+    name, help = "replace", "take the claim over; the holder's run stops as lost"
+    replaces = True
+
+    def decide(self, claim: Seen) -> Action:
+        # Replace takes any holder but an earlier attempt of this very task (handled by
+        # on_busy) and a lease whose value cannot be read: busy then.
+        return Refuse(busy_error(claim), SKIP_REASON)
+
+
 class RetryPolicy(BusyPolicy):
     name, help = "retry", "retry after the holder's lease"
 
@@ -304,7 +320,8 @@ class RaisePolicy(BusyPolicy):
 
 #: Every busy policy, in the order errors list them.
 POLICIES: Mapping[str, type[BusyPolicy]] = {
-    p.name: p for p in (SkipPolicy, WaitPolicy, RerunPolicy, RetryPolicy, RaisePolicy)
+    p.name: p
+    for p in (SkipPolicy, WaitPolicy, RerunPolicy, RetryPolicy, RaisePolicy, ReplacePolicy)
 }
 #: Every busy policy, and what it does.
 ON_BUSY: Mapping[str, str] = {name: p.help for name, p in POLICIES.items()}
@@ -343,6 +360,33 @@ def busy_policy(
     elif value in ("retry", "rerun"):
         extra = f"; {value!r} needs a task queue (fenced.celery.ClaimedTask)"
     raise ConfigError(f"{prefix}{option}={value!r} is not one of: {choices}{extra}")
+
+
+def check_replace(
+    policy: BusyPolicy,
+    limit: int,
+    where: str = "",
+    enqueue: Any = None,
+    option: str = "on_busy",
+) -> None:
+    """Refuse ``replace`` where it cannot say what it would do (at definition time)."""
+    if not policy.replaces:
+        return
+    prefix = f"{where}: " if where else ""
+    if limit > 1:
+        raise ConfigError(
+            f"{prefix}{option}='replace' needs a limit of 1 (this one has limit={limit}): "
+            "with several holders at once, which running one a new run replaces is "
+            "ambiguous. Use limit=1, or another busy policy"
+        )
+    if enqueue == "until_finished":
+        # until_started is not: a call made while the run runs is published, and replaces it.
+        raise ConfigError(
+            f"{prefix}claim_on_busy='replace' contradicts claim_enqueue='until_finished': "
+            "a call made while a run runs is dropped at enqueue, so it never replaces "
+            "that run. Use claim_enqueue='until_started' (or none) to let the newest call "
+            "win, or another busy policy"
+        )
 
 
 # -- how the work ended ----------------------------------------------------------------

@@ -57,7 +57,8 @@ from . import events
 from ._audit import claim_fields
 from ._client import is_cluster, node_client, refresh_slots
 from ._lease import UNREACHABLE
-from ._scripts import REFRESH, run_pipeline
+from ._printable import readable
+from ._scripts import REFRESH, Call, run_pipeline
 
 __all__ = ["Heartbeat", "Renewable", "Renewal", "heartbeat"]
 
@@ -78,6 +79,23 @@ class Renewal(NamedTuple):
     #: Replicas that must acknowledge each renewal (WAIT), and how long to wait for them.
     replicas: int = 0
     replica_timeout_ms: int = 0
+    #: The name's replaced notes (REPLACE writes them), read by a refused renewal.
+    notes: str = ""
+
+
+def refresh_call(lease: Renewal) -> Call:
+    """REFRESH of one lease: with the name's replaced notes, a refusal says why."""
+    if lease.notes:
+        keys = [lease.key, lease.notes, *lease.lasting]
+        return REFRESH, keys, [lease.token, lease.ttl_ms, lease.idle_ms, "1"]
+    return REFRESH, [lease.key, *lease.lasting], [lease.token, lease.ttl_ms, lease.idle_ms]
+
+
+def refused_why(reply: Any) -> str | None:
+    """What a refused REFRESH said of the lease's loss (REPLACE's note), if anything."""
+    if isinstance(reply, (bytes, str)):
+        return readable(reply)
+    return None
 
 
 class Renewable(Protocol):
@@ -99,8 +117,9 @@ class Renewable(Protocol):
         """A renewal's round trip took ``duration`` seconds (``error``: it failed). Told
         only while someone subscribed to :mod:`fenced.events`, after ``renewed``."""
 
-    def renewal_refused(self, token: str) -> None:
-        """The lease of ``token`` is gone or held under another token."""
+    def renewal_refused(self, token: str, why: str | None = None) -> None:
+        """The lease of ``token`` is gone or held under another token (``why``: what
+        the run that took it over noted)."""
 
     def expired(self, token: str) -> None:
         """The local deadline of ``token``'s lease passed with no renewal confirmed."""
@@ -229,10 +248,7 @@ class _Lane:
             # Each lease is judged under the token it was read with: a claim released
             # and acquired again meanwhile has a new lease.
             part = batch[start : start + BATCH]
-            calls = [
-                (REFRESH, [lease.key, *lease.lasting], [lease.token, lease.ttl_ms, lease.idle_ms])
-                for _c, lease in part
-            ]
+            calls = [refresh_call(lease) for _c, lease in part]
             # One WAIT after the batch covers every write before it on this connection,
             # for at most half the socket timeout: the replies before it stay readable.
             replicas = max(lease.replicas for _c, lease in part)
@@ -279,7 +295,7 @@ class _Lane:
                     if report:
                         _tell(c.renewal_event, took, res)
                 elif res != 1:
-                    _tell(c.renewal_refused, lease.token)
+                    _tell(c.renewal_refused, lease.token, refused_why(res))
                 elif lease.replicas and (isinstance(acked, Exception) or acked < lease.replicas):
                     _tell(c.retry_soon)
                 else:
@@ -298,18 +314,15 @@ class _Lane:
         sent = self._clock()
         try:
             self.round_trips += 1
-            res = REFRESH(
-                lease.client,
-                [lease.key, *lease.lasting],
-                [lease.token, lease.ttl_ms, lease.idle_ms],
-            )
+            script, keys, args = refresh_call(lease)
+            res = script(lease.client, keys, args)
         except Exception as exc:
             refresh_failed(c, exc)
             refresh_slots(lease.client)
             failed([(c, lease)], self._clock() - sent, exc)
             return
         if res != 1:
-            _tell(c.renewal_refused, lease.token)
+            _tell(c.renewal_refused, lease.token, refused_why(res))
         elif lease.replicas:
             _tell(c.retry_soon)  # acknowledged by replicas only in a pipelined round
         else:

@@ -144,9 +144,10 @@ class LeaseState:
             if self._state == HELD:
                 self._next_refresh = self._clock() + self.refresh_every * RETRY_SHARE
 
-    def renewal_refused(self, token: str) -> None:
-        """The lease of ``token`` is gone or held under another token."""
-        self._declare_lost(self.taken_reason, token)
+    def renewal_refused(self, token: str, why: str | None = None) -> None:
+        """The lease of ``token`` is gone or held under another token (``why``: what
+        the run that took it over noted, e.g. "replaced by ...")."""
+        self._declare_lost(why or self.taken_reason, token)
 
     def expired(self, token: str) -> None:
         """The local deadline of ``token``'s lease passed with no renewal confirmed."""

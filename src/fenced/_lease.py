@@ -16,6 +16,7 @@ Everything that talks to Redis about a lease goes through here:
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -38,6 +39,7 @@ from ._scripts import (
     HANDOVER,
     REFRESH,
     RELEASE,
+    REPLACE,
     TAKEOVER,
     TOKEN_PATTERN,
     Call,
@@ -286,6 +288,12 @@ class ClaimKeys:
     def slots(self) -> str:
         """A hash of each slot's fence, and the limit the name was last acquired with."""
         return self._key("slots")
+
+    @property
+    def replaced(self) -> str:
+        """Why each replaced holder lost its lease (``on_busy="replace"``): a hash from the
+        start of its token, read by that holder's next renewal."""
+        return self._key("replaced")
 
     @property
     def cooldown(self) -> str:
@@ -638,8 +646,31 @@ class LeaseCalls:
     def refresh_call(self, token: str, slot: int = 0) -> Call:
         """REFRESH of ``token``'s lease (and the name's lasting keys); 1 when extended."""
         lease, idle_ms = self.keys.slot(slot), self.opts.idle_ms
-        keys = [lease, *self._lasting] if idle_ms else [lease]
-        return REFRESH, keys, [token, self.opts.ttl_ms, idle_ms]
+        lasting = self._lasting if idle_ms else ()
+        if self.limit == 1:
+            # A refusal then says so when a newer run replaced this one (REPLACE).
+            keys = [lease, self.keys.replaced, *lasting]
+            return REFRESH, keys, [token, self.opts.ttl_ms, idle_ms, "1"]
+        return REFRESH, [lease, *lasting], [token, self.opts.ttl_ms, idle_ms]
+
+    def replace_call(
+        self, token: str, record: str, task_id: str, why: str, cooldown_reason: str
+    ) -> Call:
+        """REPLACE: take the name over from its holder (``why`` is noted for it), or a
+        free name outside a cooldown window; read as ACQUIRE's."""
+        k = self.keys
+        keys: tuple[str, ...] = (k.lock, k.fence, k.runs, k.replaced)
+        o = self.opts
+        ended = json.dumps({"reason": why}) if record else ""
+        args: list[Any] = [token, o.ttl_ms, record, o.max_records, task_id, o.idle_ms, why, ended]
+        if o.cooldown_ms:
+            keys += (k.skips, self._cooldown)
+        args.append(cooldown_reason if o.cooldown_ms else "")
+        if self.asks_done(task_id):
+            # A duplicate delivery of a task id whose run ended ok replaces nobody.
+            keys += (k.done(task_id),)
+            args.append("1")
+        return REPLACE, keys, args
 
     def release_call(
         self,
@@ -795,6 +826,13 @@ def corrupt_key_error(
     )
 
 
+def refreshed(reply: Any) -> bool | str:
+    """A REFRESH answer: True when extended, else False or REPLACE's note of why."""
+    if isinstance(reply, (bytes, str)):
+        return readable(reply)
+    return int(reply) == 1
+
+
 def released(res: Any) -> tuple[bool, str, list[str]]:
     """A RELEASE answer: (our token held the lease, the outcome recorded, reruns taken)."""
     if len(res) > 3:
@@ -846,15 +884,17 @@ class LeaseStore(LeaseCalls):
         wait = (self.opts.replicas, self.opts.replica_ms)
         return run_replicated(self.client, self.keys.lock, (script, keys, args), wait)
 
-    def refresh(self, token: str, slot: int = 0) -> bool:
-        """Extend the lease if ``token`` still holds it (and keep the name's lasting keys)."""
+    def refresh(self, token: str, slot: int = 0) -> bool | str:
+        """Extend the lease if ``token`` still holds it (and keep the name's lasting keys):
+        True when extended; when not, False, or why when a newer run replaced it."""
         call = self.refresh_call(token, slot)
         if self.opts.replicas:
             reply, acked = self.replicated(*call)
-            if int(reply) == 1 and acked < self.opts.replicas:
+            if reply == 1 and acked < self.opts.replicas:
                 raise NotReplicated(acked)
-            return int(reply) == 1
-        return int(self.send(call)) == 1
+        else:
+            reply = self.send(call)
+        return refreshed(reply)
 
     def release(self, call: Call, *, wait: bool = True) -> tuple[bool, str, list[str]]:
         """Send RELEASE: (our token held the lease, the outcome recorded, reruns taken).

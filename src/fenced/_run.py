@@ -43,7 +43,7 @@ from typing import Any
 
 from ._claim import Claim
 from ._errors import ClaimUnavailable, ConfigError
-from ._guard import BusyPolicy, Run, Skip, accepted, busy_policy
+from ._guard import BusyPolicy, Run, Skip, accepted, busy_policy, check_replace
 from ._lease import IDLE_TTL
 from ._naming import SECRET_KEY_ENV, check_secret_key, hash_value, secret_digest
 from ._options import DEFAULT, ClaimOptions, refuse_unknown
@@ -170,6 +170,7 @@ class RunOptions:
                 f"--ttl {self.options.ttl!r} must be at least {MIN_TTL}s, e.g. --ttl 30 or "
                 "--ttl 10m"
             )
+        check_replace(self.policy, self.options.limit, option="--on-busy")
 
 
 class _Interrupted(Exception):

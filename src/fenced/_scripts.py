@@ -34,6 +34,7 @@ __all__ = [
     "RECORD",
     "REFRESH",
     "RELEASE",
+    "REPLACE",
     "RERUN_SENT",
     "TAKEOVER",
     "TOKEN_PATTERN",
@@ -489,17 +490,26 @@ return lose(holders[pick], redis.call('PTTL', slots[pick]),
 # REFRESH
 # KEYS[1] lock   KEYS[2..] (optional) the name's lasting keys, to keep while it is held
 # ARGV[1] token  ARGV[2] ttl in ms  ARGV[3] (optional) idle expiry in ms (0 = never)
-# returns 1 when the lease was extended, 0 when the token no longer holds it
+# ARGV[4] (optional) "1" when KEYS[2] is the name's replaced notes (see REPLACE): the
+#         lasting keys then start at KEYS[3]
+# returns 1 when the lease was extended, 0 when the token no longer holds it, or the
+#         reason REPLACE noted for this token when another run took the lease over
 REFRESH = Script(
     "refresh",
     _TOUCH
     + """
+local first = 2
+if ARGV[4] == '1' then first = 3 end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   local idle = tonumber(ARGV[3] or '0')
-  if idle > 0 then
-    touch(idle, unpack(KEYS, 2))
+  if idle > 0 and #KEYS >= first then
+    touch(idle, unpack(KEYS, first))
   end
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+if first == 3 then
+  local why = redis.call('HGET', KEYS[2], string.sub(ARGV[1], 1, 32))
+  if why then return why end
 end
 return 0
 """,
@@ -854,6 +864,94 @@ if ARGV[3] ~= '' then
 end
 touch(idle, KEYS[3])
 return {1, minted}
+""",
+)
+
+# REPLACE: take the name over from whoever holds it (``on_busy="replace"``): the newest
+#          run wins at once, never waiting for the holder, minting a fence above the
+#          holder's as ACQUIRE does (_MINT). Limit 1 only: the plain lease key.
+# KEYS[1] lock   KEYS[2] fence   KEYS[3] runs   KEYS[4] replaced notes (a hash: the first
+#         32 characters of a replaced token -> why, read by that token's REFRESH)
+# KEYS[5] (with ARGV[9]) skips   KEYS[6] (with ARGV[9]) cooldown
+# ARGV[1] token  ARGV[2] ttl in ms
+# ARGV[3] JSON of the "started" run record, or "" to record nothing
+# ARGV[4] maximum length of the runs stream
+# ARGV[5] the caller's task id, or "": a holder carrying the same task id is an earlier
+#         attempt of this very task (a redelivery), never replaced
+# ARGV[6] idle expiry of the name's lasting keys in ms (0 = never)
+# ARGV[7] why the holder lost its lease ("replaced by ..."), noted for its REFRESH
+# ARGV[8] JSON of the replaced run's "finished" record (outcome "lost"), written here so
+#         that it holds even when the holder is dead; "" to record nothing
+# ARGV[9] (optional) the skip reason to record while the cooldown key lives, checked
+#         only when the name is free, as TAKEOVER does ("" for none)
+# ARGV[10] (optional) "1" when KEYS[#KEYS] is the done marker of ARGV[5]'s task id (see
+#         RELEASE): a run of it that already ended ok replaces nobody (a duplicate
+#         delivery), and every answer says whether the marker exists
+# returns {1, fence, 0}   when the claim is ours (also when ARGV[1] already holds it);
+#         {1, fence, 0, done} with ARGV[10]
+#         {0, holder token, pttl ms, holder fence, 0, 0}   an earlier attempt of this
+#                                               task, or (with ARGV[10], then done) a
+#                                               task id whose run ended ok
+#         {2, "", cooldown pttl ms, fence, consecutive skips, 0}   as ACQUIRE's
+#         an error reply naming KEYS[3] (not a stream) or KEYS[2] (not a fence); nothing
+#         is written then
+REPLACE = Script(
+    "replace",
+    _TOUCH
+    + _RECORDABLE
+    + _FENCE
+    + _MINT
+    + _RAN_RECENTLY
+    + """
+local idle = tonumber(ARGV[6])
+local holder = redis.call('GET', KEYS[1])
+local last_fence = redis.call('GET', KEYS[2]) or '0'
+local done
+if ARGV[10] == '1' then done = redis.call('EXISTS', KEYS[#KEYS]) end
+local function granted(fence)
+  if done then return {1, fence, 0, done} end
+  return {1, fence, 0}
+end
+if holder == ARGV[1] then
+  if not fence_ok(last_fence) then return not_a_fence(KEYS[2]) end
+  return granted(last_fence)
+end
+if holder then
+  local _, _, _, task_id = string.match(holder, TOKEN_PATTERN)
+  if (ARGV[5] ~= '' and task_id == ARGV[5]) or done == 1 then
+    local busy = {0, holder, redis.call('PTTL', KEYS[1]), last_fence, 0, 0}
+    if done then busy[7] = done end
+    return busy
+  end
+elseif ARGV[9] and ARGV[9] ~= '' then
+  local recently = ran_recently({cooldown = KEYS[6], runs = KEYS[3], skips = KEYS[5],
+                                 fence = KEYS[2]}, ARGV[9], ARGV[3], ARGV[4], idle)
+  if recently then return recently end
+end
+-- every key written below is checked first: a wrong one stops the script unwritten
+if not fence_ok(last_fence) then return not_a_fence(KEYS[2]) end
+if ARGV[3] ~= '' then
+  local bad = unrecordable(KEYS[3])
+  if bad then return not_a_stream(KEYS[3], bad) end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+local minted = mint_fence(KEYS[2], last_fence, idle)
+if holder then
+  -- the holder learns why at its next renewal; kept past the longest it can take
+  redis.call('HSET', KEYS[4], string.sub(holder, 1, 32), ARGV[7])
+  redis.call('PEXPIRE', KEYS[4], 2 * tonumber(ARGV[2]) + 60000)
+  if ARGV[8] ~= '' then
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*',
+               'event', 'finished', 'token', holder, 'fence', last_fence,
+               'outcome', 'lost', 'r', ARGV[8], 'replaced', '1')
+  end
+end
+if ARGV[3] ~= '' then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*',
+             'event', 'started', 'token', ARGV[1], 'fence', minted, 'r', ARGV[3])
+end
+touch(idle, KEYS[3])
+return granted(minted)
 """,
 )
 

@@ -544,7 +544,8 @@ if app is not None:
                 metavar="|".join(ON_BUSY),
                 callback=_on_busy,
                 help="When another holder has the claim: skip it (exit 0), wait for it, "
-                "or raise (exit 75; 'fail' is another name for raise).",
+                "raise (exit 75; 'fail' is another name for raise), or replace it (the "
+                "holder's command is ended as lost).",
             ),
         ] = "skip",
         wait_timeout: Annotated[

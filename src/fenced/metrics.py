@@ -93,6 +93,8 @@ LOSS_CAUSES = {
     "no refresh was confirmed before the local deadline": "expired",
     "taken": "taken",
     "the lease is gone or held under another token": "taken",
+    "replaced": "replaced",
+    "replaced by": "replaced",
     "refused": "refused",
     "released elsewhere": "released_elsewhere",
     "vanished": "vanished",

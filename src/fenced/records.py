@@ -282,8 +282,11 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
         event = f.get("event")
         if event in ("finished", "released"):
             # Newest first: a run cleared by an operator and then finished by its holder
-            # (as lost) ends with the holder's own record, not the release.
-            finished.setdefault(short_token(f.get("token", "")), e)
+            # (as lost) ends with the holder's own record, not the release; a run a
+            # newer one replaced ends with what REPLACE wrote (it names that run).
+            ended = short_token(f.get("token", ""))
+            if f.get("replaced") or ended not in finished:
+                finished[ended] = e
             if event == "released":
                 act = (at, _released(name, e))
                 releases.setdefault(short_token(f.get("token", "")), act)

@@ -37,7 +37,7 @@ from .._client import require_async
 from .._errors import ConfigError
 from .._guard import RAISE, RUN, Action, BusyPolicy, Run, busy_error, lost_error, settle
 from .._held import HELD
-from .._lease import UNREACHABLE, LeaseCalls, new_token, released
+from .._lease import UNREACHABLE, LeaseCalls, new_token, refreshed, released
 from .._scripts import Call
 from ._renewer import renewer
 from ._send import call, keep, run_to_end
@@ -97,9 +97,20 @@ class Claim(ClaimState):
                 return False
             await asyncio.sleep(self._retry_wait(self._clock(), give_up))
 
-    async def _try_acquire(self, record_skip: bool, mark_rerun: bool | str) -> bool:
+    async def replace(self) -> bool:
+        """Take the claim now, from whoever holds it, as :meth:`fenced.Claim.replace`."""
+        self._check_acquire(None)
+        self._check_replace()
+        return await self._try_acquire(False, False, replace=True)
+
+    async def _try_acquire(
+        self, record_skip: bool, mark_rerun: bool | str, replace: bool = False
+    ) -> bool:
         token = new_token(self.task_id)
-        request = self._acquire_call(token, record_skip, mark_rerun)
+        if replace:
+            request = self._replace_call(token)
+        else:
+            request = self._acquire_call(token, record_skip, mark_rerun)
         sent = self._clock()
         try:
             res = list(
@@ -129,7 +140,7 @@ class Claim(ClaimState):
                     extra=self.log_fields("unavailable"),
                 )
             raise self._late_error(late)
-        if not self._took(token, res, sent):
+        if not self._took(token, res, sent, replace=replace):
             return False
         if self.heartbeat:
             renewer().add(self)
@@ -180,11 +191,12 @@ class Claim(ClaimState):
         except UNREACHABLE as exc:
             self.retry_soon()
             raise self._refresh_unavailable(exc) from exc
-        if int(ok) == 1:
+        ok = refreshed(ok)
+        if ok is True:
             self.renewed(sent, token)
             self.renewal_event(self._clock() - sent)
             return self.held
-        self.renewal_refused(token)
+        self.renewal_refused(token, ok or None)
         return False
 
     # -- release ----------------------------------------------------------------------
@@ -243,7 +255,10 @@ class Claim(ClaimState):
         (``fenced.Claim.enter``; no lease is taken over: asyncio claims keep none)."""
         blocking, timeout = self._acquire_as(policy)
         rerun = trigger if policy.asks_rerun else False
-        if await self.acquire(blocking, timeout, request_rerun=rerun):
+        if policy.replaces:
+            if await self.replace():
+                return RUN
+        elif await self.acquire(blocking, timeout, request_rerun=rerun):
             return RUN
         return policy.on_busy(self)
 

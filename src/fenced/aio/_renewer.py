@@ -38,10 +38,12 @@ from .._heartbeat import (
     Renewal,
     _tell,
     failed,
+    refresh_call,
     refresh_failed,
+    refused_why,
 )
 from .._lease import UNREACHABLE
-from .._scripts import REFRESH, Call
+from .._scripts import Call
 from ._send import call_pipeline, keep
 
 __all__ = ["Renewer", "renewer"]
@@ -192,10 +194,7 @@ class Renewer:
             # Each lease is judged under the token it was read with: a claim released
             # and acquired again meanwhile has a new lease.
             part = batch[start : start + BATCH]
-            calls: list[Call] = [
-                (REFRESH, [lease.key, *lease.lasting], [lease.token, lease.ttl_ms, lease.idle_ms])
-                for _c, lease in part
-            ]
+            calls: list[Call] = [refresh_call(lease) for _c, lease in part]
             sent = self._clock()
             self.round_trips += 1
             try:
@@ -227,7 +226,7 @@ class Renewer:
                     if report:
                         _tell(c.renewal_event, took)
                 else:
-                    _tell(c.renewal_refused, lease.token)
+                    _tell(c.renewal_refused, lease.token, refused_why(res))
         del batch  # the claims are referenced only while their round runs
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from .._client import client_from_setting, connect
 from .._errors import ConfigError
-from .._guard import BusyPolicy, accepted, busy_policy
+from .._guard import BusyPolicy, accepted, busy_policy, check_replace
 from .._lease import (
     check_cooldown,
     check_idle_ttl,
@@ -297,10 +297,12 @@ def resolve(
     values["claim_cooldown"] = claim.cooldown_seconds
     if claim.label is None and label is not None:
         claim = claim.replace(label=label)
+    policy = busy_policy(merged["claim_on_busy"], REFUSES, option="claim_on_busy")
+    check_replace(policy, claim.limit, where, merged["claim_enqueue"], "claim_on_busy")
     return TaskOptions(
         claim=claim,
         on_busy=merged["claim_on_busy"],
-        policy=busy_policy(merged["claim_on_busy"], REFUSES, option="claim_on_busy"),
+        policy=policy,
         alert_after=merged["claim_alert_after_skips"],
         on_skips_exceeded=merged["claim_on_skips_exceeded"],
         interrupt=merged["claim_interrupt"],

@@ -137,7 +137,10 @@ def _registered(app: Any) -> tuple[Mapping[str, Any], list[Finding]]:
         except ConfigError as exc:
             refuse(exc)
     for task in app._tasks.values():
-        task.bind(app)
+        try:
+            task.bind(app)  # where the options are resolved with the app's settings
+        except ConfigError as exc:
+            refuse(exc)
     return app._tasks, list(refused.values())
 
 

@@ -1,0 +1,184 @@
+"""on_busy="replace": the newest run takes the claim over, and the old one cannot write."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio
+
+from _clock import ManualClock
+from _wait import wait_for
+from fenced import Claim, ClaimLost, events, records
+from fenced._guard import POLICIES, RUN, Run
+from fenced._lease import ClaimKeys
+from fenced.aio import Claim as AioClaim
+from fenced.testing import RedisServer
+
+REPLACE = POLICIES["replace"]()
+
+
+def test_a_newer_run_takes_the_claim_over_and_the_old_one_learns_it(
+    r: Any, fake_time: ManualClock
+) -> None:
+    a = Claim(r, "rebuild:roads", ttl=3.0, clock=fake_time, records=True)
+    assert a.acquire()
+    b = Claim(r, "rebuild:roads", ttl=3.0, clock=fake_time, records=True)
+    assert b.enter(REPLACE) is RUN  # at once: no wait for the holder
+    assert a.token is not None and b.token is not None
+    a_token, b_token = a.token[:8], b.token[:8]
+    assert b.fence is not None and a.fence is not None and b.fence > a.fence
+    assert a.held  # it cannot know yet: its next renewal tells it
+    fake_time.run(1.5)  # past one refresh interval (ttl / 3)
+    assert not a.held and a.lost
+    assert a.lost_reason is not None and a.lost_reason.startswith("replaced by ")
+    assert b_token in a.lost_reason
+    with pytest.raises(ClaimLost, match="replaced by"):
+        a.check()
+    # Its release is compare-token: the newer run's lease stays, and so does its record.
+    assert a.release() is False
+    assert b.held and b.refresh()
+    runs = {run.token: run for run in records.history(r, "rebuild:roads")}
+    old, new = runs[a_token], runs[b_token]
+    assert old.outcome == "lost" and old.reason is not None
+    assert old.reason.startswith(f"replaced by {b_token} (")
+    assert new.outcome == "running"
+    b.release()
+    assert records.last(r, "rebuild:roads").outcome == "ok"
+
+
+def test_a_dead_holder_is_replaced_at_once_and_its_run_recorded_lost(r: Any) -> None:
+    dead = Claim(r, "feeds", ttl=60, heartbeat=False, records=True)  # never renews, never releases
+    assert dead.acquire()
+    assert dead.token is not None
+    dead_token = dead.token[:8]
+    b = Claim(r, "feeds", ttl=60, records=True)
+    assert b.replace()
+    assert b.fence is not None and dead.fence is not None and b.fence > dead.fence
+    (old,) = [run for run in records.history(r, "feeds") if run.token == dead_token]
+    assert old.outcome == "lost" and "replaced by" in (old.reason or "")
+    # The dead run's late renewal is refused, and says why (the "lost" event: its cause).
+    seen: list[events.ClaimEvent] = []
+    unsubscribe = events.subscribe(seen.append)
+    try:
+        assert dead.refresh() is False
+    finally:
+        unsubscribe()
+    assert "replaced by" in (dead.lost_reason or "")
+    assert [e.reason for e in seen if e.kind == "lost"] == ["replaced"]
+    b.release()
+
+
+def test_a_free_name_is_taken_as_acquire_takes_it(r: Any) -> None:
+    c = Claim(r, "free", ttl=10, records=True)
+    assert c.enter(REPLACE) is RUN
+    assert [run.outcome for run in records.history(r, "free")] == ["running"]
+    c.release()
+
+
+def test_replace_with_a_limit_above_one_is_refused(r: Any) -> None:
+    from fenced import ConfigError
+
+    c = Claim(r, "slots", ttl=10, limit=2)
+    with pytest.raises(ConfigError, match="ambiguous"):
+        c.replace()
+
+
+def test_an_earlier_attempt_of_the_same_task_is_not_replaced(r: Any) -> None:
+    first = Claim(r, "task-x", ttl=30, task_id="t-1")
+    assert first.acquire()
+    again = Claim(r, "task-x", ttl=30, task_id="t-1")
+    action = again.enter(REPLACE)
+    assert not isinstance(action, Run)
+    assert first.held and first.refresh()
+    first.release()
+
+
+def test_asyncio_claims_replace_and_learn_it(server: RedisServer) -> None:
+    async def main() -> None:
+        client = redis.asyncio.Redis.from_url(server.url)
+        try:
+            a = AioClaim(client, "aio-replace", ttl=30)
+            assert await a.acquire()
+            b = AioClaim(client, "aio-replace", ttl=30)
+            assert await b.enter(REPLACE) is RUN
+            assert await a.refresh() is False
+            assert "replaced by" in (a.lost_reason or "")
+            assert await a.release() is False
+            assert await b.refresh()
+            await b.release()
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+# -- fenced run --------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+FENCED = [sys.executable, "-m", "fenced"]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+
+
+def test_fenced_run_replace_ends_the_running_command_and_runs_the_newer(
+    server: RedisServer,
+) -> None:
+    name = "cron:replace"
+    run = [*FENCED, "run", "--redis", server.url, "--ttl", "1.5", "--on-busy", "replace"]
+    first = subprocess.Popen(
+        [*run, "--grace", "2", name, "--", sys.executable, "-c", "import time; time.sleep(120)"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    client = server.client()
+    try:
+        lock = ClaimKeys.of(name).lock
+        wait_for("the first run to hold the claim", lambda: client.exists(lock), proc=first)
+        second = subprocess.run(
+            [*run, name, "--", sys.executable, "-c", "print('newest')"],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=60,
+        )
+        assert second.returncode == 0, second.stderr
+        assert "newest" in second.stdout
+        _out, err = first.communicate(timeout=60)  # its watchdog ends the command
+        assert first.returncode == 76, err
+        assert "replaced by" in err, err
+        newest, replaced = records.history(client, name)[:2]
+        assert newest.outcome == "ok"
+        assert replaced.outcome == "lost" and (replaced.reason or "").startswith("replaced by ")
+        assert newest.token is not None and newest.token in (replaced.reason or "")
+        assert not client.exists(lock)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.communicate()
+        client.close()
+
+
+def test_a_delivery_of_a_task_id_that_already_ran_ok_replaces_nobody(r: Any) -> None:
+    done = Claim(r, "dup", ttl=30, task_id="t-1", redelivery_window=60)
+    assert done.acquire()
+    done.release()  # ended ok: its done marker is set
+    running = Claim(r, "dup", ttl=30, task_id="t-2", redelivery_window=60)
+    assert running.acquire()
+    again = Claim(r, "dup", ttl=30, task_id="t-1", redelivery_window=60)
+    assert not isinstance(again.enter(REPLACE), Run)  # a duplicate: not a newer call
+    assert again.completed_before is True
+    assert running.refresh()  # untouched
+    running.release()
+    fresh = Claim(r, "dup", ttl=30, task_id="t-3", redelivery_window=60)
+    assert fresh.replace() and fresh.completed_before is False
+    fresh.release()
