@@ -213,9 +213,10 @@ def _shared_tasks_stay_here() -> Iterator[None]:
     included. Each test takes back the ones its blocks added."""
     import celery._state
 
-    before = set(celery._state._on_app_finalizers)
+    finalizers: set[Any] = getattr(celery._state, "_on_app_finalizers")  # noqa: B009
+    before = set(finalizers)
     yield
-    celery._state._on_app_finalizers.intersection_update(before)
+    finalizers.intersection_update(before)
 
 
 @pytest.fixture
