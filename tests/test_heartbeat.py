@@ -57,19 +57,18 @@ def test_a_short_claim_taken_while_the_scheduler_rests_after_a_round_is_renewed(
     shorter interval taken in that rest must wake it, or it would expire unrenewed."""
     client = server.client()
     hb = heartbeat()
-    # Renewed every 10 s. (Redis expires leases in real time: leases of real seconds
-    # leave the renewals room on a loaded machine.)
-    slow = [Claim(client, f"slow:{i}", ttl=30.0, clock=fake_time) for i in range(50)]
+    # renewed every 2 s
+    slow = [Claim(client, f"slow:{i}", ttl=6.0, clock=fake_time) for i in range(50)]
     for c in slow:
         assert c.acquire()
     rounds = hb.rounds
-    fake_time.run_until("a round of the slow claims", lambda: hb.rounds > rounds, 25)
-    # Taken the moment the round was sent, while the scheduler rests (about 3.5 s).
-    fast = Claim(client, "fast", ttl=3.0, clock=fake_time)  # renewed every 1 s
+    fake_time.run_until("a round of the slow claims", lambda: hb.rounds > rounds, 5)
+    # Taken the moment the round was sent, while the scheduler rests (0.7 s).
+    fast = Claim(client, "fast", ttl=0.6, clock=fake_time)  # renewed every 0.2 s
     assert fast.acquire()
-    fake_time.run(10.0)  # three times the rest after a round, and several fast ttls
+    fake_time.run(2.0)  # three times the rest after a round, and several fast ttls
     assert fast.held
-    assert 0 < client.pttl(fast.key) <= 3000
+    assert 0 < client.pttl(fast.key) <= 600
     fast.release()
     for c in slow:
         c.release()
