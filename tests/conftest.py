@@ -96,6 +96,35 @@ def own_server(redis_binary: str) -> Iterator[RedisServer]:
 
 
 @pytest.fixture
+def pair(redis_binary: str) -> Iterator[tuple[RedisServer, RedisServer]]:
+    """A master and its replica, in sync and acknowledging writes (tests/test_replicas.py,
+    tests/test_ha_pointer.py)."""
+    # Diskless sync without its default 5 s delay: the replica is in sync at once.
+    sync = ["--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"]
+    master = RedisServer(redis_binary, extra=sync).start()
+    replica = RedisServer(redis_binary).start()
+    try:
+        replica.client().execute_command("REPLICAOF", "127.0.0.1", master.port)
+        m = master.client()
+        wait_for(
+            "the replica to be in sync",
+            lambda: (
+                m.info("replication").get("connected_slaves") == 1
+                and m.info("replication").get("slave0", {}).get("state") == "online"
+            ),
+            20,
+        )
+        # And acknowledging writes: WAIT has an answer from it.
+        m.set("fenced-test:probe", 1)
+        assert m.execute_command("WAIT", 1, 10000) == 1
+        m.delete("fenced-test:probe")
+        yield master, replica
+    finally:
+        replica.stop()
+        master.stop()
+
+
+@pytest.fixture
 def cluster_server(redis_binary: str) -> Iterator[RedisServer]:
     """A one-node Redis Cluster owned by one test, every slot assigned, state ok."""
     srv = RedisServer(redis_binary, port=cluster_port(), extra=["--cluster-enabled", "yes"]).start()

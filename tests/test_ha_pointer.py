@@ -11,7 +11,6 @@ resumed). Releases and hand-overs of a claim with ``replicas`` wait for them too
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,24 +22,6 @@ from fenced.store import RedisPointer
 from fenced.testing import RedisCluster, RedisServer, SentinelGroup
 
 FILLER = 64 << 20  # above the largest socket buffers a loopback pair grows (32 + 4 MB)
-
-
-@pytest.fixture
-def pair(redis_binary: str) -> Iterator[tuple[RedisServer, RedisServer]]:
-    """A master and its replica, in sync and acknowledging writes."""
-    sync = ["--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"]
-    master = RedisServer(redis_binary, extra=sync).start()
-    replica = RedisServer(redis_binary).start()
-    try:
-        replica.client().execute_command("REPLICAOF", "127.0.0.1", master.port)
-        m = master.client()
-        m.set("fenced-test:probe", 1)
-        wait_for("the replica to acknowledge", lambda: m.execute_command("WAIT", 1, 500) == 1, 20)
-        m.delete("fenced-test:probe")
-        yield master, replica
-    finally:
-        replica.stop()
-        master.stop()
 
 
 def _cut_off(master: RedisServer, replica: RedisServer) -> None:

@@ -6,43 +6,13 @@ to stop it acknowledging.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from _clock import ManualClock
-from _wait import wait_for
 from fenced import Claim, ClaimUnavailable, ConfigError
 from fenced.testing import RedisServer
-
-
-@pytest.fixture
-def pair(redis_binary: str) -> Iterator[tuple[RedisServer, RedisServer]]:
-    """A master and its replica, in sync."""
-    # Diskless sync without its default 5 s delay: the replica is in sync at once.
-    sync = ["--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0"]
-    master = RedisServer(redis_binary, extra=sync).start()
-    replica = RedisServer(redis_binary).start()
-    try:
-        replica.client().execute_command("REPLICAOF", "127.0.0.1", master.port)
-        m = master.client()
-        wait_for(
-            "the replica to be in sync",
-            lambda: (
-                m.info("replication").get("connected_slaves") == 1
-                and m.info("replication").get("slave0", {}).get("state") == "online"
-            ),
-            20,
-        )
-        # And acknowledging writes: WAIT has an answer from it.
-        m.set("fenced-test:probe", 1)
-        assert m.execute_command("WAIT", 1, 10000) == 1
-        m.delete("fenced-test:probe")
-        yield master, replica
-    finally:
-        replica.stop()
-        master.stop()
 
 
 def _lock_keys(client: Any) -> list[bytes]:
