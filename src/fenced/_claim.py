@@ -35,6 +35,7 @@ from ._errors import ClaimLost, ClaimUnavailable, ConfigError, FencedError, NotO
 from ._guard import (
     COOLDOWN_REASON,
     RAISE,
+    RATE_REASON,
     REPLACED,
     RUN,
     SKIP_REASON,
@@ -158,6 +159,9 @@ class ClaimState(LeaseState):
         #: Seconds left of the cooldown window when the last acquire found the name ran
         #: recently (it is then not held by anyone), else None.
         self.ran_recently: float | None = None
+        #: Seconds until the name's next start is allowed when the last acquire found it
+        #: free but rate limited (``rate``), else None.
+        self.throttled: float | None = None
         #: Distinct triggers that asked for one more run: seen by a loser after its
         #: acquire (how many are waiting), taken by the holder at release.
         self.rerun_requested = 0
@@ -291,7 +295,11 @@ class ClaimState(LeaseState):
             self._emit_held("renewed", None, None, duration)
 
     def _busy_event(self, rerun: bool | str) -> None:
-        """An acquire found the name busy (or run recently) and gave up: "skipped"."""
+        """An acquire found the name busy (or run recently) and gave up: "skipped"; or
+        rate limited: "throttled"."""
+        if self.throttled is not None:
+            self._emit("throttled", reason=RATE_REASON, duration=self.throttled)
+            return
         holder = self.holder
         if holder is not None and self.task_id and holder.task_id == self.task_id:
             return  # an earlier attempt of this very task: not a competitor (see ACQUIRE)
@@ -437,9 +445,13 @@ class ClaimState(LeaseState):
 
     def _retry_wait(self, now: float, give_up: float | None) -> float:
         """How long a blocking acquire waits before it looks again."""
-        left = self.holder.expires_in if self.holder and self.holder.expires_in else 0.0
-        wait = min(RETRY_INTERVAL, left) if left > 0 else RETRY_INTERVAL
-        wait *= random.uniform(0.5, 1.0)  # spread contenders so they do not stampede
+        if self.throttled is not None:
+            # Rate limited: the next start is allowed then (spread: others wait for it too).
+            wait = self.throttled * random.uniform(1.0, 1.1)
+        else:
+            left = self.holder.expires_in if self.holder and self.holder.expires_in else 0.0
+            wait = min(RETRY_INTERVAL, left) if left > 0 else RETRY_INTERVAL
+            wait *= random.uniform(0.5, 1.0)  # spread contenders so they do not stampede
         if give_up is not None:
             wait = min(wait, give_up - now)
         return max(wait, 0.001)
@@ -466,6 +478,13 @@ class ClaimState(LeaseState):
         )
 
     def _check_replace(self) -> None:
+        if self.options.rate_us:
+            raise ConfigError(
+                f"replace does not take a rate (this claim has rate={self.options.rate!r}): "
+                "a replacing run starts whenever it is called. Use another busy policy "
+                "with a rate",
+                name=self.name,
+            )
         # REPLACE takes the plain lease key: which of several slots to take is not known.
         if self.limit > 1:
             raise ConfigError(
@@ -569,7 +588,7 @@ class ClaimState(LeaseState):
                 self.slot = slot
                 self._lease_key = self.key if slot == 0 else self.keys.slot(slot)
                 self.holder = None
-                self.ran_recently = None
+                self.ran_recently = self.throttled = None
                 self.vanished = False
                 self.rerun_triggers = []
                 asked = not takeover and self._store.asks_done(self.task_id)
@@ -586,9 +605,11 @@ class ClaimState(LeaseState):
         self.completed_before = bool(int_or_none(res[6])) if asked else None
         self.skips = int_or_none(skips) or 0
         self.rerun_requested = int_or_none(rerun) or 0
-        if int_or_none(res[0]) == 2:  # nobody holds it: a run ended ok within the window
+        code = int_or_none(res[0])
+        self.throttled = (int_or_none(pttl) or 0) / 1000 if code == 3 else None
+        if code == 2 or code == 3:  # nobody holds it: ran recently, or rate limited
             self.holder = None
-            self.ran_recently = (int_or_none(pttl) or 0) / 1000
+            self.ran_recently = (int_or_none(pttl) or 0) / 1000 if code == 2 else None
             return False
         self.ran_recently = None
         self.holder = Holder.parse(res[1], int_or_none(pttl), fence_or_none(fence))
@@ -598,7 +619,7 @@ class ClaimState(LeaseState):
         """ACQUIRE's reply named a holder that could not be decoded: busy, held by someone
         unknown (a lease whose value we cannot read is never taken)."""
         self.holder = Holder.unknown("the lease's value is not UTF-8")
-        self.ran_recently = None
+        self.ran_recently = self.throttled = None
         self.skips = self.rerun_requested = 0
         return False
 

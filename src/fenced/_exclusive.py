@@ -100,7 +100,10 @@ def exclusive(
     ...), checked here. With ``cooldown`` (seconds), calls within that long after a run
     that returned are skipped ("ran recently"), whatever ``on_busy`` says but ``raise``.
     With ``limit``, up to that many calls of one name run at once (each with a fence of
-    its own). ``on_busy="replace"`` takes the claim over from a running call, which
+    its own). With ``rate`` (``"10/m"``), at most that many calls of one name start per
+    period, spread evenly: a call too early is rate limited, as busy (skipped with the
+    reason "rate limited", waited for with ``on_busy="wait"``, or ClaimHeld).
+    ``on_busy="replace"`` takes the claim over from a running call, which
     stops as lost at its next renewal (limit 1 only). ``secret_key`` keys the digests
     of template fields marked secret (``{key:secret}``); without it, the
     ``FENCED_SECRET_KEY`` environment variable.
@@ -114,7 +117,7 @@ def exclusive(
             "(seconds to wait for the holder before raising ClaimHeld)"
         )
     opts = ClaimOptions.of({"records": True, **options}, where="exclusive()")
-    check_replace(policy, opts.limit, "exclusive()")
+    check_replace(policy, opts.limit, "exclusive()", rate=opts.rate)
     async_client = _async_client(redis, opts.replicas)
     # A URL serves both kinds of function; a redis.asyncio client only coroutines.
     client = None if async_client is not None and not isinstance(redis, str) else _client(redis)

@@ -30,6 +30,7 @@ from ._redact import REASON_MAX, exception_text, redact
 __all__ = [
     "COOLDOWN_REASON",
     "ON_BUSY",
+    "RATE_REASON",
     "REPLACED",
     "RUN",
     "TAKEN_OVER",
@@ -54,6 +55,8 @@ SKIP_REASON = "already running"
 SKIP_RERUN_REASON = "already running; rerun requested"
 #: Reason recorded for a trigger within a cooldown window after a run that ended ok.
 COOLDOWN_REASON = "ran recently"
+#: Reason given for a call made before the name's rate allows its next start.
+RATE_REASON = "rate limited"
 #: How the reason of a run that a newer one took the claim from begins.
 REPLACED = "replaced by"
 #: Why a wait ended without the claim.
@@ -68,6 +71,7 @@ class Seen(Protocol):
     name: str
     holder: Holder | None
     ran_recently: float | None
+    throttled: float | None
     skips: int
     task_id: str | None
     vanished: bool
@@ -104,15 +108,20 @@ class Skipped:
     def __str__(self) -> str:
         if self.reason == COOLDOWN_REASON:
             return f"skipped {self.claim!r}: {_ran_recently(self.expires_in)}"
+        if self.reason == RATE_REASON:
+            return f"skipped {self.claim!r}: {_rate_limited(self.expires_in)}"
         held_by = f"held by {self.holder}" if self.holder else "held by another holder"
         return f"skipped {self.claim!r}: {held_by}"
 
     @classmethod
     def of(cls, claim: Seen, reason: str = SKIP_REASON) -> Skipped:
         """What a busy claim's last acquire saw (``expires_in``: of the holder's lease, or
-        of the cooldown window when the name ran recently)."""
+        of the cooldown window when the name ran recently, until the next start its
+        rate allows when rate limited)."""
         if claim.ran_recently is not None:
             return cls(claim.name, None, claim.ran_recently, COOLDOWN_REASON, claim.skips)
+        if claim.throttled is not None:
+            return cls(claim.name, None, claim.throttled, RATE_REASON, claim.skips)
         holder = claim.holder
         return cls(claim.name, holder, holder.expires_in if holder else None, reason, claim.skips)
 
@@ -152,8 +161,21 @@ def _ran_recently(left: float | None) -> str:
     return f"{COOLDOWN_REASON}{ends}"
 
 
+def _rate_limited(left: float | None) -> str:
+    ends = f"; the next start is allowed in {left:.3g}s" if left is not None else ""
+    return f"{RATE_REASON}{ends}"
+
+
 def busy_error(claim: Seen, waited: float | None = None) -> ClaimHeld:
-    """ClaimHeld for a claim whose last acquire found another holder (or a window)."""
+    """ClaimHeld for a claim whose last acquire found another holder (or a window, or
+    its rate reached)."""
+    if claim.throttled is not None:
+        after = f" after waiting {waited:g}s" if waited is not None else ""
+        return ClaimHeld(
+            f"claim {claim.name!r} is {_rate_limited(claim.throttled)}{after}",
+            name=claim.name,
+            expires_in=claim.throttled,
+        )
     if claim.ran_recently is not None:
         return ClaimHeld(
             f"claim {claim.name!r} {_ran_recently(claim.ran_recently)}",
@@ -252,6 +274,8 @@ class BusyPolicy:
             if self.name == "raise":
                 return Refuse(busy_error(claim), COOLDOWN_REASON)
             return Skip(Skipped.of(claim))
+        if claim.throttled is not None:
+            return self.on_throttled(claim)
         holder = claim.holder
         if holder is not None and claim.task_id and holder.task_id == claim.task_id:
             return RetryAfter(_left(holder) + RETRY_MARGIN, busy_error(claim), redelivered=True)
@@ -259,6 +283,16 @@ class BusyPolicy:
 
     def decide(self, claim: Seen) -> Action:
         raise NotImplementedError
+
+    def on_throttled(self, claim: Seen) -> Action:
+        """The name is free but its rate allows no start yet: a policy that skips skips
+        (no rerun is asked: nobody holds the name), ``retry`` retries at the next
+        start allowed, and the rest raise (``wait`` waited for it already)."""
+        if self.name in ("skip", "rerun"):
+            return Skip(Skipped.of(claim))
+        if self.name == "retry":
+            return RetryAfter(claim.throttled or 0.0, busy_error(claim))
+        return Refuse(busy_error(claim, self.timeout), RATE_REASON)
 
     def __repr__(self) -> str:
         return f"<busy policy {self.name!r}>"
@@ -368,11 +402,21 @@ def check_replace(
     where: str = "",
     enqueue: Any = None,
     option: str = "on_busy",
+    rate: str | None = None,
 ) -> None:
     """Refuse ``replace`` where it cannot say what it would do (at definition time)."""
     if not policy.replaces:
         return
     prefix = f"{where}: " if where else ""
+    if rate is not None:
+        # A rate counts starts, and a replacing run takes the name whenever it is called:
+        # counting it would make the newest call wait, which replace exists to avoid.
+        spelled = {"claim_on_busy": "claim_rate", "--on-busy": "--rate"}.get(option, "rate")
+        raise ConfigError(
+            f"{prefix}{option}='replace' does not take a rate ({spelled}={rate!r}): a "
+            "replacing run starts whenever it is called. Drop the rate, or use another "
+            "busy policy"
+        )
     if limit > 1:
         raise ConfigError(
             f"{prefix}{option}='replace' needs a limit of 1 (this one has limit={limit}): "

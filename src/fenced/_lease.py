@@ -300,6 +300,12 @@ class ClaimKeys:
         """Lives for the cooldown window after a run that ended ``ok`` (value: its fence)."""
         return self._key("cooldown")
 
+    @property
+    def rate(self) -> str:
+        """When the name's next start is allowed (``rate``): Redis TIME in µs, expiring
+        then."""
+        return self._key("rate")
+
     def released(self, token: str) -> str:
         """A short-lived note of how a token's release went, so a retry gets that answer."""
         return f"{self._key('released:')}{token.split(':', 1)[0]}"
@@ -454,6 +460,31 @@ def check_cooldown(cooldown: Any, idle_ms: int, name: str = "cooldown") -> int:
     return ms
 
 
+#: A rate's periods, as its text spells them, in seconds.
+RATE_PERIODS = {"s": 1, "m": 60, "h": 3600}
+_RATE = re.compile(r"\s*([0-9]+)\s*/\s*([smh])\s*")
+#: The most starts a rate may allow per second.
+MAX_RATE_PER_SECOND = 100_000
+
+
+def check_rate(rate: Any, name: str = "rate") -> int:
+    """Check a rate (``"10/m"``: starts per second, minute or hour; None: no limit);
+    return the interval between two starts in µs (0: no limit), rounded up so the rate
+    is never exceeded."""
+    if rate is None:
+        return 0
+    match = _RATE.fullmatch(rate) if isinstance(rate, str) else None
+    count = int(match[1]) if match else 0
+    period = RATE_PERIODS[match[2]] if match else 1
+    if not match or not 1 <= count <= MAX_RATE_PER_SECOND * period:
+        raise ConfigError(
+            f"{name}={rate!r} is not a rate: give the most starts per second, minute or "
+            f"hour as 'N/s', 'N/m' or 'N/h' (N a whole number from 1), e.g. {name}='10/m'; "
+            "None: no limit"
+        )
+    return -(-period * 1_000_000 // count)
+
+
 # -- reaching the store -----------------------------------------------------------------
 
 
@@ -553,6 +584,8 @@ class LeaseOptions(Protocol):
     def replica_ms(self) -> int: ...
     @property
     def done_ms(self) -> int: ...
+    @property
+    def rate_us(self) -> int: ...
 
 
 class LeaseCalls:
@@ -623,11 +656,20 @@ class LeaseCalls:
         # A delivery of a task id whose run ended ok: the script says so in its grant
         # (whatever the broker's flags), and the window that run started does not skip it.
         done = self.asks_done(task_id)
-        if self.limit == 1 and not cooldown_reason and not queued and not done:
+        rate = o.rate_us
+        if self.limit == 1 and not cooldown_reason and not queued and not done and not rate:
             # The plain claim sends what it always sent: no cooldown key, no slots.
             return ACQUIRE, self._plain_keys, args
         args.append(cooldown_reason)
         keys = self._acquire_keys
+        if rate:
+            # ARGV[13] comes after every optional argument before it; its key is the last.
+            args += [self.limit, "1" if done else "0", queued, rate]
+            if done:
+                keys += (self.keys.done(task_id or ""),)
+            if queued:
+                keys += (self.keys.queued,)
+            return ACQUIRE, (*keys, self.keys.rate), args
         if done or queued:
             args += [self.limit, "1" if done else "0"]
             if done:

@@ -23,6 +23,7 @@ from ._lease import (
     check_idle_ttl,
     check_limit,
     check_namespace,
+    check_rate,
     check_replicas,
     check_timing,
 )
@@ -83,6 +84,13 @@ class ClaimOptions:
         "how many holders the name may have at once (1 to 64), each with a lease and a "
         "fence of its own (fences increase across every slot); busy when all are held",
     )
+    rate: str | None = _option(
+        None,
+        "the most starts of the name per second, minute or hour, across every process "
+        "and host: 'N/s', 'N/m' or 'N/h', e.g. '10/m'; starts are spread evenly (one every "
+        "period/N, timed by Redis), and a call too early is rate limited (as busy: "
+        "skipped, waits for its slot, or raises); None: no limit",
+    )
     label: str | None = _option(
         None,
         "the bounded name of this kind of claim in fenced.events and the fenced_label log "
@@ -100,6 +108,7 @@ class ClaimOptions:
     cooldown_ms: int = field(init=False, repr=False, compare=False)
     replica_ms: int = field(init=False, repr=False, compare=False)
     done_ms: int = field(init=False, repr=False, compare=False)
+    rate_us: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self, prefix: str) -> None:
         def n(option: str) -> str:  # as the user spells it: claim_ttl, --replica-timeout
@@ -134,6 +143,7 @@ class ClaimOptions:
             "replicas": replicas,
             "replica_ms": replica_ms,
             "done_ms": int(window * 1000),
+            "rate_us": check_rate(self.rate, n("rate")),
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)

@@ -84,6 +84,7 @@ RUN_CLAIM_OPTIONS = (
     "replica_timeout",
     "cooldown",
     "limit",
+    "rate",
     "label",
     "max_records",
 )
@@ -170,7 +171,7 @@ class RunOptions:
                 f"--ttl {self.options.ttl!r} must be at least {MIN_TTL}s, e.g. --ttl 30 or "
                 "--ttl 10m"
             )
-        check_replace(self.policy, self.options.limit, option="--on-busy")
+        check_replace(self.policy, self.options.limit, option="--on-busy", rate=self.options.rate)
 
 
 class _Interrupted(Exception):

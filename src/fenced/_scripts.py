@@ -283,6 +283,11 @@ end
 #         whatever the answer, when the marker still holds ARGV[7]: "-" deletes it (the
 #         message left the queue), a number of ms gives it that expiry (it now covers
 #         the run); "" or absent: nothing. A marker of another type is left alone
+# ARGV[13] (optional) the rate: µs between two starts of the name (``rate``), with the
+#         rate key as the last of KEYS (after the markers): holds when the next start is
+#         allowed (Redis TIME in µs) and expires then. Checked only when a lease is free
+#         (a busy call takes no start) and before the grant (a rate-limited call takes
+#         no lease); a grant sets it one interval ahead. "" or absent: no rate
 # returns {1, fence}                                    when the claim is ours (also
 #                                                       when ARGV[1] already holds it:
 #                                                       a retried request is idempotent)
@@ -300,6 +305,8 @@ end
 #                                                       task's own, else the one whose
 #                                                       lease ends first)
 #         {2, "", cooldown pttl ms, fence, consecutive skips, 0}   the name ran recently
+#         {3, "", ms until the next start is allowed, fence, 0, 0}   rate limited (with
+#                                                       ARGV[13]): nothing is written
 #         an error reply naming KEYS[3] (or KEYS[5]) when a skip (or a rerun trigger)
 #         would be written to a key of another type; nothing is written then
 #         an error reply naming KEYS[2] (or KEYS[7]) when the claim would be granted on
@@ -315,6 +322,12 @@ local idle = tonumber(ARGV[8])
 local limit = tonumber(ARGV[10] or '1')
 -- the leases: KEYS[1], then (limit > 1) the slots from KEYS[8]; the markers after them
 local last = #KEYS
+local rate_key, interval, rate_now
+if ARGV[13] and ARGV[13] ~= '' then
+  rate_key = KEYS[last]
+  last = last - 1
+  interval = tonumber(ARGV[13])
+end
 if ARGV[12] and ARGV[12] ~= '' then
   local queued = KEYS[last]
   last = last - 1
@@ -371,6 +384,25 @@ if ARGV[9] and ARGV[9] ~= '' then
 end
 -- the last fence minted, as text (checked by fence_ok before anything is granted on it)
 local last_fence = redis.call('GET', KEYS[2]) or '0'
+-- The rate, as a GCRA without burst: one key holding when the next start is allowed,
+-- by the server's clock. µs to wait for it, or nil when a start is allowed now.
+local function rate_wait()
+  local t = redis.call('TIME')
+  rate_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local next_start = tonumber(redis.call('GET', rate_key) or '0') or 0
+  if next_start > rate_now then return next_start - rate_now end
+  return nil
+end
+local function rate_take()
+  -- the key lives until the next start is allowed: an idle name keeps nothing
+  if rate_key then
+    redis.call('SET', rate_key, string.format('%d', rate_now + interval),
+               'PX', math.ceil(interval / 1000))
+  end
+end
+local function throttled(wait)
+  return {3, '', math.ceil(wait / 1000), last_fence, 0, 0}
+end
 local function mint()
   local minted = fence_after(last_fence)
   local now = fence_clock()
@@ -429,11 +461,14 @@ local function lose(holder, pttl, fence)
   return {0, holder, pttl, fence, skips, rerun}
 end
 if limit <= 1 then
+  local wait = rate_key and redis.call('EXISTS', KEYS[1]) == 0 and rate_wait()
+  if wait then return throttled(wait) end
   if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
     if not fence_ok(last_fence) then
       redis.call('DEL', KEYS[1])  -- granted nothing
       return not_a_fence(KEYS[2])
     end
+    rate_take()
     return granted(mint())
   end
   local holder = redis.call('GET', KEYS[1]) or ''
@@ -475,8 +510,11 @@ for i, key in ipairs(slots) do
 end
 if free and not own then
   if not fence_ok(last_fence) then return not_a_fence(KEYS[2]) end
+  local wait = rate_key and rate_wait()
+  if wait then return throttled(wait) end
   redis.call('SET', slots[free], ARGV[1], 'PX', ARGV[2])
   local fence = mint()
+  rate_take()
   redis.call('HSET', KEYS[7], tostring(free - 1), fence, 'limit', tostring(limit))
   touch(idle, KEYS[7])
   return granted(fence, free - 1)

@@ -35,7 +35,16 @@ from typing import Any, NamedTuple
 __all__ = ["KINDS", "ClaimEvent", "Subscriber", "emit", "enabled", "subscribe", "unsubscribe"]
 
 #: Every event kind, in the order a claim usually meets them.
-KINDS = ("acquired", "skipped", "renewed", "renewal_failed", "lost", "released", "unavailable")
+KINDS = (
+    "acquired",
+    "skipped",
+    "throttled",
+    "renewed",
+    "renewal_failed",
+    "lost",
+    "released",
+    "unavailable",
+)
 
 #: The seconds between two log lines about the same raising subscriber.
 ERROR_LOG_INTERVAL = 60.0
@@ -63,11 +72,13 @@ class ClaimEvent(NamedTuple):
     holder: str | None = None
     #: ``"released"``: ``ok``, ``failed``, ``lost`` or ``retried``.
     outcome: str | None = None
-    #: ``"skipped"``: the skip reason; ``"lost"``: the cause; ``"renewal_failed"`` and
+    #: ``"skipped"``: the skip reason; ``"throttled"``: ``"rate limited"`` (the name is
+    #: free, but its ``rate`` allows no start yet); ``"lost"``: the cause; ``"renewal_failed"`` and
     #: ``"unavailable"``: the error text (redacted, short).
     reason: str | None = None
     #: Seconds: how long the claim was held (``"released"``, ``"lost"``), or the renewal
-    #: round trip (``"renewed"``, ``"renewal_failed"``).
+    #: round trip (``"renewed"``, ``"renewal_failed"``), or until the next start the
+    #: rate allows (``"throttled"``).
     duration: float | None = None
     #: For a claim of ``limit > 1``: the slot index.
     slot: int | None = None

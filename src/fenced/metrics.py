@@ -150,6 +150,7 @@ def _word(text: str | None, words: dict[str, str]) -> str:
 METRICS: dict[str, tuple[str, str, tuple[str, ...], tuple[float, ...]]] = {
     "claims_acquired": ("counter", "acquired", (), ()),
     "claims_skipped": ("counter", "skipped", ("reason",), ()),
+    "claims_throttled": ("counter", "throttled", (), ()),
     "claims_lost": ("counter", "lost", ("cause",), ()),
     "claims_released": ("counter", "released", ("outcome",), ()),
     "renewal_failures": ("counter", "failures", (), ()),
@@ -163,6 +164,8 @@ HELP = {
     "claims_acquired": "Claims acquired.",
     "claims_skipped": "Claims not acquired because another holder had them "
     "(or the name ran recently).",
+    "claims_throttled": "Acquires that found the name free but its rate reached "
+    "(rate limited: not started yet, or skipped).",
     "claims_lost": "Claims lost while held.",
     "claims_released": "Claims released, by how the work ended.",
     "renewal_failures": "Renewals that failed (Redis errors or timeouts; "
@@ -198,7 +201,7 @@ class _Counts:
 
     def reset(self) -> None:
         """Every value back to zero."""
-        self.acquired = self.held = self.failures = self.unavailable = 0.0
+        self.acquired = self.held = self.failures = self.unavailable = self.throttled = 0.0
         # Every word a worded counter takes, in a fixed order.
         self.skipped = dict.fromkeys((*SKIP_REASONS.values(), OTHER), 0.0)
         self.lost = dict.fromkeys((*LOSS_CAUSES.values(), OTHER), 0.0)
@@ -487,6 +490,8 @@ class ClaimMetrics:
                     run[-1] += duration
             elif kind == "skipped":
                 counts.skipped[_word(reason, SKIP_REASONS)] += 1.0
+            elif kind == "throttled":
+                counts.throttled += 1.0
             elif kind == "renewed":
                 if duration is not None:
                     renewal = counts.renewal

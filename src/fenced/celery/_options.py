@@ -33,6 +33,7 @@ from .._lease import (
     check_idle_ttl,
     check_limit,
     check_namespace,
+    check_rate,
     check_replicas,
     check_timing,
 )
@@ -78,6 +79,8 @@ DEFAULTS: dict[str, Any] = {
     # Deduplication at enqueue (fenced.celery._enqueue): off, or one of its MODES.
     "claim_enqueue": None,
     "claim_enqueue_ttl": ENQUEUE_TTL,
+    # A call over claim_rate: put back until the next start allowed, or skipped.
+    "claim_rate_policy": "delay",
 }
 OPTIONS = tuple(DEFAULTS)
 #: The setting that gives each option its default.
@@ -230,12 +233,35 @@ def validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:
             out["claim_limit"] = check_limit(values["claim_limit"], "claim_limit")
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc.message}") from None
+    if values.get("claim_rate") is not None:
+        try:
+            check_rate(values["claim_rate"], "claim_rate")
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc.message}") from None
+        out["claim_rate"] = values["claim_rate"]
+    if values.get("claim_rate_policy") is not None:
+        out["claim_rate_policy"] = _check_rate_policy(values["claim_rate_policy"], where)
     if values.get("claim_label") is not None:
         try:
             out["claim_label"] = check_label(values["claim_label"], "claim_label")
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc.message}") from None
     return out
+
+
+#: What a call over ``claim_rate`` does: each policy and its help.
+RATE_POLICIES = {
+    "delay": "put the call back until the next start the rate allows (a retry that "
+    "max_retries does not count)",
+    "skip": "return a skipped result (reason 'rate limited')",
+}
+
+
+def _check_rate_policy(value: Any, where: str) -> str:
+    if value not in RATE_POLICIES:
+        choices = ", ".join(f"{k!r} ({v})" for k, v in RATE_POLICIES.items())
+        raise ConfigError(f"{where}: claim_rate_policy={value!r} is not one of: {choices}")
+    return str(value)
 
 
 def _check_cooldown(values: Mapping[str, Any], where: str) -> float | None:
@@ -298,7 +324,7 @@ def resolve(
     if claim.label is None and label is not None:
         claim = claim.replace(label=label)
     policy = busy_policy(merged["claim_on_busy"], REFUSES, option="claim_on_busy")
-    check_replace(policy, claim.limit, where, merged["claim_enqueue"], "claim_on_busy")
+    check_replace(policy, claim.limit, where, merged["claim_enqueue"], "claim_on_busy", claim.rate)
     return TaskOptions(
         claim=claim,
         on_busy=merged["claim_on_busy"],

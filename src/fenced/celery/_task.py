@@ -79,7 +79,7 @@ from .. import _interrupt, records
 from .._audit import claim_fields
 from .._claim import Claim
 from .._errors import ClaimInterrupted, ClaimUnavailable, ConfigError, NotOwner
-from .._guard import RetryAfter, Run, Skip, lost_error
+from .._guard import RetryAfter, Run, Skip, Skipped, busy_error, lost_error
 from .._inspect import force_release
 from .._lease import HOST, ClaimKeys, Holder, short_token
 from .._naming import Namer, bounded_label
@@ -196,6 +196,8 @@ class ClaimedTask(Task[Any, Any]):
     claim_cooldown: float | None = None
     claim_limit: int | None = None
     claim_label: str | None = None
+    claim_rate: str | None = None
+    claim_rate_policy: str | None = None
 
     _fenced_namer: Namer | None = None
     _fenced_options: TaskOptions | None = None
@@ -841,6 +843,8 @@ class ClaimedTask(Task[Any, Any]):
 
     def _busy(self, claim: Claim, action: Skip | RetryAfter | Any, opts: TaskOptions) -> Any:
         """Carry out the busy policy's action: a skipped result, a retry, or ClaimHeld."""
+        if claim.throttled is not None:
+            return self._throttled(claim, opts)
         holder = claim.holder
         if isinstance(action, RetryAfter):
             if action.redelivered:
@@ -883,6 +887,36 @@ class ClaimedTask(Task[Any, Any]):
         )
         # A plain dict: what every result backend can store.
         return skipped.as_dict()
+
+    def _throttled(self, claim: Claim, opts: TaskOptions) -> Any:
+        """A call over ``claim_rate``: put back until the next start allowed (``delay``,
+        a retry that max_retries does not count), or skipped (``skip``)."""
+        left = claim.throttled or 0.0
+        skipped = Skipped.of(claim)
+        if opts.values["claim_rate_policy"] == "skip":
+            count("skipped")
+            log.info("fenced: %s %s", self.name, skipped, extra=claim.log_fields("skipped"))
+            return skipped.as_dict()
+        count("throttled")
+        # Calls put back together come back spread over one interval, not all at once.
+        countdown = left + random.uniform(0.0, opts.claim.rate_us / 1e6)
+        log.info(
+            "fenced: %s[%s] %s; put back for %.3fs",
+            self.name,
+            claim.task_id,
+            skipped,
+            countdown,
+            extra=claim.log_fields("throttled"),
+        )
+        request = self.request
+        if request.called_directly or request.is_eager:
+            raise self.retry(countdown=countdown, exc=busy_error(claim))
+        # As self.retry sends it, with the retries count it came with.
+        again = self.signature_from_request(
+            request, None, None, countdown=countdown, retries=request.retries or 0
+        )
+        again.apply_async()
+        raise Retry(exc=busy_error(claim), when=countdown, sig=again)  # type: ignore[arg-type]
 
     def _after_skip(self, claim: Claim, opts: TaskOptions) -> None:
         """Alert when the consecutive skips reach the threshold, and at each multiple."""
