@@ -1,0 +1,102 @@
+"""``claim_rate`` with real workers: the rate holds across two worker processes.
+
+The sending side runs here (tests/celery_rate_app.py's ``make_app``); the runs happen in
+two ``celery worker`` processes running the same module. Starts are read from their
+fences, minted from Redis's clock in µs: the spacing is Redis's, not a host's.
+"""
+
+from __future__ import annotations
+
+import json
+from itertools import pairwise
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_harness import WAIT, Services, Worker, key
+from celery_rate_app import make_app
+from fenced import ConfigError
+from fenced.celery import ClaimedTask
+from fenced.testing import RedisServer
+
+APP = "tests.celery_rate_app"
+
+
+@pytest.fixture
+def services(redis_server: RedisServer) -> Services:
+    """The module's server, a fresh queue."""
+    return Services.on(redis_server)
+
+
+def sender(services: Services) -> Celery:
+    return make_app(
+        services.broker_url,
+        services.backend_url,
+        services.lock_url,
+        services.obs_url,
+        services.queue,
+    )
+
+
+def starts(services: Services, k: str) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in services.obs().lrange(f"starts:{k}", 0, -1)]
+
+
+def test_a_bad_rate_fails_when_the_task_is_made_naming_the_fix() -> None:
+    app = Celery("rate_config", set_as_current=False, broker="memory://")
+    app.finalize()
+    with pytest.raises(ConfigError, match=r"claim_rate='10/d'.*claim_rate='10/m'"):
+
+        @app.task(base=ClaimedTask, claim="x:{a}", claim_rate="10/d", shared=False)
+        def bad(a: int) -> None: ...
+
+    with pytest.raises(ConfigError, match=r"claim_rate_policy='drop'.*'delay'.*'skip'"):
+
+        @app.task(base=ClaimedTask, claim="x:{a}", claim_rate_policy="drop", shared=False)
+        def bad_policy(a: int) -> None: ...
+
+    with pytest.raises(ConfigError, match=r"claim_on_busy='replace' does not take a rate"):
+
+        @app.task(
+            base=ClaimedTask,
+            claim="x:{a}",
+            claim_rate="1/m",
+            claim_on_busy="replace",
+            shared=False,
+        )
+        def replacing(a: int) -> None: ...
+
+        replacing._options()
+
+
+def test_the_rate_holds_across_two_workers_and_delay_loses_nothing(services: Services) -> None:
+    app = sender(services)
+    k = key()
+    with (
+        Worker(services, app=APP, concurrency=2, name="a"),
+        Worker(services, app=APP, concurrency=2, name="b"),
+    ):
+        results = [app.tasks["r.flood"].delay(k, i) for i in range(30)]
+        fences = [r.get(timeout=WAIT) for r in results]
+    seen = starts(services, k)
+    # Nothing dropped, nothing ran twice, and no put-back counted as a retry.
+    assert len(seen) == 30 and len({s["task_id"] for s in seen}) == 30
+    assert {s["retries"] for s in seen} == {0}
+    assert sorted(fences) == sorted(s["fence"] for s in seen)
+    # Five a second across both workers: every start 200 ms after the last, by Redis.
+    ordered = sorted(fences)
+    assert all(b - a >= 200_000 for a, b in pairwise(ordered))
+    assert len({s["worker"] for s in seen}) == 2
+
+
+def test_skip_returns_the_reason_and_the_next_start(services: Services) -> None:
+    app = sender(services)
+    k = key()
+    with Worker(services, app=APP, concurrency=1):
+        first = app.tasks["r.skip"].delay(k).get(timeout=WAIT)
+        second = app.tasks["r.skip"].delay(k).get(timeout=WAIT)
+    assert isinstance(first, int)
+    assert second["status"] == "skipped" and second["reason"] == "rate limited"
+    assert 3500 < second["expires_in"] <= 3600
+    assert len(starts(services, k)) == 1
