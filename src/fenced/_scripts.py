@@ -385,23 +385,25 @@ end
 -- the last fence minted, as text (checked by fence_ok before anything is granted on it)
 local last_fence = redis.call('GET', KEYS[2]) or '0'
 -- The rate, as a GCRA without burst: one key holding when the next start is allowed,
--- by the server's clock. µs to wait for it, or nil when a start is allowed now.
-local function rate_wait()
-  local t = redis.call('TIME')
-  rate_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  local next_start = tonumber(redis.call('GET', rate_key) or '0') or 0
-  if next_start > rate_now then return next_start - rate_now end
-  return nil
-end
-local function rate_take()
+-- by the server's clock. Defined only with a rate: a claim without one pays nothing.
+local rate_wait, rate_take, throttled
+if rate_key then
+  -- µs to wait for the next start allowed, or nil when a start is allowed now
+  rate_wait = function()
+    local t = redis.call('TIME')
+    rate_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    local next_start = tonumber(redis.call('GET', rate_key) or '0') or 0
+    if next_start > rate_now then return next_start - rate_now end
+    return nil
+  end
   -- the key lives until the next start is allowed: an idle name keeps nothing
-  if rate_key then
+  rate_take = function()
     redis.call('SET', rate_key, string.format('%d', rate_now + interval),
                'PX', math.ceil(interval / 1000))
   end
-end
-local function throttled(wait)
-  return {3, '', math.ceil(wait / 1000), last_fence, 0, 0}
+  throttled = function(wait)
+    return {3, '', math.ceil(wait / 1000), last_fence, 0, 0}
+  end
 end
 local function mint()
   local minted = fence_after(last_fence)
@@ -468,7 +470,7 @@ if limit <= 1 then
       redis.call('DEL', KEYS[1])  -- granted nothing
       return not_a_fence(KEYS[2])
     end
-    rate_take()
+    if rate_key then rate_take() end
     return granted(mint())
   end
   local holder = redis.call('GET', KEYS[1]) or ''
@@ -514,7 +516,7 @@ if free and not own then
   if wait then return throttled(wait) end
   redis.call('SET', slots[free], ARGV[1], 'PX', ARGV[2])
   local fence = mint()
-  rate_take()
+  if rate_key then rate_take() end
   redis.call('HSET', KEYS[7], tostring(free - 1), fence, 'limit', tostring(limit))
   touch(idle, KEYS[7])
   return granted(fence, free - 1)
