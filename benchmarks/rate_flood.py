@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -101,8 +102,9 @@ def main() -> int:
             return before
 
         around = {name: counting(name) for name in list(ops)}
-        results = interleave(ops, rounds=rounds, seconds=seconds, around=around)
         info = machine_info(server)
+        results = interleave(ops, rounds=rounds, seconds=seconds, around=around)
+        info["loadavg_end"] = list(os.getloadavg())
         rows, out = [], {}
         for name, rates in results.items():
             calls, usec, n = spent[name]
