@@ -1,21 +1,19 @@
 """``claim_rate`` with real workers: the rate holds across two worker processes.
 
-The sending side runs here (tests/celery_rate_app.py's ``make_app``); the runs happen in
-two ``celery worker`` processes running the same module. Starts are read from their
+The runs happen in two ``celery worker`` processes running tests/celery_rate_app.py;
+the calls are sent here by name. Starts are read from their
 fences, minted from Redis's clock in µs: the spacing is Redis's, not a host's.
 """
 
 from __future__ import annotations
 
-import json
 from itertools import pairwise
 from typing import Any
 
 import pytest
 from celery import Celery
 
-from celery_harness import WAIT, Services, Worker, key
-from celery_rate_app import make_app
+from celery_harness import WAIT, Services, Worker, key, notes
 from fenced import ConfigError
 from fenced.celery import ClaimedTask
 from fenced.testing import RedisServer
@@ -29,18 +27,8 @@ def services(redis_server: RedisServer) -> Services:
     return Services.on(redis_server)
 
 
-def sender(services: Services) -> Celery:
-    return make_app(
-        services.broker_url,
-        services.backend_url,
-        services.lock_url,
-        services.obs_url,
-        services.queue,
-    )
-
-
 def starts(services: Services, k: str) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in services.obs().lrange(f"starts:{k}", 0, -1)]
+    return notes(services.obs(), f"starts:{k}")
 
 
 def test_a_bad_rate_fails_when_the_task_is_made_naming_the_fix() -> None:
@@ -71,13 +59,13 @@ def test_a_bad_rate_fails_when_the_task_is_made_naming_the_fix() -> None:
 
 
 def test_the_rate_holds_across_two_workers_and_delay_loses_nothing(services: Services) -> None:
-    app = sender(services)
+    app = services.client()
     k = key()
     with (
         Worker(services, app=APP, concurrency=2, name="a"),
         Worker(services, app=APP, concurrency=2, name="b"),
     ):
-        results = [app.tasks["r.flood"].delay(k, i) for i in range(30)]
+        results = [app.send_task("r.flood", (k, i), queue=services.queue) for i in range(30)]
         fences = [r.get(timeout=WAIT) for r in results]
     seen = starts(services, k)
     # Nothing dropped, nothing ran twice, and no put-back counted as a retry.
@@ -91,11 +79,11 @@ def test_the_rate_holds_across_two_workers_and_delay_loses_nothing(services: Ser
 
 
 def test_skip_returns_the_reason_and_the_next_start(services: Services) -> None:
-    app = sender(services)
+    app = services.client()
     k = key()
     with Worker(services, app=APP, concurrency=1):
-        first = app.tasks["r.skip"].delay(k).get(timeout=WAIT)
-        second = app.tasks["r.skip"].delay(k).get(timeout=WAIT)
+        first = app.send_task("r.skip", (k,), queue=services.queue).get(timeout=WAIT)
+        second = app.send_task("r.skip", (k,), queue=services.queue).get(timeout=WAIT)
     assert isinstance(first, int)
     assert second["status"] == "skipped" and second["reason"] == "rate limited"
     assert 3500 < second["expires_in"] <= 3600
