@@ -171,6 +171,27 @@ def test_the_throttled_event(rc: redis.Redis) -> None:
     assert not [e for e in seen if e.kind == "skipped"]
 
 
+def test_the_throttled_metric(rc: redis.Redis) -> None:
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry
+
+    import fenced.metrics
+
+    registry = CollectorRegistry()
+    fenced.metrics.install(registry)
+    try:
+        name = key()
+        assert Claim(rc, name, rate="1/h", label="hourly").acquire()
+        assert not Claim(rc, name, rate="1/h", label="hourly", limit=2).acquire()
+        labels = {"label": "hourly"}
+        assert registry.get_sample_value("fenced_claims_throttled_total", labels) == 1
+        assert not registry.get_sample_value(
+            "fenced_claims_skipped_total", {**labels, "reason": "other"}
+        )
+    finally:
+        fenced.metrics.uninstall()
+
+
 def test_asyncio(redis_server: RedisServer) -> None:
     async def main() -> tuple[bool, bool, float | None]:
         import redis.asyncio as aioredis

@@ -113,7 +113,8 @@ REDELIVERY_MAX_RETRIES = 100
 #: In-process counters: runs, ok, failed, lost, skipped, skips_exceeded, reruns,
 #: reruns_dropped (triggers refused: unsigned, forged, another name's, malformed),
 #: conflict_retries, redelivery_retries, unavailable, duplicates, retried, takeovers,
-#: aborted, enqueue_skipped (calls not sent: ``claim_enqueue``). Per process: a prefork
+#: aborted, enqueue_skipped (calls not sent: ``claim_enqueue``), throttled (calls put
+#: back until the start ``claim_rate`` allows). Per process: a prefork
 #: child counts its own runs, the main process counts ``aborted``, the sending process
 #: ``enqueue_skipped``.
 metrics: Counter[str] = Counter()
