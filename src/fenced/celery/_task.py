@@ -86,7 +86,7 @@ from .._naming import Namer, bounded_label
 from .._options import refuse_unknown
 from .._redact import exception_text
 from .._scripts import RERUN_SENT
-from . import _enqueue, _rerun, signals
+from . import _debounce, _enqueue, _rerun, signals
 from ._disabled import LocalClaim, enabled
 from ._options import (
     OPTIONS,
@@ -196,6 +196,8 @@ class ClaimedTask(Task[Any, Any]):
     claim_cooldown: float | None = None
     claim_limit: int | None = None
     claim_label: str | None = None
+    claim_debounce: float | str | None = None
+    claim_debounce_max: float | str | None = None
 
     _fenced_namer: Namer | None = None
     _fenced_options: TaskOptions | None = None
@@ -330,6 +332,11 @@ class ClaimedTask(Task[Any, Any]):
         fails clears the mark it made, then raises.
         """
         opts = self._options()
+        if opts.values["claim_debounce"] is not None and _debounced(self, task_id, more, options):
+            sent: AsyncResult[Any] = _debounce.send(
+                self, args, kwargs, options, super().apply_async, count
+            )
+            return sent
         if opts.enqueue is None or self.app.conf.task_always_eager or not enabled(self.app):
             # Claims switched off (tests without Redis): nothing is marked either.
             return super().apply_async(args, kwargs, task_id, *more, **options)
@@ -444,6 +451,11 @@ class ClaimedTask(Task[Any, Any]):
         opts = self._options()
         client = lock_redis(self.app)
         request = self.request
+        if opts.values["claim_debounce"] is not None and request.id and not request.called_directly:
+            try:
+                args, kwargs = _debounce.delivered(self, args, kwargs, count, _warn_unsigned)
+            except ClaimUnavailable as exc:
+                raise self._unavailable(exc, opts) from None
         namer = self._namer()
         name, shown = namer(args, kwargs, self._secret_key(namer))
         extra: dict[str, Any] = {"task": self.name, "template": namer.label}
@@ -863,6 +875,8 @@ class ClaimedTask(Task[Any, Any]):
                 )
             self._after_skip(claim, opts)
             count("conflict_retries")
+            if opts.values["claim_debounce"] is not None:  # deferred: its burst is taken
+                raise _debounce.defer(self, action.seconds)
             raise self.retry(countdown=action.seconds, exc=action.error)
         if not isinstance(action, Skip):
             if claim.ran_recently is None:
@@ -989,6 +1003,20 @@ CANVAS_OPTIONS = ("chain", "chord", "group_id", "link", "link_error")
 
 def _in_canvas(options: Mapping[str, Any]) -> bool:
     return any(options.get(k) is not None for k in CANVAS_OPTIONS)
+
+
+def _debounced(task: ClaimedTask, task_id: Any, more: Any, options: Mapping[str, Any]) -> bool:
+    """Whether a call of a debounced task joins a burst: not a canvas's part, nor one
+    with its own task id (a retry, a deferred burst) or due time; published as it is."""
+    return not (
+        task_id is not None
+        or more
+        or _in_canvas(options)
+        or options.get("countdown") is not None
+        or options.get("eta") is not None
+        or task.app.conf.task_always_eager
+        or not enabled(task.app)
+    )
 
 
 def _seconds_until(app: Any, when: Any) -> float:
