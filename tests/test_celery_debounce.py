@@ -43,8 +43,8 @@ def queued(services: Services) -> int:
 
 def burst(services: Services, k: str) -> dict[str, str]:
     """The open burst of ``deb:<k>`` (empty: none)."""
-    found: dict[str, str] = services.locks().hgetall(f"fenced:{{deb:{k}}}:debounce")
-    return found
+    found = services.locks().hgetall(f"fenced:{{deb:{k}}}:debounce")
+    return {str(f): str(v) for f, v in found.items()}
 
 
 def runs(services: Services, k: str) -> list[dict[str, Any]]:

@@ -451,7 +451,7 @@ class ClaimedTask(Task[Any, Any]):
         opts = self._options()
         client = lock_redis(self.app)
         request = self.request
-        if opts.values["claim_debounce"] is not None and request.id and not request.called_directly:
+        if opts.values["claim_debounce"] is not None and _delivered(request):
             try:
                 args, kwargs = _debounce.delivered(self, args, kwargs, count, _warn_unsigned)
             except ClaimUnavailable as exc:
@@ -875,8 +875,8 @@ class ClaimedTask(Task[Any, Any]):
                 )
             self._after_skip(claim, opts)
             count("conflict_retries")
-            if opts.values["claim_debounce"] is not None:  # deferred: its burst is taken
-                raise _debounce.defer(self, action.seconds)
+            if opts.values["claim_debounce"] is not None and _delivered(self.request):
+                raise _debounce.defer(self, action.seconds)  # its burst is taken: wait
             raise self.retry(countdown=action.seconds, exc=action.error)
         if not isinstance(action, Skip):
             if claim.ran_recently is None:
@@ -1017,6 +1017,11 @@ def _debounced(task: ClaimedTask, task_id: Any, more: Any, options: Mapping[str,
         or task.app.conf.task_always_eager
         or not enabled(task.app)
     )
+
+
+def _delivered(request: Any) -> bool:
+    """Whether a run is a delivered message's (not ``apply()``, nor a direct call)."""
+    return bool(request.id) and not request.called_directly and not request.is_eager
 
 
 def _seconds_until(app: Any, when: Any) -> float:
