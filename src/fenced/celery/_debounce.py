@@ -315,6 +315,7 @@ def send(
         count("debounced")
         return task.AsyncResult(burst)
     try:
+        options = {k: v for k, v in options.items() if k not in ("countdown", "eta")}  # None
         return publish(args, kwargs, burst, countdown=debounce, **options)
     except BaseException:
         try:  # the calls that join it would wait for a message that never comes
