@@ -39,7 +39,9 @@ What one run does:
 
 With ``claim_enqueue``, ``apply_async`` (and so ``delay``, signatures and beat) publishes
 nothing while a message for the call's claim name is queued (``until_started``) or
-queued or running (``until_finished``): see ``fenced.celery._enqueue``.
+queued or running (``until_finished``): see ``fenced.celery._enqueue``. With
+``claim_debounce``, the calls of one claim name coalesce into one message and one run
+with the last call's arguments: see ``fenced.celery._debounce``.
 
 Redis unreachable at acquire: the task retries with exponential backoff; it never runs
 unclaimed. A prefork child killed mid-run: the worker's main process releases that
@@ -113,9 +115,11 @@ REDELIVERY_MAX_RETRIES = 100
 #: In-process counters: runs, ok, failed, lost, skipped, skips_exceeded, reruns,
 #: reruns_dropped (triggers refused: unsigned, forged, another name's, malformed),
 #: conflict_retries, redelivery_retries, unavailable, duplicates, retried, takeovers,
-#: aborted, enqueue_skipped (calls not sent: ``claim_enqueue``). Per process: a prefork
-#: child counts its own runs, the main process counts ``aborted``, the sending process
-#: ``enqueue_skipped``.
+#: aborted, enqueue_skipped (calls not sent: ``claim_enqueue``), debounced (calls that
+#: joined a burst: ``claim_debounce``), debounce_deferred (a burst's message published
+#: again), debounce_dropped (a stored call refused). Per process: a prefork child counts
+#: its own runs, the main process counts ``aborted``, the sending process
+#: ``enqueue_skipped`` and ``debounced``.
 metrics: Counter[str] = Counter()
 _metrics_lock = threading.Lock()
 
