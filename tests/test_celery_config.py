@@ -522,7 +522,7 @@ def test_a_finished_task_id_is_found_however_many_runs_came_after(app: Celery, r
     [
         ({"claim_ttll": 5}, "did you mean claim_ttl?"),
         ({"fenced_on_busy": "raise"}, "did you mean claim_on_busy?"),
-        ({"claim_debounce": "whenever"}, "the options are: claim_ttl, claim_refresh_every"),
+        ({"claim_whenever": "soon"}, "the options are: claim_ttl, claim_refresh_every"),
     ],
 )
 def test_an_unknown_claim_option_is_refused_when_the_task_is_defined(

@@ -52,6 +52,8 @@ CELERY_FENCED_CLAIM_ENQUEUE_TTL = 600
 CELERY_FENCED_CLAIM_COOLDOWN = 30
 CELERY_FENCED_CLAIM_LIMIT = 2
 CELERY_FENCED_CLAIM_LABEL = "dj-label"
+CELERY_FENCED_CLAIM_RATE = "5/m"
+CELERY_FENCED_CLAIM_RATE_POLICY = "skip"
 CELERY_FENCED_METRICS = {enabled}
 CELERY_FENCED_METRICS_PORT = 9808 if {enabled} else None
 
@@ -169,11 +171,15 @@ def test_every_fenced_setting_is_read_from_django_settings_with_the_celery_names
         "claim_cooldown": 30,
         "claim_limit": 2,
         "claim_label": "dj-label",
+        "claim_rate": "5/m",
+        "claim_rate_policy": "skip",
     }
-    assert set(given) == set(SETTINGS)
+    # claim_debounce (and its max) go with none of claim_enqueue, claim_cooldown,
+    # claim_limit=2, claim_on_busy="raise": they are read by the same SETTINGS path.
+    assert set(given) == set(SETTINGS) - {"claim_debounce", "claim_debounce_max"}
     assert all(DEFAULTS[option] != value for option, value in given.items())
     # The task resolved each to the value its setting gave.
-    assert out["options"] == given
+    assert out["options"] == {**given, "claim_debounce": None, "claim_debounce_max": None}
     assert out["enabled"] is True and out["url"] == url
     # The worker's settings, beside the task options.
     assert out["metrics"] == [True, 9808]

@@ -342,6 +342,10 @@ def check_claimed_task(task: ClaimedTask) -> None:
     if task.app.conf.get("fenced_enabled") is False:
         return  # claims switched off for a test suite: nothing to be skipped by
     with Claim(lock_redis(task.app), task.claim_name_for(args, {}), ttl=30):
+        if task._options().on_busy == "retry":  # a debounced task waits: never skipped
+            with pytest.raises(fenced.ClaimHeld):
+                task.apply(args=args).get()
+            return
         skipped = task.apply(args=args).get()
     assert skipped["status"] == "skipped", skipped
 

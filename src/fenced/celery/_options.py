@@ -39,7 +39,7 @@ from .._lease import (
 )
 from .._naming import check_label
 from .._options import DEFAULT, NAMES, ClaimOptions, refuse_unknown
-from . import _enqueue
+from . import _debounce, _enqueue
 from ._enqueue import ENQUEUE_TTL
 
 __all__ = [
@@ -81,6 +81,9 @@ DEFAULTS: dict[str, Any] = {
     "claim_enqueue_ttl": ENQUEUE_TTL,
     # A call over claim_rate: put back until the next start allowed, or skipped.
     "claim_rate_policy": "delay",
+    # Debounce (fenced.celery._debounce): off, or seconds; and the longest a burst waits.
+    "claim_debounce": None,
+    "claim_debounce_max": None,
 }
 OPTIONS = tuple(DEFAULTS)
 #: The setting that gives each option its default.
@@ -246,6 +249,7 @@ def validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:
             out["claim_label"] = check_label(values["claim_label"], "claim_label")
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc.message}") from None
+    out.update(_debounce.check(values, where))
     return out
 
 
@@ -310,6 +314,7 @@ def resolve(
         "setting",
     )
     raw: dict[str, Any] = {}
+    defaulted: set[str] = set()
     for option in OPTIONS:
         value = given.get(option)
         if value is None:
@@ -317,6 +322,10 @@ def resolve(
         if value is None and option == "claim_on_busy":
             value = conf.get("fenced_claim_on_conflict")  # the setting's earlier name
         raw[option] = DEFAULTS[option] if value is None else value
+        if value is None:
+            defaulted.add(option)
+    if "claim_on_busy" in defaulted and raw["claim_debounce"] is not None:
+        raw["claim_on_busy"] = "retry"  # a debounced run waits for a busy name
     merged = {**raw, **validate(raw, where)}
     claim = TASK_CLAIM.replace(prefix="claim_", **{n: merged[f"claim_{n}"] for n in CLAIM_OPTIONS})
     values = {**merged, **{f"claim_{n}": getattr(claim, n) for n in CLAIM_OPTIONS}}

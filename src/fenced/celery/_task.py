@@ -39,7 +39,9 @@ What one run does:
 
 With ``claim_enqueue``, ``apply_async`` (and so ``delay``, signatures and beat) publishes
 nothing while a message for the call's claim name is queued (``until_started``) or
-queued or running (``until_finished``): see ``fenced.celery._enqueue``.
+queued or running (``until_finished``): see ``fenced.celery._enqueue``. With
+``claim_debounce``, the calls of one claim name coalesce into one message and one run
+with the last call's arguments: see ``fenced.celery._debounce``.
 
 Redis unreachable at acquire: the task retries with exponential backoff; it never runs
 unclaimed. A prefork child killed mid-run: the worker's main process releases that
@@ -86,7 +88,7 @@ from .._naming import Namer, bounded_label
 from .._options import refuse_unknown
 from .._redact import exception_text
 from .._scripts import RERUN_SENT
-from . import _enqueue, _rerun, signals
+from . import _debounce, _enqueue, _rerun, signals
 from ._disabled import LocalClaim, enabled
 from ._options import (
     OPTIONS,
@@ -114,9 +116,11 @@ REDELIVERY_MAX_RETRIES = 100
 #: reruns_dropped (triggers refused: unsigned, forged, another name's, malformed),
 #: conflict_retries, redelivery_retries, unavailable, duplicates, retried, takeovers,
 #: aborted, enqueue_skipped (calls not sent: ``claim_enqueue``), throttled (calls put
-#: back until the start ``claim_rate`` allows). Per process: a prefork
-#: child counts its own runs, the main process counts ``aborted``, the sending process
-#: ``enqueue_skipped``.
+#: back until the start ``claim_rate`` allows), debounced (calls that joined a burst:
+#: ``claim_debounce``), debounce_deferred (a burst's message published again),
+#: debounce_dropped (a stored call refused). Per process: a prefork child counts its own
+#: runs, the main process counts ``aborted``, the sending process ``enqueue_skipped``
+#: and ``debounced``.
 metrics: Counter[str] = Counter()
 _metrics_lock = threading.Lock()
 
@@ -199,6 +203,8 @@ class ClaimedTask(Task[Any, Any]):
     claim_label: str | None = None
     claim_rate: str | None = None
     claim_rate_policy: str | None = None
+    claim_debounce: float | str | None = None
+    claim_debounce_max: float | str | None = None
 
     _fenced_namer: Namer | None = None
     _fenced_options: TaskOptions | None = None
@@ -333,6 +339,11 @@ class ClaimedTask(Task[Any, Any]):
         fails clears the mark it made, then raises.
         """
         opts = self._options()
+        if opts.values["claim_debounce"] is not None and _debounced(self, task_id, more, options):
+            sent: AsyncResult[Any] = _debounce.send(
+                self, args, kwargs, options, super().apply_async, count
+            )
+            return sent
         if opts.enqueue is None or self.app.conf.task_always_eager or not enabled(self.app):
             # Claims switched off (tests without Redis): nothing is marked either.
             return super().apply_async(args, kwargs, task_id, *more, **options)
@@ -447,6 +458,11 @@ class ClaimedTask(Task[Any, Any]):
         opts = self._options()
         client = lock_redis(self.app)
         request = self.request
+        if opts.values["claim_debounce"] is not None and _delivered(request):
+            try:
+                args, kwargs = _debounce.delivered(self, args, kwargs, count, _warn_unsigned)
+            except ClaimUnavailable as exc:
+                raise self._unavailable(exc, opts) from None
         namer = self._namer()
         name, shown = namer(args, kwargs, self._secret_key(namer))
         extra: dict[str, Any] = {"task": self.name, "template": namer.label}
@@ -868,6 +884,8 @@ class ClaimedTask(Task[Any, Any]):
                 )
             self._after_skip(claim, opts)
             count("conflict_retries")
+            if opts.values["claim_debounce"] is not None and _delivered(self.request):
+                raise _debounce.defer(self, action.seconds)  # its burst is taken: wait
             raise self.retry(countdown=action.seconds, exc=action.error)
         if not isinstance(action, Skip):
             if claim.ran_recently is None:
@@ -1024,6 +1042,25 @@ CANVAS_OPTIONS = ("chain", "chord", "group_id", "link", "link_error")
 
 def _in_canvas(options: Mapping[str, Any]) -> bool:
     return any(options.get(k) is not None for k in CANVAS_OPTIONS)
+
+
+def _debounced(task: ClaimedTask, task_id: Any, more: Any, options: Mapping[str, Any]) -> bool:
+    """Whether a call of a debounced task joins a burst: not a canvas's part, nor one
+    with its own task id (a retry, a deferred burst) or due time; published as it is."""
+    return not (
+        task_id is not None
+        or more
+        or _in_canvas(options)
+        or options.get("countdown") is not None
+        or options.get("eta") is not None
+        or task.app.conf.task_always_eager
+        or not enabled(task.app)
+    )
+
+
+def _delivered(request: Any) -> bool:
+    """Whether a run is a delivered message's (not ``apply()``, nor a direct call)."""
+    return bool(request.id) and not request.called_directly and not request.is_eager
 
 
 def _seconds_until(app: Any, when: Any) -> float:

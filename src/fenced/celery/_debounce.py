@@ -1,0 +1,382 @@
+"""Debounce (``claim_debounce``): the calls of one claim name coalesce into one run.
+
+A burst is the calls of one name until its run takes them. The first call of a burst
+writes the name's burst record (``{namespace}:{name}:debounce``, a hash under the name's
+hash tag: the burst's task id, the times of its first and last call, the last call) and
+publishes one message under the burst's task id, due ``claim_debounce`` later; every
+later call only rewrites the last call and its time, and returns the same task id
+(:func:`join`, one script). So a burst has one message in the broker however many calls
+it has, and each call costs one round trip.
+
+When the message is delivered, one script (:func:`take`) compares Redis's clock with
+the burst's due time, ``min(last + claim_debounce, first + claim_debounce_max)``: not
+yet due, or the name still held by a run, and the message is published again under the
+same task id for the time left (:func:`defer`: not counted as a retry); else the burst
+closes, its last call is kept under the task id (``...:debounce:<task id>``, for a
+redelivery of the same message) and the run takes the claim with that call's
+arguments. A call arriving after that starts the next burst, whose message waits while
+the run holds the name.
+
+The stored call is data whoever can write the claims' Redis could plant, so it is
+encoded and checked as rerun triggers are (:mod:`fenced.celery._rerun`: signed with the
+app's secret key, size and depth capped, the call must give the name); one refused is
+dropped (counted ``debounce_dropped``) and the run takes its message's own arguments.
+
+What a Redis restart (or failover to a replica that lags) can lose: a burst record
+not yet persisted. Its message then runs with its own arguments, the first call's of its
+burst (the later calls' arguments are lost, the run is not); calls after the restart
+start a new burst, so the name may run twice. A burst record whose message never comes
+(the broker lost it) expires ``claim_debounce_max`` (else ``claim_debounce``) plus
+``claim_enqueue_ttl`` after its last call: until then, calls join it and wait in vain.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import redis
+from celery.exceptions import Retry
+from kombu.utils.uuid import uuid
+
+from .._audit import claim_fields
+from .._errors import ClaimUnavailable, ConfigError
+from .._lease import ClaimKeys
+from .._scripts import Script, as_text
+from . import _rerun
+
+__all__ = ["check", "defer", "delivered", "join", "send", "take"]
+
+log = logging.getLogger("fenced.celery")
+
+#: Shortest wait before a message looks at its burst again, seconds.
+MIN_WAIT = 0.05
+#: Longest wait while the name is held, seconds: how late, at most, the next burst
+#: starts after a run that holds the name ends (for a debounce shorter than this).
+HELD_POLL = 1.0
+#: Options that do not go with a debounce, and why.
+_CONTRADICTS = {
+    "claim_enqueue": "claim_enqueue drops calls while one is queued, claim_debounce "
+    "coalesces them into the last: use one",
+    "claim_cooldown": "claim_cooldown skips a run inside its window, which would lose "
+    "the burst's calls",
+}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+
+# KEYS[1] the burst record; ARGV[1] a new task id, ARGV[2] the call, ARGV[3] the
+# record's expiry (ms). Returns {task id of the burst, 1 if this call opened it}.
+JOIN = Script(
+    "debounce_join",
+    """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local id = redis.call('HGET', KEYS[1], 'id')
+local new = 0
+if not id then
+  id = ARGV[1]
+  new = 1
+  redis.call('HSET', KEYS[1], 'id', id, 'first', now)
+end
+redis.call('HSET', KEYS[1], 'last', now, 'call', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return {id, new}
+""",
+)
+
+# KEYS[1] the burst record, KEYS[2] the call taken by this task id, KEYS[3] the name's
+# lease; ARGV[1] the delivered task id, ARGV[2] debounce (ms), ARGV[3] debounce max (ms,
+# 0: none), ARGV[4] how long a taken call is kept (ms), ARGV[5] the longest wait while
+# the name is held (ms). Returns {'wait', ms} while the burst is not due or the name
+# is held, {'run', call} once it is taken (again, for a redelivery), {'own'} when this
+# task id has no burst (a message not debounced, or a record lost).
+TAKE = Script(
+    "debounce_take",
+    """
+local b = redis.call('HMGET', KEYS[1], 'id', 'first', 'last', 'call')
+if b[1] == ARGV[1] then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local due = (tonumber(b[3]) or 0) + tonumber(ARGV[2])
+  if tonumber(ARGV[3]) > 0 then
+    due = math.min(due, (tonumber(b[2]) or 0) + tonumber(ARGV[3]))
+  end
+  local wait = due - now
+  local held = redis.call('PTTL', KEYS[3])
+  if held > 0 then
+    wait = math.max(wait, math.min(held, tonumber(ARGV[5])))
+  end
+  if wait > 0 then
+    return {'wait', wait}
+  end
+  redis.call('DEL', KEYS[1])
+  redis.call('SET', KEYS[2], b[4] or '', 'PX', ARGV[4])
+  return {'run', b[4] or ''}
+end
+local taken = redis.call('GET', KEYS[2])
+if taken then
+  return {'run', taken}
+end
+return {'own'}
+""",
+)
+
+
+# KEYS[1] the burst record; ARGV[1] the task id of a burst whose message was not sent.
+# Deletes the record if it is still that burst's. Returns 1 if it was, else 0.
+ABANDON = Script(
+    "debounce_abandon",
+    """
+if redis.call('HGET', KEYS[1], 'id') ~= ARGV[1] then
+  return 0
+end
+return redis.call('DEL', KEYS[1])
+""",
+)
+
+
+def seconds(value: Any, option: str, where: str) -> float:
+    """A duration option: seconds (> 0), or text such as ``"300ms"``, ``"5s"``, ``"1m"``."""
+    number: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        found = _DURATION.match(value)
+        if found:
+            number = float(found.group(1)) * _UNITS[found.group(2)]
+    if number is None or not 0 < number < float("inf"):
+        raise ConfigError(
+            f"{where}: {option}={value!r} is not a duration > 0: give seconds or a number "
+            "with ms, s, m or h, e.g. 0.5, '300ms', '5s', '1m'"
+        )
+    return number
+
+
+def check(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The debounce options cleaned; ConfigError for a bad one or a contradiction among
+    ``values`` (the options given so far: a task's own, or all of them resolved)."""
+    out: dict[str, Any] = {}
+    debounce, most = values.get("claim_debounce"), values.get("claim_debounce_max")
+    if debounce is not None:
+        out["claim_debounce"] = debounce = seconds(debounce, "claim_debounce", where)
+    if most is not None:
+        out["claim_debounce_max"] = most = seconds(most, "claim_debounce_max", where)
+        if debounce is None:
+            raise ConfigError(
+                f"{where}: claim_debounce_max caps a debounce: give claim_debounce too"
+            )
+        if most < debounce:
+            raise ConfigError(
+                f"{where}: claim_debounce_max={most:g}s is shorter than claim_debounce="
+                f"{debounce:g}s: a burst runs at most claim_debounce_max after its first call, "
+                "so it must be at least the debounce"
+            )
+    if debounce is None:
+        return out
+    for option, why in _CONTRADICTS.items():
+        if values.get(option):
+            raise ConfigError(f"{where}: claim_debounce with {option}: {why}")
+    on_busy = values.get("claim_on_busy")
+    if on_busy is not None and on_busy != "retry":
+        raise ConfigError(
+            f"{where}: claim_debounce with claim_on_busy={on_busy!r}: a debounced run that "
+            "finds its name busy waits for it (claim_on_busy='retry', the default with a "
+            "debounce); any other policy would lose the burst's calls"
+        )
+    limit = values.get("claim_limit")
+    if limit is not None and limit != 1:
+        raise ConfigError(
+            f"{where}: claim_debounce with claim_limit={limit!r}: a burst is one run at a "
+            "time of its name; give claim_limit=1"
+        )
+    return out
+
+
+def burst_key(keys: ClaimKeys) -> str:
+    """The name's open burst."""
+    return f"{keys.namespace}:{{{keys.name}}}:debounce"
+
+
+def taken_key(keys: ClaimKeys, task_id: str) -> str:
+    """The call a burst's run took, kept for a redelivery of its message."""
+    return f"{burst_key(keys)}:{task_id}"
+
+
+def join(client: Any, keys: ClaimKeys, task_id: str, call: str, expiry: float) -> tuple[str, bool]:
+    """Add a call to the name's burst: (the burst's task id, whether this call opened it)."""
+    found = JOIN(client, [burst_key(keys)], [task_id, call, max(1, int(expiry * 1000))])
+    return as_text(found[0]), bool(int(found[1]))
+
+
+def take(
+    client: Any,
+    keys: ClaimKeys,
+    task_id: str,
+    debounce: float,
+    most: float | None,
+    keep: float,
+) -> tuple[str, Any]:
+    """What the message ``task_id`` does: ("wait", seconds), ("run", the call's text), or
+    ("own", None): run with the message's own arguments."""
+    found = TAKE(
+        client,
+        [burst_key(keys), taken_key(keys, task_id), keys.lock],
+        [
+            task_id,
+            int(debounce * 1000),
+            int((most or 0) * 1000),
+            max(1, int(keep * 1000)),
+            int(max(debounce, HELD_POLL) * 1000),
+        ],
+    )
+    what = as_text(found[0])
+    if what == "wait":
+        return what, max(MIN_WAIT, int(found[1]) / 1000)
+    if what == "run":
+        return what, as_text(found[1])
+    return "own", None
+
+
+def call_of(
+    text: str, name: str, key: bytes | None, names: Callable[[Any, Any], str]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call a taken burst stored, checked as a rerun trigger is; :class:`_rerun.Refused`
+    for one unsigned, forged, malformed, or naming another claim."""
+    call = _rerun.decode(text, name, key)
+    if isinstance(call, str):
+        raise _rerun.Refused("a call fenced does not store")
+    if names(*call) != name:
+        raise _rerun.Refused("a call that names another claim")
+    return call
+
+
+def defer(task: Any, seconds: float) -> Retry:
+    """Publish the running message again under its task id, due in ``seconds``, with its
+    retry count unchanged; the Retry to raise (Celery then acknowledges this delivery)."""
+    sig = task.signature_from_request(task.request, countdown=seconds)
+    sig.apply_async()
+    when: Any = seconds  # Celery's stubs ask for a numbers.Real
+    return Retry(when=when, sig=sig)
+
+
+# -- the task's two ends: a call, a delivery ------------------------------------------
+
+
+def _client(task: Any) -> Any:
+    from ._options import lock_redis  # imports this module
+
+    return lock_redis(task.app)
+
+
+def send(
+    task: Any,
+    args: Any,
+    kwargs: Any,
+    options: dict[str, Any],
+    publish: Callable[..., Any],
+    count: Callable[[str], None],
+) -> Any:
+    """A call of a debounced task: joins its name's burst (the burst's AsyncResult), or
+    opens one and publishes its message, due ``claim_debounce`` later.
+
+    A call JSON cannot carry (or larger than a trigger may be) is published as it is,
+    not coalesced, and so is one when the claims' Redis cannot be reached.
+    """
+    opts = task._options()
+    args, kwargs = tuple(args or ()), dict(kwargs or {})
+    name = task.claim_name_for(args, kwargs)
+    call = _rerun.encode(args, kwargs, name, task._rerun_key())
+    if call.endswith(_rerun.OWN):  # a call's JSON ends with "]"
+        log.warning(
+            "fenced: %s sent as it is, not debounced: its arguments are not JSON, or larger "
+            "than %d bytes",
+            task.name,
+            _rerun.MAX_BYTES,
+            extra=claim_fields(name),
+        )
+        return publish(args, kwargs, **options)
+    keys = ClaimKeys(opts.claim.namespace, name)
+    debounce, most = opts.values["claim_debounce"], opts.values["claim_debounce_max"]
+    client = _client(task)
+    try:
+        burst, opened = join(client, keys, uuid(), call, (most or debounce) + opts.enqueue_ttl)
+    except (redis.RedisError, OSError) as exc:
+        log.warning(
+            "fenced: could not debounce %r (%s): sending %s as it is",
+            name,
+            exc,
+            task.name,
+            extra=claim_fields(name),
+        )
+        return publish(args, kwargs, **options)
+    if not opened:
+        count("debounced")
+        return task.AsyncResult(burst)
+    try:
+        options = {k: v for k, v in options.items() if k not in ("countdown", "eta")}  # None
+        return publish(args, kwargs, burst, countdown=debounce, **options)
+    except BaseException:
+        try:  # the calls that join it would wait for a message that never comes
+            ABANDON(client, [burst_key(keys)], [burst])
+        except Exception:
+            log.warning(
+                "fenced: could not abandon the burst of %r; it expires", name, exc_info=True
+            )
+        raise
+
+
+def delivered(
+    task: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    count: Callable[[str], None],
+    unsigned: Callable[[str], None],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call a delivered message runs with: its burst's last (set on the request),
+    or its own; raises the Retry of a message published again (not due yet, or its name
+    is held), or ClaimUnavailable."""
+    opts = task._options()
+    request = task.request
+    name = task.claim_name_for(args, kwargs)
+    keys = ClaimKeys(opts.claim.namespace, name)
+    try:
+        what, value = take(
+            _client(task),
+            keys,
+            request.id,
+            opts.values["claim_debounce"],
+            opts.values["claim_debounce_max"],
+            opts.claim.redelivery_window,
+        )
+    except (redis.RedisError, OSError) as exc:
+        raise ClaimUnavailable(f"could not read the burst of {name!r}: {exc}", name=name) from exc
+    if what == "wait":
+        count("debounce_deferred")
+        raise defer(task, value)
+    if what == "own":
+        return args, kwargs
+    key = task._rerun_key()
+    try:
+        args, kwargs = call_of(value, name, key, task.claim_name_for)
+    except Exception as exc:
+        why = str(exc) if isinstance(exc, _rerun.Refused) else type(exc).__name__
+        count("debounce_dropped")
+        # Its text is not logged: a genuine call's arguments may be secret.
+        log.warning(
+            "fenced: dropped the stored call of a burst of %r (%s; %d characters): "
+            "%s[%s] runs with its message's arguments",
+            name,
+            why,
+            len(value),
+            task.name,
+            request.id,
+            extra=claim_fields(name),
+        )
+        return args, kwargs
+    if key is None:
+        unsigned(name)
+    # The body, a retry and the result's record see the call that runs.
+    request.args, request.kwargs = args, kwargs
+    return args, kwargs
