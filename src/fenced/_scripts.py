@@ -1095,7 +1095,8 @@ return 0
 # The field "tick" gets the server time (ms) of the call: when a leader last ticked.
 # returns {0} when ARGV[1] does not hold KEYS[1] or ARGV[2] is not KEYS[2]'s fence (a
 #         leader that lost its lease, paused or cut off: nothing is written), else
-#         {1, one 1 (granted) or 0 per triple, in order}
+#         {1, the previous tick ("" for none), this tick, then one 1 (granted) or 0 per
+#         triple, in order}; ticks are Redis TIME in ms, as text
 BEAT_DISPATCH = Script(
     "beat_dispatch",
     _FENCE
@@ -1103,7 +1104,9 @@ BEAT_DISPATCH = Script(
 if redis.call('GET', KEYS[1]) ~= ARGV[1] or redis.call('GET', KEYS[2]) ~= ARGV[2] then
   return {0}
 end
-local out = {1}
+local t = redis.call('TIME')
+local now = t[1] .. string.format('%03d', math.floor(t[2] / 1000))
+local out = {1, redis.call('HGET', KEYS[3], 'tick') or '', now}
 for i = 4, #ARGV, 3 do
   local field, due, gap = 'entry:' .. ARGV[i], ARGV[i + 1], ARGV[i + 2]
   local stored = redis.call('HGET', KEYS[3], field)
@@ -1127,8 +1130,7 @@ for i = 4, #ARGV, 3 do
   end
   if ok and gap ~= 'skip' then out[#out + 1] = 1 else out[#out + 1] = 0 end
 end
-local t = redis.call('TIME')
-redis.call('HSET', KEYS[3], 'tick', t[1] .. string.format('%03d', math.floor(t[2] / 1000)))
+redis.call('HSET', KEYS[3], 'tick', now)
 if tonumber(ARGV[3]) > 0 then redis.call('PEXPIRE', KEYS[3], ARGV[3]) end
 return out
 """,

@@ -181,7 +181,7 @@ def next_due(sched: Any, last_ms: int) -> int:
         return last_ms + every
     last = _at(last_ms)
     if isinstance(sched, crontab):
-        start, delta, _now = sched.remaining_delta(last, ffwd=sched.ffwd)
+        start, delta, _now = sched.remaining_delta(last)
         due = _ms(start + delta)
     else:
         now = datetime.now(_UTC)
@@ -307,13 +307,18 @@ def status(client: Any, name: str, *, namespace: str = "fenced") -> BeatStatus:
 class Scheduler(beat.Scheduler):
     """Celery's scheduler, led by one of many beat processes under a fenced claim."""
 
+    #: Time seams for tests: the wall clock that due times are on, and the clock of
+    #: the leaderless alarm.
+    wall = staticmethod(time.time)
+    clock = staticmethod(time.monotonic)
+
     def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
         self.fenced = BeatOptions.of(app)
         self._claim: Claim | None = None
         self._keys = ClaimKeys.of(self.fenced.claim, self.fenced.namespace)
         self._catch_up: dict[str, CatchUp] = {}
         # The last time this process saw a leader (itself or another), for the alarm.
-        self._led_at = time.monotonic()
+        self._led_at = self.clock()
         self._alarmed_at: float | None = None
         # Ticks this leader was granted and could not send yet: (entry, stored value).
         self._unsent: dict[str, str] = {}
@@ -335,7 +340,7 @@ class Scheduler(beat.Scheduler):
             if not self._lead():
                 self._alarm_if_leaderless()
                 return min(self.fenced.poll, self.max_interval)
-            self._led_at = time.monotonic()
+            self._led_at = self.clock()
             return self._tick_as_leader()
         except (ClaimUnavailable, *_UNREACHABLE) as exc:
             log.warning("fenced beat %s: Redis unreachable (%s): standing by", self.fenced.name, exc)
@@ -347,7 +352,7 @@ class Scheduler(beat.Scheduler):
         tick), and the seconds until it is next."""
         last = entry.last_run_at
         last_ms = _ms(last if last.tzinfo else last.replace(tzinfo=_UTC))
-        wait = (next_due(entry.schedule, last_ms) - _ms(datetime.now(_UTC))) / 1000
+        wait = (next_due(entry.schedule, last_ms) - self._now_ms()) / 1000
         return wait <= 0, max(wait, 0.0) or self.fenced.poll
 
     def sync(self) -> None:
@@ -368,6 +373,9 @@ class Scheduler(beat.Scheduler):
     def info(self) -> str:
         """What ``celery beat`` prints at start."""
         return f"fenced: leader claim {self.fenced.claim!r}, lease {self.fenced.ttl:g}s"
+
+    def _now_ms(self) -> int:
+        return round(self.wall() * 1000)
 
     # -- leading -----------------------------------------------------------------------
 
@@ -392,7 +400,7 @@ class Scheduler(beat.Scheduler):
         )
         if not claim.acquire():
             if claim.holder is not None:
-                self._led_at = time.monotonic()
+                self._led_at = self.clock()
                 self._alarmed_at = None
             return False
         self._claim = claim
@@ -411,7 +419,7 @@ class Scheduler(beat.Scheduler):
             )
 
     def _alarm_if_leaderless(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         alarm = self.fenced.alarm
         if now - self._led_at < alarm:
             return
@@ -430,14 +438,8 @@ class Scheduler(beat.Scheduler):
         claim = self._claim
         assert claim is not None and claim.token is not None
         client = lock_redis(self.app)
-        stored, tick = _read_state(client, self._keys)
-        now_ms = _ms(datetime.now(_UTC))
-        if tick is not None and claim.fence is not None and self._new_leader(stored):
-            gap = (now_ms - tick) / 1000
-            if gap > self.fenced.alarm:
-                log.error(
-                    "fenced beat %s: no beat led for %.0f s before this one", self.fenced.name, gap
-                )
+        stored, _tick = _read_state(client, self._keys)
+        now_ms = self._now_ms()
         # A predecessor's grants it may not have sent: sent again, as the same task ids.
         resend = {
             name: state.raw
@@ -458,10 +460,17 @@ class Scheduler(beat.Scheduler):
             if passed is not None:
                 triples.append((name, passed, "skip"))
             triples.extend((name, due, str(min_gap(entry.schedule, due))) for due in runs)
-        granted = self._dispatch(client, claim, triples)
-        if granted is None:
+        answer = self._dispatch(client, claim, triples)
+        if answer is None:
             self._step_down("the dispatch script refused its token")
             return min(self.fenced.poll, self.max_interval)
+        previous, tick, granted = answer
+        if previous is not None and self._new_leader(stored):
+            gap = (tick - previous) / 1000
+            if gap > self.fenced.alarm:
+                log.error(
+                    "fenced beat %s: no beat led for %.0f s before this one", self.fenced.name, gap
+                )
         sent: dict[str, str] = {}
         for name, value in resend.items():
             if self._send(name, EntryState.parse(value), claim):
@@ -497,7 +506,9 @@ class Scheduler(beat.Scheduler):
 
     def _dispatch(
         self, client: Any, claim: Claim, triples: Sequence[tuple[str, int, str]]
-    ) -> list[int] | None:
+    ) -> tuple[int | None, int, list[int]] | None:
+        """The script's answer: the previous tick (server ms), this one, and each
+        triple's grant; None when the lead is no longer this claim's."""
         args: list[Any] = [claim.token, str(claim.fence), str(claim.options.idle_ms)]
         for triple in triples:
             args.extend(triple)
@@ -505,7 +516,8 @@ class Scheduler(beat.Scheduler):
         answer = BEAT_DISPATCH(client, keys, args)
         if int(answer[0]) != 1:
             return None
-        return [int(x) for x in answer[1:]]
+        previous = as_text(answer[1])
+        return int(previous) if previous else None, int(answer[2]), [int(x) for x in answer[3:]]
 
     def _send(self, name: str, state: EntryState | None, claim: Claim) -> bool:
         """Publish one granted tick; False when it could not be sent (retried next tick)."""
