@@ -3,6 +3,7 @@ leads, and the check that every due tick ran once or fell in a bounded gap."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -82,7 +83,7 @@ def check_runs(noted: list[tuple[str, str]], gap_ms: float) -> dict[str, list[in
     for entry, times in dues.items():
         times.sort()
         period = PERIODS[entry]
-        steps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        steps = [b - a for a, b in itertools.pairwise(times)]
         assert all(s >= period / 2 for s in steps), (entry, steps)
         assert all(s <= period + gap_ms for s in steps), (entry, steps, gap_ms)
     return dues

@@ -180,7 +180,7 @@ def _app(server: RedisServer, **entries: Any) -> Celery:
 
 def _scheduler(app: Celery, wall: Wall) -> Scheduler:
     sched = Scheduler(app)
-    sched.wall = wall  # type: ignore[method-assign]
+    sched.wall = wall
     return sched
 
 
@@ -208,7 +208,7 @@ def test_a_new_leader_continues_the_cadence(server: RedisServer, sent: list[str]
     second.tick()
     assert sorted(sent) == [task_id("unit", n, T0 + 180_000) for n in ("latest", "skip")]
     report = status(server.client(), "unit")
-    assert report.leader is not None and report.leader.fence == second._claim.fence  # type: ignore[union-attr]
+    assert report.leader is not None and report.leader.fence == second._claim.fence
     assert {n: (e.due_ms, e.state) for n, e in report.entries.items()} == {
         "skip": (T0 + 180_000, "sent"),
         "latest": (T0 + 180_000, "sent"),
@@ -216,9 +216,7 @@ def test_a_new_leader_continues_the_cadence(server: RedisServer, sent: list[str]
     second.close()
 
 
-def test_a_cut_off_leader_sends_nothing_and_stands_by(
-    server: RedisServer, sent: list[str]
-) -> None:
+def test_a_cut_off_leader_sends_nothing_and_stands_by(server: RedisServer, sent: list[str]) -> None:
     wall = Wall(T0)
     app = _app(server, a={})
     leader = _scheduler(app, wall)
@@ -254,7 +252,7 @@ def test_no_leader_for_long_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     )
     now = [100.0]
     sched = Scheduler(app)
-    sched.clock = lambda: now[0]  # type: ignore[method-assign]
+    sched.clock = lambda: now[0]
     sched._led_at = now[0]
     with caplog.at_level(logging.WARNING, logger="fenced.beat"):
         sched.tick()

@@ -28,7 +28,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import redis
@@ -165,7 +165,8 @@ def _at(ms: int) -> datetime:
 def _interval_ms(sched: Any) -> int | None:
     """The period of a plain interval schedule, in ms (None for calendars)."""
     if type(sched) is schedule:
-        return max(1, round(sched.run_every.total_seconds() * 1000))
+        every: timedelta = getattr(sched, "run_every")  # noqa: B009 (not in Celery's stubs)
+        return max(1, round(every.total_seconds() * 1000))
     return None
 
 
@@ -339,13 +340,15 @@ class Scheduler(beat.Scheduler):
         try:
             if not self._lead():
                 self._alarm_if_leaderless()
-                return min(self.fenced.poll, self.max_interval)
+                return self._capped(self.fenced.poll)
             self._led_at = self.clock()
             return self._tick_as_leader()
         except (ClaimUnavailable, *_UNREACHABLE) as exc:
-            log.warning("fenced beat %s: Redis unreachable (%s): standing by", self.fenced.name, exc)
+            log.warning(
+                "fenced beat %s: Redis unreachable (%s): standing by", self.fenced.name, exc
+            )
             self._alarm_if_leaderless()
-            return min(self.fenced.poll, self.max_interval)
+            return self._capped(self.fenced.poll)
 
     def is_due(self, entry: Any) -> tuple[bool, float]:
         """Whether an entry is due by its last due time (as Redis held it at the last
@@ -373,6 +376,10 @@ class Scheduler(beat.Scheduler):
     def info(self) -> str:
         """What ``celery beat`` prints at start."""
         return f"fenced: leader claim {self.fenced.claim!r}, lease {self.fenced.ttl:g}s"
+
+    def _capped(self, wait: float) -> float:
+        """At most Celery's ``beat_max_loop_interval``."""
+        return min(wait, float(self.max_interval or wait))
 
     def _now_ms(self) -> int:
         return round(self.wall() * 1000)
@@ -446,9 +453,7 @@ class Scheduler(beat.Scheduler):
             for name, state in stored.items()
             if state.state == "pending" and state.fence != claim.fence and name in self.schedule
         }
-        resend.update(
-            {n: v for n, v in self._unsent.items() if n in stored and stored[n].raw == v}
-        )
+        resend.update({n: v for n, v in self._unsent.items() if n in stored and stored[n].raw == v})
         triples: list[tuple[str, int, str]] = []
         for name, entry in self.schedule.items():
             state = stored.get(name)
@@ -463,13 +468,15 @@ class Scheduler(beat.Scheduler):
         answer = self._dispatch(client, claim, triples)
         if answer is None:
             self._step_down("the dispatch script refused its token")
-            return min(self.fenced.poll, self.max_interval)
+            return self._capped(self.fenced.poll)
         previous, tick, granted = answer
         if previous is not None and self._new_leader(stored):
-            gap = (tick - previous) / 1000
-            if gap > self.fenced.alarm:
+            silent = (tick - previous) / 1000
+            if silent > self.fenced.alarm:
                 log.error(
-                    "fenced beat %s: no beat led for %.0f s before this one", self.fenced.name, gap
+                    "fenced beat %s: no beat led for %.0f s before this one",
+                    self.fenced.name,
+                    silent,
                 )
         sent: dict[str, str] = {}
         for name, value in resend.items():
@@ -478,7 +485,9 @@ class Scheduler(beat.Scheduler):
         for (name, due, gap), ok in zip(triples, granted, strict=True):
             if gap == "skip":
                 if ok and name in stored:
-                    log.info("fenced beat %s: %s passed over (due %s)", self.fenced.name, name, _at(due))
+                    log.info(
+                        "fenced beat %s: %s passed over (due %s)", self.fenced.name, name, _at(due)
+                    )
                 continue
             if ok:
                 value = f"{due}:{claim.fence}:pending"
@@ -530,11 +539,11 @@ class Scheduler(beat.Scheduler):
         options = {k: v for k, v in (entry.options or {}).items() if k not in ENTRY_OPTIONS}
         options["headers"] = {**options.get("headers", {}), "celery_beat_task": True}
         options["task_id"] = task_id(self.fenced.name, name, state.due_ms)
-        args = beat._evaluate_entry_args(entry.args)
-        kwargs = beat._evaluate_entry_kwargs(entry.kwargs)
+        args = tuple(_evaluated(v) for v in entry.args or ())
+        kwargs = {k: _evaluated(v) for k, v in (entry.kwargs or {}).items()}
         log.info("Scheduler: Sending due task %s (%s) due %s", name, entry.task, state.due)
         try:
-            task = self.app.tasks.get(entry.task)
+            task = self.app.tasks.get(str(entry.task))
             if task is not None:
                 task.apply_async(args, kwargs, producer=self.producer, **options)
             else:
@@ -554,7 +563,13 @@ class Scheduler(beat.Scheduler):
         for name, entry in self.schedule.items():
             if name in last:
                 wait = min(wait, (next_due(entry.schedule, last[name]) - now_ms) / 1000)
-        return max(min(wait, self.max_interval), 0.01)
+        return max(self._capped(wait), 0.01)
 
 
 _UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
+
+
+def _evaluated(value: Any) -> Any:
+    """An entry's argument as sent: a ``celery.beat.BeatLazyFunc`` is called, as Celery does."""
+    lazy = getattr(beat, "BeatLazyFunc", None)
+    return value() if lazy is not None and isinstance(value, lazy) else value
