@@ -8,7 +8,11 @@ clock and alarm clock are the scheduler's seams, driven here.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
@@ -213,7 +217,25 @@ def test_a_new_leader_continues_the_cadence(server: RedisServer, sent: list[str]
         "skip": (T0 + 180_000, "sent"),
         "latest": (T0 + 180_000, "sent"),
     }
+    shown = subprocess.run(
+        [sys.executable, "-m", "fenced.cli", "beat", "unit", "--redis", server.url, "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    seen = json.loads(shown.stdout)
+    assert seen["leader"]["fence"] == second._claim.fence
+    assert seen["leader"]["pid"] == os.getpid()
+    assert seen["entries"]["skip"]["state"] == "sent"
     second.close()
+    shown = subprocess.run(
+        [sys.executable, "-m", "fenced.cli", "beat", "unit", "--redis", server.url],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert shown.stdout.startswith("beat unit: no leader"), shown.stdout
+    assert "  latest: " in shown.stdout
 
 
 def test_a_cut_off_leader_sends_nothing_and_stands_by(server: RedisServer, sent: list[str]) -> None:

@@ -35,10 +35,11 @@ import redis
 from celery import beat
 from celery.schedules import crontab, schedule
 
+from .._beat import BeatStatus, EntryState, claim_of, read_state, status, task_id
+from .._beat import at as _at
 from .._claim import Claim
 from .._errors import ClaimUnavailable, ConfigError
-from .._inspect import read_holder
-from .._lease import ClaimKeys, Holder, check_namespace, check_timing
+from .._lease import ClaimKeys, check_namespace, check_timing
 from .._scripts import BEAT_DISPATCH, BEAT_SENT, as_text
 from ._options import lock_redis
 
@@ -108,7 +109,7 @@ class BeatOptions:
     @property
     def claim(self) -> str:
         """The name of the leader's claim."""
-        return f"beat:{self.name}"
+        return claim_of(self.name)
 
     @property
     def alarm(self) -> float:
@@ -156,10 +157,6 @@ class CatchUp:
 
 def _ms(when: datetime) -> int:
     return round(when.timestamp() * 1000)
-
-
-def _at(ms: int) -> datetime:
-    return datetime.fromtimestamp(ms / 1000, _UTC)
 
 
 def _interval_ms(sched: Any) -> int | None:
@@ -231,75 +228,6 @@ def plan(sched: Any, last_ms: int, now_ms: int, catch_up: CatchUp) -> tuple[list
 def min_gap(sched: Any, due_ms: int) -> int:
     """The shortest time allowed between two runs of an entry: half its period."""
     return (next_due(sched, due_ms) - due_ms) // 2
-
-
-def task_id(beat_name: str, entry: str, due_ms: int) -> str:
-    """The task id of an entry's tick: the same for every beat and every send of it."""
-    return f"fenced-beat:{beat_name}:{entry}:{due_ms}"
-
-
-# -- state in Redis ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EntryState:
-    """An entry's last due time as Redis holds it."""
-
-    due_ms: int
-    fence: int
-    #: ``pending`` (granted, not known to be sent), ``sent``, or ``skipped`` (passed
-    #: over, or the time the entry was first seen: nothing ran)
-    state: str
-    raw: str
-
-    @classmethod
-    def parse(cls, value: Any) -> EntryState | None:
-        """A stored value, or None when it is not one fenced wrote."""
-        text = as_text(value)
-        parts = text.split(":")
-        if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
-            return None
-        return cls(int(parts[0]), int(parts[1]), parts[2], text)
-
-    @property
-    def due(self) -> datetime:
-        """The due time, in UTC."""
-        return _at(self.due_ms)
-
-
-def _read_state(client: Any, keys: ClaimKeys) -> tuple[dict[str, EntryState], int | None]:
-    """Each entry's stored state and the leader's last tick (ms), in one round trip."""
-    fields = client.hgetall(keys.beat)
-    entries: dict[str, EntryState] = {}
-    tick = None
-    for field, value in fields.items():
-        name = as_text(field)
-        if name == "tick":
-            tick = int(as_text(value))
-        elif name.startswith("entry:"):
-            parsed = EntryState.parse(value)
-            if parsed is not None:
-                entries[name[len("entry:") :]] = parsed
-    return entries, tick
-
-
-@dataclass(frozen=True)
-class BeatStatus:
-    """What Redis says of a beat: its leader, the leader's last tick, every entry."""
-
-    name: str
-    leader: Holder | None
-    last_tick: datetime | None
-    entries: Mapping[str, EntryState]
-
-
-def status(client: Any, name: str, *, namespace: str = "fenced") -> BeatStatus:
-    """The leader of beat ``name`` (its fence), its last tick and each entry's last due."""
-    opts = BeatOptions(name=name, namespace=namespace)
-    keys = ClaimKeys.of(opts.claim, namespace)
-    leader = read_holder(client, opts.claim, namespace=namespace)
-    entries, tick = _read_state(client, keys)
-    return BeatStatus(name, leader, None if tick is None else _at(tick), entries)
 
 
 # -- the scheduler ----------------------------------------------------------------------
@@ -445,7 +373,7 @@ class Scheduler(beat.Scheduler):
         claim = self._claim
         assert claim is not None and claim.token is not None
         client = lock_redis(self.app)
-        stored, _tick = _read_state(client, self._keys)
+        stored, _tick = read_state(client, self._keys)
         now_ms = self._now_ms()
         # A predecessor's grants it may not have sent: sent again, as the same task ids.
         resend = {
