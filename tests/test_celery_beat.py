@@ -290,3 +290,26 @@ def test_beat_settings_are_known(server: RedisServer) -> None:
     from fenced.celery._options import KNOWN_SETTINGS
 
     assert {"fenced_beat_name", "fenced_beat_ttl", "fenced_beat_alarm_after"} <= KNOWN_SETTINGS
+
+
+def test_a_tick_granted_and_never_sent_is_sent_by_the_next_leader(
+    server: RedisServer, sent: list[str]
+) -> None:
+    wall = Wall(T0)
+    app = _app(server, a={})
+    first = _scheduler(app, wall)
+    first.tick()  # leads, and starts the entry's cadence
+    claim = first._claim
+    assert claim is not None
+    # It is granted the tick due at +60 s and dies before it sends it.
+    assert _dispatch(server.client(), claim, ("a", T0 + 60_000, "0")) == [1, 1]
+    claim.release()
+    wall.ms = T0 + 61_000
+    second = _scheduler(app, wall)
+    second.tick()
+    assert second.leading
+    assert sent == [task_id("unit", "a", T0 + 60_000)]  # the same tick, the same task id
+    assert status(server.client(), "unit").entries["a"].state == "sent"
+    second.tick()
+    assert sent == [task_id("unit", "a", T0 + 60_000)]  # and only once
+    second.close()
