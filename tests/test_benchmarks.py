@@ -35,3 +35,17 @@ def test_celery_flood_only_with_an_unknown_contender_names_the_valid_ones() -> N
     for key in ("fenced", "fenced_enqueue", "once", "singleton"):
         assert key in res.stderr
     assert "redis-server" not in res.stdout + res.stderr  # refused before a server started
+
+
+def test_beat_side_by_side_only_with_an_unknown_contender_names_the_valid_ones() -> None:
+    res = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "beat_side_by_side.py"), "--only", "fenced,bogus"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "no contender bogus" in res.stderr
+    for key in ("stock", "redbeat", "fenced"):
+        assert key in res.stderr
+    assert "redis-server" not in res.stdout + res.stderr  # refused before a server started
