@@ -48,4 +48,4 @@ def tick() -> None:
 @celery_signals.before_task_publish.connect
 def _noted(sender: Any = None, headers: Any = None, **_: Any) -> None:
     if sender == "beat_bench.tick":
-        _notes.rpush("sent", f"every-1s {time.time():.3f} {os.getpid()}")
+        _notes.rpush("sent", f"every-1s {time.time():.3f} {os.getpid()} {headers.get('id')}")
