@@ -196,6 +196,9 @@ def test_a_new_leader_continues_the_cadence(server: RedisServer, sent: list[str]
     first.tick()  # leads; each entry's cadence starts now
     assert first.leading and not sent
     assert second.tick() > 0 and not second.leading
+    assert second.tick() > 0 and not second.leading
+    # A stand-by's polls are not skipped runs of the leader's claim.
+    assert server.client().get(ClaimKeys.of("beat:unit").skips) in (None, b"0")
     wall.ms = T0 + 60_010
     first.tick()
     assert sorted(sent) == [task_id("unit", n, T0 + 60_000) for n in ("latest", "skip")]

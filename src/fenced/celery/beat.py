@@ -333,7 +333,8 @@ class Scheduler(beat.Scheduler):
             records=False,
             label="beat",
         )
-        if not claim.acquire():
+        # One try that counts no skip: a stand-by's poll is not a skipped run.
+        if not claim.acquire(blocking=True, timeout=0):
             if claim.holder is not None:
                 self._led_at = self.clock()
                 self._alarmed_at = None
