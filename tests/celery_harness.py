@@ -67,6 +67,20 @@ class Services:
         app.conf.update(broker_connection_retry_on_startup=True, result_expires=600)
         return app
 
+    def env(self, lock_url: str, **extra: str) -> dict[str, str]:
+        """The environment of a worker or beat process of the test apps."""
+        env = dict(os.environ)
+        env.update(
+            PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src"), env.get("PYTHONPATH", "")]),
+            FENCED_TEST_BROKER_URL=self.broker_url,
+            FENCED_REDIS_URL=lock_url,
+            FENCED_TEST_OBS_URL=self.obs_url,
+            FENCED_TEST_QUEUE=self.queue,
+            PYTHONUNBUFFERED="1",
+            **extra,
+        )
+        return env
+
     def obs(self) -> redis.Redis:
         """The observation Redis, decoded."""
         return redis.Redis.from_url(self.obs_url, decode_responses=True)
@@ -106,16 +120,10 @@ class Worker:
 
     def start(self) -> Worker:
         """Start and wait until the worker says it is ready."""
-        env = dict(os.environ)
-        env.update(
-            PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src"), env.get("PYTHONPATH", "")]),
-            FENCED_TEST_BROKER_URL=self.services.broker_url,
+        env = self.services.env(
+            self.lock_url,
             FENCED_TEST_BACKEND_URL=self.services.backend_url,
-            FENCED_REDIS_URL=self.lock_url,
-            FENCED_TEST_OBS_URL=self.services.obs_url,
             FENCED_TEST_TTL=str(self.services.ttl),
-            FENCED_TEST_QUEUE=self.services.queue,
-            PYTHONUNBUFFERED="1",
         )
         if self.visibility is not None:
             env["FENCED_TEST_VISIBILITY"] = str(self.visibility)
@@ -199,16 +207,7 @@ class Beat:
 
     def start(self) -> Beat:
         """Start the process (it stands by or leads on its own)."""
-        env = dict(os.environ)
-        env.update(
-            PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src"), env.get("PYTHONPATH", "")]),
-            FENCED_TEST_BROKER_URL=self.services.broker_url,
-            FENCED_REDIS_URL=self.services.lock_url,
-            FENCED_TEST_OBS_URL=self.services.obs_url,
-            FENCED_TEST_BEAT_TTL=str(self.ttl),
-            FENCED_TEST_QUEUE=self.services.queue,
-            PYTHONUNBUFFERED="1",
-        )
+        env = self.services.env(self.services.lock_url, FENCED_TEST_BEAT_TTL=str(self.ttl))
         cmd = [
             sys.executable, "-m", "celery", "-A", "tests.celery_beat_app", "beat",
             "-S", "fenced.celery.beat:Scheduler", "-l", "info",
