@@ -26,6 +26,7 @@ from redis.retry import Retry
 
 from fenced import Claim
 from fenced._errors import ConfigError
+from fenced._inspect import read_holder
 from fenced._lease import ClaimKeys
 from fenced._scripts import BEAT_DISPATCH
 from fenced.celery import beat
@@ -316,3 +317,31 @@ def test_a_tick_granted_and_never_sent_is_sent_by_the_next_leader(
     second.tick()
     assert sent == [task_id("unit", "a", T0 + 60_000)]  # and only once
     second.close()
+
+
+def test_a_tick_that_fails_gives_the_lead_up_and_stays_up(
+    server: RedisServer, sent: list[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    wall = Wall(T0)
+    app = _app(server, a={})
+    first = _scheduler(app, wall)
+    other = _scheduler(app, wall)
+    first.tick()
+    assert first.leading
+    # Something fenced never writes where the beat keeps its entries.
+    beat_key = ClaimKeys.of("beat:unit").beat
+    server.client().delete(beat_key)
+    server.client().set(beat_key, "not a hash")
+    with caplog.at_level(logging.ERROR, logger="fenced.beat"):
+        assert first.tick() > 0
+    assert not first.leading
+    assert "tick failed; giving up the lead" in caplog.text
+    assert read_holder(server.client(), "beat:unit") is None  # given up at once
+    server.client().delete(beat_key)
+    other.tick()  # another beat leads, its entry's cadence starts again
+    assert other.leading
+    wall.ms = T0 + 60_000
+    other.tick()
+    assert sent == [task_id("unit", "a", T0 + 60_000)]
+    assert first.tick() > 0 and not first.leading  # the beat that failed stands by
+    other.close()

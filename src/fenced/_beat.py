@@ -67,7 +67,8 @@ def read_state(client: Any, keys: ClaimKeys) -> tuple[dict[str, EntryState], int
     for field, value in fields.items():
         name = as_text(field)
         if name == "tick":
-            tick = int(as_text(value))
+            text = as_text(value)
+            tick = int(text) if text.isdigit() else None
         elif name.startswith("entry:"):
             parsed = EntryState.parse(value)
             if parsed is not None:

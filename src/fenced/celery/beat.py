@@ -276,7 +276,12 @@ class Scheduler(beat.Scheduler):
                 "fenced beat %s: Redis unreachable (%s): standing by", self.fenced.name, exc
             )
             self._alarm_if_leaderless()
-            return self._capped(self.fenced.poll)
+        except Exception:
+            # Anything else (a value in Redis fenced did not write): the lead goes to
+            # another beat, and this one stays up as a stand-by.
+            log.exception("fenced beat %s: tick failed; giving up the lead", self.fenced.name)
+            self._give_up_lead()
+        return self._capped(self.fenced.poll)
 
     def is_due(self, entry: Any) -> tuple[bool, float]:
         """Whether an entry is due by its last due time (as Redis held it at the last
@@ -291,14 +296,18 @@ class Scheduler(beat.Scheduler):
 
     def close(self) -> None:
         """Give the lead up at once (shutdown, SIGTERM), then close as Celery does."""
+        self._give_up_lead()
+        super().close()
+
+    def _give_up_lead(self) -> None:
         claim, self._claim = self._claim, None
+        self._unsent.clear()
         if claim is not None:
             try:
                 if claim.release():
                     log.info("fenced beat %s: gave up the lead", self.fenced.name)
             except Exception as exc:  # the lease then ends within its ttl
                 log.warning("fenced beat %s: could not give up the lead: %s", self.fenced.name, exc)
-        super().close()
 
     @property
     def info(self) -> str:
