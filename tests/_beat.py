@@ -8,11 +8,13 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import redis
 
 from _wait import wait_for
 from celery_harness import Beat, Services, Worker
+from fenced._client import connect
 from fenced.celery.beat import status
 
 #: The app's entries (tests/celery_beat_app.py) and their periods, in ms.
@@ -41,8 +43,8 @@ def leader(services: Services, beats: list[Beat], not_pid: int | None = None) ->
 
     def find() -> Beat | None:
         try:
-            held = status(services.locks(), "tests").leader
-        except redis.ConnectionError:
+            held = status(_claims(services), "tests").leader
+        except (redis.ConnectionError, redis.TimeoutError):
             return None
         if held is None or held.pid == not_pid:
             return None
@@ -50,6 +52,17 @@ def leader(services: Services, beats: list[Beat], not_pid: int | None = None) ->
 
     found: Beat = wait_for("a beat to lead", find, WAIT, 0.05)
     return found
+
+
+def _claims(services: Services) -> Any:
+    """A client of the claims' Redis, in any URL form (a Sentinel's too)."""
+    return connect(services.lock_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+
+
+def fence(services: Services) -> int | None:
+    """The leader's fence now (None: nobody leads)."""
+    held = status(_claims(services), "tests").leader
+    return None if held is None else held.fence
 
 
 def runs(services: Services) -> list[tuple[str, str]]:
