@@ -189,6 +189,15 @@ def _scheduler(app: Celery, wall: Wall) -> Scheduler:
     return sched
 
 
+def _two(server: RedisServer, wall: Wall) -> tuple[Scheduler, Scheduler]:
+    """Two beats of one app with an entry ``a`` every minute; the first leads."""
+    app = _app(server, a={})
+    first, other = _scheduler(app, wall), _scheduler(app, wall)
+    first.tick()
+    assert first.leading
+    return first, other
+
+
 def test_a_new_leader_continues_the_cadence(server: RedisServer, sent: list[str]) -> None:
     wall = Wall(T0)
     app = _app(server, skip={}, latest={"fenced_catch_up": "latest"})
@@ -244,11 +253,7 @@ def test_a_new_leader_continues_the_cadence(server: RedisServer, sent: list[str]
 
 def test_a_cut_off_leader_sends_nothing_and_stands_by(server: RedisServer, sent: list[str]) -> None:
     wall = Wall(T0)
-    app = _app(server, a={})
-    leader = _scheduler(app, wall)
-    other = _scheduler(app, wall)
-    leader.tick()
-    assert leader.leading
+    leader, other = _two(server, wall)
     # Its lease ends behind its back (expired while it was paused, or cut off), and
     # the other beat takes the lead before the old leader's next tick.
     server.client().delete(ClaimKeys.of("beat:unit").lock)
@@ -323,11 +328,7 @@ def test_a_tick_that_fails_gives_the_lead_up_and_stays_up(
     server: RedisServer, sent: list[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     wall = Wall(T0)
-    app = _app(server, a={})
-    first = _scheduler(app, wall)
-    other = _scheduler(app, wall)
-    first.tick()
-    assert first.leading
+    first, other = _two(server, wall)
     # Something fenced never writes where the beat keeps its entries.
     beat_key = ClaimKeys.of("beat:unit").beat
     server.client().delete(beat_key)
