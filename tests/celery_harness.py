@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -66,6 +67,20 @@ class Services:
         app.conf.update(broker_connection_retry_on_startup=True, result_expires=600)
         return app
 
+    def env(self, lock_url: str, **extra: str) -> dict[str, str]:
+        """The environment of a worker or beat process of the test apps."""
+        env = dict(os.environ)
+        env.update(
+            PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src"), env.get("PYTHONPATH", "")]),
+            FENCED_TEST_BROKER_URL=self.broker_url,
+            FENCED_REDIS_URL=lock_url,
+            FENCED_TEST_OBS_URL=self.obs_url,
+            FENCED_TEST_QUEUE=self.queue,
+            PYTHONUNBUFFERED="1",
+            **extra,
+        )
+        return env
+
     def obs(self) -> redis.Redis:
         """The observation Redis, decoded."""
         return redis.Redis.from_url(self.obs_url, decode_responses=True)
@@ -105,16 +120,10 @@ class Worker:
 
     def start(self) -> Worker:
         """Start and wait until the worker says it is ready."""
-        env = dict(os.environ)
-        env.update(
-            PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "src"), env.get("PYTHONPATH", "")]),
-            FENCED_TEST_BROKER_URL=self.services.broker_url,
+        env = self.services.env(
+            self.lock_url,
             FENCED_TEST_BACKEND_URL=self.services.backend_url,
-            FENCED_REDIS_URL=self.lock_url,
-            FENCED_TEST_OBS_URL=self.services.obs_url,
             FENCED_TEST_TTL=str(self.services.ttl),
-            FENCED_TEST_QUEUE=self.services.queue,
-            PYTHONUNBUFFERED="1",
         )
         if self.visibility is not None:
             env["FENCED_TEST_VISIBILITY"] = str(self.visibility)
@@ -184,3 +193,56 @@ def notes(obs: redis.Redis, key: str) -> list[dict[str, Any]]:
 def key() -> str:
     """A fresh name, so tests sharing a worker never share a claim."""
     return uuid.uuid4().hex[:10]
+
+
+class Beat:
+    """One ``celery beat`` process of ``tests.celery_beat_app``, fenced's scheduler."""
+
+    def __init__(self, services: Services, *, ttl: float, name: str = "b") -> None:
+        self.services = services
+        self.ttl = ttl
+        self.dir = tempfile.mkdtemp(prefix=f"fenced-beat-{name}-")
+        self.log_path = os.path.join(self.dir, "beat.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Beat:
+        """Start the process (it stands by or leads on its own)."""
+        env = self.services.env(self.services.lock_url, FENCED_TEST_BEAT_TTL=str(self.ttl))
+        cmd = [
+            sys.executable, "-m", "celery", "-A", "tests.celery_beat_app", "beat",
+            "-S", "fenced.celery.beat:Scheduler", "-l", "info",
+            "-s", os.path.join(self.dir, "schedule"),
+        ]  # fmt: skip
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        return self
+
+    @property
+    def pid(self) -> int:
+        """The beat's process id (the leader's token carries it)."""
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        """Whether the process still runs."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        """Send a signal to the beat process."""
+        if self.alive():
+            os.kill(self.pid, sig)
+
+    def log(self) -> str:
+        """Everything the beat logged so far."""
+        return Path(self.log_path).read_text(errors="replace")
+
+    def stop(self) -> None:
+        """Kill the process (it may be stopped)."""
+        if self.alive():
+            assert self.proc is not None
+            self.signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait()

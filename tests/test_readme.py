@@ -50,6 +50,9 @@ NOT_RUN = {
     "pip install fenced[celery,cli]": "installs; `make dist` installs the wheel",
     "pip install fenced[web]": "installs; `make dist` installs the wheel",
     "fenced web": "serves until stopped: tests/test_web.py runs the dashboard over HTTP",
+    "celery -A proj beat -S fenced.celery.beat:Scheduler": (
+        "runs until stopped: tests/test_celery_beat_faults.py runs three beats and a worker"
+    ),
     "holder=$(curl -s http://127.0.0.1:8377/api/claims/backup:db": (
         "needs a running `fenced web`: tests/test_security_web_release.py reads the holder "
         "and releases it over HTTP"

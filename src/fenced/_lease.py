@@ -306,6 +306,12 @@ class ClaimKeys:
         then."""
         return self._key("rate")
 
+    @property
+    def beat(self) -> str:
+        """A beat leader's claim: each entry's last due time and the leader's last tick
+        (fenced.celery.beat)."""
+        return self._key("beat")
+
     def released(self, token: str) -> str:
         """A short-lived note of how a token's release went, so a retry gets that answer."""
         return f"{self._key('released:')}{token.split(':', 1)[0]}"

@@ -27,6 +27,8 @@ from redis.sentinel import SentinelConnectionPool
 
 __all__ = [
     "ACQUIRE",
+    "BEAT_DISPATCH",
+    "BEAT_SENT",
     "FORCE_RELEASE",
     "HANDOVER",
     "LOCK_ACQUIRE",
@@ -1111,5 +1113,87 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
 return 0
+""",
+)
+
+
+# BEAT_DISPATCH: the leader of several ``celery beat`` processes decides which (entry,
+#                due time) pairs it sends (fenced.celery.beat); nothing is sent that this
+#                script did not grant, and it grants each pair once
+# KEYS[1] the leader's lease (a claim's lock)   KEYS[2] that claim's fence
+# KEYS[3] the beat's entries: a hash from "entry:<entry name>" to
+#         "<due time, ms since the epoch>:<fence of the leader that wrote it>:<state>",
+#         state "pending" (granted, not known to be sent), "sent" or "skipped" (a
+#         baseline: a due time passed over, or the time an entry was first seen)
+# ARGV[1] the leader's token   ARGV[2] its fence (decimal text)
+# ARGV[3] idle expiry of KEYS[3] in ms (0 = never)
+# then one triple per pair: entry name, due time in ms, and either the shortest gap in
+#         ms allowed after the entry's stored due time (the pair is then granted and
+#         stored "pending") or "skip" (stored "skipped", never granted)
+# A pair is refused when its due time is not after the stored one by at least the gap
+# ("skip": not after it), or when the stored one was written under a higher fence.
+# The field "tick" gets the server time (ms) of the call: when a leader last ticked.
+# returns {0} when ARGV[1] does not hold KEYS[1] or ARGV[2] is not KEYS[2]'s fence (a
+#         leader that lost its lease, paused or cut off: nothing is written), else
+#         {1, the previous tick ("" for none), this tick, then one 1 (granted) or 0 per
+#         triple, in order}; ticks are Redis TIME in ms, as text
+BEAT_DISPATCH = Script(
+    "beat_dispatch",
+    _FENCE
+    + """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] or redis.call('GET', KEYS[2]) ~= ARGV[2] then
+  return {0}
+end
+local t = redis.call('TIME')
+local now = t[1] .. string.format('%03d', math.floor(t[2] / 1000))
+local out = {1, redis.call('HGET', KEYS[3], 'tick') or '', now}
+for i = 4, #ARGV, 3 do
+  local field, due, gap = 'entry:' .. ARGV[i], ARGV[i + 1], ARGV[i + 2]
+  local stored = redis.call('HGET', KEYS[3], field)
+  local ok = true
+  if stored then
+    local last, fence = string.match(stored, '^(%d+):(%d+):')
+    if last and fence_ok(fence) then
+      if fence_below(ARGV[2], fence) then
+        ok = false
+      elseif gap == 'skip' then
+        ok = tonumber(due) > tonumber(last)
+      else
+        ok = tonumber(due) >= tonumber(last) + tonumber(gap) and tonumber(due) > tonumber(last)
+      end
+    end
+  end
+  if ok then
+    local state = 'pending'
+    if gap == 'skip' then state = 'skipped' end
+    redis.call('HSET', KEYS[3], field, due .. ':' .. ARGV[2] .. ':' .. state)
+  end
+  if ok and gap ~= 'skip' then out[#out + 1] = 1 else out[#out + 1] = 0 end
+end
+redis.call('HSET', KEYS[3], 'tick', now)
+if tonumber(ARGV[3]) > 0 then redis.call('PEXPIRE', KEYS[3], ARGV[3]) end
+return out
+""",
+)
+
+# BEAT_SENT: pairs BEAT_DISPATCH granted were published
+# KEYS[1] the beat's entries (as BEAT_DISPATCH)
+# ARGV pairs of entry name and the value BEAT_DISPATCH stored ("...:pending")
+# Each entry still holding that value becomes "...:sent"; any other value (a later due
+# time, another leader's) is left alone.
+# returns how many were marked
+BEAT_SENT = Script(
+    "beat_sent",
+    """
+local marked = 0
+for i = 1, #ARGV, 2 do
+  local field = 'entry:' .. ARGV[i]
+  if redis.call('HGET', KEYS[1], field) == ARGV[i + 1] then
+    local value = string.gsub(ARGV[i + 1], ':pending$', ':sent')
+    redis.call('HSET', KEYS[1], field, value)
+    marked = marked + 1
+  end
+end
+return marked
 """,
 )

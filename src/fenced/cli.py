@@ -747,6 +747,41 @@ if app is not None:
                 "ClaimedTask record every run; @exclusive and Claim with records=True"
             )
 
+    @app.command("beat")
+    def beat_cmd(
+        name: Annotated[
+            str,
+            typer.Argument(metavar="NAME", help="The beat's fenced_beat_name (its app's name)."),
+        ],
+        redis_url: RedisOpt = None,
+        namespace: NamespaceOpt = "fenced",
+        as_json: JsonOpt = False,
+    ) -> None:
+        """Show who leads a beat (fenced.celery.beat), its fence, and each entry's last tick."""
+        from ._beat import as_dict, claim_of, status
+        from ._printable import printable
+
+        client = _client(redis_url)
+        with _talking_to(client):
+            report = status(client, name, namespace=namespace)
+        if as_json:
+            _print_json(as_dict(report))
+            return
+        leader = report.leader
+        if leader is None:
+            print(f"beat {printable(name)}: no leader (claim {printable(claim_of(name))} is free)")
+        else:
+            left = "" if leader.expires_in is None else f", lease {leader.expires_in:.1f}s left"
+            print(
+                f"beat {printable(name)}: led by {printable(leader.host)} pid {leader.pid} "
+                f"fence {leader.fence}{left}"
+            )
+        if report.last_tick is not None:
+            print(f"last tick: {report.last_tick.isoformat()}")
+        for entry, state in sorted(report.entries.items()):
+            due = state.due.isoformat()
+            print(f"  {printable(entry)}: {due} {state.state} (fence {state.fence})")
+
     @app.command("web")
     def web_cmd(
         redis_url: RedisOpt = None,

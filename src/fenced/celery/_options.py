@@ -106,6 +106,10 @@ KNOWN_SETTINGS = frozenset(
         "fenced_metrics",
         "fenced_metrics_port",
         "fenced_metrics_address",
+        # fenced.celery.beat
+        "fenced_beat_name",
+        "fenced_beat_ttl",
+        "fenced_beat_alarm_after",
     )
 )
 

@@ -1,0 +1,513 @@
+"""Several ``celery beat`` processes, one leader: ``celery -A proj beat -S
+fenced.celery.beat:Scheduler`` (or ``beat_scheduler = "fenced.celery.beat:Scheduler"``).
+
+Every beat process reads ``beat_schedule`` as Celery's own scheduler does. One of them
+leads: it holds a fenced claim (``beat:<fenced_beat_name>``) that the process's
+heartbeat renews; the others stand by and poll, and one of them takes the claim within
+a lease of the leader's death, pause or partition. Only the leader sends, and only
+what the ``BEAT_DISPATCH`` script grants: that script checks, in one step, that the
+leader's token still holds the claim under its fence, that the entry's due time comes
+after the one stored in Redis, and stores it. So every (entry, due time) is granted
+once across all beats, a leader that wakes from a pause sends nothing, and a new
+leader continues the schedule where the last one left it (the due times live in Redis,
+not in a beat). A granted tick is sent with a task id made of the beat, the entry and
+the due time (:func:`task_id`): a tick sent again after a crash is the same task.
+
+Settings: ``fenced_beat_name`` (default: the app's main name), ``fenced_beat_ttl``
+(the leader's lease, seconds, default 10), ``fenced_beat_alarm_after`` (log an error
+when no beat led for this long, default three leases); the Redis is the app's claims
+Redis (``fenced_redis_url``), under ``fenced_namespace``. An entry's ``options`` may
+carry ``fenced_catch_up`` (``"skip"``, ``"latest"``, ``"all"``) and
+``fenced_catch_up_window`` (seconds): see :class:`CatchUp`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import redis
+from celery import beat
+from celery.schedules import crontab, schedule
+
+from .._beat import BeatStatus, EntryState, claim_of, read_state, status, task_id
+from .._beat import at as _at
+from .._claim import Claim
+from .._errors import ClaimUnavailable, ConfigError
+from .._lease import ClaimKeys, check_namespace, check_timing
+from .._scripts import BEAT_DISPATCH, BEAT_SENT, as_text
+from ._options import lock_redis
+
+__all__ = [
+    "CATCH_UP",
+    "BeatOptions",
+    "BeatStatus",
+    "CatchUp",
+    "EntryState",
+    "Scheduler",
+    "next_due",
+    "plan",
+    "status",
+    "task_id",
+]
+
+log = logging.getLogger("fenced.beat")
+
+#: What a leader does with due times that passed while no beat led.
+CATCH_UP = ("skip", "latest", "all")
+#: The most runs of one entry that ``"all"`` sends for one gap.
+ALL_LIMIT = 1000
+#: The entry options fenced reads (and removes before the task is sent).
+ENTRY_OPTIONS = ("fenced_catch_up", "fenced_catch_up_window")
+_UTC = timezone.utc
+
+
+# -- options ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BeatOptions:
+    """A beat's settings, checked once when the scheduler is made."""
+
+    name: str
+    ttl: float = 10.0
+    alarm_after: float | None = None
+    namespace: str = "fenced"
+
+    @classmethod
+    def of(cls, app: Any) -> BeatOptions:
+        """The ``fenced_beat_*`` settings of an app (and its ``fenced_namespace``)."""
+        conf = app.conf
+        name = conf.get("fenced_beat_name") or app.main or "celery"
+        ttl = conf.get("fenced_beat_ttl")
+        alarm = conf.get("fenced_beat_alarm_after")
+        opts = cls(
+            name=str(name),
+            ttl=10.0 if ttl is None else ttl,
+            alarm_after=alarm,
+            namespace=conf.get("fenced_namespace") or "fenced",
+        )
+        opts.check()
+        return opts
+
+    def check(self) -> None:
+        """Refuse a ttl or alarm time that cannot work, naming the setting."""
+        check_timing(self.ttl, None, names=("fenced_beat_ttl", ""))
+        check_namespace(self.namespace)
+        ClaimKeys.of(self.claim, self.namespace)
+        alarm = self.alarm_after
+        if alarm is not None and (
+            isinstance(alarm, bool) or not isinstance(alarm, (int, float)) or alarm <= 0
+        ):
+            raise ConfigError(f"fenced_beat_alarm_after={alarm!r} must be seconds > 0")
+
+    @property
+    def claim(self) -> str:
+        """The name of the leader's claim."""
+        return claim_of(self.name)
+
+    @property
+    def alarm(self) -> float:
+        """Seconds without a leader before an error is logged."""
+        return float(self.alarm_after) if self.alarm_after is not None else 3 * self.ttl
+
+    @property
+    def poll(self) -> float:
+        """How often a stand-by tries to take the lead."""
+        return self.ttl / 5
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """What a leader sends of an entry's due times that passed while nobody led.
+
+    ``skip`` (the default): the latest of them runs when it is at most ``window`` late
+    (default: two leases, so a failover delays a tick instead of dropping it), the
+    rest are dropped; ``latest``: the latest runs however late (one run for the gap);
+    ``all``: each within ``window`` (default an hour) runs, oldest first, at most
+    :data:`ALL_LIMIT`. The schedule goes on from the latest in every case.
+    """
+
+    mode: str = "skip"
+    window: float = 0.0
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any], ttl: float, where: str) -> CatchUp:
+        """An entry's ``fenced_catch_up`` and ``fenced_catch_up_window`` options."""
+        mode = options.get("fenced_catch_up") or "skip"
+        if mode not in CATCH_UP:
+            raise ConfigError(
+                f"{where}: fenced_catch_up={mode!r} is not one of {', '.join(CATCH_UP)}"
+            )
+        window = options.get("fenced_catch_up_window")
+        if window is None:
+            window = 3600.0 if mode == "all" else 2 * ttl
+        if isinstance(window, bool) or not isinstance(window, (int, float)) or window < 0:
+            raise ConfigError(f"{where}: fenced_catch_up_window={window!r} must be seconds >= 0")
+        return cls(mode, float(window))
+
+
+# -- due times: no I/O ----------------------------------------------------------------
+
+
+def _ms(when: datetime) -> int:
+    return round(when.timestamp() * 1000)
+
+
+def _interval_ms(sched: Any) -> int | None:
+    """The period of a plain interval schedule, in ms (None for calendars)."""
+    if type(sched) is schedule:
+        every: timedelta = getattr(sched, "run_every")  # noqa: B009 (not in Celery's stubs)
+        return max(1, round(every.total_seconds() * 1000))
+    return None
+
+
+def next_due(sched: Any, last_ms: int) -> int:
+    """The first due time of a schedule after ``last_ms`` (ms since the epoch).
+
+    The same for every beat that asks: an interval adds its period, a crontab moves to
+    its next matching minute; any other schedule is asked how long from now, and the
+    answer is rounded to the second.
+    """
+    every = _interval_ms(sched)
+    if every is not None:
+        return last_ms + every
+    last = _at(last_ms)
+    if isinstance(sched, crontab):
+        start, delta, _now = sched.remaining_delta(last)
+        due = _ms(start + delta)
+    else:
+        now = datetime.now(_UTC)
+        due = round((now + sched.remaining_estimate(last)).timestamp()) * 1000
+    return due if due > last_ms else last_ms + 1000
+
+
+def _missed(sched: Any, last_ms: int, now_ms: int, since_ms: int) -> tuple[list[int], int]:
+    """The due times after ``last_ms`` up to ``now_ms`` that are at or after
+    ``since_ms`` (at most :data:`ALL_LIMIT`, the newest), and the latest of all."""
+    every = _interval_ms(sched)
+    if every is not None:
+        latest = last_ms + ((now_ms - last_ms) // every) * every
+        first = max(last_ms + every, latest - (ALL_LIMIT - 1) * every)
+        if since_ms > first:
+            first += math.ceil((since_ms - first) / every) * every
+        return list(range(first, latest + 1, every)), latest
+    found: list[int] = []
+    due = next_due(sched, last_ms)
+    latest = due
+    for _ in range(100 * ALL_LIMIT):
+        if due > now_ms:
+            break
+        latest = due
+        if due >= since_ms:
+            found.append(due)
+        due = next_due(sched, due)
+    return found[-ALL_LIMIT:], latest
+
+
+def plan(sched: Any, last_ms: int, now_ms: int, catch_up: CatchUp) -> tuple[list[int], int | None]:
+    """What a leader does for one entry at ``now_ms``: the due times to send, oldest
+    first, and a due time to store as passed over without a run (or None)."""
+    if next_due(sched, last_ms) > now_ms:
+        return [], None
+    window_ms = round(catch_up.window * 1000)
+    since = last_ms if catch_up.mode == "latest" else now_ms - window_ms
+    found, latest = _missed(sched, last_ms, now_ms, since)
+    if catch_up.mode == "all" and found:
+        return found, None
+    if catch_up.mode == "latest" or (found and found[-1] == latest):
+        return [latest], None
+    return [], latest
+
+
+def min_gap(sched: Any, due_ms: int) -> int:
+    """The shortest time allowed between two runs of an entry: half its period."""
+    return (next_due(sched, due_ms) - due_ms) // 2
+
+
+# -- the scheduler ----------------------------------------------------------------------
+
+
+class Scheduler(beat.Scheduler):
+    """Celery's scheduler, led by one of many beat processes under a fenced claim."""
+
+    #: Time seams for tests: the wall clock that due times are on, and the clock of
+    #: the leaderless alarm.
+    wall = staticmethod(time.time)
+    clock = staticmethod(time.monotonic)
+
+    def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
+        self.fenced = BeatOptions.of(app)
+        self._claim: Claim | None = None
+        self._keys = ClaimKeys.of(self.fenced.claim, self.fenced.namespace)
+        self._catch_up: dict[str, CatchUp] = {}
+        # The last time this process saw a leader (itself or another), for the alarm.
+        self._led_at = self.clock()
+        self._alarmed_at: float | None = None
+        # Ticks this leader was granted and could not send yet: (entry, stored value).
+        self._unsent: dict[str, str] = {}
+        super().__init__(app, *args, **kwargs)
+
+    # -- Celery's Scheduler interface ---------------------------------------------------
+
+    def setup_schedule(self) -> None:
+        """Celery's entries (``beat_schedule``), each entry's catch-up checked now."""
+        super().setup_schedule()
+        for name, entry in self.schedule.items():
+            self._catch_up[name] = CatchUp.of(
+                entry.options or {}, self.fenced.ttl, f"beat_schedule[{name!r}]"
+            )
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        """Lead or stand by; as the leader, send what is due. Seconds until the next tick."""
+        try:
+            if not self._lead():
+                self._alarm_if_leaderless()
+                return self._capped(self.fenced.poll)
+            self._led_at = self.clock()
+            return self._tick_as_leader()
+        except (ClaimUnavailable, *_UNREACHABLE) as exc:
+            log.warning(
+                "fenced beat %s: Redis unreachable (%s): standing by", self.fenced.name, exc
+            )
+            self._alarm_if_leaderless()
+        except Exception:
+            # Anything else (a value in Redis fenced did not write): the lead goes to
+            # another beat, and this one stays up as a stand-by.
+            log.exception("fenced beat %s: tick failed; giving up the lead", self.fenced.name)
+            self._give_up_lead()
+        return self._capped(self.fenced.poll)
+
+    def is_due(self, entry: Any) -> tuple[bool, float]:
+        """Whether an entry is due by its last due time (as Redis held it at the last
+        tick), and the seconds until it is next."""
+        last = entry.last_run_at
+        last_ms = _ms(last if last.tzinfo else last.replace(tzinfo=_UTC))
+        wait = (next_due(entry.schedule, last_ms) - self._now_ms()) / 1000
+        return wait <= 0, max(wait, 0.0) or self.fenced.poll
+
+    def sync(self) -> None:
+        """Nothing to keep: the schedule's state lives in Redis."""
+
+    def close(self) -> None:
+        """Give the lead up at once (shutdown, SIGTERM), then close as Celery does."""
+        self._give_up_lead()
+        super().close()
+
+    def _give_up_lead(self) -> None:
+        claim, self._claim = self._claim, None
+        self._unsent.clear()
+        if claim is not None:
+            try:
+                if claim.release():
+                    log.info("fenced beat %s: gave up the lead", self.fenced.name)
+            except Exception as exc:  # the lease then ends within its ttl
+                log.warning("fenced beat %s: could not give up the lead: %s", self.fenced.name, exc)
+
+    @property
+    def info(self) -> str:
+        """What ``celery beat`` prints at start."""
+        return f"fenced: leader claim {self.fenced.claim!r}, lease {self.fenced.ttl:g}s"
+
+    def _capped(self, wait: float) -> float:
+        """At most Celery's ``beat_max_loop_interval``."""
+        return min(wait, float(self.max_interval or wait))
+
+    def _now_ms(self) -> int:
+        return round(self.wall() * 1000)
+
+    # -- leading -----------------------------------------------------------------------
+
+    @property
+    def leading(self) -> bool:
+        """Whether this process holds the lead (by its local deadline)."""
+        return self._claim is not None and self._claim.held
+
+    def _lead(self) -> bool:
+        claim = self._claim
+        if claim is not None:
+            if claim.held:
+                return True
+            self._step_down("its lease was lost")
+        claim = Claim(
+            lock_redis(self.app),
+            self.fenced.claim,
+            ttl=self.fenced.ttl,
+            namespace=self.fenced.namespace,
+            records=False,
+            label="beat",
+        )
+        # One try that counts no skip: a stand-by's poll is not a skipped run.
+        if not claim.acquire(blocking=True, timeout=0):
+            if claim.holder is not None:
+                self._led_at = self.clock()
+                self._alarmed_at = None
+            return False
+        self._claim = claim
+        log.info("fenced beat %s: leading, fence %s", self.fenced.name, claim.fence)
+        return True
+
+    def _step_down(self, why: str) -> None:
+        claim, self._claim = self._claim, None
+        self._unsent.clear()
+        if claim is not None:
+            log.warning(
+                "fenced beat %s: no longer leading (fence %s): %s; standing by",
+                self.fenced.name,
+                claim.fence,
+                why,
+            )
+
+    def _alarm_if_leaderless(self) -> None:
+        now = self.clock()
+        alarm = self.fenced.alarm
+        if now - self._led_at < alarm:
+            return
+        if self._alarmed_at is not None and now - self._alarmed_at < alarm:
+            return
+        self._alarmed_at = now
+        log.error(
+            "fenced beat %s: no beat has led for %.0f s: nothing is being sent",
+            self.fenced.name,
+            now - self._led_at,
+        )
+
+    # -- the leader's tick -------------------------------------------------------------
+
+    def _tick_as_leader(self) -> float:
+        claim = self._claim
+        assert claim is not None and claim.token is not None
+        client = lock_redis(self.app)
+        stored, _tick = read_state(client, self._keys)
+        now_ms = self._now_ms()
+        # A predecessor's grants it may not have sent: sent again, as the same task ids.
+        resend = {
+            name: state.raw
+            for name, state in stored.items()
+            if state.state == "pending" and state.fence != claim.fence and name in self.schedule
+        }
+        resend.update({n: v for n, v in self._unsent.items() if n in stored and stored[n].raw == v})
+        triples: list[tuple[str, int, str]] = []
+        for name, entry in self.schedule.items():
+            state = stored.get(name)
+            if state is None:
+                triples.append((name, now_ms, "skip"))  # first seen: its cadence starts now
+                continue
+            entry.last_run_at = state.due
+            runs, passed = plan(entry.schedule, state.due_ms, now_ms, self._catch_up_of(name))
+            if passed is not None:
+                triples.append((name, passed, "skip"))
+            triples.extend((name, due, str(min_gap(entry.schedule, due))) for due in runs)
+        answer = self._dispatch(client, claim, triples)
+        if answer is None:
+            self._step_down("the dispatch script refused its token")
+            return self._capped(self.fenced.poll)
+        previous, tick, granted = answer
+        if previous is not None and self._new_leader(stored):
+            silent = (tick - previous) / 1000
+            if silent > self.fenced.alarm:
+                log.error(
+                    "fenced beat %s: no beat led for %.0f s before this one",
+                    self.fenced.name,
+                    silent,
+                )
+        sent: dict[str, str] = {}
+        for name, value in resend.items():
+            if self._send(name, EntryState.parse(value), claim):
+                sent[name] = value
+        for (name, due, gap), ok in zip(triples, granted, strict=True):
+            if gap == "skip":
+                if ok and name in stored:
+                    log.info(
+                        "fenced beat %s: %s passed over (due %s)", self.fenced.name, name, _at(due)
+                    )
+                continue
+            if ok:
+                value = f"{due}:{claim.fence}:pending"
+                if self._send(name, EntryState.parse(value), claim):
+                    sent[name] = value
+                else:
+                    self._unsent[name] = value
+        for name in sent:
+            self._unsent.pop(name, None)
+        if sent:
+            BEAT_SENT(client, [self._keys.beat], [x for pair in sent.items() for x in pair])
+        return self._next_wake(triples, stored, now_ms)
+
+    def _new_leader(self, stored: Mapping[str, EntryState]) -> bool:
+        claim = self._claim
+        return claim is not None and not any(s.fence == claim.fence for s in stored.values())
+
+    def _catch_up_of(self, name: str) -> CatchUp:
+        if name not in self._catch_up:  # an entry added after start (Celery's add())
+            entry = self.schedule[name]
+            self._catch_up[name] = CatchUp.of(
+                entry.options or {}, self.fenced.ttl, f"beat_schedule[{name!r}]"
+            )
+        return self._catch_up[name]
+
+    def _dispatch(
+        self, client: Any, claim: Claim, triples: Sequence[tuple[str, int, str]]
+    ) -> tuple[int | None, int, list[int]] | None:
+        """The script's answer: the previous tick (server ms), this one, and each
+        triple's grant; None when the lead is no longer this claim's."""
+        args: list[Any] = [claim.token, str(claim.fence), str(claim.options.idle_ms)]
+        for triple in triples:
+            args.extend(triple)
+        keys = [self._keys.lock, self._keys.fence, self._keys.beat]
+        answer = BEAT_DISPATCH(client, keys, args)
+        if int(answer[0]) != 1:
+            return None
+        previous = as_text(answer[1])
+        return int(previous) if previous else None, int(answer[2]), [int(x) for x in answer[3:]]
+
+    def _send(self, name: str, state: EntryState | None, claim: Claim) -> bool:
+        """Publish one granted tick; False when it could not be sent (retried next tick)."""
+        entry = self.schedule.get(name)
+        if entry is None or state is None:
+            return True  # the entry left the schedule: nothing to send
+        if not claim.held:
+            # Paused past the lease since the grant: a new leader sends it instead.
+            return False
+        options = {k: v for k, v in (entry.options or {}).items() if k not in ENTRY_OPTIONS}
+        options["headers"] = {**options.get("headers", {}), "celery_beat_task": True}
+        options["task_id"] = task_id(self.fenced.name, name, state.due_ms)
+        args = tuple(_evaluated(v) for v in entry.args or ())
+        kwargs = {k: _evaluated(v) for k, v in (entry.kwargs or {}).items()}
+        log.info("Scheduler: Sending due task %s (%s) due %s", name, entry.task, state.due)
+        try:
+            task = self.app.tasks.get(str(entry.task))
+            if task is not None:
+                task.apply_async(args, kwargs, producer=self.producer, **options)
+            else:
+                self.send_task(entry.task, args, kwargs, producer=self.producer, **options)
+        except Exception as exc:
+            log.error("fenced beat %s: could not send %s: %s", self.fenced.name, name, exc)
+            return False
+        return True
+
+    def _next_wake(
+        self, triples: Sequence[tuple[str, int, str]], stored: Mapping[str, EntryState], now_ms: int
+    ) -> float:
+        last = {name: state.due_ms for name, state in stored.items()}
+        for name, due, _gap in triples:
+            last[name] = max(due, last.get(name, due))
+        wait = self.fenced.poll
+        for name, entry in self.schedule.items():
+            if name in last:
+                wait = min(wait, (next_due(entry.schedule, last[name]) - now_ms) / 1000)
+        return max(self._capped(wait), 0.01)
+
+
+_UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
+
+
+def _evaluated(value: Any) -> Any:
+    """An entry's argument as sent: a ``celery.beat.BeatLazyFunc`` is called, as Celery does."""
+    lazy = getattr(beat, "BeatLazyFunc", None)
+    return value() if lazy is not None and isinstance(value, lazy) else value
