@@ -251,20 +251,22 @@ def _prepare(
                 f"row {n} carries {fence_column}={row[fence_column]!r}, not the fence={fence} "
                 f"of this upsert: leave {fence_column!r} out of the rows, upsert stamps it"
             )
-        stamped = {**row, fence_column: fence}
-        k = stamped.get(one) if one is not None else tuple([stamped.get(c) for c in keys])
+        stamped: dict[str, Any] = {**row, fence_column: fence}
+        k: Any = stamped.get(one) if one is not None else tuple([stamped.get(c) for c in keys])
         if k is None or (one is None and None in k):
             absent = [c for c in keys if stamped.get(c) is None]
             raise ConfigError(f"row {n} has no value for key column(s) {', '.join(absent)}")
         by_key[k] = stamped  # a repeated key: the last row wins
         if len(orders) > 1:
             cols_of[k] = cols
+    if not by_key:
+        return []
+    first = next(iter(orders.values()))
     if len(orders) == 1:  # one set of columns: one group, no second pass
-        return [(cols, list(by_key.values()))] if by_key else []
+        return [(first, list(by_key.values()))]
     groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-    first = next(iter(orders.values()), None)
     for k, row in by_key.items():
-        groups.setdefault(cols_of.get(k, first), []).append(row)  # type: ignore[arg-type]
+        groups.setdefault(cols_of.get(k, first), []).append(row)
     return list(groups.items())
 
 
