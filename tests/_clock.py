@@ -72,7 +72,10 @@ class ManualClock:
                 if self.closed:
                     cond.wait()  # the test is over: sleep till the code wakes it
                     return True
-                if cond.wait(LOOK_EVERY):
+                # Condition.wait(timeout) answers False when a notify lands as its
+                # timeout runs out, which these 1 ms looks make common: the heartbeat's
+                # own flag of a wake given by add() is read too.
+                if cond.wait(LOOK_EVERY) or getattr(self.heartbeat, "_added", False):
                     return True
         finally:
             with self._mutex:

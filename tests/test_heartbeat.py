@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from _clock import ManualClock
-from _wait import wait_for
+from _wait import WAIT, wait_for
 from fenced import Claim, ClaimLost
 from fenced._heartbeat import heartbeat
 from fenced._scripts import RELEASE
@@ -57,21 +57,54 @@ def test_a_short_claim_taken_while_the_scheduler_rests_after_a_round_is_renewed(
     shorter interval taken in that rest must wake it, or it would expire unrenewed."""
     client = server.client()
     hb = heartbeat()
-    # renewed every 2 s
-    slow = [Claim(client, f"slow:{i}", ttl=6.0, clock=fake_time) for i in range(50)]
+    # Renewed every 20 s; the fast claim every 2 s, with socket timeouts (half its
+    # interval) that a loaded machine still meets.
+    slow = [Claim(client, f"slow:{i}", ttl=60.0, clock=fake_time) for i in range(50)]
     for c in slow:
         assert c.acquire()
     rounds = hb.rounds
-    fake_time.run_until("a round of the slow claims", lambda: hb.rounds > rounds, 5)
-    # Taken the moment the round was sent, while the scheduler rests (0.7 s).
-    fast = Claim(client, "fast", ttl=0.6, clock=fake_time)  # renewed every 0.2 s
+    fake_time.run_until("a round of the slow claims", lambda: hb.rounds > rounds, 25, 0.5)
+    # Taken the moment the round was sent, while the scheduler rests (7 s).
+    fast = Claim(client, "fast", ttl=6.0, clock=fake_time)
     assert fast.acquire()
-    fake_time.run(2.0)  # three times the rest after a round, and several fast ttls
-    assert fast.held
-    assert 0 < client.pttl(fast.key) <= 600
+    fake_time.run(20.0, every=0.25)  # three times the rest, and several fast ttls
+    assert fast.held, fast.lost_reason
+    assert 0 < client.pttl(fast.key) <= 6000
     fast.release()
     for c in slow:
         c.release()
+
+
+def test_a_claim_added_while_a_round_is_sent_wakes_the_rest_after_it(
+    server: RedisServer, fake_time: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim added while the scheduler sends a round (no lock held, nobody waiting for
+    the wake add() gives) must still cut the rest after that round short: held open
+    here, the round's sending is where that wake used to be lost."""
+    client = server.client()
+    hb = heartbeat()
+    slow = Claim(client, "slow", ttl=60.0, clock=fake_time)  # renewed every 20 s
+    assert slow.acquire()
+    fake_time.settle()
+    sending, go = threading.Event(), threading.Event()
+    send = hb._dispatch
+
+    def held_open(due: Any) -> None:
+        sending.set()
+        go.wait(WAIT)
+        send(due)
+
+    monkeypatch.setattr(hb, "_dispatch", held_open)
+    fake_time.advance(20.0)  # the slow claim falls due: its round is sent, and held
+    assert sending.wait(WAIT)
+    fast = Claim(client, "fast", ttl=6.0, clock=fake_time)  # renewed every 2 s
+    assert fast.acquire()
+    monkeypatch.setattr(hb, "_dispatch", send)
+    go.set()
+    fake_time.run(20.0, every=0.25)  # the rest after a round (7 s) outlasts the fast lease
+    assert fast.held, fast.lost_reason
+    fast.release()
+    slow.release()
 
 
 def test_renewals_are_pipelined(server: RedisServer, fake_time: ManualClock) -> None:

@@ -380,6 +380,10 @@ class Heartbeat:
         self._claims: dict[int, weakref.ref[Renewable]] = {}
         self._thread: threading.Thread | None = None
         self._wake_at = math.inf
+        # Set by add() when it wakes the thread, cleared by each scan: a claim added while
+        # a round is sent (no lock held, nobody waiting to be notified) is seen by the
+        # rest after that round, which then looks again instead of sleeping.
+        self._added = False
         # The thread never sleeps longer than the shortest interval it has served, so
         # a claim acquired while it sleeps is due no sooner than its next look and
         # add() need not wake it: a wake per acquire costs every acquire a thread switch.
@@ -418,6 +422,7 @@ class Heartbeat:
                 self._thread.start()
             elif lease.next_refresh < self._wake_at:
                 # Only wake the thread when this claim is due before its next wake.
+                self._added = True
                 self._cond.notify()
 
     def discard(self, claim: Renewable) -> None:
@@ -458,6 +463,7 @@ class Heartbeat:
         while True:
             with self._cond:
                 now = self._clock()
+                self._added = False
                 due: Batch = []
                 # With the token it expired under: a claim released and acquired
                 # again before it is declared lost holds a new lease, not this one.
@@ -510,6 +516,8 @@ class Heartbeat:
                 # scan of every claim right after each round.
                 soonest = min(lease.refresh_every for _c, lease in due) * RETRY_SHARE
                 with self._cond:
+                    if self._added:  # a claim came while the round was sent
+                        return
                     until = min(wake, self._clock() + soonest)
                     self._wake_at = until
                     self._wait(self._cond, max(0.0, until - self._clock()))

@@ -1,11 +1,12 @@
 """Fenced upsert: repeated ingestion converges, and a stale holder overwrites nothing.
 
-One statement per batch of rows, never a select-then-insert per row:
+One statement, never a select-then-insert per row:
 
-- SQLite, PostgreSQL: ``INSERT … VALUES (…), (…) ON CONFLICT (key) DO UPDATE SET …
-  WHERE stored.fence IS NULL OR stored.fence <= excluded.fence RETURNING key``,
-  compiled once and sent one page of ``batch_size`` rows at a time (SQLAlchemy's
-  "insertmanyvalues"); the rows returned are the rows written;
+- SQLite, PostgreSQL: ``INSERT … VALUES (…) ON CONFLICT (key) DO UPDATE SET …
+  WHERE stored.fence IS NULL OR stored.fence <= excluded.fence``, compiled once and
+  sent with pages of ``batch_size`` rows through the driver's executemany (sqlite3
+  runs it prepared in C, psycopg pipelines it prepared); the driver counts the rows
+  written;
 - MariaDB, MySQL: ``INSERT … VALUES (…), (…) ON DUPLICATE KEY UPDATE col =
   IF(fence IS NULL OR fence <= VALUES(fence), VALUES(col), col), …`` with the fence
   assigned last, so every condition reads the stored fence (MySQL applies the
@@ -41,6 +42,8 @@ __all__ = ["UpsertResult", "upsert"]
 _SQLITE = ("sqlite",)
 _ON_CONFLICT = ("sqlite", "postgresql")
 _DUPLICATE_KEY = ("mysql", "mariadb")
+#: Keep the driver's count of rows changed by an executemany INSERT (SQLAlchemy 2.0.28).
+_COUNTED = {"preserve_rowcount": True}
 #: Bound parameters one statement may carry (the lowest limit of the supported databases).
 _MAX_PARAMS = 32766 if sqlite3.sqlite_version_info >= (3, 32) else 999
 
@@ -100,25 +103,25 @@ def upsert(
     _check_table(conn, tbl, keys, fence_column)
     batches = _prepare(tbl, rows, keys, fence_column, fence)
 
-    fast = dialect in _ON_CONFLICT and conn.dialect.insert_executemany_returning
-    written = 0
+    written: int | None = 0
     for columns, group in batches:
-        if fast:
-            # Compiled once and sent as one multi-row INSERT per page of batch_size rows
-            # (SQLAlchemy's "insertmanyvalues"); RETURNING counts the rows written.
+        if dialect in _ON_CONFLICT:
+            # One statement, compiled once, sent with pages of batch_size rows as the
+            # driver's executemany: sqlite3 runs it prepared in C, psycopg pipelines it
+            # prepared. The count of rows changed is the driver's (an update the fence
+            # rule refused changes none); preserve_rowcount keeps it for an INSERT.
             stmt = _statement(dialect, tbl, None, columns, keys, fence_column)
-            result = conn.execute(
-                stmt.returning(*(tbl.c[k] for k in keys)),
-                group,
-                execution_options={"insertmanyvalues_page_size": batch_size},
-            )
-            written += len(result.all())
+            for start in range(0, len(group), batch_size):
+                page = group[start : start + batch_size]
+                count = conn.execute(stmt, page, execution_options=_COUNTED).rowcount
+                written = None if written is None or count < 0 else written + count
             continue
+        # One explicit multi-row VALUES per batch: the MySQL drivers' executemany
+        # rewriting is theirs to change, so the batch is not left to it.
         per_statement = max(1, min(batch_size, _MAX_PARAMS // len(columns)))
         for start in range(0, len(group), per_statement):
             chunk = group[start : start + per_statement]
-            result = conn.execute(_statement(dialect, tbl, chunk, columns, keys, fence_column))
-            written += max(result.rowcount, 0)
+            conn.execute(_statement(dialect, tbl, chunk, columns, keys, fence_column))
     total = sum(len(group) for _cols, group in batches)
     return UpsertResult(total, written if dialect in _ON_CONFLICT else None)
 
@@ -221,35 +224,49 @@ def _prepare(
     """Check every row, stamp the fence, keep the last row per key, group by columns."""
     if isinstance(rows, (Mapping, str, bytes)):
         raise ConfigError("rows must be an iterable of mappings (a list of dicts), not one row")
-    known = set(tbl.c.keys())
-    by_key: dict[tuple[Any, ...], dict[str, Any]] = {}
+    known = frozenset(tbl.c.keys())
+    # The row's key: its one key column's value, or a tuple of them.
+    one = keys[0] if len(keys) == 1 else None
+    by_key: dict[Any, dict[str, Any]] = {}
+    # Rows mostly share one set of columns in one order: each order met is checked and
+    # sorted once, and a row pays a dict lookup for it.
+    orders: dict[tuple[str, ...], tuple[str, ...]] = {}
+    cols_of: dict[Any, tuple[str, ...]] = {}
     for n, row in enumerate(rows):
-        if not isinstance(row, Mapping):
+        if type(row) is not dict and not isinstance(row, Mapping):
             raise ConfigError(f"row {n} is a {type(row).__name__}, not a mapping: pass dicts")
-        unknown = [c for c in row if c not in known]
-        if unknown:
-            raise ConfigError(
-                f"row {n} has column(s) {', '.join(map(repr, unknown))} that table "
-                f"{tbl.name!r} lacks: drop them or add the columns"
-            )
-        absent = [k for k in keys if row.get(k) is None]
-        if absent:
-            raise ConfigError(f"row {n} has no value for key column(s) {', '.join(absent)}")
+        order = tuple(row)
+        cols = orders.get(order)
+        if cols is None:
+            unknown = [c for c in order if c not in known]
+            if unknown:
+                raise ConfigError(
+                    f"row {n} has column(s) {', '.join(map(repr, unknown))} that table "
+                    f"{tbl.name!r} lacks: drop them or add the columns"
+                )
+            # The fence goes last: MySQL assigns left to right (see the module docstring).
+            cols = orders[order] = (*sorted(c for c in order if c != fence_column), fence_column)
         if fence_column in row and row[fence_column] != fence:
             raise ConfigError(
                 f"row {n} carries {fence_column}={row[fence_column]!r}, not the fence={fence} "
                 f"of this upsert: leave {fence_column!r} out of the rows, upsert stamps it"
             )
-        stamped = dict(row)
-        stamped[fence_column] = fence
-        k = tuple(stamped[c] for c in keys)
-        by_key.pop(k, None)  # re-insert so the last occurrence decides the order
-        by_key[k] = stamped
+        stamped: dict[str, Any] = {**row, fence_column: fence}
+        k: Any = stamped.get(one) if one is not None else tuple([stamped.get(c) for c in keys])
+        if k is None or (one is None and None in k):
+            absent = [c for c in keys if stamped.get(c) is None]
+            raise ConfigError(f"row {n} has no value for key column(s) {', '.join(absent)}")
+        by_key[k] = stamped  # a repeated key: the last row wins
+        if len(orders) > 1:
+            cols_of[k] = cols
+    if not by_key:
+        return []
+    first = next(iter(orders.values()))
+    if len(orders) == 1:  # one set of columns: one group, no second pass
+        return [(first, list(by_key.values()))]
     groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-    for row in by_key.values():
-        # The fence goes last: MySQL assigns left to right (see the module docstring).
-        cols = (*sorted(c for c in row if c != fence_column), fence_column)
-        groups.setdefault(cols, []).append(row)
+    for k, row in by_key.items():
+        groups.setdefault(cols_of.get(k, first), []).append(row)
     return list(groups.items())
 
 
@@ -273,8 +290,6 @@ def _statement(
             set_={c: ins.excluded[c] for c in updated},
             where=newer,
         )
-    # One explicit multi-row VALUES per batch: the MySQL drivers' executemany rewriting
-    # is theirs to change, so the batch is not left to it.
     my = _mysql.insert(tbl).values(chunk or [])
     newer = sa.or_(stored.is_(None), stored <= my.inserted[fence_column])
     # Ordered pairs, fence last: every IF() above it still compares the stored fence.
