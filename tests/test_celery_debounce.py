@@ -105,12 +105,15 @@ def test_durations_read_as_seconds_and_a_debounce_waits_for_a_busy_name() -> Non
     assert (opts.values["claim_debounce"], opts.values["claim_debounce_max"]) == (0.3, 60.0)
     assert opts.on_busy == "retry"
     assert _define(app, "plain")._options().on_busy == "skip"  # no debounce: the usual default
-    # An app-wide policy that would lose bursts fails when the task is bound.
+    # An app-wide policy for the other tasks does not reach a debounced one: skipping
+    # would lose its burst. The task's own policy other than retry is refused.
     other = Celery("debounce_setting", set_as_current=False, broker="memory://")
     other.conf.fenced_claim_on_busy = "skip"
     other.finalize()
+    assert _define(other, claim_debounce=1)._options().on_busy == "retry"
+    assert _define(other, "plain")._options().on_busy == "skip"
     with pytest.raises(ConfigError, match="claim_on_busy='skip'"):
-        _define(other, claim_debounce=1)._options()
+        _define(other, "own", claim_debounce=1, claim_on_busy="skip")._options()
 
 
 # -- a burst ---------------------------------------------------------------------------------

@@ -360,8 +360,11 @@ def test_ls_watch_redraws_until_interrupted(url: str, r: Any) -> None:
     proc.communicate(timeout=30)
     assert proc.returncode == 0
 
+    clients = r.info("clients")["connected_clients"]
     proc = spawn(url, "ls", "--watch", "--interval", "0.2")
-    time.sleep(1.5)
+    # Interrupted once it watches (it has connected), not while it still imports.
+    wait_for("ls --watch to connect", lambda: r.info("clients")["connected_clients"] > clients)
+    time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err

@@ -182,7 +182,11 @@ def _failover(
     replica = next(s for s in group.servers if s is not old)
     a = Claim(client, name, ttl=30, heartbeat=False)
     assert a.acquire() and a.fence is not None
-    pointer.swap("a-output", fence=a.fence)
+    # A's publish reaches the replica (waited for as long as a loaded machine needs);
+    # B's, with the replica cut off, is waited for 0.3 s.
+    RedisPointer(client, name, **{**options, "replica_timeout": 10}).swap(
+        "a-output", fence=a.fence
+    )
     wait_for(
         "A's publish on the replica",
         lambda: replica.client().hget(pointer.key, "target") == b"a-output",

@@ -318,7 +318,6 @@ def resolve(
         "setting",
     )
     raw: dict[str, Any] = {}
-    defaulted: set[str] = set()
     for option in OPTIONS:
         value = given.get(option)
         if value is None:
@@ -326,10 +325,10 @@ def resolve(
         if value is None and option == "claim_on_busy":
             value = conf.get("fenced_claim_on_conflict")  # the setting's earlier name
         raw[option] = DEFAULTS[option] if value is None else value
-        if value is None:
-            defaulted.add(option)
-    if "claim_on_busy" in defaulted and raw["claim_debounce"] is not None:
-        raw["claim_on_busy"] = "retry"  # a debounced run waits for a busy name
+    if raw["claim_debounce"] is not None and given.get("claim_on_busy") is None:
+        # A debounced run waits for a busy name, whatever the app's default policy for
+        # its other tasks (a task that asks for another policy itself is refused).
+        raw["claim_on_busy"] = "retry"
     merged = {**raw, **validate(raw, where)}
     claim = TASK_CLAIM.replace(prefix="claim_", **{n: merged[f"claim_{n}"] for n in CLAIM_OPTIONS})
     values = {**merged, **{f"claim_{n}": getattr(claim, n) for n in CLAIM_OPTIONS}}
