@@ -184,9 +184,7 @@ def _failover(
     assert a.acquire() and a.fence is not None
     # A's publish reaches the replica (waited for as long as a loaded machine needs);
     # B's, with the replica cut off, is waited for 0.3 s.
-    RedisPointer(client, name, **{**options, "replica_timeout": 10}).swap(
-        "a-output", fence=a.fence
-    )
+    RedisPointer(client, name, **{**options, "replica_timeout": 10}).swap("a-output", fence=a.fence)
     wait_for(
         "A's publish on the replica",
         lambda: replica.client().hget(pointer.key, "target") == b"a-output",
