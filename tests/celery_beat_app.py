@@ -4,7 +4,8 @@ worker whose task notes each tick it runs.
 Configured from the environment: ``FENCED_TEST_BROKER_URL``, ``FENCED_REDIS_URL`` (the
 claims, read by fenced), ``FENCED_TEST_OBS_URL`` (where runs are noted: the list
 ``runs``, one ``<entry> <task id> <pid>`` per run), ``FENCED_TEST_BEAT_TTL`` (the
-leader's lease), ``FENCED_TEST_QUEUE``.
+leader's lease), ``FENCED_TEST_QUEUE``, ``FENCED_TEST_BEAT_METRICS_PORT`` (where the beat
+serves its metrics, with ``FENCED_METRICS=1``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ app.conf.update(
     fenced_beat_name="tests",
     fenced_beat_ttl=float(os.environ.get("FENCED_TEST_BEAT_TTL", "1.5")),
     fenced_beat_alarm_after=float(os.environ.get("FENCED_TEST_BEAT_ALARM", "30")),
+    fenced_beat_metrics_port=int(os.environ.get("FENCED_TEST_BEAT_METRICS_PORT") or 0) or None,
     beat_schedule={
         "every-1s": {"task": "tests.celery_beat_app.note", "schedule": 1.0, "args": ("every-1s",)},
         "every-2s": {"task": "tests.celery_beat_app.note", "schedule": 2.0, "args": ("every-2s",)},

@@ -198,16 +198,21 @@ def key() -> str:
 class Beat:
     """One ``celery beat`` process of ``tests.celery_beat_app``, fenced's scheduler."""
 
-    def __init__(self, services: Services, *, ttl: float, name: str = "b") -> None:
+    def __init__(
+        self, services: Services, *, ttl: float, name: str = "b", env: dict[str, str] | None = None
+    ) -> None:
         self.services = services
         self.ttl = ttl
+        self.extra_env = env or {}
         self.dir = tempfile.mkdtemp(prefix=f"fenced-beat-{name}-")
         self.log_path = os.path.join(self.dir, "beat.log")
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Beat:
         """Start the process (it stands by or leads on its own)."""
-        env = self.services.env(self.services.lock_url, FENCED_TEST_BEAT_TTL=str(self.ttl))
+        env = self.services.env(
+            self.services.lock_url, FENCED_TEST_BEAT_TTL=str(self.ttl), **self.extra_env
+        )
         cmd = [
             sys.executable, "-m", "celery", "-A", "tests.celery_beat_app", "beat",
             "-S", "fenced.celery.beat:Scheduler", "-l", "info",

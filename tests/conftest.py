@@ -216,3 +216,35 @@ def fake_time(monkeypatch: pytest.MonkeyPatch) -> Iterator[ManualClock]:
     monkeypatch.setattr(fenced._heartbeat, "_instance", clock.new_heartbeat())
     yield clock
     clock.close()
+
+
+@pytest.fixture
+def sent() -> Iterator[list[str]]:
+    """The task ids Celery published in this process, in order (the beat tests)."""
+    from celery import signals as celery_signals
+
+    ids: list[str] = []
+
+    def on_publish(sender: Any = None, headers: Any = None, **_: Any) -> None:
+        ids.append(headers["id"])
+
+    celery_signals.after_task_publish.connect(on_publish, weak=False)
+    try:
+        yield ids
+    finally:
+        celery_signals.after_task_publish.disconnect(on_publish)
+
+
+@pytest.fixture
+def registry() -> Iterator[Any]:
+    """fenced.metrics installed in a prometheus_client registry of the test's own."""
+    from prometheus_client import CollectorRegistry
+
+    import fenced.metrics
+
+    reg = CollectorRegistry()
+    fenced.metrics.install(reg)
+    try:
+        yield reg
+    finally:
+        fenced.metrics.uninstall()

@@ -13,14 +13,13 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from datetime import datetime, timezone
 from typing import Any
 
 import pytest
 from celery import Celery
-from celery import signals as celery_signals
 from celery.schedules import crontab, schedule
+from prometheus_client import CollectorRegistry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -154,21 +153,6 @@ class Wall:
         return self.ms / 1000
 
 
-@pytest.fixture
-def sent() -> Iterator[list[str]]:
-    """The task ids published in this process, in order."""
-    ids: list[str] = []
-
-    def on_publish(sender: Any = None, headers: Any = None, **_: Any) -> None:
-        ids.append(headers["id"])
-
-    celery_signals.after_task_publish.connect(on_publish, weak=False)
-    try:
-        yield ids
-    finally:
-        celery_signals.after_task_publish.disconnect(on_publish)
-
-
 def _app(server: RedisServer, **entries: Any) -> Celery:
     app = Celery("beat_unit", broker="memory://")
     app.conf.update(
@@ -271,7 +255,9 @@ def test_a_cut_off_leader_sends_nothing_and_stands_by(server: RedisServer, sent:
     leader.close()
 
 
-def test_no_leader_for_long_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+def test_no_leader_for_long_is_logged_and_counted(
+    caplog: pytest.LogCaptureFixture, registry: CollectorRegistry
+) -> None:
     dead = RedisServer().start()
     dead.stop()  # nothing listens on its port any more
     app = Celery("beat_alarm", broker="memory://")
@@ -285,14 +271,24 @@ def test_no_leader_for_long_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     sched = Scheduler(app)
     sched.clock = lambda: now[0]
     sched._led_at = now[0]
+    alarms = ("fenced_beat_leaderless_alarms_total", {"beat": "beat_alarm"})
     with caplog.at_level(logging.WARNING, logger="fenced.beat"):
         sched.tick()
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert registry.get_sample_value(*alarms) is None
         now[0] += 6
         sched.tick()
         sched.tick()  # said once per alarm period
-    alarms = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert alarms == ["fenced beat beat_alarm: no beat has led for 6 s: nothing is being sent"]
+        assert registry.get_sample_value(*alarms) == 1
+        now[0] += 5
+        sched.tick()
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert logged == [
+        "fenced beat beat_alarm: no beat has led for 6 s: nothing is being sent",
+        "fenced beat beat_alarm: no beat has led for 11 s: nothing is being sent",
+    ]
+    assert registry.get_sample_value(*alarms) == 2
+    assert registry.get_sample_value("fenced_beat_leading", {"beat": "beat_alarm"}) == 0
 
 
 def test_beat_settings_are_known(server: RedisServer) -> None:

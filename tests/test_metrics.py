@@ -40,17 +40,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def registry() -> Iterator[CollectorRegistry]:
-    """fenced.metrics installed in a registry of the test's own."""
-    reg = CollectorRegistry()
-    fenced.metrics.install(reg)
-    try:
-        yield reg
-    finally:
-        fenced.metrics.uninstall()
-
-
-@pytest.fixture
 def r(redis_server: RedisServer) -> Iterator[Any]:
     client = redis_server.client()
     yield client

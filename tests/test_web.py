@@ -602,9 +602,20 @@ def test_the_docs_examples_have_the_keys_of_the_real_answers(r: Any) -> None:
         pass
     held(r, "backup:db")
     assert not Claim(r, "backup:db", ttl=30, records=True, heartbeat=False).acquire()
+    # A beat's leader claim and what its leader stored (fenced.celery.beat).
+    leader = held(r, "beat:proj")
+    r.hset(
+        ClaimKeys.of("beat:proj").beat,
+        mapping={
+            "entry:nightly-report": f"1796090400000:{leader.fence}:sent",
+            "next:nightly-report": "1796176800000",
+            "tick": "1796121726000",
+        },
+    )
     web = api(r, allow_release=True, token=TOKEN)
     aimed = {"reason": "docs", "token": web.get("/api/claims/backup:db").json()["holder"]["token"]}
     real = {
+        "GET /api/beats/{name}": web.get("/api/beats/proj"),
         "GET /api/config": web.get("/api/config"),
         "GET /api/claims": web.get("/api/claims"),
         "GET /api/claims/{name}": web.get("/api/claims/backup:db"),

@@ -349,6 +349,35 @@ def test_a_name_marked_at_enqueue_shows_its_queued_task(
     wait_for("the row to go", lambda: "feed:acme" not in rows(browser), timeout=10)
 
 
+def test_a_beat_leader_claim_shows_the_beat(
+    redis_server: RedisServer, web: str, browser: Any
+) -> None:
+    from test_celery_beat import T0, Wall, _app, _scheduler
+
+    redis_server.client().flushall()
+    wall = Wall(T0)
+    sched = _scheduler(_app(redis_server, a={}), wall)
+    sched.tick()  # leads
+    wall.ms = T0 + 60_010
+    sched.tick()  # sends the tick due at +60 s
+    try:
+        browser.get(web + "/#claim=beat%3Aunit")
+        browser.refresh()
+        row = wait_for("the beat's row", lambda: rows(browser).get("beat:unit"), timeout=10)
+        assert "beat leader (fenced beat unit)" in row, row
+
+        def shown() -> str | None:
+            text: str = browser.find_element("id", "detail-beat").text
+            return text or None
+
+        text = wait_for("the beat's status", shown, timeout=10)
+        assert "leader of beat unit" in text and "(fenced beat unit)" in text, text
+        assert "a: last due 2027-01-15T08:01:00+00:00 sent" in text, text
+        assert "next 2027-01-15T08:02:00+00:00" in text, text
+    finally:
+        sched.close()
+
+
 def test_the_page_says_when_redis_hangs_and_recovers(browser: Any) -> None:
     # A Redis that refuses is a 503 the page shows (test_web.py stops and restarts one);
     # one that answers nothing leaves a request open, and the page says that too.

@@ -1,5 +1,5 @@
 """What Redis holds of a beat led under fenced (``fenced.celery.beat``), read without
-Celery: the leader's claim, each entry's last due time, the task id of a tick.
+Celery: the leader's claim, each entry's last due time and next one, the task id of a tick.
 
 ``fenced beat NAME`` prints it; :func:`status` returns it.
 """
@@ -7,15 +7,27 @@ Celery: the leader's claim, each entry's last due time, the task id of a tick.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ._inspect import read_holder
 from ._lease import ClaimKeys, Holder
+from ._printable import printable
 from ._scripts import as_text
 
-__all__ = ["BeatStatus", "EntryState", "at", "claim_of", "read_state", "status", "task_id"]
+__all__ = [
+    "BeatStatus",
+    "EntryState",
+    "as_dict",
+    "at",
+    "beat_of",
+    "claim_of",
+    "lines",
+    "of_state",
+    "read_state",
+    "status",
+    "task_id",
+]
 
 
 def claim_of(name: str) -> str:
@@ -59,13 +71,17 @@ class EntryState:
         return at(self.due_ms)
 
 
-def read_state(client: Any, keys: ClaimKeys) -> tuple[dict[str, EntryState], int | None]:
-    """Each entry's stored state and the leader's last tick (ms), in one round trip."""
+def read_state(
+    client: Any, keys: ClaimKeys
+) -> tuple[dict[str, EntryState], int | None, dict[str, int]]:
+    """Each entry's stored state, the leader's last tick (ms) and each entry's next due
+    time (ms) as the leader last wrote it, in one round trip."""
     fields = client.hgetall(keys.beat)
     entries: dict[str, EntryState] = {}
     tick = None
-    for field, value in fields.items():
-        name = as_text(field)
+    upcoming: dict[str, int] = {}
+    for key, value in fields.items():
+        name = as_text(key)
         if name == "tick":
             text = as_text(value)
             tick = int(text) if text.isdigit() else None
@@ -73,7 +89,11 @@ def read_state(client: Any, keys: ClaimKeys) -> tuple[dict[str, EntryState], int
             parsed = EntryState.parse(value)
             if parsed is not None:
                 entries[name[len("entry:") :]] = parsed
-    return entries, tick
+        elif name.startswith("next:"):
+            text = as_text(value)
+            if text.isdigit():
+                upcoming[name[len("next:") :]] = int(text)
+    return entries, tick, upcoming
 
 
 @dataclass(frozen=True)
@@ -84,15 +104,31 @@ class BeatStatus:
     leader: Holder | None
     last_tick: datetime | None
     entries: Mapping[str, EntryState]
+    #: Each entry's next due time, as the leader last wrote it (an entry not there: not
+    #: known; a leader since gone wrote it: it comes when a beat leads again).
+    upcoming: Mapping[str, datetime] = field(default_factory=dict)
 
 
 def status(client: Any, name: str, *, namespace: str = "fenced") -> BeatStatus:
     """The leader of beat ``name`` (its fence), its last tick and each entry's last due."""
+    from ._inspect import read_holder  # it reads a beat's claim as any other
+
     claim = claim_of(name)
     keys = ClaimKeys.of(claim, namespace)
     leader = read_holder(client, claim, namespace=namespace)
-    entries, tick = read_state(client, keys)
-    return BeatStatus(name, leader, None if tick is None else at(tick), entries)
+    return of_state(name, leader, *read_state(client, keys))
+
+
+def of_state(
+    name: str,
+    leader: Holder | None,
+    entries: dict[str, EntryState],
+    tick: int | None,
+    upcoming: dict[str, int],
+) -> BeatStatus:
+    """A beat's status from its leader and what :func:`read_state` read."""
+    nexts = {entry: at(ms) for entry, ms in upcoming.items() if entry in entries}
+    return BeatStatus(name, leader, None if tick is None else at(tick), entries, nexts)
 
 
 def as_dict(report: BeatStatus) -> dict[str, Any]:
@@ -110,9 +146,48 @@ def as_dict(report: BeatStatus) -> dict[str, Any]:
             "token": leader.token,
             "expires_in": leader.expires_in,
         },
-        "last_tick": None if report.last_tick is None else report.last_tick.isoformat(),
+        "last_tick": _iso(report.last_tick),
         "entries": {
-            name: {"due": e.due.isoformat(), "fence": e.fence, "state": e.state}
+            name: {
+                "due": e.due.isoformat(),
+                "fence": e.fence,
+                "state": e.state,
+                "next": _iso(report.upcoming.get(name)),
+            }
             for name, e in sorted(report.entries.items())
         },
     }
+
+
+def _iso(when: datetime | None) -> str | None:
+    return None if when is None else when.isoformat()
+
+
+def beat_of(claim: str) -> str | None:
+    """The beat whose leader holds the claim ``claim`` (``beat:NAME``), or None."""
+    prefix = claim_of("")
+    return claim[len(prefix) :] if claim.startswith(prefix) and len(claim) > len(prefix) else None
+
+
+def lines(report: BeatStatus) -> list[str]:
+    """A beat's status as ``fenced beat NAME`` prints it: who leads, the last tick, and
+    each entry's last due time (its state) and next one."""
+    name, leader = printable(report.name), report.leader
+    if leader is None:
+        out = [f"beat {name}: no leader (claim {printable(claim_of(report.name))} is free)"]
+    else:
+        left = "" if leader.expires_in is None else f", lease {leader.expires_in:.1f}s left"
+        out = [
+            f"beat {name}: led by {printable(leader.host)} pid {leader.pid} "
+            f"fence {leader.fence}{left}"
+        ]
+    if report.last_tick is not None:
+        out.append(f"last tick: {report.last_tick.isoformat()}")
+    for entry, state in sorted(report.entries.items()):
+        upcoming = report.upcoming.get(entry)
+        then = "" if upcoming is None else f", next {upcoming.isoformat()}"
+        out.append(
+            f"  {printable(entry)}: {state.due.isoformat()} {state.state} "
+            f"(fence {state.fence}){then}"
+        )
+    return out

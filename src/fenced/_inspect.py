@@ -18,6 +18,8 @@ import redis
 
 from . import _audit, _lease
 from ._audit import claimed_user
+from ._beat import BeatStatus, beat_of, of_state, read_state
+from ._beat import as_dict as beat_dict
 from ._errors import ClaimUnavailable, ConfigError
 from ._lease import (
     IDLE_TTL,
@@ -86,6 +88,8 @@ class ClaimInfo:
     #: holds for, and the seconds it has left (None: no marker).
     queued: str | None = None
     queued_left: float | None = None
+    #: The beat (``fenced.celery.beat``) whose leader holds this claim, or None.
+    beat: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form (the secret part of the token shortened)."""
@@ -104,6 +108,7 @@ class ClaimInfo:
             "unreadable": self.unreadable,
             "cooldown_left": self.cooldown_left,
             "queued": _queued_dict(self.queued, self.queued_left),
+            "beat": self.beat,
         }
 
 
@@ -182,7 +187,22 @@ def list_claims(client: Any, namespace: str = "fenced") -> list[ClaimInfo]:
     ]
     if missing:
         _find_starts(client, missing, namespace)
+    _find_beats(client, infos, namespace)
     return sorted(infos + list(foreign.values()), key=lambda info: info.name)
+
+
+def _find_beats(client: Any, infos: list[ClaimInfo], namespace: str) -> None:
+    """Mark the claims that are a beat's leader claim (``beat:NAME`` with the beat's
+    entries beside it): one round trip, only when such names are listed."""
+    found = [(info, beat) for info in infos if (beat := beat_of(info.name)) is not None]
+    if not found:
+        return
+    pipe = client.pipeline(transaction=False)
+    for info, _beat in found:
+        pipe.exists(ClaimKeys(namespace, info.name).beat)
+    for (info, beat), there in zip(found, pipe.execute(raise_on_error=False), strict=True):
+        if there == 1:
+            info.beat = beat
 
 
 def _unread(name: str, why: str) -> ClaimInfo:
@@ -350,6 +370,9 @@ class ClaimReport:
     #: The name's enqueue marker: the queued message's task id and its seconds left.
     queued: str | None = None
     queued_left: float | None = None
+    #: The beat (``fenced.celery.beat``) whose leader claim this is: its status, the
+    #: leader being :attr:`holder`; None for any other claim.
+    beat: BeatStatus | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -362,6 +385,7 @@ class ClaimReport:
             "runs": [run.as_dict() for run in self.runs],
             "cooldown_left": self.cooldown_left,
             "queued": _queued_dict(self.queued, self.queued_left),
+            "beat": None if self.beat is None else beat_dict(self.beat),
         }
 
 
@@ -401,7 +425,23 @@ def show_claim(
     else:
         runs = from_entries(keys.name, entries, limit)
     slots = slot_holders(leases, fence, fences)
-    return _report(keys, slots, most, holder, runs, cooldown, mark, mark_pttl)
+    report = _report(keys, slots, most, holder, runs, cooldown, mark, mark_pttl)
+    return _with_beat(client, keys, report)
+
+
+def _with_beat(client: Any, keys: ClaimKeys, report: ClaimReport) -> ClaimReport:
+    """A beat's leader claim (``beat:NAME`` with the beat's entries beside it): the
+    report with the beat's status, in one round trip more; any other name as it is."""
+    beat = beat_of(keys.name)
+    if beat is None:
+        return report
+    try:
+        entries, tick, upcoming = read_state(client, keys)
+    except (redis.ResponseError, UnicodeDecodeError):  # not a hash fenced wrote
+        return report
+    if entries or tick is not None:
+        report.beat = of_state(beat, report.holder, entries, tick, upcoming)
+    return report
 
 
 def _show_apart(client: Any, keys: ClaimKeys, limit: int) -> ClaimReport:
@@ -415,7 +455,8 @@ def _show_apart(client: Any, keys: ClaimKeys, limit: int) -> ClaimReport:
     except (redis.ResponseError, UnicodeDecodeError) as exc:
         mark = redis.ResponseError(str(exc))
     pttl = client.pttl(keys.cooldown)
-    return _report(keys, slots, most, holder, runs, pttl, mark, client.pttl(keys.queued))
+    report = _report(keys, slots, most, holder, runs, pttl, mark, client.pttl(keys.queued))
+    return _with_beat(client, keys, report)
 
 
 def _report(

@@ -134,8 +134,17 @@ def _who(info: ClaimInfo, *, short: bool = False) -> str:
             who += f" {_unreadable(info.unreadable)}"
     else:
         who = _unreadable(info.unreadable) or "-"
-    notes = _notes(_window(info.cooldown_left), _queued(info.queued, info.queued_left, short=short))
+    notes = _notes(
+        _window(info.cooldown_left),
+        _queued(info.queued, info.queued_left, short=short),
+        _beat(info.beat),
+    )
     return _notes(who, notes) if (info.holder or info.limit > 1) or not notes else notes
+
+
+def _beat(beat: str | None) -> str:
+    """A beat's leader claim: ``beat leader (fenced beat NAME)``."""
+    return f"beat leader (fenced beat {printable(beat)})" if beat is not None else ""
 
 
 def _outcome(outcome: str | None) -> Text:

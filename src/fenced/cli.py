@@ -739,7 +739,16 @@ if app is not None:
             return
         console = _console(wide)
         console.print(report_table(report) if console.width >= WIDE else report_list(report))
-        if all(run.outcome == "skipped" for run in report.runs):
+        if report.beat is not None:
+            from ._beat import lines
+            from ._printable import printable
+
+            # Its runs are ticks, not records: what the beat did is its status.
+            beat = printable(report.beat.name)
+            console.print(f"the leader claim of a beat: fenced beat {beat} shows it alone")
+            for line in lines(report.beat):
+                console.print(line, soft_wrap=True)  # a line per entry, as fenced beat
+        elif all(run.outcome == "skipped" for run in report.runs):
             # Skips are recorded whatever the claim's options; runs only where asked.
             only = " (only skips)" if report.runs else ""
             console.print(
@@ -757,9 +766,9 @@ if app is not None:
         namespace: NamespaceOpt = "fenced",
         as_json: JsonOpt = False,
     ) -> None:
-        """Show who leads a beat (fenced.celery.beat), its fence, and each entry's last tick."""
-        from ._beat import as_dict, claim_of, status
-        from ._printable import printable
+        """Show who leads a beat (fenced.celery.beat), its fence, and each entry's last
+        tick and next one."""
+        from ._beat import as_dict, lines, status
 
         client = _client(redis_url)
         with _talking_to(client):
@@ -767,20 +776,8 @@ if app is not None:
         if as_json:
             _print_json(as_dict(report))
             return
-        leader = report.leader
-        if leader is None:
-            print(f"beat {printable(name)}: no leader (claim {printable(claim_of(name))} is free)")
-        else:
-            left = "" if leader.expires_in is None else f", lease {leader.expires_in:.1f}s left"
-            print(
-                f"beat {printable(name)}: led by {printable(leader.host)} pid {leader.pid} "
-                f"fence {leader.fence}{left}"
-            )
-        if report.last_tick is not None:
-            print(f"last tick: {report.last_tick.isoformat()}")
-        for entry, state in sorted(report.entries.items()):
-            due = state.due.isoformat()
-            print(f"  {printable(entry)}: {due} {state.state} (fence {state.fence})")
+        for line in lines(report):
+            print(line)
 
     @app.command("web")
     def web_cmd(

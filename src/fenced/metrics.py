@@ -20,7 +20,8 @@ Celery's prefork pool runs tasks in child processes: prometheus_client's multipr
 mode (``PROMETHEUS_MULTIPROC_DIR``) adds up their values, and the Celery settings
 ``fenced_metrics`` and ``fenced_metrics_port`` set it up (:mod:`fenced.celery._metrics`).
 ``fenced run --metrics-file`` writes a run's metrics for node_exporter's textfile
-collector (:class:`Textfile`).
+collector (:class:`Textfile`). A beat led under fenced (``fenced.celery.beat``) adds
+its own (:class:`BeatMetrics`), labelled by the beat's name and the schedule's entries.
 """
 
 from __future__ import annotations
@@ -65,9 +66,11 @@ from ._errors import ConfigError
 from .events import ClaimEvent
 
 __all__ = [
+    "BEAT_METRICS",
     "LOSS_CAUSES",
     "OUTCOMES",
     "SKIP_REASONS",
+    "BeatMetrics",
     "ClaimMetrics",
     "Textfile",
     "install",
@@ -357,6 +360,71 @@ def _in_files() -> bool:
     return bool(getattr(_values.ValueClass, "_multiprocess", False))
 
 
+#: The metrics of a beat led under fenced (``fenced.celery.beat``): kind, label names and
+#: help. A beat's entries are its schedule's, a fixed set: each is a label value.
+BEAT_METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "beat_ticks_dispatched": (
+        "counter",
+        ("beat", "entry"),
+        "Ticks this beat sent as its leader (each (entry, due time) is granted to one beat).",
+    ),
+    "beat_ticks_refused": (
+        "counter",
+        ("beat", "entry"),
+        "Due ticks this beat did not send because it no longer led (its lease was lost "
+        "or taken: the next leader sends them).",
+    ),
+    "beat_leading": ("gauge", ("beat",), "1 while this process leads the beat, else 0."),
+    "beat_leaderless_alarms": (
+        "counter",
+        ("beat",),
+        "Times this beat found that no beat had led for longer than fenced_beat_alarm_after "
+        "(each logged as an error).",
+    ),
+}
+
+
+class BeatMetrics:
+    """A beat's metrics (:data:`BEAT_METRICS`) in one registry: prometheus_client's own
+    metrics, written at once (a beat sends a few ticks a second at most), so in
+    multiprocess mode an embedded beat (``celery worker -B``) shows in the worker's
+    ``/metrics``. At most :data:`MAX_LABELS` entries per registry; more count as
+    ``"other"``."""
+
+    def __init__(self, registry: CollectorRegistry, namespace: str) -> None:
+        self.metrics: dict[str, Any] = {}
+        for metric, (kind, labels, text) in BEAT_METRICS.items():
+            options: dict[str, Any] = {"namespace": namespace, "registry": registry}
+            if kind == "gauge":  # livesum: a beat that exits leaves the sum
+                options["multiprocess_mode"] = "livesum"
+            self.metrics[metric] = _CLASSES[kind][0](metric, text, labels, **options)
+        self._entries: set[tuple[str, str]] = set()
+
+    def _entry(self, beat: str, entry: str) -> str:
+        key = (beat, entry)
+        if key not in self._entries:
+            if len(self._entries) >= MAX_LABELS:
+                return OTHER
+            self._entries.add(key)
+        return entry
+
+    def dispatched(self, beat: str, entry: str) -> None:
+        """This beat sent a tick of ``entry``."""
+        self.metrics["beat_ticks_dispatched"].labels(beat, self._entry(beat, entry)).inc()
+
+    def refused(self, beat: str, entry: str) -> None:
+        """A due tick of ``entry`` was not sent: this beat no longer leads."""
+        self.metrics["beat_ticks_refused"].labels(beat, self._entry(beat, entry)).inc()
+
+    def leading(self, beat: str, leads: bool) -> None:
+        """Whether this process leads ``beat`` now."""
+        self.metrics["beat_leading"].labels(beat).set(1.0 if leads else 0.0)
+
+    def leaderless(self, beat: str) -> None:
+        """No beat led for longer than the alarm time (an error was logged)."""
+        self.metrics["beat_leaderless_alarms"].labels(beat).inc()
+
+
 class ClaimMetrics:
     """The claim metrics in one registry, kept up to date by the events it is called with.
 
@@ -409,10 +477,20 @@ class ClaimMetrics:
         # The leases counted as held: (name, slot, fence). Set operations are atomic.
         self._holding: set[tuple[str, int | None, int | None]] = set()
         self._new_locks()
+        self._beat: BeatMetrics | None = None
         #: What to subscribe (:func:`install` does): counts one event. A bound method,
         #: which Python calls faster than the object itself.
         self.subscriber: Callable[[ClaimEvent], None] = self._take
         _every_metrics.add(self)  # see _forget
+
+    @property
+    def beat(self) -> BeatMetrics:
+        """The beat metrics in the same registry, made when first asked for."""
+        with self._lock:
+            if self._beat is None:
+                self._beat = BeatMetrics(self.registry, self.namespace)
+                self._collectors.extend(self._beat.metrics.values())
+            return self._beat
 
     def _new_locks(self) -> None:
         """Locks nobody holds, and no counting thread yet (a process starts its own with

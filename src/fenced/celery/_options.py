@@ -110,6 +110,7 @@ KNOWN_SETTINGS = frozenset(
         "fenced_beat_name",
         "fenced_beat_ttl",
         "fenced_beat_alarm_after",
+        "fenced_beat_metrics_port",
     )
 )
 

@@ -18,13 +18,17 @@ Settings: ``fenced_beat_name`` (default: the app's main name), ``fenced_beat_ttl
 when no beat led for this long, default three leases); the Redis is the app's claims
 Redis (``fenced_redis_url``), under ``fenced_namespace``. An entry's ``options`` may
 carry ``fenced_catch_up`` (``"skip"``, ``"latest"``, ``"all"``) and
-``fenced_catch_up_window`` (seconds): see :class:`CatchUp`.
+``fenced_catch_up_window`` (seconds): see :class:`CatchUp`. With ``fenced_metrics`` on,
+the beat counts ticks sent and refused, whether it leads and its alarms
+(:class:`fenced.metrics.BeatMetrics`), served on ``fenced_beat_metrics_port`` when set.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +45,7 @@ from .._claim import Claim
 from .._errors import ClaimUnavailable, ConfigError
 from .._lease import ClaimKeys, check_namespace, check_timing
 from .._scripts import BEAT_DISPATCH, BEAT_SENT, as_text
+from . import _metrics
 from ._options import lock_redis
 
 __all__ = [
@@ -64,6 +69,8 @@ CATCH_UP = ("skip", "latest", "all")
 ALL_LIMIT = 1000
 #: The entry options fenced reads (and removes before the task is sent).
 ENTRY_OPTIONS = ("fenced_catch_up", "fenced_catch_up_window")
+#: The setting of the port a beat process serves its metrics on.
+METRICS_PORT = "fenced_beat_metrics_port"
 _UTC = timezone.utc
 
 
@@ -78,6 +85,9 @@ class BeatOptions:
     ttl: float = 10.0
     alarm_after: float | None = None
     namespace: str = "fenced"
+    #: Where the beat serves ``/metrics`` (None: nowhere; a worker's ``-B`` beat shows
+    #: in the worker's own in multiprocess mode).
+    metrics_port: int | None = None
 
     @classmethod
     def of(cls, app: Any) -> BeatOptions:
@@ -91,8 +101,15 @@ class BeatOptions:
             ttl=10.0 if ttl is None else ttl,
             alarm_after=alarm,
             namespace=conf.get("fenced_namespace") or "fenced",
+            metrics_port=conf.get(METRICS_PORT),
         )
         opts.check()
+        port = opts.metrics_port
+        if port is not None and not _metrics.settings(app)[0]:
+            raise ConfigError(
+                f"{METRICS_PORT}={port!r} serves the beat's metrics, which are off: set "
+                f"{_metrics.SETTING} = True (or FENCED_METRICS=1) as well"
+            )
         return opts
 
     def check(self) -> None:
@@ -105,6 +122,13 @@ class BeatOptions:
             isinstance(alarm, bool) or not isinstance(alarm, (int, float)) or alarm <= 0
         ):
             raise ConfigError(f"fenced_beat_alarm_after={alarm!r} must be seconds > 0")
+        port = self.metrics_port
+        if port is not None and (
+            isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
+        ):
+            raise ConfigError(
+                f"{METRICS_PORT}={port!r} must be a TCP port number (1-65535), e.g. 9809"
+            )
 
     @property
     def claim(self) -> str:
@@ -251,7 +275,11 @@ class Scheduler(beat.Scheduler):
         self._alarmed_at: float | None = None
         # Ticks this leader was granted and could not send yet: (entry, stored value).
         self._unsent: dict[str, str] = {}
+        # Each entry's next due time as this leader last wrote it to Redis.
+        self._shown: dict[str, int] = {}
+        _start_metrics(app, self.fenced)
         super().__init__(app, *args, **kwargs)
+        self._leading_is(False)
 
     # -- Celery's Scheduler interface ---------------------------------------------------
 
@@ -302,6 +330,8 @@ class Scheduler(beat.Scheduler):
     def _give_up_lead(self) -> None:
         claim, self._claim = self._claim, None
         self._unsent.clear()
+        self._shown.clear()
+        self._leading_is(False)
         if claim is not None:
             try:
                 if claim.release():
@@ -349,12 +379,15 @@ class Scheduler(beat.Scheduler):
                 self._alarmed_at = None
             return False
         self._claim = claim
+        self._leading_is(True)
         log.info("fenced beat %s: leading, fence %s", self.fenced.name, claim.fence)
         return True
 
     def _step_down(self, why: str) -> None:
         claim, self._claim = self._claim, None
         self._unsent.clear()
+        self._shown.clear()
+        self._leading_is(False)
         if claim is not None:
             log.warning(
                 "fenced beat %s: no longer leading (fence %s): %s; standing by",
@@ -376,6 +409,20 @@ class Scheduler(beat.Scheduler):
             self.fenced.name,
             now - self._led_at,
         )
+        self._count("leaderless")
+
+    # -- metrics -----------------------------------------------------------------------
+
+    def _count(self, what: str, *entry: str) -> None:
+        """Count on the beat metrics, when fenced.metrics is installed in this process."""
+        metrics = _beat_metrics()
+        if metrics is not None:
+            getattr(metrics, what)(self.fenced.name, *entry)
+
+    def _leading_is(self, leads: bool) -> None:
+        metrics = _beat_metrics()
+        if metrics is not None:
+            metrics.leading(self.fenced.name, leads)
 
     # -- the leader's tick -------------------------------------------------------------
 
@@ -383,7 +430,7 @@ class Scheduler(beat.Scheduler):
         claim = self._claim
         assert claim is not None and claim.token is not None
         client = lock_redis(self.app)
-        stored, _tick = read_state(client, self._keys)
+        stored, _tick, _upcoming = read_state(client, self._keys)
         now_ms = self._now_ms()
         # A predecessor's grants it may not have sent: sent again, as the same task ids.
         resend = {
@@ -405,6 +452,9 @@ class Scheduler(beat.Scheduler):
             triples.extend((name, due, str(min_gap(entry.schedule, due))) for due in runs)
         answer = self._dispatch(client, claim, triples)
         if answer is None:
+            for name, _due, gap in triples:
+                if gap != "skip":
+                    self._count("refused", name)
             self._step_down("the dispatch script refused its token")
             return self._capped(self.fenced.poll)
         previous, tick, granted = answer
@@ -416,6 +466,7 @@ class Scheduler(beat.Scheduler):
                     self.fenced.name,
                     silent,
                 )
+                self._count("leaderless")
         sent: dict[str, str] = {}
         for name, value in resend.items():
             if self._send(name, EntryState.parse(value), claim):
@@ -437,7 +488,25 @@ class Scheduler(beat.Scheduler):
             self._unsent.pop(name, None)
         if sent:
             BEAT_SENT(client, [self._keys.beat], [x for pair in sent.items() for x in pair])
+        last = {name: state.due_ms for name, state in stored.items()}
+        for (name, due, gap), ok in zip(triples, granted, strict=True):
+            if ok or gap == "skip":
+                last[name] = max(due, last.get(name, due))
+        self._show_next(client, claim, last)
         return self._next_wake(triples, stored, now_ms)
+
+    def _show_next(self, client: Any, claim: Claim, last: Mapping[str, int]) -> None:
+        """Write each entry's next due time where ``fenced beat`` reads it, when it
+        changed: for people to read (the dispatch script decides what is sent)."""
+        changed: dict[str, int] = {}
+        for name, entry in self.schedule.items():
+            if name in last:
+                due = next_due(entry.schedule, last[name])
+                if self._shown.get(name) != due:
+                    changed[name] = due
+        if changed and claim.held:
+            client.hset(self._keys.beat, mapping={f"next:{n}": d for n, d in changed.items()})
+            self._shown.update(changed)
 
     def _new_leader(self, stored: Mapping[str, EntryState]) -> bool:
         claim = self._claim
@@ -473,6 +542,7 @@ class Scheduler(beat.Scheduler):
             return True  # the entry left the schedule: nothing to send
         if not claim.held:
             # Paused past the lease since the grant: a new leader sends it instead.
+            self._count("refused", name)
             return False
         options = {k: v for k, v in (entry.options or {}).items() if k not in ENTRY_OPTIONS}
         options["headers"] = {**options.get("headers", {}), "celery_beat_task": True}
@@ -489,6 +559,7 @@ class Scheduler(beat.Scheduler):
         except Exception as exc:
             log.error("fenced beat %s: could not send %s: %s", self.fenced.name, name, exc)
             return False
+        self._count("dispatched", name)
         return True
 
     def _next_wake(
@@ -505,6 +576,43 @@ class Scheduler(beat.Scheduler):
 
 
 _UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
+
+#: The ports this process serves the beat's metrics on (one server per port).
+_serving: set[int] = set()
+_serving_lock = threading.Lock()
+
+
+def _start_metrics(app: Any, opts: BeatOptions) -> None:
+    """With ``fenced_metrics`` on: fenced.metrics installed in this process, and
+    ``/metrics`` served on ``fenced_beat_metrics_port`` when it is set."""
+    if not _metrics.settings(app)[0]:
+        return
+    from .. import metrics
+
+    if metrics.installed() is None:
+        metrics.install()
+    port = opts.metrics_port
+    if port is None:
+        return
+    with _serving_lock:
+        if port in _serving:
+            return
+        where = _metrics.address(app)
+        try:
+            metrics.serve(port, where)
+        except OSError as exc:
+            log.error("fenced beat %s: metrics are not served on port %d: %s", opts.name, port, exc)
+            return
+        _serving.add(port)
+    log.info("fenced beat %s: metrics served on port %d (address %s)", opts.name, port, where)
+
+
+def _beat_metrics() -> Any:
+    """The beat metrics of the fenced.metrics installed here, or None (never imports
+    fenced.metrics, nor prometheus_client)."""
+    module = sys.modules.get("fenced.metrics")
+    installed = None if module is None else module.installed()
+    return None if installed is None else installed.beat
 
 
 def _evaluated(value: Any) -> Any:

@@ -38,6 +38,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .._beat import as_dict as beat_dict
+from .._beat import status as beat_status
 from .._errors import ClaimUnavailable, ConfigError
 from .._inspect import (
     force_release,
@@ -236,11 +238,12 @@ def _server_now(client: Any) -> float:
         return time.time()
 
 
-def _name_and_action(request: Request) -> tuple[str, str]:
-    """The claim name (one percent-encoded segment) and what follows it ("" for none)."""
+def _name_and_action(request: Request, under: str = "/api/claims/") -> tuple[str, str]:
+    """The claim (or beat) name (one percent-encoded segment) and what follows it ("" for
+    none)."""
     raw = request.scope.get("raw_path") or request.url.path.encode()
     path = raw.decode("latin-1").split("?", 1)[0]
-    rest = path[len("/api/claims/") :]
+    rest = path[len(under) :]
     segment, _slash, action = rest.partition("/")
     return unquote(segment), action
 
@@ -352,6 +355,13 @@ def create_app(
         skips = consecutive_skips(client, report.name, namespace=namespace)
         now = _server_now(client)
         return _json(report.as_dict() | {"skips": skips, "alert": alerting(skips), "now": now})
+
+    def beat(request: Request, body: bytes) -> Response:
+        name, action = _name_and_action(request, "/api/beats/")
+        if not name or action:
+            return _error(404, "no beat named: use /api/beats/NAME (its fenced_beat_name)")
+        report = beat_status(client, name, namespace=namespace)
+        return _json(beat_dict(report) | {"now": _server_now(client)})
 
     def runs(request: Request, name: str) -> Response:
         records = history(client, name, limit=_limit(request), namespace=namespace)
@@ -494,6 +504,7 @@ def create_app(
             Route("/api/config", sync(config, blocking=False)),
             Route("/api/claims", sync(claims)),
             Route("/api/claims/{rest:fenced_any}", sync(claim), methods=["GET", "POST"]),
+            Route("/api/beats/{rest:fenced_any}", sync(beat)),
         ],
         exception_handlers={HTTPException: _http_error, Exception: _crash},
         middleware=[Middleware(_Headers, allowed_hosts=allowed_hosts)],
@@ -506,7 +517,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     if status == 405:
         return _error(405, f"{request.method} is not taken here: see docs/web.md for the API")
     if status == 404:
-        return _error(404, "no such page: the API is /api/config and /api/claims[/NAME[/runs]]")
+        return _error(
+            404,
+            "no such page: the API is /api/config, /api/claims[/NAME[/runs]] and /api/beats/NAME",
+        )
     return _error(status, exc.detail if isinstance(exc, HTTPException) else "error")
 
 

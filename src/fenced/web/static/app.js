@@ -110,6 +110,10 @@
         if (c.queued.expires_in) mark += ", marked " + seconds(c.queued.expires_in) + " more";
         who.append(el("div", mark, "slot"));
       }
+      // A beat's leader claim (fenced.celery.beat)
+      if (c.beat !== null && c.beat !== undefined) {
+        who.append(el("div", "beat leader (fenced beat " + c.beat + ")", "slot"));
+      }
       tr.append(who);
       tr.append(el("td", seconds(c.age), "num"));
       tr.append(el("td", seconds(c.expires_in), "num"));
@@ -184,9 +188,27 @@
     $("detail-holder").textContent = line;
     $("detail-holder").classList.toggle("alert", Boolean(detail.alert));
     renderSlots(detail.slots);
+    renderBeat(detail.beat);
     renderTarget(detail.slots);
     drawTimeline(runs);
     renderRuns(runs.runs);
+  }
+
+  // A beat's leader claim: the beat's last tick, each entry's last due time and next one.
+  function renderBeat(beat) {
+    const node = $("detail-beat");
+    node.hidden = !beat;
+    if (!beat) {
+      node.replaceChildren();
+      return;
+    }
+    const items = [el("li", "leader of beat " + beat.beat + (beat.last_tick ?
+      " · last tick " + beat.last_tick : "") + " (fenced beat " + beat.beat + ")")];
+    for (const [entry, e] of Object.entries(beat.entries)) {
+      items.push(el("li", entry + ": last due " + e.due + " " + e.state + " (fence " + e.fence +
+        ")" + (e.next ? " · next " + e.next : "")));
+    }
+    node.replaceChildren(...items);
   }
 
   function renderSlots(slots) {
