@@ -406,6 +406,53 @@ def test_ls_and_show_read_well_at_80_columns(url: str, r: Any) -> None:
     assert sum(command[:40] in line for line in wide) == 3
 
 
+def pending(r: Any) -> None:
+    """A name its rate (one start an hour) holds back, and one with a burst of 3 calls
+    pending (debounce 300 s), as a claim and a debounced task's calls write them."""
+    from fenced.celery import _debounce
+
+    with Claim(r, "sync:rated", ttl=30, heartbeat=False, rate="1/h"):
+        pass
+    for i in range(3):
+        _debounce.join(r, ClaimKeys.of("digest:acme"), f"task-{i}", "[]", 600, 300.0)
+
+
+def test_ls_and_show_say_when_a_rate_allows_the_next_start_and_a_burst_runs(
+    url: str, r: Any
+) -> None:
+    pending(r)
+    listed = {i["name"]: i for i in json.loads(fenced(url, "ls", "--json").stdout)}
+    rated = listed["sync:rated"]
+    assert rated["holder"] is None and rated["burst"] is None
+    assert 3500 < rated["rate"]["wait"] <= 3600 and rated["rate"]["next_start"] > time.time()
+    burst = listed["digest:acme"]["burst"]
+    assert listed["digest:acme"]["rate"] is None
+    assert (burst["task_id"], burst["calls"]) == ("task-0", 3)
+    assert burst["first"] <= burst["last"] < burst["due"] and 200 < burst["runs_in"] <= 300
+
+    for columns in (80, 200):
+        text = " ".join(at_columns(url, columns, "ls"))
+        assert "0 held in namespace 'fenced', 2 not held" in text
+        assert "rate limited: next start in 59m" in text
+        assert "burst pending: 3 calls, runs in 4m" in text
+    text = " ".join(at_columns(url, 200, "show", "sync:rated"))
+    assert "sync:rated: not held; rate limited until " in text and "next start in 59m" in text
+    text = " ".join(at_columns(url, 200, "show", "digest:acme"))
+    assert "burst pending: 3 calls, runs in 4m" in text and "(task task-0)" in text
+    shown = json.loads(fenced(url, "show", "digest:acme", "--json").stdout)
+    assert shown["burst"]["calls"] == 3 and shown["rate"] is None
+
+
+def test_show_says_a_run_was_replaced_and_by_whom(url: str, r: Any) -> None:
+    old = held(r, "sync:replaced", records=True, task_id="t-old")
+    new = Claim(r, "sync:replaced", ttl=30, heartbeat=False, records=True, task_id="t-new")
+    assert new.replace() and new.token is not None
+    old.release()
+    text = " ".join(" ".join(at_columns(url, 200, "show", "sync:replaced")).split())
+    assert "lost" in text and f"replaced by {new.token[:8]} (" in text, text
+    assert "task t-new)" in text
+
+
 def test_show_says_what_a_hashed_value_was_without_its_secrets(url: str, r: Any) -> None:
     feed = "https://reader:s3cret@feeds.example.com/v2/incidents.xml?key=abc123"
 

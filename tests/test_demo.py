@@ -66,7 +66,8 @@ def test_demo_every_act_holds_and_serves_its_dashboard() -> None:
     acts = (
         "1. The same rebuild", "2. A deploy", "3. A paused worker", "4. Tenants",
         "5. A flood", "6. A beat that fires twice", "7. Two at a time",
-        "8. A retry keeps its claim", "9. The run records",
+        "8. A retry keeps its claim", "9. A newer version wins", "10. A partner API's rate",
+        "11. A burst of edits", "12. The run records",
     )  # fmt: skip
     for act in acts:
         assert act in out

@@ -48,6 +48,8 @@ EVIL_HOST = "\x1b[2J\x1b]0;owned\x07\x1b]8;;http://evil.example/\x07click\x1b]8;
 EVIL_REASON = "\x1b[31mred\x1b[0m [bold]markup[/bold] \u202eelif\u202c \x9b2J"
 
 Seed = Callable[[redis.Redis], Any]
+#: The burst record of a debounced task's name (fenced.celery._debounce).
+BURST = "fenced:{bad}:debounce"
 
 
 def keys(name: str = "bad") -> ClaimKeys:
@@ -120,6 +122,29 @@ CASES: dict[str, tuple[Seed, str]] = {
     "rerun member not a trigger": (
         both(held_by(), lambda r: r.sadd(keys().rerun, b"\xff", "[1]", "5")),
         "bad",
+    ),
+    "rate not an integer": (
+        both(held_by(), lambda r: r.set(keys().rate, "soon", px=60_000)),
+        "unreadable: rate 'soon' is not an integer",
+    ),
+    "rate a hash, debounce a string": (
+        both(
+            held_by(),
+            lambda r: r.hset(keys().rate, "a", "b"),
+            lambda r: r.set(BURST, "x"),
+        ),
+        "unreadable: rate: WRONGTYPE",
+    ),
+    "debounce fields not numbers": (
+        both(
+            held_by(),
+            lambda r: r.hset(BURST, mapping={"id": EVIL_HOST, "calls": "many", "due": "later"}),
+        ),
+        "unreadable: debounce calls 'many' is not an integer",
+    ),
+    "debounce field not UTF-8": (
+        both(held_by(), lambda r: r.hset(BURST, mapping={"id": "t", "first": b"\xff"})),
+        "unreadable: debounce",
     ),
     "escapes in the holder and the records": (
         both(

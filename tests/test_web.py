@@ -121,6 +121,20 @@ def test_a_name_marked_at_enqueue_is_listed_with_its_task_id(r: Any) -> None:
     assert web.get("/api/claims").json()["claims"] == []
 
 
+def test_a_rate_and_a_pending_burst_are_listed_and_shown(r: Any) -> None:
+    from test_cli import pending
+
+    pending(r)
+    web = api(r)
+    listed = {c["name"]: c for c in web.get("/api/claims").json()["claims"]}
+    assert 3500 < listed["sync:rated"]["rate"]["wait"] <= 3600
+    assert listed["sync:rated"]["burst"] is None and listed["digest:acme"]["rate"] is None
+    assert listed["digest:acme"]["burst"]["calls"] == 3
+    burst = web.get("/api/claims/digest:acme").json()["burst"]
+    assert burst["task_id"] == "task-0" and 200 < burst["runs_in"] <= 300
+    assert web.get("/api/claims/sync:rated").json()["rate"]["next_start"] > time.time()
+
+
 def test_claims_whose_skips_reach_the_threshold_are_marked(r: Any) -> None:
     held(r, "sync")
     for _ in range(2):

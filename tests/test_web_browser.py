@@ -255,6 +255,43 @@ def test_a_name_held_by_several_in_a_browser(
         second.release()
 
 
+def test_a_rate_a_pending_burst_and_a_replaced_run_in_a_browser(
+    redis_server: RedisServer, web: str, browser: Any
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    from test_cli import pending
+
+    r = redis_server.client()
+    r.flushall()
+    pending(r)
+    old = Claim(r, "sync:replaced", ttl=30, records=True, heartbeat=False)
+    new = Claim(r, "sync:replaced", ttl=30, records=True, heartbeat=False, task_id="t-new")
+    assert old.acquire() and new.replace()
+    try:
+        browser.get(web + "/")
+        browser.refresh()  # a new page, not the hash of the last test's
+        row = wait_for("the rated name", lambda: rows(browser).get("sync:rated"), timeout=10)
+        assert "rate limited: next start in 59m" in row, row
+        row = wait_for("the burst", lambda: rows(browser).get("digest:acme"), timeout=10)
+        assert "burst pending: 3 calls, runs in 4m" in row and "(task task-0)" in row, row
+
+        def detail() -> str:
+            return str(browser.find_element(By.ID, "detail-holder").text)
+
+        click_row(browser, "sync:rated")
+        wait_for("the rate in the detail", lambda: "rate limited until" in detail(), timeout=10)
+        click_row(browser, "sync:replaced")
+        said = f"replaced by {str(new.token)[:8]} ("
+        wait_for(
+            "the replaced run in the runs table",
+            lambda: said in browser.find_element(By.ID, "runs").text,
+            timeout=10,
+        )
+    finally:
+        new.release()
+
+
 def test_a_release_aimed_at_a_holder_that_finished_leaves_the_next_one(
     redis_server: RedisServer, browser: Any, tmp_path: Path
 ) -> None:

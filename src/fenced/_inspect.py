@@ -8,6 +8,7 @@ claim, the one its stream entry ids come from.
 
 from __future__ import annotations
 
+import functools
 import re
 import socket
 from collections.abc import Callable, Iterator, Sequence
@@ -39,8 +40,10 @@ from ._scripts import FORCE_RELEASE, Script
 from .records import UNREADABLE, RunRecord, encode_release, entries_for, from_entries, history
 
 __all__ = [
+    "Burst",
     "ClaimInfo",
     "ClaimReport",
+    "Flow",
     "clear_queued",
     "force_release",
     "list_claims",
@@ -58,6 +61,96 @@ LS_RUNS = 10
 BATCH = 500
 #: What a client that decodes replies makes of a claim with bytes that are not text.
 NOT_TEXT = "a value of the claim is not UTF-8"
+
+
+@dataclass(frozen=True)
+class Burst:
+    """A name's pending debounce burst (``claim_debounce``), as its record says: calls
+    made, its run not started yet."""
+
+    #: The task id of the burst's one message (the AsyncResult every call returned).
+    task_id: str
+    #: How many calls joined it (None: the record does not say).
+    calls: int | None = None
+    #: Epoch seconds, on the clock of the claim's Redis server: its first and last call,
+    #: and when it runs unless another call joins it (None: not in the record).
+    first: float | None = None
+    last: float | None = None
+    due: float | None = None
+    #: Seconds until it is due (0: due; its run waits for its message, or for a run that
+    #: holds the name).
+    runs_in: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "task_id": self.task_id,
+            "calls": self.calls,
+            "first": self.first,
+            "last": self.last,
+            "due": self.due,
+            "runs_in": self.runs_in,
+        }
+
+
+#: The fields of a burst record read (never its call: arguments, maybe secret and large).
+BURST_FIELDS = ("id", "first", "last", "due", "calls")
+
+
+@dataclass
+class Flow:
+    """What holds a name's next start back besides a holder: its rate (``rate``: when the
+    next start is allowed, and the seconds until then) and a pending debounce burst."""
+
+    next_start: float | None = None
+    rate_wait: float | None = None
+    burst: Burst | None = None
+
+    @classmethod
+    def read(cls, rate: Any, burst: Any, now: Callable[[], float], problems: list[str]) -> Flow:
+        """From the rate key's GET and the burst record's HMGET of :data:`BURST_FIELDS`
+        answers (anyone may have written either: what is not fenced's goes to
+        ``problems``); ``now`` is the server's clock, asked only when one is found."""
+        flow = cls()
+        if isinstance(rate, Exception):
+            problems.append(f"rate: {rate}")
+        elif rate is not None:
+            micros = _number(rate, "rate", problems)
+            wait = None if micros is None else micros / 1e6 - now()
+            if micros is not None and wait is not None and wait > 0:
+                flow.next_start, flow.rate_wait = micros / 1e6, wait
+        if isinstance(burst, Exception):
+            problems.append(f"debounce: {burst}")
+        elif isinstance(burst, (list, tuple)) and any(v is not None for v in burst):
+            flow.burst = _burst(dict(zip(BURST_FIELDS, burst, strict=False)), now, problems)
+        return flow
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready form: ``rate`` and ``burst`` (None: nothing pending)."""
+        rate = None
+        if self.next_start is not None:
+            rate = {"next_start": self.next_start, "wait": self.rate_wait}
+        return {"rate": rate, "burst": self.burst.as_dict() if self.burst else None}
+
+
+def _burst(found: dict[str, Any], now: Callable[[], float], problems: list[str]) -> Burst | None:
+    if found["id"] is None:
+        problems.append("debounce: a burst record without a task id")
+        return None
+    times = {
+        part: None if ms is None else ms / 1000
+        for part in ("first", "last", "due")
+        for ms in [_number(found[part], f"debounce {part}", problems)]
+    }
+    due = times["due"]
+    return Burst(
+        readable(found["id"]),
+        _number(found["calls"], "debounce calls", problems),
+        times["first"],
+        times["last"],
+        due,
+        None if due is None else max(0.0, due - now()),
+    )
 
 
 @dataclass
@@ -90,6 +183,8 @@ class ClaimInfo:
     queued_left: float | None = None
     #: The beat (``fenced.celery.beat``) whose leader holds this claim, or None.
     beat: str | None = None
+    #: Its rate's next start and a pending debounce burst.
+    flow: Flow = field(default_factory=Flow)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form (the secret part of the token shortened)."""
@@ -109,6 +204,7 @@ class ClaimInfo:
             "cooldown_left": self.cooldown_left,
             "queued": _queued_dict(self.queued, self.queued_left),
             "beat": self.beat,
+            **self.flow.as_dict(),
         }
 
 
@@ -160,9 +256,10 @@ def _clocks(client: Any, results: list[Any], timed: bool) -> Callable[[str], flo
 
 
 def list_claims(client: Any, namespace: str = "fenced") -> list[ClaimInfo]:
-    """Every claim held now under a namespace, every one in its cooldown window, and
-    every name marked at enqueue (``claim_enqueue``: a message for it is queued), sorted
-    by name.
+    """Every claim held now under a namespace, every one in its cooldown window, every
+    name marked at enqueue (``claim_enqueue``: a message for it is queued), every one
+    whose rate holds its next start back and every one with a pending debounce burst,
+    sorted by name.
 
     What cannot be read (a key name or a value that is not UTF-8, a key of the wrong
     type, a fence that is not an integer) is listed with ``unreadable`` saying what,
@@ -170,7 +267,7 @@ def list_claims(client: Any, namespace: str = "fenced") -> list[ClaimInfo]:
     """
     names: set[str] = set()
     foreign: dict[str, ClaimInfo] = {}
-    for part in ("lock", "cooldown", "slot:*", "queued"):
+    for part in ("lock", "cooldown", "slot:*", "queued", "rate", "debounce"):
         for key in _lock_keys(client, namespace, part):
             name = ClaimKeys.name_from_key(key, namespace)
             if name and isinstance(key, bytes):
@@ -222,6 +319,8 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
         pipe.pttl(keys.cooldown)
         pipe.get(keys.queued)
         pipe.pttl(keys.queued)
+        pipe.get(keys.rate)
+        pipe.hmget(keys.debounce, BURST_FIELDS)
         pipe.hgetall(keys.slots)  # last: _read_slots finds it there
     try:
         results = pipe.execute(raise_on_error=False)
@@ -232,19 +331,21 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
             return [_unread(names[0], NOT_TEXT)]
         return [info for name in names for info in _read_batch(client, [name], namespace)]
     clock = _clocks(client, results, timed)
-    per = 9
+    per = 11
     slotted = _read_slots(client, names, results, namespace, per)
     infos: list[ClaimInfo] = []
     for i, name in enumerate(names):
-        token, pttl, fence, skips, entries, cooldown, mark, mark_pttl, _slots = results[
-            per * i : per * i + per
-        ]
+        token, pttl, fence, skips, entries, cooldown, mark, mark_pttl, rate, burst, _slots = (
+            results[per * i : per * i + per]
+        )
         window = _left(cooldown)
         limit, slots = slotted.get(name, (1, []))
-        if token is None and window is None and not slots and mark is None:
-            continue  # released (its window ended, its marker cleared) since the scan
         keys = ClaimKeys(namespace, name)
         problems: list[str] = []
+        flow = Flow.read(rate, burst, functools.partial(clock, keys.runs), problems)
+        pending = flow.next_start is not None or flow.burst is not None or problems
+        if token is None and window is None and not slots and mark is None and not pending:
+            continue  # released (its window ended, its marker cleared...) since the scan
         queued = _marker(mark, problems)
         fence_int = _number(fence, "fence", problems)
         holder: Holder | None = None
@@ -268,6 +369,7 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
             slots=slots,
             queued=queued,
             queued_left=_left(mark_pttl) if queued is not None else None,
+            flow=flow,
         )
         if isinstance(entries, Exception):
             problems.append(f"runs: {entries}")
@@ -373,6 +475,8 @@ class ClaimReport:
     #: The beat (``fenced.celery.beat``) whose leader claim this is: its status, the
     #: leader being :attr:`holder`; None for any other claim.
     beat: BeatStatus | None = None
+    #: Its rate's next start and a pending debounce burst.
+    flow: Flow = field(default_factory=Flow)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
@@ -386,6 +490,7 @@ class ClaimReport:
             "cooldown_left": self.cooldown_left,
             "queued": _queued_dict(self.queued, self.queued_left),
             "beat": None if self.beat is None else beat_dict(self.beat),
+            **self.flow.as_dict(),
         }
 
 
@@ -411,12 +516,14 @@ def show_claim(
     pipe.pttl(keys.cooldown)
     pipe.get(keys.queued)
     pipe.pttl(keys.queued)
+    pipe.get(keys.rate)
+    pipe.hmget(keys.debounce, BURST_FIELDS)
     answers = _read(client, keys, pipe)
     if answers is None:
         # A client that decodes replies met bytes that are not text, and the whole answer
         # is lost with them: read part by part, to show what can be read.
         return _show_apart(client, keys, limit)
-    *leases, fence, fences, entries, cooldown, mark, mark_pttl = answers
+    *leases, fence, fences, entries, cooldown, mark, mark_pttl, rate, burst = answers
     most = _limit_of(fences)
     # The plain claim: its holder's fence is the counter's.
     holder = lock_holder(keys, leases[0], leases[1], fence) if most == 1 else None
@@ -425,7 +532,9 @@ def show_claim(
     else:
         runs = from_entries(keys.name, entries, limit)
     slots = slot_holders(leases, fence, fences)
-    report = _report(keys, slots, most, holder, runs, cooldown, mark, mark_pttl)
+    report = _report(
+        keys, slots, most, holder, runs, cooldown, (mark, mark_pttl), (rate, burst), client
+    )
     return _with_beat(client, keys, report)
 
 
@@ -444,18 +553,41 @@ def _with_beat(client: Any, keys: ClaimKeys, report: ClaimReport) -> ClaimReport
     return report
 
 
+def _server_clock(client: Any, keys: ClaimKeys) -> Callable[[], float]:
+    """The clock (epoch seconds) of the server that holds a name's keys, asked once and
+    only when called (one more round trip; on a cluster, one per primary)."""
+
+    @functools.cache
+    def now() -> float:
+        with reachable(client, f"read the clock of claim {keys.name!r}", keys.name):
+            if not is_cluster(client):
+                secs, micros = client.time()
+                return int(secs) + int(micros) / 1e6
+            times = server_times(client)
+            return times.get(node_of(client, keys.lock), max(times.values()))
+
+    return now
+
+
+def _get(client: Any, command: str, *args: Any) -> Any:
+    """One reply, or the error it is (a key of another type, bytes that are not text)."""
+    try:
+        return client.execute_command(command, *args)
+    except (redis.ResponseError, UnicodeDecodeError) as exc:
+        return redis.ResponseError(str(exc))
+
+
 def _show_apart(client: Any, keys: ClaimKeys, limit: int) -> ClaimReport:
     """:func:`show_claim` in a round trip per part, each read on its own terms."""
     slots = read_slots(client, keys.name, namespace=keys.namespace)
     most = _limit_of(_slots_hash(client, keys))
     holder = read_holder(client, keys.name, namespace=keys.namespace) if most == 1 else None
     runs = history(client, keys.name, limit=limit, namespace=keys.namespace)
-    try:
-        mark: Any = client.get(keys.queued)
-    except (redis.ResponseError, UnicodeDecodeError) as exc:
-        mark = redis.ResponseError(str(exc))
+    mark = _get(client, "GET", keys.queued)
     pttl = client.pttl(keys.cooldown)
-    report = _report(keys, slots, most, holder, runs, pttl, mark, client.pttl(keys.queued))
+    flow = (_get(client, "GET", keys.rate), _get(client, "HMGET", keys.debounce, *BURST_FIELDS))
+    marked = (mark, client.pttl(keys.queued))
+    report = _report(keys, slots, most, holder, runs, pttl, marked, flow, client)
     return _with_beat(client, keys, report)
 
 
@@ -466,15 +598,23 @@ def _report(
     holder: Holder | None,
     runs: list[RunRecord],
     pttl: Any,
-    mark: Any,
-    mark_pttl: Any,
+    marked: tuple[Any, Any],
+    flow: tuple[Any, Any],
+    client: Any,
 ) -> ClaimReport:
+    """A report from the answers about one name: its enqueue marker's GET and PTTL, its
+    rate key's GET and its burst record's HMGET (``flow``)."""
     if most == 1:  # a plain claim: its lease, or what stands in a slot above 0
         slots = [(0, holder)] if holder else [s for s in slots if s[0]]
+    mark, mark_pttl = marked
     problems: list[str] = []
     queued = _marker(mark, problems)
     if problems:  # a marker key of another type: shown as the runs key's would be
         runs = [*runs, RunRecord(keys.name, UNREADABLE, unreadable=f"{keys.queued}: {mark}")]
+    problems = []
+    pending = Flow.read(*flow, _server_clock(client, keys), problems)
+    # What the rate key or the burst record hold that fenced never wrote, shown likewise.
+    runs += [RunRecord(keys.name, UNREADABLE, unreadable=problem) for problem in problems]
     return ClaimReport(
         keys.name,
         keys.namespace,
@@ -485,6 +625,7 @@ def _report(
         slots,
         queued,
         _left(mark_pttl) if queued is not None else None,
+        flow=pending,
     )
 
 

@@ -307,6 +307,13 @@ class ClaimKeys:
         return self._key("rate")
 
     @property
+    def debounce(self) -> str:
+        """The name's open burst (``claim_debounce``): a hash of the burst's task id, the
+        times of its first and last call, when it is due, how many calls it has and the
+        last call (fenced.celery's debounce)."""
+        return self._key("debounce")
+
+    @property
     def beat(self) -> str:
         """A beat leader's claim: each entry's last due time and the leader's last tick
         (fenced.celery.beat)."""

@@ -16,7 +16,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from ._inspect import ClaimInfo, ClaimReport
+from ._inspect import Burst, ClaimInfo, ClaimReport, Flow
 from ._lease import Holder
 from ._printable import printable
 from .records import RunRecord
@@ -26,6 +26,7 @@ __all__ = [
     "claims_list",
     "claims_table",
     "duration",
+    "flow_text",
     "holder_text",
     "report_list",
     "report_table",
@@ -114,6 +115,36 @@ def _queued(task_id: str | None, left: float | None, *, short: bool = False) -> 
     return printable(f"queued: task {shown}{more}")
 
 
+def _rate(flow: Flow, *, until: bool = False) -> str:
+    """``rate limited: next start in 4.2s`` (``until``: ``rate limited until <time>, ...``)."""
+    if flow.next_start is None:
+        return ""
+    wait = f"next start in {duration(flow.rate_wait)}"
+    if until:
+        return f"rate limited until {when(flow.next_start)}, {wait}"
+    return f"rate limited: {wait}"
+
+
+def _burst(burst: Burst | None, *, short: bool = False) -> str:
+    """``burst pending: 3 calls, runs in 1.2s (task 1f2e...)`` for a debounce burst."""
+    if burst is None:
+        return ""
+    calls = "calls ?" if burst.calls is None else f"{burst.calls} call" + "s" * (burst.calls != 1)
+    if burst.runs_in is None:
+        runs = "due ?"
+    elif burst.runs_in > 0:
+        runs = f"runs in {duration(burst.runs_in)}"
+    else:  # its message (or the run holding the name) is late
+        runs = "due now"
+    task = _short(burst.task_id) if short else burst.task_id
+    return printable(f"burst pending: {calls}, {runs} (task {task})")
+
+
+def flow_text(flow: Flow, *, short: bool = False, until: bool = False) -> str:
+    """What holds a name's next start back: its rate and a pending debounce burst."""
+    return _notes(_rate(flow, until=until), _burst(flow.burst, short=short))
+
+
 def _notes(*texts: str) -> str:
     return "; ".join(text for text in texts if text)
 
@@ -138,8 +169,9 @@ def _who(info: ClaimInfo, *, short: bool = False) -> str:
         _window(info.cooldown_left),
         _queued(info.queued, info.queued_left, short=short),
         _beat(info.beat),
+        flow_text(info.flow, short=short),
     )
-    return _notes(who, notes) if (info.holder or info.limit > 1) or not notes else notes
+    return notes if who == "-" and notes else _notes(who, notes)
 
 
 def _beat(beat: str | None) -> str:
@@ -244,7 +276,9 @@ def claims_list(infos: list[ClaimInfo], title: str) -> Group:
 def _title(report: ClaimReport, *, short: bool = False) -> str:
     name = printable(report.name)
     window = _notes(
-        _window(report.cooldown_left), _queued(report.queued, report.queued_left, short=short)
+        _window(report.cooldown_left),
+        _queued(report.queued, report.queued_left, short=short),
+        flow_text(report.flow, short=short, until=True),
     )
     if report.limit > 1:
         held = [f"{len(report.slots)}/{report.limit} held"]

@@ -645,7 +645,8 @@ if app is not None:
         """List every held claim: holder, age, time left, fence, skips, last outcome.
 
         A name in its cooldown window (a run ended ok within --cooldown) is listed
-        too, with the time left of its window.
+        too, with the time left of its window; so is a name marked at enqueue, one
+        whose rate holds its next start back, and one with a pending debounce burst.
         """
         from ._inspect import list_claims
 
@@ -682,9 +683,12 @@ if app is not None:
         if not infos:
             return Text(f"no claims held in namespace {namespace!r}")
         held = sum(1 for i in infos if i.holder is not None)
+        cooled = sum(1 for i in infos if i.holder is None and i.cooldown_left is not None)
         title = f"{held} held in namespace {namespace!r}"
-        if held < len(infos):
-            title += f", {len(infos) - held} in a cooldown window"
+        if cooled:
+            title += f", {cooled} in a cooldown window"
+        if len(infos) > held + cooled:
+            title += f", {len(infos) - held - cooled} not held (queued, rate limited or debounced)"
         return claims_table(infos, title) if console.width >= WIDE else claims_list(infos, title)
 
     def _watch(

@@ -2,7 +2,8 @@
 
 A burst is the calls of one name until its run takes them. The first call of a burst
 writes the name's burst record (``{namespace}:{name}:debounce``, a hash under the name's
-hash tag: the burst's task id, the times of its first and last call, the last call) and
+hash tag: the burst's task id, the times of its first and last call, the last call, and
+for ``fenced ls`` how many calls joined and when it is due) and
 publishes one message under the burst's task id, due ``claim_debounce`` later; every
 later call only rewrites the last call and its time, and returns the same task id
 (:func:`join`, one script). So a burst has one message in the broker however many calls
@@ -67,20 +68,31 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 # KEYS[1] the burst record; ARGV[1] a new task id, ARGV[2] the call, ARGV[3] the
-# record's expiry (ms). Returns {task id of the burst, 1 if this call opened it}.
+# record's expiry (ms), ARGV[4] the debounce (ms), ARGV[5] the debounce max (ms, 0:
+# none). Returns {task id of the burst, 1 if this call opened it}. The record's ``due``
+# (when the burst runs if no call joins it, ms) and ``calls`` (how many joined) are for
+# the operator tools: TAKE decides from first and last.
 JOIN = Script(
     "debounce_join",
     """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local id = redis.call('HGET', KEYS[1], 'id')
+local b = redis.call('HMGET', KEYS[1], 'id', 'first', 'calls')
+local id, first = b[1], tonumber(b[2]) or now
 local new = 0
 if not id then
   id = ARGV[1]
+  first = now
   new = 1
   redis.call('HSET', KEYS[1], 'id', id, 'first', now)
 end
-redis.call('HSET', KEYS[1], 'last', now, 'call', ARGV[2])
+local due = now + tonumber(ARGV[4])
+if tonumber(ARGV[5]) > 0 then
+  due = math.min(due, first + tonumber(ARGV[5]))
+end
+local calls = new == 1 and 1 or (tonumber(b[3]) or 0) + 1
+redis.call('HSET', KEYS[1], 'last', now, 'call', ARGV[2], 'due', string.format('%d', due),
+           'calls', string.format('%d', calls))
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 return {id, new}
 """,
@@ -196,7 +208,7 @@ def check(values: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 def burst_key(keys: ClaimKeys) -> str:
     """The name's open burst."""
-    return f"{keys.namespace}:{{{keys.name}}}:debounce"
+    return keys.debounce
 
 
 def taken_key(keys: ClaimKeys, task_id: str) -> str:
@@ -204,9 +216,21 @@ def taken_key(keys: ClaimKeys, task_id: str) -> str:
     return f"{burst_key(keys)}:{task_id}"
 
 
-def join(client: Any, keys: ClaimKeys, task_id: str, call: str, expiry: float) -> tuple[str, bool]:
+def join(
+    client: Any,
+    keys: ClaimKeys,
+    task_id: str,
+    call: str,
+    expiry: float,
+    debounce: float,
+    most: float | None = None,
+) -> tuple[str, bool]:
     """Add a call to the name's burst: (the burst's task id, whether this call opened it)."""
-    found = JOIN(client, [burst_key(keys)], [task_id, call, max(1, int(expiry * 1000))])
+    found = JOIN(
+        client,
+        [burst_key(keys)],
+        [task_id, call, max(1, int(expiry * 1000)), int(debounce * 1000), int((most or 0) * 1000)],
+    )
     return as_text(found[0]), bool(int(found[1]))
 
 
@@ -301,7 +325,8 @@ def send(
     debounce, most = opts.values["claim_debounce"], opts.values["claim_debounce_max"]
     client = _client(task)
     try:
-        burst, opened = join(client, keys, uuid(), call, (most or debounce) + opts.enqueue_ttl)
+        expiry = (most or debounce) + opts.enqueue_ttl
+        burst, opened = join(client, keys, uuid(), call, expiry, debounce, most)
     except (redis.RedisError, OSError) as exc:
         log.warning(
             "fenced: could not debounce %r (%s): sending %s as it is",

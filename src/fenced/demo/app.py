@@ -1,8 +1,9 @@
 """The demo's Celery app: the map rebuild example, claimed, content-addressed and fenced.
 
 Configured from the environment by the demo runner: ``FENCED_DEMO_REDIS`` (the
-embedded Redis; db 0 is the broker, db 1 the result backend, db 2 the claim store)
-and ``FENCED_DEMO_DIR`` (where tiles and published pointers go).
+embedded Redis; db 0 is the broker, db 1 the result backend, db 2 the claim store),
+``FENCED_DEMO_DIR`` (where tiles and published pointers go) and ``FENCED_SECRET_KEY``
+(signs the calls a debounce burst stores).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ STEP = float(os.environ.get("FENCED_DEMO_STEP", "0.3"))
 RETRY_COUNTDOWN = 2.0
 #: The key the runner sets when the exports may finish.
 EXPORTS_GO = "demo:exports:go"
+#: The partner API's rate (sync_account) and the debounce of a document's edits (reindex).
+RATE = "2/s"
+DEBOUNCE = 1.0
 
 app = Celery("fenced_demo", broker=f"{BASE}/0", backend=f"{BASE}/1")
 app.conf.update(
@@ -149,3 +153,31 @@ def fetch_feed(self: Any, source: str) -> dict[str, Any]:
     if attempt == 0:
         raise self.retry(countdown=RETRY_COUNTDOWN)
     return {"status": "ok", "source": source, "fence": self.claim.fence, "attempt": attempt}
+
+
+@_claimed("preview", "preview:{doc}", claim_on_busy="replace")
+def preview(self: Any, doc: str, version: int, seconds: float = 10.0) -> dict[str, Any]:
+    """Render a document's preview: a newer version's render takes the claim over, and
+    the older one is stopped (claim_on_busy="replace")."""
+    event("preview", tenant=doc, layer="preview", version=version, fence=self.claim.fence)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)  # never checks its claim: the takeover interrupts it
+    return {"status": "ok", "doc": doc, "version": version, "fence": self.claim.fence}
+
+
+@_claimed("sync_account", "sync:{account}", claim_rate=RATE, claim_limit=2)
+def sync_account(self: Any, account: str, n: int) -> dict[str, Any]:
+    """Call a partner API that allows two calls a second per account (claim_rate): a
+    call over the rate is put back until its start, never dropped. The limit lets a
+    call that arrives while another runs reach the rate instead of being skipped as
+    busy (busy is checked first)."""
+    event("sync", tenant=account, layer="sync", n=n, fence=self.claim.fence)
+    return {"status": "ok", "account": account, "n": n, "fence": self.claim.fence}
+
+
+@_claimed("reindex", "reindex:{doc}", claim_debounce=DEBOUNCE, claim_debounce_max=5.0)
+def reindex(self: Any, doc: str, version: int) -> dict[str, Any]:
+    """Reindex a document once per burst of edits, with the last edit (claim_debounce)."""
+    event("reindex", tenant=doc, layer="reindex", version=version, fence=self.claim.fence)
+    return {"status": "ok", "doc": doc, "version": version}

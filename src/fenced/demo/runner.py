@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
+from itertools import pairwise
 from typing import Any
 
 import redis
@@ -122,6 +124,8 @@ class Demo:
         with RedisServer(self.binary) as server:
             base = f"redis://127.0.0.1:{server.port}"
             os.environ.update(FENCED_DEMO_REDIS=base, FENCED_DEMO_DIR=self.dir)
+            # Signs the calls a debounce burst stores, the same in the workers (inherited).
+            os.environ.setdefault("FENCED_SECRET_KEY", secrets.token_urlsafe(32))
             self.locks = redis.Redis.from_url(base + "/2")
             self.say(
                 f"[bold]fenced demo[/]: embedded redis-server {server.version()} "
@@ -144,6 +148,9 @@ class Demo:
                     self.act_cooldown,
                     self.act_limit,
                     self.act_retry,
+                    self.act_replace,
+                    self.act_rate,
+                    self.act_debounce,
                 )
                 for act in acts:
                     act()
@@ -189,7 +196,7 @@ class Demo:
             return
         page = f"http://127.0.0.1:{port}/"
         self.say(f"\n[bold]the dashboard[/]: {page} — fenced web --redis {url}, while it runs")
-        for name in ("rebuild:acme:roads", "feed:weather", "export:acme"):
+        for name in ("rebuild:acme:roads", "feed:weather", "export:acme", "preview:handbook"):
             self.say(f"     {page}#claim={quote(name, safe='')}")
         app = create_app(self.locks, redis_label=url, allowed_hosts=["127.0.0.1", "localhost"])
         sock = self.web_socket or listen("127.0.0.1", port, option="--web-port")
@@ -391,13 +398,95 @@ class Demo:
             outcomes == ["retried", "skipped", "ok"], "the first attempt's record says retried"
         )
 
+    def act_replace(self) -> None:
+        """Act 9: a newer render takes the claim over; the older one is stopped."""
+        self.say(
+            "\n[bold]9. A newer version wins[/] — claim_on_busy='replace': the older render "
+            "is stopped"
+        )
+        name = "preview:handbook"
+        old = self.app.preview.apply_async(("handbook", 1), queue="a")
+        self.wait_event(kind="preview", tenant="handbook", version=1)
+        new = self.app.preview.apply_async(("handbook", 2), {"seconds": 0.5}, queue="b")
+        out_new, out_old = self.result(new), self.result(old)
+        self.expect(
+            _ok(out_new) and out_new.get("version") == 2, f"version 2 rendered on b: {out_new}"
+        )
+        self.expect(
+            isinstance(out_old, BaseException),
+            f"version 1 was stopped on a: {type(out_old).__name__}",
+        )
+        lost = next((run for run in history(self.locks, name) if run.task_id == old.id), None)
+        reason = (lost.reason or "") if lost else ""
+        shown = reason if len(reason) <= 64 else reason[:63] + "…"
+        self.say(f"     fenced show {name}: version 1 {lost.outcome if lost else '?'}, {shown}")
+        self.expect(
+            lost is not None and lost.outcome == "lost" and reason.startswith("replaced by "),
+            "its run record says lost, replaced by the newer run",
+        )
+
+    def act_rate(self) -> None:
+        """Act 10: a rate shared by every worker; calls over it wait, none is dropped."""
+        self.say(
+            f"\n[bold]10. A partner API's rate[/] — claim_rate={self.app.RATE!r} across both "
+            "workers: calls over it wait their turn"
+        )
+        from .._views import flow_text  # rich
+
+        sent = [self.app.sync_account.apply_async(("acme", n), queue="ab"[n % 2]) for n in range(4)]
+        seen: list[str] = []
+
+        def limited() -> bool:
+            info = next((i for i in list_claims(self.locks) if i.name == "sync:acme"), None)
+            if info is not None and info.flow.next_start is not None:
+                seen.append(flow_text(info.flow))
+            return bool(seen)
+
+        _until(limited, timeout=10)
+        if seen:
+            self.say(f"     fenced ls: sync:acme  {seen[0]}")
+        outs = [self.result(r) for r in sent]
+        fences = sorted(o["fence"] for o in outs if _ok(o))
+        gaps = [(b - a) / 1e6 for a, b in pairwise(fences)]
+        skipped = [o.get("reason") for o in outs if isinstance(o, dict) and not _ok(o)]
+        self.expect(len(fences) == 4, f"all four calls ran: {_statuses(outs)} {skipped or ''}")
+        self.expect(
+            all(g >= 0.5 for g in gaps),
+            "each start at least 0.5 s after the last, by Redis's clock: "
+            + ", ".join(f"{g:.2f}s" for g in gaps),
+        )
+
+    def act_debounce(self) -> None:
+        """Act 11: a burst of calls is one run, with the last call's arguments."""
+        self.say(
+            f"\n[bold]11. A burst of edits[/] — claim_debounce={self.app.DEBOUNCE:g}s: ten "
+            "calls, one run with the last"
+        )
+        from .._views import flow_text  # rich
+
+        sent = [self.app.reindex.apply_async(("handbook", v), queue="a") for v in range(1, 11)]
+        info = next((i for i in list_claims(self.locks) if i.name == "reindex:handbook"), None)
+        burst = info.flow.burst if info is not None else None
+        if info is not None:
+            self.say(f"     fenced ls: reindex:handbook  {flow_text(info.flow, short=True)}")
+        ids = {r.id for r in sent}
+        self.expect(len(ids) == 1, f"ten calls published {len(ids)} message(s)")
+        self.expect(
+            burst is not None and burst.calls == 10, "fenced ls shows the burst and its ten calls"
+        )
+        out = self.result(sent[-1])
+        self.expect(_ok(out) and out.get("version") == 10, f"it ran once the edits paused: {out}")
+        runs = [e for e in self.events() if e["kind"] == "reindex"]
+        self.expect(len(runs) == 1, f"reindex ran {len(runs)} time(s) for ten calls")
+
     def act_summary(self) -> None:
-        """Act 9: what the run records say."""
-        self.say("\n[bold]9. The run records[/]")
+        """Act 12: what the run records say."""
+        self.say("\n[bold]12. The run records[/]")
         names = [
             "rebuild:acme:roads", "rebuild:acme:parks", "rebuild:acme:rail",
             "rebuild:acme:tiles", "rebuild:globex:tiles", "rebuild", "rebuild:acme:signs",
-            "digest:acme", "export:acme", "feed:weather",
+            "digest:acme", "export:acme", "feed:weather", "preview:handbook", "sync:acme",
+            "reindex:handbook",
         ]  # fmt: skip
         for name in names:
             counts = Counter(rec.outcome for rec in history(self.locks, name, limit=50))

@@ -52,6 +52,25 @@
     return text;
   }
 
+  // What holds a name's next start back: its rate, a pending debounce burst.
+  function pendingLines(c, until) {
+    const lines = [];
+    if (c.rate) {
+      const wait = "next start in " + seconds(c.rate.wait);
+      lines.push(until ? "rate limited until " + clock(c.rate.next_start) + ", " + wait :
+        "rate limited: " + wait);
+    }
+    if (c.burst) {
+      const b = c.burst;
+      const calls = typeof b.calls === "number" ? b.calls + (b.calls === 1 ? " call" : " calls") :
+        "calls ?";
+      const runs = typeof b.runs_in !== "number" ? "due ?" :
+        b.runs_in > 0 ? "runs in " + seconds(b.runs_in) : "due now";
+      lines.push("burst pending: " + calls + ", " + runs + " (task " + b.task_id + ")");
+    }
+    return lines;
+  }
+
   function badge(outcome) {
     const name = outcome || "";
     const cls = OUTCOMES.includes(name) || name === "unfinished" ? name : "unreadable";
@@ -114,6 +133,7 @@
       if (c.beat !== null && c.beat !== undefined) {
         who.append(el("div", "beat leader (fenced beat " + c.beat + ")", "slot"));
       }
+      for (const line of pendingLines(c, false)) who.append(el("div", line, "slot pending"));
       tr.append(who);
       tr.append(el("td", seconds(c.age), "num"));
       tr.append(el("td", seconds(c.expires_in), "num"));
@@ -184,6 +204,7 @@
       line += ", " + seconds(detail.holder.expires_in) + " left";
     }
     if (detail.limit > 1) line += " · limit " + detail.limit;
+    for (const pending of pendingLines(detail, true)) line += " · " + pending;
     line += " · " + detail.skips + " consecutive skips";
     $("detail-holder").textContent = line;
     $("detail-holder").classList.toggle("alert", Boolean(detail.alert));
