@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,15 @@ class Services:
             **extra,
         )
         return env
+
+    def sender(self, make_app: Callable[..., Celery]) -> Celery:
+        """The app a test sends from: a test app module's ``make_app`` on these servers
+        (the tasks the worker runs)."""
+        return make_app(self.broker_url, self.backend_url, self.lock_url, self.obs_url, self.queue)
+
+    def queued(self) -> int:
+        """Messages waiting in the test's queue (a Redis broker's list)."""
+        return int(redis.Redis.from_url(self.broker_url).llen(self.queue))
 
     def obs(self) -> redis.Redis:
         """The observation Redis, decoded."""

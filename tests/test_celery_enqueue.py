@@ -32,18 +32,12 @@ APP = "tests.celery_enqueue_app"
 
 def sender(services: Services) -> Celery:
     """The app a test sends from: the tasks of the worker's module, on its servers."""
-    return make_app(
-        services.broker_url,
-        services.backend_url,
-        services.lock_url,
-        services.obs_url,
-        services.queue,
-    )
+    return services.sender(make_app)
 
 
 def queued(services: Services) -> int:
     """Messages waiting in the test's queue."""
-    return int(redis.Redis.from_url(services.broker_url).llen(services.queue))
+    return services.queued()
 
 
 def marker(services: Services, k: str) -> str | None:

@@ -276,13 +276,15 @@ def call_of(
     return call
 
 
-def defer(task: Any, seconds: float) -> Retry:
+def defer(task: Any, seconds: float, exc: BaseException | None = None) -> Retry:
     """Publish the running message again under its task id, due in ``seconds``, with its
-    retry count unchanged; the Retry to raise (Celery then acknowledges this delivery)."""
+    retry count unchanged (as ``self.retry`` sends it, canvas options included, but not
+    counted against max_retries); the Retry to raise (Celery then acknowledges this
+    delivery), with ``exc`` as its reason."""
     sig = task.signature_from_request(task.request, countdown=seconds)
     sig.apply_async()
     when: Any = seconds  # Celery's stubs ask for a numbers.Real
-    return Retry(when=when, sig=sig)
+    return Retry(exc=exc, when=when, sig=sig)  # type: ignore[arg-type]
 
 
 # -- the task's two ends: a call, a delivery ------------------------------------------

@@ -930,12 +930,7 @@ class ClaimedTask(Task[Any, Any]):
         request = self.request
         if request.called_directly or request.is_eager:
             raise self.retry(countdown=countdown, exc=busy_error(claim))
-        # As self.retry sends it, with the retries count it came with.
-        again = self.signature_from_request(
-            request, None, None, countdown=countdown, retries=request.retries or 0
-        )
-        again.apply_async()
-        raise Retry(exc=busy_error(claim), when=countdown, sig=again)  # type: ignore[arg-type]
+        raise _debounce.defer(self, countdown, busy_error(claim))
 
     def _after_skip(self, claim: Claim, opts: TaskOptions) -> None:
         """Alert when the consecutive skips reach the threshold, and at each multiple."""
