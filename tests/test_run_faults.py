@@ -56,6 +56,24 @@ with open(log, "a") as f:
     f.write("B\\n")
 """
 
+# ``fenced run`` with a Popen that returns only once the file "popen-return" appears:
+# the command runs, but the runner has not yet been told (as on a starved machine).
+SLOW_START = """
+import os, runpy, subprocess, sys, time
+
+class SlowPopen(subprocess.Popen):
+    def __init__(self, args, *rest, **kw):
+        super().__init__(args, *rest, **kw)
+        if args[0] == "sh":
+            open("in-popen", "w").close()
+            while not os.path.exists("popen-return"):
+                time.sleep(0.02)
+
+subprocess.Popen = SlowPopen
+sys.argv = ["fenced", *sys.argv[1:]]
+runpy.run_module("fenced.cli", run_name="__main__")
+"""
+
 
 # -- processes, through /proc ---------------------------------------------------------------
 
@@ -286,6 +304,30 @@ def test_ctrl_z_stops_the_command_and_fg_resumes_it(runs: Runs) -> None:
     (runs.dir / "go").touch()
     assert proc.wait(timeout=60) == 4, runs.err()
     assert "stopped" in runs.err()  # one line said what a stop means for the claim
+
+
+def test_ctrl_z_while_the_command_is_being_started_stops_the_command_too(
+    runs: Runs,
+) -> None:
+    args = ["run", "--ttl", "30", "job:tstp-start", "--", "sh", "-c", FAMILY, "sh", "4"]
+    with open(runs.dir / "run.err", "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SLOW_START, *args], stderr=err, cwd=runs.dir, env=runs.env()
+        )
+    runs.procs.append(proc)
+    wait_for("Popen to hold", lambda: (runs.dir / "in-popen").exists(), proc=proc)
+    wait_for("the grandchild's pid", lambda: read_pid(runs.dir / "gpid"), proc=proc)
+    runs.groups.append(runs.pid)
+    proc.send_signal(signal.SIGTSTP)  # the runner's Popen has not returned yet
+    time.sleep(0.3)  # let the handler run before Popen returns
+    (runs.dir / "popen-return").touch()
+    wait_for("the runner to stop", lambda: state(proc.pid) == "T")
+    wait_for("the command to stop", lambda: state(runs.pid) == "T")
+    wait_for("the grandchild to stop", lambda: state(runs.gpid) == "T")
+    proc.send_signal(signal.SIGCONT)
+    wait_for("the command to resume", lambda: state(runs.pid) in ("S", "R"))
+    (runs.dir / "go").touch()
+    assert proc.wait(timeout=60) == 4, runs.err()
 
 
 def test_ctrl_z_past_the_lease_ends_the_command_and_the_run_reports_the_loss(

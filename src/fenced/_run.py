@@ -190,6 +190,8 @@ class _Runner:
         self.pending: list[int] = []
         self.watch = Watchdog(opts.name, opts.grace, say)
         self.stop_asked = False
+        #: Popen of the command has not returned: its child may already run.
+        self.starting = False
         self.looked = time.monotonic()
         self.stalled = 0.0
         # Short leases are looked at more often: the watchdog must hear of a renewal
@@ -227,6 +229,10 @@ class _Runner:
         self._send(signum, group=signum not in TO_CHILD)
 
     def _on_stop(self, _signum: int, _frame: FrameType | None) -> None:
+        if self.starting and self.proc is None:
+            # The command may be forked already: stop it too, once Popen returns.
+            self.stop_asked = True
+            return
         if self.proc is None or self.proc.returncode is not None:
             # Nothing runs under the claim: stop at once, as without a handler.
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -343,6 +349,7 @@ class _Runner:
 
     def _run_watched(self) -> tuple[str, str | None, int]:
         opts = self.opts
+        self.starting = True
         try:
             self.proc = subprocess.Popen(
                 list(opts.argv),
@@ -358,6 +365,12 @@ class _Runner:
             # fault, and not an unreachable Redis, which an OSError escaping would mean.
             self.say(f"fenced: cannot run {opts.argv[0]!r}: {exc.strerror or exc}")
             return "failed", f"command not executable: {opts.argv[0]}", EXIT_NOT_EXECUTABLE
+        finally:
+            self.starting = False
+            if self.proc is None and self.stop_asked:
+                # Ctrl-Z while a command that never started was being started.
+                self.stop_asked = False
+                os.kill(os.getpid(), signal.SIGSTOP)
         self.result["ran"] = True
         self.watch.guard(self.proc.pid, self._watch_deadline())
         self.looked = time.monotonic()
