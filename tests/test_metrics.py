@@ -430,6 +430,33 @@ def test_a_pool_child_killed_holding_a_claim_leaves_claims_held(
         )
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_run_revoked_with_terminate_leaves_claims_held(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sig: str
+) -> None:
+    # revoke(terminate=True): the child is ended by the main process, so its own exit
+    # hook may never run; the main process, freeing the claim, takes it out of the sum.
+    folder, port = metrics_served(tmp_path, monkeypatch)
+    services = Services.on(redis_server)
+    client = services.client()
+    obs = services.obs()
+    held = ("fenced_claims_held", (("label", "sleep:{key}"),))
+    with Worker(services, name=f"metrics-revoke-{sig.lower()}", concurrency=2):
+        busy = unique("busy")
+        result = client.send_task("t.sleeper", (busy, 60.0), queue=services.queue)
+        (start,) = wait_for("the run to start", lambda: notes(obs, f"sleeper:{busy}"), WAIT)
+        wait_for("claims_held to count it", lambda: scrape(port).get(held) == 1, WAIT, every=0.2)
+        client.control.revoke(result.id, terminate=True, signal=sig)
+        dead = folder / f"gauge_livesum_{start['pid']}.db"
+        wait_for(
+            "claims_held to drop the revoked run",
+            lambda: not dead.exists() and scrape(port).get(held, 0) == 0,
+            WAIT,
+            every=0.2,
+        )
+        assert notes(obs, f"sleeper:{busy}") == [start]  # revoked: it does not run again
+
+
 def test_threads_pool_worker_serves_its_own_numbers_without_a_directory(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
