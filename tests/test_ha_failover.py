@@ -197,6 +197,89 @@ def test_cluster_failover_after_unreplicated_writes_stays_fenced(
     print(f"cluster failover: {times}")
 
 
+# -- a rate through a failover -------------------------------------------------------------
+
+
+def _cut_off(group: SentinelGroup) -> None:
+    """Stop the replica and drop its link: what the master writes now never reaches it
+    (a paused replica would still read what its socket holds)."""
+    master = group.master()
+    next(s for s in group.servers if s is not master).pause()
+    master.client().client_kill_filter(_type="replica")
+
+
+def _starts_after_failover(group: SentinelGroup, client: Any, name: str, calls: int) -> int:
+    """Kill the master, resume its (cut off) replica, wait for its promotion; then
+    ``calls`` acquires of the rated name: how many started."""
+    replica = next(s for s in group.servers if s is not group.master())
+    group.kill_master()
+    replica.resume()
+    group.wait_promoted()
+    first = Claim(client, name, rate="1/h", heartbeat=False)
+
+    def answered() -> bool:
+        return _acquire_when_served(first) or first.throttled is not None
+
+    wait_for("an answer from the new master", answered, 30)
+    claims = [first, *(Claim(client, name, rate="1/h", heartbeat=False) for _ in range(calls - 1))]
+    started = 0
+    for claim in claims:
+        if claim.held or (claim is not first and claim.acquire()):
+            started += 1
+            claim.release()
+        else:
+            assert claim.throttled is not None  # refused by the rate, not busy
+    return started
+
+
+def test_a_rate_with_replicas_holds_through_a_sentinel_failover(
+    sentinel_group: SentinelGroup,
+) -> None:
+    """With ``replicas=1`` a start is granted once the replica has it: a failover that
+    promotes the replica keeps the rate, and a start it could forget is not granted."""
+    client = connect(sentinel_group.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    name = "sync:acme"
+    rated = Claim(client, name, rate="1/h", replicas=1, heartbeat=False)
+    assert rated.acquire()  # one start this hour, on the replica too
+    rated.release()
+    _cut_off(sentinel_group)
+    again = Claim(client, name, rate="1/h", replicas=1, replica_timeout=0.2, heartbeat=False)
+    assert not again.acquire() and again.throttled is not None
+    # No start more in the hour: the promoted replica counts the one it acknowledged.
+    assert _starts_after_failover(sentinel_group, client, name, 5) == 0
+
+
+def test_a_start_a_failover_forgets_is_unrefused_without_replicas(
+    sentinel_group: SentinelGroup,
+) -> None:
+    """Without replicas, a start the replica did not have yet is forgotten: the promoted
+    replica allows one start at once, and the rate holds again from it. The bound: one
+    start more than the rate allows in the period of the failover."""
+    client = connect(sentinel_group.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    name = "sync:acme"
+    _cut_off(sentinel_group)
+    rated = Claim(client, name, rate="1/h", heartbeat=False)
+    assert rated.acquire()  # on the master alone
+    rated.release()
+    assert _starts_after_failover(sentinel_group, client, name, 5) == 1
+
+
+def test_a_start_the_replica_does_not_have_is_refused_with_replicas(
+    sentinel_group: SentinelGroup,
+) -> None:
+    """With ``replicas=1``, a start the replica cannot acknowledge is not granted: the
+    only start of the hour is the one after the failover."""
+    client = connect(sentinel_group.url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    name = "sync:acme"
+    _cut_off(sentinel_group)
+    refused = Claim(client, name, rate="1/h", replicas=1, replica_timeout=0.2, heartbeat=False)
+    with pytest.raises(ClaimUnavailable, match="replica"):
+        refused.acquire()
+    assert not refused.held
+    # The one start of the hour comes after the failover, and no other.
+    assert _starts_after_failover(sentinel_group, client, name, 5) == 1
+
+
 def test_claims_live_through_a_sentinel_failover_of_a_paused_master(
     sentinel_group: SentinelGroup,
 ) -> None:

@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from _clock import ManualClock
+from _wait import wait_for
 from celery_harness import WAIT, key
 from fenced import Claim, ClaimHeld, ClaimOptions, ConfigError, Skipped, aio, events, exclusive
 from fenced._lease import ClaimKeys
@@ -125,6 +126,127 @@ def test_starts_are_spaced_by_one_interval(rc: redis.Redis) -> None:
     assert all(b - a >= 50_000 for a, b in pairwise(fences))
 
 
+# -- booked starts (fenced.celery's claim_rate_policy="delay") ----------------------------
+
+
+def _booker(
+    rc: redis.Redis, name: str, task_id: str, rate: str = "1/h", hold: float = 60.0
+) -> Claim:
+    """A claim for ``task_id`` that books a start when it is over the rate."""
+    claim = Claim(rc, name, rate=rate, limit=2, task_id=task_id, heartbeat=False)
+    claim.booking = hold
+    return claim
+
+
+def _one_start(rc: redis.Redis, name: str, rate: str) -> None:
+    """A start of the name, released at once: the next is an interval off."""
+    first = Claim(rc, name, rate=rate, limit=2, heartbeat=False)
+    assert first.acquire()
+    first.release()
+
+
+def _booked_at(rc: redis.Redis, name: str, task_id: str) -> int | None:
+    value = rc.get(ClaimKeys.of(name).rate_booking(task_id))
+    return None if value is None else int(value)
+
+
+def _now_us(rc: redis.Redis) -> int:
+    seconds, micros = rc.time()
+    return seconds * 1_000_000 + micros
+
+
+def test_successive_bookings_get_successive_starts(rc: redis.Redis) -> None:
+    name = key()
+    assert Claim(rc, name, rate="1/h", limit=2).acquire()
+    first_free = _next_start(rc, name)
+    assert first_free is not None
+    booked = []
+    for task_id in ("a", "b", "c"):
+        claim = _booker(rc, name, task_id)
+        assert not claim.acquire() and claim.holder is None
+        assert claim.booked is not None and claim.booked == claim.throttled
+        booked.append(_booked_at(rc, name, task_id))
+    # One interval apart from the first free start on; the next free start after them.
+    hour = 3_600_000_000
+    assert booked == [first_free, first_free + hour, first_free + 2 * hour]
+    assert _next_start(rc, name) == first_free + 3 * hour
+    # Asking again keeps a booking where it is: no second start is booked for a task id.
+    again = _booker(rc, name, "b")
+    assert not again.acquire() and again.booked is not None
+    assert 3600 < again.booked <= 7200
+    assert _booked_at(rc, name, "b") == first_free + hour
+    assert _next_start(rc, name) == first_free + 3 * hour
+    # A call that books nothing is told when the next free start is: after the bookings.
+    plain = Claim(rc, name, rate="1/h", limit=2)
+    assert not plain.acquire() and plain.booked is None
+    assert plain.throttled is not None and plain.throttled > 3 * 3600 - 60
+
+
+def test_a_booked_call_gets_its_start_and_nobody_else_does(rc: redis.Redis) -> None:
+    name = key()
+    keys = ClaimKeys.of(name)
+    _one_start(rc, name, "1/h")
+    rc.delete(keys.rate_last)  # as if the hour since the last start had passed
+    assert not _booker(rc, name, "mine").acquire()
+    next_free = _next_start(rc, name)
+    # Its start has come (the booking rewritten to now, as if the hour had passed).
+    rc.set(keys.rate_booking("mine"), _now_us(rc), keepttl=True)
+    other = Claim(rc, name, rate="1/h", limit=2)
+    assert not other.acquire() and other.throttled is not None  # not theirs to take
+    mine = _booker(rc, name, "mine")
+    assert mine.acquire() and mine.booked is None
+    # Not counted again: the next free start stays where the booking put it.
+    assert _next_start(rc, name) == next_free
+    assert not rc.exists(keys.rate_booking("mine"))
+    # The start granted is the last one: a second booking due now waits an interval.
+    assert not _booker(rc, name, "next").acquire()
+    rc.set(keys.rate_booking("next"), _now_us(rc), keepttl=True)
+    after = _booker(rc, name, "next")
+    assert not after.acquire() and after.booked is not None and 3500 < after.booked <= 3600
+    mine.release()
+
+
+def test_a_booked_call_that_comes_early_is_told_to_wait(rc: redis.Redis) -> None:
+    name = key()
+    assert Claim(rc, name, rate="1/h", limit=2).acquire()
+    assert not _booker(rc, name, "early").acquire()
+    start = _booked_at(rc, name, "early")
+    early = _booker(rc, name, "early")
+    assert not early.acquire() and early.booked is not None and 3500 < early.booked <= 3600
+    assert _booked_at(rc, name, "early") == start  # still its own start
+
+
+def test_an_unused_booking_voids_and_blocks_no_later_start(rc: redis.Redis) -> None:
+    """A booking nobody comes for holds its one start, then expires ``hold`` after it."""
+    name = key()
+    keys = ClaimKeys.of(name)
+    _one_start(rc, name, "20/s")
+    gone = _booker(rc, name, "gone", rate="20/s", hold=0.05)
+    assert not gone.acquire() and gone.booked is not None and gone.booked <= 0.05
+    assert 0 < rc.pttl(keys.rate_booking("gone")) <= 100  # its start, then 50 ms
+    wait_for("the booking to expire", lambda: not rc.exists(keys.rate_booking("gone")), 5.0)
+    wait_for("the next free start", lambda: not rc.exists(keys.rate), 5.0)
+    assert Claim(rc, name, rate="20/s", limit=2).acquire()  # nothing holds it back
+    # Its call, come too late, is a new call: over the rate now, it books anew.
+    late = _booker(rc, name, "gone", rate="20/s", hold=0.05)
+    assert not late.acquire() and late.booked is not None and late.booked <= 0.05
+
+
+def test_a_claim_without_booking_sends_no_booking_key(rc: redis.Redis) -> None:
+    name = key()
+    claim = Claim(rc, name, rate="1/h", task_id="t")
+    _script, keys, args = claim._acquire_call("tok", False, False)
+    assert keys[-2:] == (ClaimKeys.of(name).rate, ClaimKeys.of(name).rate_last)
+    assert len(args) == 13
+    claim.booking = 2.0
+    _script, keys, args = claim._acquire_call("tok", False, False)
+    assert keys[-1] == ClaimKeys.of(name).rate_booking("t") and args[-1] == 2000
+    # Without a task id there is nothing to book for.
+    untold = Claim(rc, name, rate="1/h")
+    untold.booking = 2.0
+    assert untold._acquire_call("tok", False, False)[1][-1] == ClaimKeys.of(name).rate_last
+
+
 def test_the_policies(rc: redis.Redis) -> None:
     name = key()
 
@@ -219,9 +341,11 @@ def test_cluster(cluster_server: RedisServer) -> None:
         name = f"cl:{key()}"
         first = Claim(client, name, rate="1/h", limit=2, records=True)
         assert first.acquire()
-        second = Claim(client, name, rate="1/h", limit=2, records=True)
-        assert not second.acquire() and second.throttled is not None
+        second = Claim(client, name, rate="1/h", limit=2, records=True, task_id="t")
+        second.booking = 60.0  # its booking key in the name's slot too
+        assert not second.acquire() and second.booked is not None
         first.release()
+        assert client.exists(ClaimKeys.of(name).rate_booking("t"))
         assert client.pttl(ClaimKeys.of(name).rate) > 0
     finally:
         client.close()

@@ -162,6 +162,15 @@ class ClaimState(LeaseState):
         #: Seconds until the name's next start is allowed when the last acquire found it
         #: free but rate limited (``rate``), else None.
         self.throttled: float | None = None
+        #: With a task id and a rate: how long (seconds) a start booked for a call over
+        #: the rate holds past it; None books nothing (fenced.celery's
+        #: ``claim_rate_policy="delay"`` books). See :attr:`booked`.
+        self.booking: float | None = None
+        #: Seconds until the start booked for this claim's task id, when the last acquire
+        #: found the name rate limited and booked that start (or found it booked and not
+        #: due yet); else None. That start is the task id's own: an acquire at it is
+        #: granted, counted once, whoever else calls.
+        self.booked: float | None = None
         #: Distinct triggers that asked for one more run: seen by a loser after its
         #: acquire (how many are waiting), taken by the holder at release.
         self.rerun_requested = 0
@@ -445,7 +454,9 @@ class ClaimState(LeaseState):
 
     def _retry_wait(self, now: float, give_up: float | None) -> float:
         """How long a blocking acquire waits before it looks again."""
-        if self.throttled is not None:
+        if self.booked is not None:
+            wait = self.booked  # a start of our own: nobody else takes it
+        elif self.throttled is not None:
             # Rate limited: the next start is allowed then (spread: others wait for it too).
             wait = self.throttled * random.uniform(1.0, 1.1)
         else:
@@ -466,8 +477,16 @@ class ClaimState(LeaseState):
         skip = (SKIP_RERUN_REASON if mark_rerun else SKIP_REASON) if record_skip else ""
         # A lease held under our own task id is an earlier attempt of this task (a
         # redelivery), not a competitor: no skip, no rerun request.
+        booking = max(1, round(self.booking * 1000)) if self.booking is not None else 0
         return self._store.acquire_call(
-            token, self._started(), skip, trigger, self.task_id, COOLDOWN_REASON, self._queued_op
+            token,
+            self._started(),
+            skip,
+            trigger,
+            self.task_id,
+            COOLDOWN_REASON,
+            self._queued_op,
+            booking,
         )
 
     def _replace_call(self, token: str) -> Call:
@@ -588,7 +607,7 @@ class ClaimState(LeaseState):
                 self.slot = slot
                 self._lease_key = self.key if slot == 0 else self.keys.slot(slot)
                 self.holder = None
-                self.ran_recently = self.throttled = None
+                self.ran_recently = self.throttled = self.booked = None
                 self.vanished = False
                 self.rerun_triggers = []
                 asked = not takeover and self._store.asks_done(self.task_id)
@@ -606,8 +625,10 @@ class ClaimState(LeaseState):
         self.skips = int_or_none(skips) or 0
         self.rerun_requested = int_or_none(rerun) or 0
         code = int_or_none(res[0])
-        self.throttled = (int_or_none(pttl) or 0) / 1000 if code == 3 else None
-        if code == 2 or code == 3:  # nobody holds it: ran recently, or rate limited
+        # rate limited (3), with a start booked for this task id (4)
+        self.throttled = (int_or_none(pttl) or 0) / 1000 if code in (3, 4) else None
+        self.booked = self.throttled if code == 4 else None
+        if code in (2, 3, 4):  # nobody holds it: ran recently, or rate limited
             self.holder = None
             self.ran_recently = (int_or_none(pttl) or 0) / 1000 if code == 2 else None
             return False
@@ -619,7 +640,7 @@ class ClaimState(LeaseState):
         """ACQUIRE's reply named a holder that could not be decoded: busy, held by someone
         unknown (a lease whose value we cannot read is never taken)."""
         self.holder = Holder.unknown("the lease's value is not UTF-8")
-        self.ran_recently = self.throttled = None
+        self.ran_recently = self.throttled = self.booked = None
         self.skips = self.rerun_requested = 0
         return False
 

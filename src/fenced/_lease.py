@@ -307,6 +307,17 @@ class ClaimKeys:
         return self._key("rate")
 
     @property
+    def rate_last(self) -> str:
+        """The last start granted under the name's rate (Redis TIME in µs), expiring one
+        interval after it."""
+        return self._key("rate:last")
+
+    def rate_booking(self, task_id: str) -> str:
+        """The start booked for a task id over the name's rate (Redis TIME in µs), expiring
+        a while after it (fenced.celery's ``claim_rate_policy="delay"``)."""
+        return self._key(f"rate:booked:{task_id}")
+
+    @property
     def debounce(self) -> str:
         """The name's open burst (``claim_debounce``): a hash of the burst's task id, the
         times of its first and last call, when it is due, how many calls it has and the
@@ -647,11 +658,14 @@ class LeaseCalls:
         task_id: str | None,
         cooldown_reason: str = "",
         queued: str = "",
+        booking_ms: int = 0,
     ) -> Call:
         """ACQUIRE (see its contract); the answer is read by ``Claim``.
 
         ``queued`` is what the run of ``task_id`` does to the name's enqueue marker
         (ACQUIRE's ARGV[12]: "-" deletes it, a number of ms gives it that expiry).
+        With a rate, ``booking_ms`` and a ``task_id``, a call over the rate books the
+        next free start for the task id, held that long past it (ACQUIRE's ARGV[14]).
         """
         o = self.opts
         args = [
@@ -682,7 +696,11 @@ class LeaseCalls:
                 keys += (self.keys.done(task_id or ""),)
             if queued:
                 keys += (self.keys.queued,)
-            return ACQUIRE, (*keys, self.keys.rate), args
+            keys += (self.keys.rate, self.keys.rate_last)
+            if booking_ms and task_id:
+                args.append(booking_ms)
+                keys += (self.keys.rate_booking(task_id),)
+            return ACQUIRE, keys, args
         if done or queued:
             args += [self.limit, "1" if done else "0"]
             if done:

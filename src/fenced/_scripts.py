@@ -286,10 +286,22 @@ end
 #         message left the queue), a number of ms gives it that expiry (it now covers
 #         the run); "" or absent: nothing. A marker of another type is left alone
 # ARGV[13] (optional) the rate: µs between two starts of the name (``rate``), with the
-#         rate key as the last of KEYS (after the markers): holds when the next start is
-#         allowed (Redis TIME in µs) and expires then. Checked only when a lease is free
-#         (a busy call takes no start) and before the grant (a rate-limited call takes
-#         no lease); a grant sets it one interval ahead. "" or absent: no rate
+#         rate key and the last-start key after the markers: the rate key holds the
+#         next free start (Redis TIME in µs: one interval after the last start granted
+#         or booked) and expires then; the last-start key holds the last start granted
+#         and expires one interval after it. Checked only when a lease is free (a busy
+#         call takes no start) and before the grant (a rate-limited call takes no
+#         lease); a grant sets the next free start one interval ahead. "" or absent:
+#         no rate
+# ARGV[14] (optional, with ARGV[13] and ARGV[7]) how long a booking holds past its
+#         start, in ms, with the booking key of ARGV[7]'s task id as the last of KEYS
+#         (ARGV[7] is then not ""): a call over the rate books the next free start for
+#         its task id (the key holds it, in µs, and expires that long after it; the
+#         next free start moves one interval on). A call that holds a booking starts at
+#         it, not counted again and refused by nobody, but never within one interval of
+#         the last start granted: before then it is told to wait (its booking kept
+#         until then, and that long after); its grant deletes the booking. "" or
+#         absent: nothing is booked
 # returns {1, fence}                                    when the claim is ours (also
 #                                                       when ARGV[1] already holds it:
 #                                                       a retried request is idempotent)
@@ -309,6 +321,10 @@ end
 #         {2, "", cooldown pttl ms, fence, consecutive skips, 0}   the name ran recently
 #         {3, "", ms until the next start is allowed, fence, 0, 0}   rate limited (with
 #                                                       ARGV[13]): nothing is written
+#         {4, booked start in µs, ms until it, fence, 0, 0}   rate limited, with a start
+#                                                       booked for ARGV[7] (ARGV[14]):
+#                                                       just booked, or booked before
+#                                                       and not due yet
 #         an error reply naming KEYS[3] (or KEYS[5]) when a skip (or a rerun trigger)
 #         would be written to a key of another type; nothing is written then
 #         an error reply naming KEYS[2] (or KEYS[7]) when the claim would be granted on
@@ -324,10 +340,16 @@ local idle = tonumber(ARGV[8])
 local limit = tonumber(ARGV[10] or '1')
 -- the leases: KEYS[1], then (limit > 1) the slots from KEYS[8]; the markers after them
 local last = #KEYS
-local rate_key, interval, rate_now
+local rate_key, last_key, booking_key, interval, rate_now, hold
 if ARGV[13] and ARGV[13] ~= '' then
-  rate_key = KEYS[last]
-  last = last - 1
+  if ARGV[14] and ARGV[14] ~= '' then
+    booking_key = KEYS[last]
+    last = last - 1
+    hold = tonumber(ARGV[14])
+  end
+  last_key = KEYS[last]
+  rate_key = KEYS[last - 1]
+  last = last - 2
   interval = tonumber(ARGV[13])
 end
 if ARGV[12] and ARGV[12] ~= '' then
@@ -386,25 +408,60 @@ if ARGV[9] and ARGV[9] ~= '' then
 end
 -- the last fence minted, as text (checked by fence_ok before anything is granted on it)
 local last_fence = redis.call('GET', KEYS[2]) or '0'
--- The rate, as a GCRA without burst: one key holding when the next start is allowed,
--- by the server's clock. Defined only with a rate: a claim without one pays nothing.
+-- The rate, as a GCRA without burst: one key holding the next free start, by the
+-- server's clock; a booked start is the call's own. Defined only with a rate: a claim
+-- without one pays nothing.
 local rate_wait, rate_take, throttled
 if rate_key then
-  -- µs to wait for the next start allowed, or nil when a start is allowed now
+  local booked  -- the start booked for this call (µs), when it holds a booking
+  -- ms from now until a time (at least 1): a key lives until it, so an idle name
+  -- keeps nothing
+  local function ms_until(time)
+    return math.max(1, math.ceil((time - rate_now) / 1000))
+  end
+  -- µs to wait for the start allowed, or nil when a start is allowed now
   rate_wait = function()
     local t = redis.call('TIME')
     rate_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    if booking_key then
+      booked = tonumber(redis.call('GET', booking_key) or '')
+      if booked then
+        -- its own start, never within one interval of the last one granted
+        local granted = tonumber(redis.call('GET', last_key) or '0') or 0
+        local start = math.max(booked, granted + interval)
+        if start <= rate_now then return nil end
+        redis.call('PEXPIRE', booking_key, ms_until(start) + hold)
+        return start - rate_now
+      end
+    end
     local next_start = tonumber(redis.call('GET', rate_key) or '0') or 0
     if next_start > rate_now then return next_start - rate_now end
     return nil
   end
-  -- the key lives until the next start is allowed: an idle name keeps nothing
   rate_take = function()
-    redis.call('SET', rate_key, string.format('%d', rate_now + interval),
-               'PX', math.ceil(interval / 1000))
+    local after = rate_now + interval
+    if booked then
+      -- counted when it was booked; a late start still keeps the next one an interval off
+      redis.call('DEL', booking_key)
+      after = math.max(after, tonumber(redis.call('GET', rate_key) or '0') or 0)
+    end
+    redis.call('SET', rate_key, string.format('%d', after), 'PX', ms_until(after))
+    redis.call('SET', last_key, string.format('%d', rate_now), 'PX', math.ceil(interval / 1000))
   end
   throttled = function(wait)
-    return {3, '', math.ceil(wait / 1000), last_fence, 0, 0}
+    local ms = math.ceil(wait / 1000)
+    if booked then
+      return {4, string.format('%d', rate_now + wait), ms, last_fence, 0, 0}
+    end
+    if booking_key then
+      -- book the next free start for this task id; the next one is an interval later
+      local start = rate_now + wait
+      redis.call('SET', booking_key, string.format('%d', start), 'PX', ms + hold)
+      redis.call('SET', rate_key, string.format('%d', start + interval),
+                 'PX', ms_until(start + interval))
+      return {4, string.format('%d', start), ms, last_fence, 0, 0}
+    end
+    return {3, '', ms, last_fence, 0, 0}
   end
 end
 local function mint()

@@ -260,8 +260,8 @@ def validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 #: What a call over ``claim_rate`` does: each policy and its help.
 RATE_POLICIES = {
-    "delay": "put the call back until the next start the rate allows (a retry that "
-    "max_retries does not count)",
+    "delay": "book the next free start for the call and put it back until then (a "
+    "retry that max_retries does not count)",
     "skip": "return a skipped result (reason 'rate limited')",
 }
 

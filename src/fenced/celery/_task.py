@@ -58,6 +58,7 @@ import inspect
 import logging
 import random
 import threading
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
@@ -110,6 +111,14 @@ UNAVAILABLE_MAX_DELAY = 60.0
 #: Retries a redelivered task makes while an earlier attempt's lease runs out. Each
 #: waits for the lease, so this bounds only an attempt that keeps renewing (alive).
 REDELIVERY_MAX_RETRIES = 100
+#: How long past its start a start booked for a call over ``claim_rate`` (``delay``)
+#: waits for the call's message, seconds (one interval, when that is longer): a message
+#: later than that is a new call, and a booking nobody used is gone by then.
+BOOKING_HOLD = 2.0
+#: A booked start at most this far off (seconds) is waited for in the worker, not sent
+#: back to the broker; and how many such waits one delivery makes at most.
+BOOKED_WAIT = 1.0
+BOOKED_WAITS = 3
 
 
 #: In-process counters: runs, ok, failed, lost, skipped, skips_exceeded, reruns,
@@ -485,6 +494,10 @@ class ClaimedTask(Task[Any, Any]):
             record_extra=extra,
         )
         claim._front_end("task", self)
+        rate_s = opts.claim.rate_us / 1e6
+        if rate_s and opts.values["claim_rate_policy"] == "delay" and _delivered(request):
+            # Over the rate, the call's start is booked: its message comes back for it.
+            claim.booking = max(BOOKING_HOLD, rate_s)
         self._enqueue_marker(claim, opts)
         policy = opts.policy
         # Only the rerun policy takes the name's triggers: any other would send calls
@@ -494,6 +507,12 @@ class ClaimedTask(Task[Any, Any]):
         try:
             trigger = self._rerun_trigger(name, args, kwargs) if policy.asks_rerun else False
             action = claim.enter(policy, trigger)
+            for _ in range(BOOKED_WAITS):
+                # A start of its own this close is waited for here, not sent back.
+                if isinstance(action, Run) or claim.booked is None or claim.booked > BOOKED_WAIT:
+                    break
+                time.sleep(claim.booked)
+                action = claim.enter(policy, trigger)
         except ClaimUnavailable as exc:
             if opts.enqueue is not None and request.id:
                 self._started_queued(opts, request.id, args, kwargs)  # as ACQUIRE would
@@ -908,7 +927,7 @@ class ClaimedTask(Task[Any, Any]):
         return skipped.as_dict()
 
     def _throttled(self, claim: Claim, opts: TaskOptions) -> Any:
-        """A call over ``claim_rate``: put back until the next start allowed (``delay``,
+        """A call over ``claim_rate``: put back until the start booked for it (``delay``,
         a retry that max_retries does not count), or skipped (``skip``)."""
         left = claim.throttled or 0.0
         skipped = Skipped.of(claim)
@@ -917,14 +936,18 @@ class ClaimedTask(Task[Any, Any]):
             log.info("fenced: %s %s", self.name, skipped, extra=claim.log_fields("skipped"))
             return skipped.as_dict()
         count("throttled")
-        # Calls put back together come back spread over one interval, not all at once.
-        countdown = left + random.uniform(0.0, opts.claim.rate_us / 1e6)
+        if claim.booked is not None:
+            countdown = claim.booked  # the start booked for it: its own, nobody else's
+        else:
+            # Calls put back together come back spread over one interval, not all at once.
+            countdown = left + random.uniform(0.0, opts.claim.rate_us / 1e6)
         log.info(
-            "fenced: %s[%s] %s; put back for %.3fs",
+            "fenced: %s[%s] %s; put back for %.3fs%s",
             self.name,
             claim.task_id,
             skipped,
             countdown,
+            " (its booked start)" if claim.booked is not None else "",
             extra=claim.log_fields("throttled"),
         )
         request = self.request
