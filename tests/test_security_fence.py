@@ -121,6 +121,32 @@ def test_a_fence_key_that_is_not_a_fence_grants_nothing(
     assert raw.get(keys().fence) == value.encode()  # left for the operator to repair
 
 
+@pytest.mark.parametrize("options", [{}, {"records": True}, {"limit": 3}], ids=str)
+def test_a_fence_key_of_another_type_grants_nothing_and_is_left_as_it_is(
+    r: Any, server: RedisServer, options: dict[str, Any]
+) -> None:
+    raw = server.client()
+    raw.hset(keys().fence, "planted", "value")
+    claim = Claim(r, "job", ttl=10, heartbeat=False, **options)
+    with pytest.raises(CorruptKey, match="is a hash"):
+        claim.acquire()
+    assert claim.fence is None
+    assert not any(raw.exists(keys().slot(i)) for i in range(3))  # no lease left behind
+    assert raw.hgetall(keys().fence) == {b"planted": b"value"}
+
+
+def test_a_fence_minted_in_the_same_microsecond_as_the_last_is_still_above_it(
+    r: Any, server: RedisServer
+) -> None:
+    # The last fence ahead of the server's clock (as after a clock stepped back): the
+    # grant's one write reads it and a second write mints the one above it.
+    raw = server.client()
+    ahead = int(raw.time()[0]) * 1_000_000 + 3_600_000_000
+    raw.set(keys().fence, str(ahead), px=60_000)
+    assert _fences(r, 2) == [ahead + 1, ahead + 2]
+    assert raw.pttl(keys().fence) > 60_000  # the idle expiry (a week), written again
+
+
 @pytest.mark.parametrize("value", ["nan", "1e300", "-5", "abc", str(2**63 - 1)])
 def test_a_fence_key_that_is_not_a_fence_is_not_taken_over(
     r: Any, server: RedisServer, value: str

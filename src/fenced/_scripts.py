@@ -406,8 +406,13 @@ if ARGV[9] and ARGV[9] ~= '' then
     return {2, '', left, redis.call('GET', KEYS[2]) or '0', skips, 0}
   end
 end
--- the last fence minted, as text (checked by fence_ok before anything is granted on it)
-local last_fence = redis.call('GET', KEYS[2]) or '0'
+-- the last fence minted, as text (checked by fence_ok before anything is granted on
+-- it), read when first needed: a plain grant reads it in the write of the next one
+local last_fence
+local function read_fence()
+  if not last_fence then last_fence = redis.call('GET', KEYS[2]) or '0' end
+  return last_fence
+end
 -- The rate, as a GCRA without burst: one key holding the next free start, by the
 -- server's clock; a booked start is the call's own. Defined only with a rate: a claim
 -- without one pays nothing.
@@ -451,7 +456,7 @@ if rate_key then
   throttled = function(wait)
     local ms = math.ceil(wait / 1000)
     if booked then
-      return {4, string.format('%d', rate_now + wait), ms, last_fence, 0, 0}
+      return {4, string.format('%d', rate_now + wait), ms, read_fence(), 0, 0}
     end
     if booking_key then
       -- book the next free start for this task id; the next one is an interval later
@@ -459,13 +464,22 @@ if rate_key then
       redis.call('SET', booking_key, string.format('%d', start), 'PX', ms + hold)
       redis.call('SET', rate_key, string.format('%d', start + interval),
                  'PX', ms_until(start + interval))
-      return {4, string.format('%d', start), ms, last_fence, 0, 0}
+      return {4, string.format('%d', start), ms, read_fence(), 0, 0}
     end
-    return {3, '', ms, last_fence, 0, 0}
+    return {3, '', ms, read_fence(), 0, 0}
   end
 end
+local function started(minted)
+  if ARGV[3] ~= '' then
+    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
+               'event', 'started', 'token', ARGV[1], 'fence', minted, 'r', ARGV[3])
+    -- the skip count and rerun triggers are given the expiry when they are written
+    touch(idle, KEYS[3])
+  end
+  return minted
+end
 local function mint()
-  local minted = fence_after(last_fence)
+  local minted = fence_after(read_fence())
   local now = fence_clock()
   if fence_below(minted, now) then
     minted = now
@@ -476,13 +490,40 @@ local function mint()
   else
     redis.call('SET', KEYS[2], minted)
   end
-  if ARGV[3] ~= '' then
-    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
-               'event', 'started', 'token', ARGV[1], 'fence', minted, 'r', ARGV[3])
+  return started(minted)
+end
+-- The plain grant's mint, the lease just set: the server's clock is written as the
+-- fence in the same write that reads the last one (SET ... GET), the common case; only
+-- when the last fence is not below it (the same µs, a clock stepped back) is the fence
+-- the last one + 1, in a second write. A last fence that is not one is put back and
+-- grants nothing (nil: the caller gives the lease back).
+local function mint_plain()
+  local now = fence_clock()
+  local previous
+  if idle > 0 then
+    previous = redis.pcall('SET', KEYS[2], now, 'PX', idle, 'GET')
+  else
+    previous = redis.pcall('SET', KEYS[2], now, 'GET')
   end
-  -- the skip count and rerun triggers are given the expiry when they are written
-  touch(idle, KEYS[3])
-  return minted
+  if type(previous) == 'table' and previous.err then
+    return nil, previous  -- another type: nothing was written
+  end
+  last_fence = previous or '0'
+  if not fence_ok(last_fence) then
+    redis.call('SET', KEYS[2], last_fence)  -- left as it was, for the operator to repair
+    return nil, not_a_fence(KEYS[2])
+  end
+  local minted = fence_after(last_fence)
+  if fence_below(now, minted) then
+    if idle > 0 then
+      redis.call('SET', KEYS[2], minted, 'PX', idle)
+    else
+      redis.call('SET', KEYS[2], minted)
+    end
+  else
+    minted = now
+  end
+  return started(minted)
 end
 local function lose(holder, pttl, fence)
   -- an earlier attempt of this task id holds it, or a run of it already ended ok: not
@@ -525,24 +566,25 @@ if limit <= 1 then
   local wait = rate_key and redis.call('EXISTS', KEYS[1]) == 0 and rate_wait()
   if wait then return throttled(wait) end
   if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
-    if not fence_ok(last_fence) then
+    local minted, refused = mint_plain()
+    if not minted then
       redis.call('DEL', KEYS[1])  -- granted nothing
-      return not_a_fence(KEYS[2])
+      return refused
     end
     if rate_key then rate_take() end
-    return granted(mint())
+    return granted(minted)
   end
   local holder = redis.call('GET', KEYS[1]) or ''
   -- our own token: a client's retry of an ACQUIRE whose reply was lost; nobody can have
   -- acquired since, so the fence is the one minted for us
   if holder == ARGV[1] then
-    if not fence_ok(last_fence) then
+    if not fence_ok(read_fence()) then
       redis.call('DEL', KEYS[1])
       return not_a_fence(KEYS[2])
     end
     return granted(last_fence)
   end
-  return lose(holder, redis.call('PTTL', KEYS[1]), last_fence)
+  return lose(holder, redis.call('PTTL', KEYS[1]), read_fence())
 end
 local slots = {KEYS[1]}
 for i = 8, last do slots[#slots + 1] = KEYS[i] end
@@ -570,7 +612,7 @@ for i, key in ipairs(slots) do
   end
 end
 if free and not own then
-  if not fence_ok(last_fence) then return not_a_fence(KEYS[2]) end
+  if not fence_ok(read_fence()) then return not_a_fence(KEYS[2]) end
   local wait = rate_key and rate_wait()
   if wait then return throttled(wait) end
   redis.call('SET', slots[free], ARGV[1], 'PX', ARGV[2])
