@@ -333,16 +333,18 @@ def test_takeover_mints_the_fence_as_acquire_does(redis_server: RedisServer) -> 
     idle = 600.0
     first = Claim(client, f"z-{key()}", ttl=30, task_id="task-1", heartbeat=False, idle_ttl=idle)
     fence_key = first.keys.fence
-    # ACQUIRE's mint: max(fence + 1, TIME in µs), one SET carrying the idle expiry.
+    # ACQUIRE's mint: max(fence + 1, TIME in µs), one SET carrying the idle expiry that
+    # reads the last fence as it writes the next (GET).
     acquire_writes = _fence_writes(watcher, fence_key, first.acquire)
-    assert [w[0] for w in acquire_writes] == ["GET", "SET"]
-    assert acquire_writes[1][3:] == ["PX", str(int(idle * 1000))]
+    assert [w[0] for w in acquire_writes] == ["SET"]
+    assert acquire_writes[0][2] == str(first.fence)
+    assert acquire_writes[0][3:] == ["PX", str(int(idle * 1000)), "GET"]
     assert first.hand_over(30, "retrying in 1.0s") == "retried"
     retried = Claim(client, first.name, ttl=30, task_id="task-1", heartbeat=False, idle_ttl=idle)
     assert not retried.acquire()
     takeover_writes = _fence_writes(watcher, fence_key, retried.take_over)
     assert retried.held
-    # The same reads and writes of the fence key as ACQUIRE (no INCR, no PEXPIRE after).
+    # A read, then one write carrying the idle expiry (no INCR, no PEXPIRE after).
     assert [w[0] for w in takeover_writes] == ["GET", "SET"]
     assert takeover_writes[1][2] == str(retried.fence)
     assert takeover_writes[1][3:] == ["PX", str(int(idle * 1000))]

@@ -330,13 +330,48 @@ end
 #         an error reply naming KEYS[2] (or KEYS[7]) when the claim would be granted on
 #         a fence that is not one (see _FENCE); nothing is granted then
 # Every fence is decimal text (a holder's fence as the key holds it, unchecked).
+# ACQUIRE's common grant, before anything else is defined: one holder, no cooldown
+# window, enqueue marker or rate, and a free name whose last fence is a plain decimal
+# below the server's clock. It runs the fewest commands and allocates nothing but its
+# answer; anything else goes on to the whole script below, told by ``taken`` whether
+# the lease is set (false: busy), by ``previous`` what the fence key held and by
+# ``written`` what was written in its place.
+_ACQUIRE_FAST = """
+local idle = tonumber(ARGV[8])
+local taken, previous, written
+if (ARGV[9] or '') == '' and (ARGV[10] or '1') == '1' and (ARGV[12] or '') == ''
+    and (ARGV[13] or '') == '' then
+  taken = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
+  if taken then
+    local t = redis.call('TIME')
+    local now = t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
+    written = now
+    if idle > 0 then
+      previous = redis.pcall('SET', KEYS[2], now, 'PX', idle, 'GET')
+    else
+      previous = redis.pcall('SET', KEYS[2], now, 'GET')
+    end
+    if not previous or (type(previous) == 'string' and #previous <= #now
+        and string.find(previous, '^[1-9]%d*$') and (#previous < #now or previous < now)) then
+      if ARGV[3] ~= '' then
+        redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
+                   'event', 'started', 'token', ARGV[1], 'fence', now, 'r', ARGV[3])
+        if idle > 0 then redis.call('PEXPIRE', KEYS[3], idle) end
+      end
+      if ARGV[11] == '1' then return {1, now, 0, redis.call('EXISTS', KEYS[#KEYS])} end
+      return {1, now}
+    end
+  end
+end
+"""
+
 ACQUIRE = Script(
     "acquire",
-    _TOUCH
+    _ACQUIRE_FAST
+    + _TOUCH
     + _RECORDABLE
     + _FENCE
     + """
-local idle = tonumber(ARGV[8])
 local limit = tonumber(ARGV[10] or '1')
 -- the leases: KEYS[1], then (limit > 1) the slots from KEYS[8]; the markers after them
 local last = #KEYS
@@ -498,12 +533,16 @@ end
 -- the last one + 1, in a second write. A last fence that is not one is put back and
 -- grants nothing (nil: the caller gives the lease back).
 local function mint_plain()
-  local now = fence_clock()
-  local previous
-  if idle > 0 then
-    previous = redis.pcall('SET', KEYS[2], now, 'PX', idle, 'GET')
+  local now
+  if previous == nil then
+    now = fence_clock()
+    if idle > 0 then
+      previous = redis.pcall('SET', KEYS[2], now, 'PX', idle, 'GET')
+    else
+      previous = redis.pcall('SET', KEYS[2], now, 'GET')
+    end
   else
-    previous = redis.pcall('SET', KEYS[2], now, 'GET')
+    now = written  -- by the common grant above, which left this case to the whole script
   end
   if type(previous) == 'table' and previous.err then
     return nil, previous  -- another type: nothing was written
@@ -565,7 +604,7 @@ end
 if limit <= 1 then
   local wait = rate_key and redis.call('EXISTS', KEYS[1]) == 0 and rate_wait()
   if wait then return throttled(wait) end
-  if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  if taken or (taken == nil and redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])) then
     local minted, refused = mint_plain()
     if not minted then
       redis.call('DEL', KEYS[1])  -- granted nothing
@@ -701,9 +740,50 @@ end
 #          ARGV[6] = "2" the triggers are {field, trigger, ...}: the whole sending set,
 #          with what earlier releases left unsent ("" for the field of a trigger taken
 #          while the set's key held another type: it is kept nowhere)
+# RELEASE's common case, before anything else is defined: our token holds the lease,
+# no rerun trigger waits and no enqueue marker is asked for (what the whole script
+# below does then, with the fewest commands and nothing allocated but its answer).
+# Anything else (a record the runs key cannot take included: nothing is written then)
+# goes on to the whole script, told by ``held`` what the lease key holds.
+_RELEASE_FAST = """
+local held
+if ARGV[6] ~= '2' and (ARGV[10] or '') == '' then
+  held = redis.call('GET', KEYS[1])
+  if held == ARGV[1] and (ARGV[6] == '0' or redis.call('EXISTS', KEYS[4]) == 0) then
+    local outcome, idle, recorded = ARGV[4], tonumber(ARGV[7]), true
+    if ARGV[2] ~= '' then
+      local added = redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
+                                'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
+                                'outcome', outcome, 'r', ARGV[2])
+      recorded = not (type(added) == 'table' and added.err)
+      if recorded and idle > 0 then redis.call('PEXPIRE', KEYS[2], idle) end
+    end
+    if recorded then
+      if ARGV[2] ~= '' and outcome == 'ok' then
+        redis.call('DEL', KEYS[1], KEYS[3])  -- a success ends a streak of skips
+      else
+        redis.call('DEL', KEYS[1])
+      end
+      local marked = outcome == 'ok' and tonumber(ARGV[8]) > 0
+      if marked then
+        redis.call('SET', KEYS[5], string.sub(ARGV[1], 1, 32), 'PX', ARGV[8])
+      end
+      if outcome == 'ok' and tonumber(ARGV[9] or '0') > 0 then
+        redis.call('SET', KEYS[7], ARGV[5], 'PX', ARGV[9])
+      end
+      if not (marked and tonumber(ARGV[8]) >= 60000) then
+        redis.call('SET', KEYS[6], outcome, 'PX', 60000)
+      end
+      return {1, outcome, {}}
+    end
+  end
+end
+"""
+
 RELEASE = Script(
     "release",
-    _TOUCH
+    _RELEASE_FAST
+    + _TOUCH
     + _RECORDABLE
     + _SENDING
     + """
@@ -711,7 +791,8 @@ RELEASE = Script(
 -- that release's note (see below)
 local mark = string.sub(ARGV[1], 1, 32)
 local released = 0
-if redis.call('GET', KEYS[1]) == ARGV[1] then
+if held == nil then held = redis.call('GET', KEYS[1]) end
+if held == ARGV[1] then
   released = 1
 else
   -- our token holds no lease: gone, or released already by this very request
