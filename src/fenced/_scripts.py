@@ -262,6 +262,11 @@ local function record_entry(record, ...)
   for i = 1, #fields, 2 do head[fields[i]] = fields[i + 1] end
   return cjson.encode(head) .. '\\n' .. record, head.at
 end
+-- A run's end names its run by the start of its token's random part, as the records
+-- show it (``short_token``): the whole token (host, pid, task id) is in its start.
+local function run_of(token)
+  return string.sub(string.match(token, '^[^:]*'), 1, 8)
+end
 local function trim_records(key, length, maxlen)
   local most = math.max(1, tonumber(maxlen))
   if length > most then redis.call('LTRIM', key, 0, most - 1) end
@@ -731,11 +736,12 @@ if ARGV[2] ~= '' then
   -- per release).
   local entry
   if vanished then
-    entry = record_entry(ARGV[2], 'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
-                         'outcome', outcome, 'note', 'the lease was gone before release')
+    entry = record_entry(ARGV[2], 'event', 'finished', 'token', run_of(ARGV[1]),
+                         'fence', ARGV[5], 'outcome', outcome,
+                         'note', 'the lease was gone before release')
   else
-    entry = record_entry(ARGV[2], 'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
-                         'outcome', outcome)
+    entry = record_entry(ARGV[2], 'event', 'finished', 'token', run_of(ARGV[1]),
+                         'fence', ARGV[5], 'outcome', outcome)
   end
   local added = redis.pcall('LPUSH', KEYS[2], entry)
   if type(added) == 'table' and added.err then
@@ -882,11 +888,12 @@ end
 if ARGV[3] ~= '' then
   if kept == 1 then
     append_record(KEYS[2], ARGV[4], ARGV[3],
-                  'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5], 'outcome', outcome)
+                  'event', 'finished', 'token', run_of(ARGV[1]), 'fence', ARGV[5],
+                  'outcome', outcome)
   else
     append_record(KEYS[2], ARGV[4], ARGV[3],
-                  'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5], 'outcome', outcome,
-                  'note', 'the lease was gone before release')
+                  'event', 'finished', 'token', run_of(ARGV[1]), 'fence', ARGV[5],
+                  'outcome', outcome, 'note', 'the lease was gone before release')
   end
   touch(tonumber(ARGV[6]), KEYS[2])
 end
@@ -1071,8 +1078,8 @@ if holder then
   redis.call('PEXPIRE', KEYS[4], 2 * tonumber(ARGV[2]) + 60000)
   if ARGV[8] ~= '' then
     append_record(KEYS[3], ARGV[4], ARGV[8],
-                  'event', 'finished', 'token', holder, 'fence', last_fence, 'outcome', 'lost',
-                  'replaced', '1')
+                  'event', 'finished', 'token', run_of(holder), 'fence', last_fence,
+                  'outcome', 'lost', 'replaced', '1')
   end
 end
 if ARGV[3] ~= '' then
@@ -1116,7 +1123,8 @@ if ARGV[2] ~= '' then
                   'event', 'released', 'token', holder, 'outcome', 'released')
   else
     append_record(KEYS[2], ARGV[3], ARGV[2],
-                  'event', 'finished', 'token', holder, 'fence', '0', 'outcome', outcome)
+                  'event', 'finished', 'token', run_of(holder), 'fence', '0',
+                  'outcome', outcome)
   end
   touch(tonumber(ARGV[7]), KEYS[2])
 end
