@@ -11,7 +11,9 @@ lets a retried release get its first answer) expires a minute after the release 
 is deleted before the second sample: an idle name keeps only its lasting keys.
 
 ``MEMORY USAGE`` of each kind of key one name keeps is printed too (a key's own
-figure, without the keyspace's share).
+figure, without the keyspace's share), and redis-server's own time per acquire and
+release (``INFO commandstats``: the microseconds of the commands the client sent, the
+scripts' inner commands inside them), on these distinct names.
 
 Usage::
 
@@ -35,6 +37,8 @@ from _common import machine_info, start_server
 from fenced import Claim
 
 Cycle = Callable[[Any, str], None]
+#: The commands each contender sends (their time includes what a script calls).
+SENT = {"fenced": ("evalsha", "eval"), "redis-py Lock": ("set", "evalsha", "eval")}
 
 
 def used(client: Any) -> int:
@@ -80,8 +84,17 @@ def key_sizes(client: Any) -> dict[str, int]:
     return sizes
 
 
-def run(cycle: Cycle, names: int) -> tuple[float, dict[str, int], int]:
-    """Bytes per idle name, the first name's keys' MEMORY USAGE, and keys per name."""
+def server_usec(client: Any, sent: tuple[str, ...]) -> int:
+    """Microseconds redis-server has spent in the commands named, from INFO commandstats."""
+    stats = client.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{c}", {}).get("usec", 0)) for c in sent)
+
+
+def run(
+    cycle: Cycle, names: int, sent: tuple[str, ...]
+) -> tuple[float, dict[str, int], int, float]:
+    """Bytes per idle name, the first name's keys' MEMORY USAGE, keys per name, and the
+    server's µs per acquire and release."""
     server = start_server()
     try:
         client = server.client()
@@ -90,12 +103,14 @@ def run(cycle: Cycle, names: int) -> tuple[float, dict[str, int], int]:
         drop_notes(client)
         client.delete(*client.keys("*warm-up*") or ["-"])
         before = used(client)
+        usec = server_usec(client, sent)
         for i in range(names):
             cycle(client, f"user:{i}")
+        usec = server_usec(client, sent) - usec
         drop_notes(client)
         after = used(client)
         keys = int(client.dbsize())
-        return (after - before) / names, key_sizes(client), keys
+        return (after - before) / names, key_sizes(client), keys, usec / names
     finally:
         server.stop()
 
@@ -120,13 +135,20 @@ def main() -> int:
         "fenced, records off": fenced_cycle(False),
         "redis-py Lock": redis_lock_cycle,
     }
-    print(f"{'':<24} {'bytes/name':>10} {'keys/name':>9}   MEMORY USAGE of one name's keys")
+    print(
+        f"{'':<24} {'bytes/name':>10} {'keys/name':>9} {'server µs':>9}"
+        "   MEMORY USAGE of one name's keys"
+    )
     results: dict[str, float] = {}
     for label, cycle in contenders.items():
-        per_name, sizes, keys = run(cycle, args.names)
+        sent = SENT["redis-py Lock" if label == "redis-py Lock" else "fenced"]
+        per_name, sizes, keys, usec = run(cycle, args.names, sent)
         results[label] = per_name
         shown = ", ".join(f"{part} {size} B" for part, size in sizes.items()) or "none"
-        print(f"{label:<24} {per_name:>10,.0f} {keys / args.names:>9.2f}   {shown}", flush=True)
+        print(
+            f"{label:<24} {per_name:>10,.0f} {keys / args.names:>9.2f} {usec:>9.1f}   {shown}",
+            flush=True,
+        )
     on = results["fenced, records on"]
     print()
     if on > args.budget:
