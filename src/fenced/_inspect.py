@@ -460,10 +460,12 @@ def _find_starts(client: Any, infos: list[ClaimInfo], namespace: str) -> None:
         return
     clock = _clocks(client, results, timed)
     for i, (info, keys) in enumerate(zip(infos, names, strict=True)):
-        listed, streamed = results[2 * i : 2 * i + 2]
-        if not isinstance(listed, Exception) and not isinstance(streamed, Exception):
-            runs = from_entries(info.name, listed, MAX_RECORDS, streamed=streamed)
-            _apply_runs(info, runs, clock(keys.records))
+        # A key of another type was named by the first look: the other one is read.
+        listed, streamed = (
+            [] if isinstance(r, Exception) else r for r in results[2 * i : 2 * i + 2]
+        )
+        runs = from_entries(info.name, listed, MAX_RECORDS, streamed=streamed)
+        _apply_runs(info, runs, clock(keys.records))
 
 
 @dataclass
