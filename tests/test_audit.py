@@ -67,13 +67,13 @@ def test_a_force_release_logs_who_what_and_why(r: Any, audit: pytest.LogCaptureF
     assert line["fenced_token_prefix"] == "ffff0000" and line["fenced_by"]
 
 
-def test_the_audit_line_outlives_a_trimmed_run_stream(
+def test_the_audit_line_outlives_trimmed_run_records(
     r: Any, audit: pytest.LogCaptureFixture
 ) -> None:
     _held(r, "sync:feed")
     assert force_release(r, "sync:feed", reason="holder gone", by="ops", max_records=1)
-    # Anyone who can reach Redis can trim the stream; the line already left the process.
-    r.xtrim(ClaimKeys.of("sync:feed").runs, maxlen=0)
+    # Anyone who can reach Redis can trim the records; the line already left the process.
+    r.ltrim(ClaimKeys.of("sync:feed").records, 1, 0)
     assert records.history(r, "sync:feed") == []
     [line] = _lines(audit)
     assert line["fenced_outcome"] == "released" and line["fenced_reason"] == "holder gone"

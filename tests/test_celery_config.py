@@ -240,7 +240,7 @@ def test_settings_give_defaults_and_options_win(app: Celery, r: Any) -> None:
 
     assert from_settings("a") == (3.0, 0.5, "maps")
     assert own("a") == (9.0, 0.5, "own")
-    assert r.exists(ClaimKeys.of("x:a", "maps").runs)
+    assert r.exists(ClaimKeys.of("x:a", "maps").records)
 
 
 # -- runs in this process -------------------------------------------------------------------

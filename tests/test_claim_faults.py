@@ -146,14 +146,14 @@ def test_an_idle_names_keys_expire_and_its_fence_still_rises(r: Any) -> None:
     assert a.acquire()
     assert not Claim(r, "idle:a", ttl=5, records=True).acquire(request_rerun=True)
     keys = a.keys
-    for key in (keys.fence, keys.runs, keys.skips, keys.rerun):
+    for key in (keys.fence, keys.records, keys.skips, keys.rerun):
         assert 0 < r.pttl(key) <= week, key
     a.release()  # takes the rerun trigger, resets the skips
-    for key in (keys.fence, keys.runs):
+    for key in (keys.fence, keys.records):
         assert 0 < r.pttl(key) <= week, key
     first = a.fence
     # What the idle expiry does, sped up: the name's lasting keys are gone.
-    r.delete(keys.fence, keys.runs, keys.skips, keys.rerun)
+    r.delete(keys.fence, keys.records, keys.skips, keys.rerun)
     b = Claim(r, "idle:a", ttl=5)
     assert b.acquire()
     assert first is not None and b.fence is not None and b.fence > first
@@ -161,7 +161,7 @@ def test_an_idle_names_keys_expire_and_its_fence_still_rises(r: Any) -> None:
     forever = Claim(r, "idle:b", ttl=5, records=True, idle_ttl=None)
     assert forever.acquire()
     forever.release()
-    assert r.pttl(forever.keys.fence) == -1 and r.pttl(forever.keys.runs) == -1
+    assert r.pttl(forever.keys.fence) == -1 and r.pttl(forever.keys.records) == -1
 
 
 def test_an_idle_expiry_shorter_than_twice_the_ttl_is_refused(r: Any) -> None:

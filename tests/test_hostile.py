@@ -61,7 +61,8 @@ def held_by(token: str | bytes = "abcd:host:1:") -> Seed:
 
 
 def record(**fields: str | bytes) -> Seed:
-    """A held claim whose stream has one started and one finished entry carrying ``fields``."""
+    """A held claim whose stream (as an earlier version wrote run records) has one
+    started and one finished entry carrying ``fields``."""
 
     def seed(r: redis.Redis) -> None:
         held_by()(r)
@@ -71,6 +72,30 @@ def record(**fields: str | bytes) -> Seed:
                 entry["outcome"] = "ok"
             entry.update(fields)
             r.xadd(keys().runs, entry)  # type: ignore[arg-type]
+
+    return seed
+
+
+def entry(fields: dict[str, Any], r: str | bytes = "{}", *, head: bytes | None = None) -> bytes:
+    """A records list entry as the scripts push it: its fields' JSON (``head``, when
+    given, in its place), a newline, the record's JSON."""
+    if head is None:
+        head = json.dumps({"at": "1700000000000", **fields}).encode()
+    return head + b"\n" + (r.encode() if isinstance(r, str) else r)
+
+
+def listed(r: str | bytes = "{}", *, head: bytes | None = None, **fields: str) -> Seed:
+    """A held claim whose records list has one started and one finished entry carrying
+    ``fields`` (``r`` the record's JSON, ``head`` the fields' JSON as written)."""
+
+    def seed(client: redis.Redis) -> None:
+        held_by()(client)
+        for event in ("started", "finished"):
+            with_event: dict[str, Any] = {"event": event, "token": "t1"}
+            if event == "finished":
+                with_event["outcome"] = "ok"
+            with_event.update(fields)
+            client.lpush(keys().records, entry(with_event, r, head=head))
 
     return seed
 
@@ -96,10 +121,30 @@ CASES: dict[str, tuple[Seed, str]] = {
     ),
     "fence is a hash": (both(held_by(), lambda r: r.hset(keys().fence, "a", "b")), "fence ?"),
     "skips not an integer": (both(held_by(), lambda r: r.set(keys().skips, "many")), "bad"),
-    "runs is a string": (
+    "records is a string": (
+        both(held_by(), lambda r: r.set(keys().records, "x")),
+        "unreadable: fenced:{bad}:records: WRONGTYPE",
+    ),
+    "the stream of an earlier version is a string": (
         both(held_by(), lambda r: r.set(keys().runs, "x")),
         "unreadable: fenced:{bad}:runs: WRONGTYPE",
     ),
+    "listed r not UTF-8": (listed(b"\xff{"), "unreadable: field 'r' is not UTF-8"),
+    "listed r not JSON": (listed("not json"), "unreadable: r is not JSON"),
+    "listed r a list": (listed("[1, 2]"), "unreadable: r is a JSON list"),
+    "listed fields not UTF-8": (
+        listed(head=b'{"event": "\xff"}'),
+        "the entry's fields are not UTF-8",
+    ),
+    "listed fields not JSON": (listed(head=b"event"), "the entry's fields are not JSON: 'event'"),
+    "listed fields a list": (listed(head=b"[1]"), "the entry's fields are a JSON list"),
+    "listed at not a time": (listed(at="yesterday"), "unreadable: at 'yesterday' is not a"),
+    "listed without a newline": (
+        both(held_by(), lambda r: r.lpush(keys().records, b'{"event": "started"}')),
+        "running",
+    ),
+    "listed fence not an integer": (listed(fence="ten"), "unreadable: fence 'ten'"),
+    "listed outcome unknown": (listed(outcome="\x1b[2J"), "unreadable: outcome"),
     "r not UTF-8": (record(r=b"\xff{"), "unreadable: field 'r' is not UTF-8"),
     "r not JSON": (record(r="not json"), "unreadable: r is not JSON"),
     "r a list": (record(r="[1, 2]"), "unreadable: r is a JSON list"),
@@ -268,13 +313,14 @@ def test_release_of_hostile_claims(url: str, raw: redis.Redis) -> None:
     assert "'fenced:{bad}:lock' is a hash" in out and "DEL fenced:{bad}:lock" in out
 
     raw.delete(keys().lock)
-    both(held_by(), lambda r: r.set(keys().runs, "x"))(raw)
+    both(held_by(), lambda r: r.set(keys().records, "x"))(raw)
     unrecorded = fenced_cli(url, "release", "bad", "--force", "--reason", "gone")
     out = clean(unrecorded)
     assert unrecorded.returncode == 69, out
-    assert "cannot record the release of claim 'bad'" in out and "DEL fenced:{bad}:runs" in out
+    assert "cannot record the release of claim 'bad'" in out
+    assert "DEL fenced:{bad}:records" in out
     assert raw.get(keys().lock) is None  # cleared, but not recorded: the message says so
-    raw.delete(keys().runs)
+    raw.delete(keys().records)
 
     raw.set(keys().lock, f"abcd:{EVIL_HOST}:1:".encode() + b"\xff", px=60_000)
     asked = fenced_cli(url, "release", "bad")
@@ -305,7 +351,16 @@ def test_library_readers_never_fail_on_hostile_data(case: str, r: Any, server: A
 
 
 def test_the_doctor_reads_past_hostile_records(raw: redis.Redis, redis_server: Any) -> None:
-    for case in ("r not JSON", "r a list", "runs is a string", "r not UTF-8", "event missing"):
+    for case in (
+        "r not JSON",
+        "r a list",
+        "records is a string",
+        "the stream of an earlier version is a string",
+        "r not UTF-8",
+        "event missing",
+        "listed r not JSON",
+        "listed fields not JSON",
+    ):
         raw.flushall()
         CASES[case][0](raw)
         for client in (raw, redis_server.client(decode_responses=True)):
@@ -341,7 +396,11 @@ ACQUIRE: dict[str, tuple[Seed, str]] = {
         both(held_by(), lambda r: r.set(keys().skips, "many")),
         "skips",
     ),
-    "runs is a string": (lambda r: r.set(keys().runs, "x"), "runs"),
+    "records is a string": (lambda r: r.set(keys().records, "x"), "records"),
+    "the stream of an earlier version is a string, held": (
+        both(held_by(), lambda r: r.set(keys().runs, "x")),
+        "busy",
+    ),
     "rerun is a hash, held": (both(held_by(), lambda r: r.hset(keys().rerun, "a", "b")), "rerun"),
     "garbage records": (record(r="not json", fence="x"), "busy"),
 }
@@ -468,10 +527,10 @@ def test_the_heartbeat_renews_the_others_when_one_lease_is_replaced_by_garbage(
 @pytest.mark.parametrize(
     "seed",
     [
-        lambda r: r.set(keys().runs, "x"),
+        lambda r: r.set(keys().records, "x"),
         lambda r: r.hset(keys().rerun, "a", "b"),
     ],
-    ids=["runs is a string", "rerun is a hash"],
+    ids=["records is a string", "rerun is a hash"],
 )
 def test_a_skip_refused_at_a_corrupt_key_writes_nothing(seed: Seed, r: Any, server: Any) -> None:
     raw = server.client()
@@ -480,31 +539,31 @@ def test_a_skip_refused_at_a_corrupt_key_writes_nothing(seed: Seed, r: Any, serv
     with pytest.raises(CorruptKey):
         Claim(r, "bad", ttl=10, heartbeat=False, records=True).acquire(request_rerun="x")
     assert raw.get(keys().skips) is None  # no skip counted that was not recorded
-    assert raw.type(keys().runs) in (b"string", b"none")
+    assert raw.type(keys().records) in (b"string", b"none")
 
 
-def test_a_release_past_a_runs_key_of_another_type_releases_and_names_it(
+def test_a_release_past_a_records_key_of_another_type_releases_and_names_it(
     r: Any, server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     raw = server.client()
     claim = Claim(r, "bad", ttl=10, heartbeat=False, records=True)
     assert claim.acquire()
-    raw.set(keys().runs, "x")
+    raw.set(keys().records, "x")
     with caplog.at_level("WARNING", logger="fenced"):
         assert claim.release() is True
     assert not claim.vanished and claim.lost_reason is None
     assert raw.get(keys().lock) is None
-    assert "its run was not recorded" in caplog.text and "DEL fenced:{bad}:runs" in caplog.text
+    assert "its run was not recorded" in caplog.text and "DEL fenced:{bad}:records" in caplog.text
 
     # The block ends as it ran: the release answered, only its record is missing.
-    raw.delete(keys().runs)
+    raw.delete(keys().records)
     with Claim(r, "bad", ttl=10, heartbeat=False, records=True):
-        raw.delete(keys().runs)
-        raw.hset(keys().runs, "a", "b")
+        raw.delete(keys().records)
+        raw.hset(keys().records, "a", "b")
     assert raw.get(keys().lock) is None
 
 
-def test_an_aio_release_past_a_runs_key_of_another_type_releases(
+def test_an_aio_release_past_a_records_key_of_another_type_releases(
     redis_server: RedisServer, raw: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     raw.flushall()
@@ -514,7 +573,7 @@ def test_an_aio_release_past_a_runs_key_of_another_type_releases(
         try:
             claim = fenced.aio.Claim(client, "bad", ttl=10, heartbeat=False, records=True)
             assert await claim.acquire()
-            raw.set(keys().runs, "x")
+            raw.set(keys().records, "x")
             assert await claim.release() is True
             return claim
         finally:
@@ -524,21 +583,21 @@ def test_an_aio_release_past_a_runs_key_of_another_type_releases(
         claim = asyncio.run(main())
     assert not claim.vanished
     assert raw.get(keys().lock) is None
-    assert "DEL fenced:{bad}:runs" in caplog.text
+    assert "DEL fenced:{bad}:records" in caplog.text
 
 
-def test_a_hand_over_past_a_runs_key_of_another_type_keeps_the_lease(
+def test_a_hand_over_past_a_records_key_of_another_type_keeps_the_lease(
     r: Any, server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     raw = server.client()
     claim = Claim(r, "bad", ttl=10, heartbeat=False, records=True, task_id="t1")
     assert claim.acquire()
-    raw.set(keys().runs, "x")
+    raw.set(keys().records, "x")
     with caplog.at_level("WARNING", logger="fenced"):
         assert claim.hand_over(30) == "retried"
     assert raw.get(keys().lock) == f"retry-{claim.token}".encode()
-    assert "DEL fenced:{bad}:runs" in caplog.text
-    raw.delete(keys().runs)
+    assert "DEL fenced:{bad}:records" in caplog.text
+    raw.delete(keys().records)
     retry = Claim(r, "bad", ttl=10, heartbeat=False, records=True, task_id="t1")
     assert retry.take_over()
     assert retry.release()
@@ -583,6 +642,8 @@ def test_a_redelivered_task_runs_past_garbage_records(redis_server: RedisServer)
     for value in (b"\xff", "not json", "[1]", '{"task_id": {}, "duration": "x"}'):
         raw.xadd(runs, {"event": "started", "token": "t", "fence": "x", "r": value})
     raw.xadd(runs, {"nothing": "here"})
+    garbage = [b"\xff", b"not json", b"[1]", entry({"event": "started", "fence": "x"}, "[1]")]
+    raw.lpush(ClaimKeys("fenced", "job:a").records, *garbage)
     raw.sadd(ClaimKeys("fenced", "job:a").rerun, b"\xff", "[1]", "5", '"x"')
     result = job.apply(("a",), task_id="first", retries=1)
     assert result.successful(), result.traceback

@@ -146,7 +146,7 @@ def test_a_limit_of_one_is_the_plain_claim(server: RedisServer) -> None:
     keys = ClaimKeys.of("plain")
     store = LeaseStore(None, keys, ClaimOptions(ttl=1, max_records=10, idle_ttl=None, limit=1))
     _script, sent_keys, args = store.acquire_call("t", "", "", "", None)
-    assert tuple(sent_keys) == (keys.lock, keys.fence, keys.runs, keys.skips, keys.rerun)
+    assert tuple(sent_keys) == (keys.lock, keys.fence, keys.records, keys.skips, keys.rerun)
     assert len(args) == 8
     _script, release_keys, release_args = store.release_call("t", "", "ok", 1)
     assert release_keys[0] == keys.lock and len(release_keys) == 6 and len(release_args) == 8

@@ -74,7 +74,7 @@ def test_all_keys_share_one_hash_tag() -> None:
 def test_the_acquire_keys_are_the_named_keys_in_keys_order() -> None:
     # ACQUIRE's KEYS[1..6]; the store takes lasting and release keys from this list.
     keys = ClaimKeys.of("rebuild:acme:roads", "ns")
-    named = [keys.lock, keys.fence, keys.runs, keys.skips, keys.rerun, keys.cooldown]
+    named = [keys.lock, keys.fence, keys.records, keys.skips, keys.rerun, keys.cooldown]
     assert keys.all() == named
     assert keys.lasting() == tuple(named[1:5])
 

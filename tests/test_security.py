@@ -71,7 +71,7 @@ def test_every_listed_command_is_one_fenced_sends_and_every_script_command_is_li
     assert worker <= operator
     text = _source_text()
     in_scripts = _script_commands(text)
-    assert {"set", "xadd", "incr", "pexpire"} <= in_scripts  # the reading finds them
+    assert {"set", "lpush", "xadd", "incr", "pexpire"} <= in_scripts  # the reading finds them
     sent = in_scripts | _client_commands(text)
     assert operator - sent == set(), "listed in SECURITY.md, but fenced never sends it"
     assert in_scripts - worker == set(), "called by a script, but missing from SECURITY.md"
@@ -125,7 +125,7 @@ def test_each_role_works_with_exactly_the_commands_listed(
 
 
 def test_a_command_missing_from_the_list_is_noticed(own_server: RedisServer) -> None:
-    rule = _acl_lines()["fenced-worker"].replace(" +xadd", "")
+    rule = _acl_lines()["fenced-worker"].replace(" +lpush", "")
     # A script's refusal reaches the caller as ClaimUnavailable (fail closed).
     refused = (redis.exceptions.ResponseError, fenced.FencedError)
     with pytest.raises(refused, match="can't run this command"):

@@ -169,8 +169,8 @@ def test_the_recorded_client_address_ignores_x_forwarded_for(
             said = web.stop()
         assert status == 200 and body["released"], body
         assert body["by"].endswith(f"(fenced web, for {seen})"), body
-        entries = r.xrevrange(f"fenced:{{{name}}}:runs", count=1)
-        assert f"for {seen})".encode() in entries[0][1][b"r"]
+        newest = r.lindex(f"fenced:{{{name}}}:records", 0)
+        assert f"for {seen})".encode() in newest.split(b"\n", 1)[1]
         audit = [line for line in said.splitlines() if "force release" in line]
         assert len(audit) == 1 and f"for {seen})" in audit[0], said
         if seen == "127.0.0.1":

@@ -2,7 +2,7 @@
 per enqueue marker cleared by hand),
 and the ``fenced_*`` fields of every other log line about a claim (:func:`claim_fields`).
 
-The run record of a force release lives in the claim's run stream, which is capped and
+The run record of a force release lives in the claim's run records, which are capped and
 writable by anyone who can reach Redis, and its ``by`` is whatever the caller claims.
 So every act that clears another holder's lease (``fenced release``,
 :func:`fenced.force_release`, a Celery worker releasing the claim of a killed pool

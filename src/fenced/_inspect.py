@@ -3,7 +3,7 @@
 Listing SCANs for lock keys (never ``KEYS``, which blocks the server; on a cluster, on
 every primary) and reads everything else about the claims it found in pipelined round
 trips. Ages and times are measured on the clock of the Redis server that holds the
-claim, the one its stream entry ids come from.
+claim, the one its run records' times come from.
 """
 
 from __future__ import annotations
@@ -37,7 +37,16 @@ from ._nodes import is_cluster, node_of, scan_keys, server_times
 from ._options import DEFAULT
 from ._printable import readable
 from ._scripts import FORCE_RELEASE, Script
-from .records import UNREADABLE, RunRecord, encode_release, entries_for, from_entries, history
+from .records import (
+    UNREADABLE,
+    RunRecord,
+    encode_release,
+    from_entries,
+    from_replies,
+    history,
+    queue_read,
+    read_problems,
+)
 
 __all__ = [
     "Burst",
@@ -315,7 +324,7 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
         pipe.pttl(keys.lock)
         pipe.get(keys.fence)
         pipe.get(keys.skips)
-        pipe.xrevrange(keys.runs, count=entries_for(LS_RUNS))
+        queue_read(pipe, keys, LS_RUNS)
         pipe.pttl(keys.cooldown)
         pipe.get(keys.queued)
         pipe.pttl(keys.queued)
@@ -331,18 +340,18 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
             return [_unread(names[0], NOT_TEXT)]
         return [info for name in names for info in _read_batch(client, [name], namespace)]
     clock = _clocks(client, results, timed)
-    per = 11
+    per = 12
     slotted = _read_slots(client, names, results, namespace, per)
     infos: list[ClaimInfo] = []
     for i, name in enumerate(names):
-        token, pttl, fence, skips, entries, cooldown, mark, mark_pttl, rate, burst, _slots = (
-            results[per * i : per * i + per]
+        token, pttl, fence, skips, listed, streamed, cooldown, mark, mark_pttl, rate, burst = (
+            results[per * i : per * i + per - 1]
         )
         window = _left(cooldown)
         limit, slots = slotted.get(name, (1, []))
         keys = ClaimKeys(namespace, name)
         problems: list[str] = []
-        flow = Flow.read(rate, burst, functools.partial(clock, keys.runs), problems)
+        flow = Flow.read(rate, burst, functools.partial(clock, keys.records), problems)
         pending = flow.next_start is not None or flow.burst is not None or problems
         if token is None and window is None and not slots and mark is None and not pending:
             continue  # released (its window ended, its marker cleared...) since the scan
@@ -371,10 +380,10 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
             queued_left=_left(mark_pttl) if queued is not None else None,
             flow=flow,
         )
-        if isinstance(entries, Exception):
-            problems.append(f"runs: {entries}")
-        else:
-            _apply_runs(info, from_entries(name, entries, LS_RUNS), clock(keys.runs))
+        problems += read_problems(listed, streamed)
+        listed, streamed = (r if not isinstance(r, Exception) else [] for r in (listed, streamed))
+        runs = from_entries(name, listed, LS_RUNS, streamed=streamed)
+        _apply_runs(info, runs, clock(keys.records))
         info.unreadable = "; ".join(problems) or None
         infos.append(info)
     return infos
@@ -440,19 +449,23 @@ def _apply_runs(info: ClaimInfo, runs: list[RunRecord], now: float) -> None:
 
 
 def _find_starts(client: Any, infos: list[ClaimInfo], namespace: str) -> None:
-    """Second look, deeper into the streams, for runs whose start lies behind many skips."""
+    """Second look, deeper into the records, for runs whose start lies behind many skips."""
     pipe, timed = _pipeline(client)
-    streams = [ClaimKeys(namespace, info.name).runs for info in infos]
-    for stream in streams:
-        pipe.xrevrange(stream, count=MAX_RECORDS)
+    names = [ClaimKeys(namespace, info.name) for info in infos]
+    for keys in names:
+        queue_read(pipe, keys, MAX_RECORDS)
     try:
         results = pipe.execute(raise_on_error=False)
     except UnicodeDecodeError:  # a client that decodes replies: the first look stands
         return
     clock = _clocks(client, results, timed)
-    for info, stream, entries in zip(infos, streams, results, strict=True):
-        if not isinstance(entries, Exception):
-            _apply_runs(info, from_entries(info.name, entries, MAX_RECORDS), clock(stream))
+    for i, (info, keys) in enumerate(zip(infos, names, strict=True)):
+        # A key of another type was named by the first look: the other one is read.
+        listed, streamed = (
+            [] if isinstance(r, Exception) else r for r in results[2 * i : 2 * i + 2]
+        )
+        runs = from_entries(info.name, listed, MAX_RECORDS, streamed=streamed)
+        _apply_runs(info, runs, clock(keys.records))
 
 
 @dataclass
@@ -511,8 +524,7 @@ def show_claim(
     to the one node that holds them all.
     """
     keys = ClaimKeys.of(name, namespace)
-    pipe = queue_slots(client.pipeline(transaction=False), keys)
-    pipe.xrevrange(keys.runs, count=entries_for(limit))
+    pipe = queue_read(queue_slots(client.pipeline(transaction=False), keys), keys, limit)
     pipe.pttl(keys.cooldown)
     pipe.get(keys.queued)
     pipe.pttl(keys.queued)
@@ -523,14 +535,12 @@ def show_claim(
         # A client that decodes replies met bytes that are not text, and the whole answer
         # is lost with them: read part by part, to show what can be read.
         return _show_apart(client, keys, limit)
-    *leases, fence, fences, entries, cooldown, mark, mark_pttl, rate, burst = answers
+    *leases, fence, fences, listed, streamed, cooldown, mark, mark_pttl, rate, burst = answers
     most = _limit_of(fences)
     # The plain claim: its holder's fence is the counter's.
     holder = lock_holder(keys, leases[0], leases[1], fence) if most == 1 else None
-    if isinstance(entries, Exception):  # not a stream (WRONGTYPE): someone else's key
-        runs = [RunRecord(keys.name, UNREADABLE, unreadable=f"{keys.runs}: {entries}")]
-    else:
-        runs = from_entries(keys.name, entries, limit)
+    # A key of another type (WRONGTYPE): someone else's, one unreadable run names it.
+    runs = from_replies(keys, listed, streamed, limit)
     slots = slot_holders(leases, fence, fences)
     report = _report(
         keys, slots, most, holder, runs, cooldown, (mark, mark_pttl), (rate, burst), client
@@ -763,7 +773,7 @@ def force_release(
         with reachable(client, f"release claim {keys.name!r}", keys.name):
             answer = FORCE_RELEASE(
                 client,
-                [keys.slot(slot), keys.runs, keys.fence],
+                [keys.slot(slot), keys.records, keys.fence],
                 [
                     token_prefix,
                     record,
@@ -787,7 +797,7 @@ def force_release(
         doing = "record the release of claim" if gone else "release claim"
         raise _lease.corrupt_key_error(keys.name, *corrupt, exc, doing=doing) from exc
     finally:
-        # Logged whatever happened: the run stream is capped and anyone with Redis
+        # Logged whatever happened: the run records are capped and anyone with Redis
         # access can rewrite it, so operators ship this line somewhere else.
         # Whatever the keys held: an audit line is written even for garbage.
         text, fence = (readable(v) for v in answer) if answer else ("", "")

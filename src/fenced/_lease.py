@@ -5,7 +5,7 @@ Everything that talks to Redis about a lease goes through here:
 - **process identity** — the host and the pid, the pid kept current across ``fork``;
 - **the token** — ``random:host:pid:task id``, defined once (``TOKEN_PATTERN``, read by
   the scripts and by :meth:`Holder.parse`);
-- **the keys** — every key of one name (lease, fence, runs, skips, rerun, queued,
+- **the keys** — every key of one name (lease, fence, records, skips, rerun, queued,
   handover, cooldown, the slots of a name held by several at once, pointer), under one
   namespace and one Cluster hash tag;
 - **the store** — the scripts run through :class:`LeaseStore`, and the one mapping
@@ -78,7 +78,7 @@ UNREACHABLE: tuple[type[BaseException], ...] = (
     OSError,
     redis.exceptions.InvalidResponse,
 )
-#: Run records kept per claim (the stream is trimmed approximately).
+#: Run records kept per claim (the oldest beyond them are trimmed).
 MAX_RECORDS = 1000
 #: How long the lasting keys of a name nobody uses (fence, run records, skip count,
 #: rerun triggers) are kept: a week. Names built from arguments (per user, per feed)
@@ -250,8 +250,14 @@ class ClaimKeys:
         return self._key("fence")
 
     @property
+    def records(self) -> str:
+        """The run records: a list, newest first, capped (``max_records``)."""
+        return self._key("records")
+
+    @property
     def runs(self) -> str:
-        """The run-record stream, newest last, capped."""
+        """The run-record stream earlier versions wrote, newest last: read beside
+        :attr:`records`, never written (it expires with the name's idle expiry)."""
         return self._key("runs")
 
     @property
@@ -337,7 +343,7 @@ class ClaimKeys:
     def lasting(self, limit: int = 1) -> tuple[str, ...]:
         """The keys that outlive a lease and expire when the name is idle (a name held
         by several at once, ``limit`` > 1, keeps its slots' hash too)."""
-        kept = (self.fence, self.runs, self.skips, self.rerun)
+        kept = (self.fence, self.records, self.skips, self.rerun)
         return (*kept, self.slots) if limit > 1 else kept
 
     def done(self, task_id: str) -> str:
@@ -356,10 +362,11 @@ class ClaimKeys:
 
     def all(self) -> list[str]:
         """The keys the ACQUIRE script receives, in KEYS order."""
-        # As lock, fence, runs, skips, rerun and cooldown spell them, from one prefix:
+        # As lock, fence, records, skips, rerun and cooldown spell them, from one prefix:
         # every claim object builds these.
         prefix = self._key("")
-        return [prefix + part for part in ("lock", "fence", "runs", "skips", "rerun", "cooldown")]
+        parts = ("lock", "fence", "records", "skips", "rerun", "cooldown")
+        return [prefix + part for part in parts]
 
     @staticmethod
     def name_from_key(key: str | bytes, namespace: str = "fenced") -> str | None:
@@ -732,7 +739,7 @@ class LeaseCalls:
         """REPLACE: take the name over from its holder (``why`` is noted for it), or a
         free name outside a cooldown window; read as ACQUIRE's."""
         k = self.keys
-        keys: tuple[str, ...] = (k.lock, k.fence, k.runs, k.replaced)
+        keys: tuple[str, ...] = (k.lock, k.fence, k.records, k.replaced)
         o = self.opts
         ended = json.dumps({"reason": why}) if record else ""
         args: list[Any] = [token, o.ttl_ms, record, o.max_records, task_id, o.idle_ms, why, ended]
@@ -795,7 +802,7 @@ class LeaseCalls:
 
     def handover_call(self, token: str, keep_ms: int, record: str, fence: int) -> Call:
         """HANDOVER: end ``token``'s run, keeping its lease ``keep_ms`` for its task's retry."""
-        keys = (self.keys.lock, self.keys.runs, self.keys.handover)
+        keys = (self.keys.lock, self.keys.records, self.keys.handover)
         o = self.opts
         return HANDOVER, keys, [token, keep_ms, record, o.max_records, fence, o.idle_ms]
 
@@ -803,7 +810,7 @@ class LeaseCalls:
         """TAKEOVER: take the lease kept for ``task_id`` (or a free name, outside a cooldown
         window); read as ACQUIRE's."""
         k = self.keys
-        keys: tuple[str, ...] = (k.lock, k.fence, k.runs, k.handover)
+        keys: tuple[str, ...] = (k.lock, k.fence, k.records, k.handover)
         o = self.opts
         args: list[Any] = [token, o.ttl_ms, record, o.max_records, task_id, o.idle_ms]
         if o.cooldown_ms:
@@ -861,7 +868,7 @@ def _key_types(keys: ClaimKeys) -> dict[str, tuple[str, ...]]:
     return {
         keys.lock: ("string",),
         keys.fence: ("string",),
-        keys.runs: ("stream",),
+        keys.records: ("list",),
         keys.skips: ("string",),
         keys.rerun: ("set", "string"),
         keys.slots: ("hash",),
@@ -919,7 +926,7 @@ def unrecorded(key: Any, kind: Any, what: str) -> None:
     key = printable(readable(key))
     log.warning(
         "fenced: the %s went through, but its run was not recorded: key %r is a %s, where "
-        "fenced keeps a stream of runs. Delete it (DEL %s) to record runs again",
+        "fenced keeps a list of run records. Delete it (DEL %s) to record runs again",
         what,
         key,
         printable(readable(kind)),

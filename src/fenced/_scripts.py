@@ -191,7 +191,7 @@ def run_pipeline(
     raise AssertionError("unreachable")
 
 
-# Every script that writes a name's lasting keys (fence, runs, skips, rerun) gives them
+# Every script that writes a name's lasting keys (fence, records, skips, rerun) gives them
 # the name's idle expiry (ms, 0 = never), so the keys of a name nobody uses any more go
 # away; the TIME floor keeps the fence increasing after its key expired.
 _TOUCH = """
@@ -233,21 +233,55 @@ local function not_a_fence(key)
 end
 """
 
-# A runs key someone replaced with another type cannot take an XADD: a script checks it
-# before its first write, so it either records nothing or stops with nothing written.
+# A records key someone replaced with another type cannot take an LPUSH: a script
+# checks it before its first write, so it either records nothing or stops with nothing
+# written.
 _RECORDABLE = """
 local function unrecordable(key)
   local kind = redis.call('TYPE', key).ok
-  if kind == 'stream' or kind == 'none' then return nil end
+  if kind == 'list' or kind == 'none' then return nil end
   return kind
 end
-local function not_a_stream(key, kind)
-  return redis.error_reply('WRONGTYPE ' .. key .. ' is a ' .. kind .. ', not a stream of runs')
+local function not_a_list(key, kind)
+  return redis.error_reply('WRONGTYPE ' .. key .. ' is a ' .. kind ..
+                           ', not a list of run records')
+end
+"""
+
+# A run record, as it is pushed at the head of the name's records list (newest first):
+# a JSON object of the entry's fields as text, its "at" the server's TIME in ms (which
+# orders entries as a stream id did), then a newline, then the record's own JSON as the
+# caller sent it (cjson escapes every newline inside the fields). ``...`` are field,
+# value pairs. The list is cut to ``maxlen`` entries after a push made it longer
+# (``length``: LPUSH's answer).
+_APPEND = """
+local record_time  -- a TIME reply the script already has, for its entries' "at"
+local function record_entry(record, ...)
+  local t = record_time or redis.call('TIME')
+  local head = {at = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))}
+  local fields = {...}
+  for i = 1, #fields, 2 do head[fields[i]] = fields[i + 1] end
+  return cjson.encode(head) .. '\\n' .. record, head.at
+end
+-- A run's end names its run by the start of its token's random part, as the records
+-- show it (``short_token``): the whole token (host, pid, task id) is in its start.
+local function run_of(token)
+  return string.sub(string.match(token, '^[^:]*'), 1, 8)
+end
+local function trim_records(key, length, maxlen)
+  local most = math.max(1, tonumber(maxlen))
+  if length > most then redis.call('LTRIM', key, 0, most - 1) end
+end
+local function append_record(key, maxlen, record, ...)
+  local entry, at = record_entry(record, ...)
+  local length = redis.call('LPUSH', key, entry)
+  trim_records(key, length, maxlen)
+  return at, length
 end
 """
 
 # ACQUIRE
-# KEYS[1] lock (slot 0)   KEYS[2] fence   KEYS[3] runs   KEYS[4] skips   KEYS[5] rerun
+# KEYS[1] lock (slot 0)   KEYS[2] fence   KEYS[3] records   KEYS[4] skips   KEYS[5] rerun
 #         (a set)
 # KEYS[6] (with ARGV[9] or ARGV[10]) cooldown (set by RELEASE after a run that ended
 #         "ok", expires with PX)
@@ -261,7 +295,7 @@ end
 #         as the "started" entry, or with the skip reason as the "skipped" entry
 # ARGV[4] the skip reason to record when we lose, or "" to record nothing (and count
 #         no skip)
-# ARGV[5] maximum length of the runs stream (approximate trim)
+# ARGV[5] maximum length of the records list
 # ARGV[6] the trigger to hand the holder when we lose the race (it runs once more for
 #         each distinct trigger after its own run; equal triggers coalesce), or ""
 # ARGV[7] the caller's task id, or "": a holder whose token carries the same task id is
@@ -330,12 +364,13 @@ end
 #         an error reply naming KEYS[2] (or KEYS[7]) when the claim would be granted on
 #         a fence that is not one (see _FENCE); nothing is granted then
 # Every fence is decimal text (a holder's fence as the key holds it, unchecked).
-# ACQUIRE's common grant, before anything else is defined: one holder, no cooldown
-# window, enqueue marker or rate, and a free name whose last fence is a plain decimal
-# below the server's clock. It runs the fewest commands and allocates nothing but its
-# answer; anything else goes on to the whole script below, told by ``taken`` whether
-# the lease is set (false: busy), by ``previous`` what the fence key held and by
-# ``written`` what was written in its place.
+# ACQUIRE's common grant, before anything but the records' helpers is defined: one
+# holder, no cooldown window, enqueue marker or rate, and a free name whose last fence
+# is a plain decimal below the server's clock. It runs the fewest commands (its record
+# takes the grant's TIME, and the list its idle expiry only when new: each release
+# renews it) and allocates little but its answer; anything else goes on to the whole
+# script below, told by ``taken`` whether the lease is set (false: busy), by
+# ``previous`` what the fence key held and by ``written`` what was written in its place.
 _ACQUIRE_FAST = """
 local idle = tonumber(ARGV[8])
 local taken, previous, written
@@ -354,9 +389,11 @@ if (ARGV[9] or '') == '' and (ARGV[10] or '1') == '1' and (ARGV[12] or '') == ''
     if not previous or (type(previous) == 'string' and #previous <= #now
         and string.find(previous, '^[1-9]%d*$') and (#previous < #now or previous < now)) then
       if ARGV[3] ~= '' then
-        redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
-                   'event', 'started', 'token', ARGV[1], 'fence', now, 'r', ARGV[3])
-        if idle > 0 then redis.call('PEXPIRE', KEYS[3], idle) end
+        record_time = t
+        local _, length = append_record(KEYS[3], ARGV[5], ARGV[3],
+                                        'event', 'started', 'token', ARGV[1], 'fence', now)
+        -- a new list gets its idle expiry here; each release renews it
+        if idle > 0 and length == 1 then redis.call('PEXPIRE', KEYS[3], idle) end
       end
       if ARGV[11] == '1' then return {1, now, 0, redis.call('EXISTS', KEYS[#KEYS])} end
       return {1, now}
@@ -367,7 +404,8 @@ end
 
 ACQUIRE = Script(
     "acquire",
-    _ACQUIRE_FAST
+    _APPEND
+    + _ACQUIRE_FAST
     + _TOUCH
     + _RECORDABLE
     + _FENCE
@@ -433,10 +471,10 @@ if ARGV[9] and ARGV[9] ~= '' then
   local left = redis.call('PTTL', KEYS[6])
   if left > 0 and not redelivered() then
     local bad = unrecordable(KEYS[3])
-    if bad then return not_a_stream(KEYS[3], bad) end
+    if bad then return not_a_list(KEYS[3], bad) end
     local skips = redis.call('INCR', KEYS[4])
-    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
-               'event', 'skipped', 'reason', ARGV[9], 'r', ARGV[3])
+    append_record(KEYS[3], ARGV[5], ARGV[3],
+                  'event', 'skipped', 'reason', ARGV[9])
     touch(idle, KEYS[3], KEYS[4])
     return {2, '', left, redis.call('GET', KEYS[2]) or '0', skips, 0}
   end
@@ -506,8 +544,8 @@ if rate_key then
 end
 local function started(minted)
   if ARGV[3] ~= '' then
-    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
-               'event', 'started', 'token', ARGV[1], 'fence', minted, 'r', ARGV[3])
+    append_record(KEYS[3], ARGV[5], ARGV[3], 'event', 'started', 'token', ARGV[1],
+                  'fence', minted)
     -- the skip count and rerun triggers are given the expiry when they are written
     touch(idle, KEYS[3])
   end
@@ -583,10 +621,10 @@ local function lose(holder, pttl, fence)
     skips = tonumber(redis.call('GET', KEYS[4]) or '0')
   elseif ARGV[4] ~= '' then
     local bad = unrecordable(KEYS[3])
-    if bad then return not_a_stream(KEYS[3], bad) end
+    if bad then return not_a_list(KEYS[3], bad) end
     skips = redis.call('INCR', KEYS[4])
-    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[5], '*',
-               'event', 'skipped', 'holder', holder, 'reason', ARGV[4], 'r', ARGV[3])
+    append_record(KEYS[3], ARGV[5], ARGV[3],
+                  'event', 'skipped', 'holder', holder, 'reason', ARGV[4])
     touch(idle, KEYS[3], KEYS[4])
   end
   local rerun = 0
@@ -713,13 +751,13 @@ end
 # RELEASE (safe to send again: a retry of a release whose reply was lost gets the first
 #          answer back, from a short-lived note of it or from the done marker it set,
 #          and records nothing twice)
-# KEYS[1] lock   KEYS[2] runs   KEYS[3] skips   KEYS[4] rerun
+# KEYS[1] lock   KEYS[2] records   KEYS[3] skips   KEYS[4] rerun
 # KEYS[5] done marker (holds the first 32 characters of the token whose run ended ok)
 # KEYS[6] the note of this token's release
 # KEYS[7] (optional) cooldown: set to the fence with PX = ARGV[9] after an "ok" run
 # ARGV[1] token
 # ARGV[2] JSON of the finished run record, or "" to record nothing
-# ARGV[3] maximum length of the runs stream
+# ARGV[3] maximum length of the records list
 # ARGV[4] outcome ("ok" resets the consecutive-skip count); a run that says "ok" but
 #         whose lease was already gone ended "lost": it did not end under the claim
 # ARGV[5] fence of the run being finished (recorded beside the outcome)
@@ -736,15 +774,15 @@ end
 # KEYS[#KEYS] (with ARGV[6] = "2") the sending set, after the keys above
 # returns {1 if our token held the lease and it is now deleted else 0, the outcome
 #          recorded, {the rerun triggers taken}}, and two more items when the run was
-#          not recorded because KEYS[2] is not a stream: KEYS[2] and its type. With
+#          not recorded because KEYS[2] is not a list: KEYS[2] and its type. With
 #          ARGV[6] = "2" the triggers are {field, trigger, ...}: the whole sending set,
 #          with what earlier releases left unsent ("" for the field of a trigger taken
 #          while the set's key held another type: it is kept nowhere)
-# RELEASE's common case, before anything else is defined: our token holds the lease,
-# no rerun trigger waits and no enqueue marker is asked for (what the whole script
-# below does then, with the fewest commands and nothing allocated but its answer).
-# Anything else (a record the runs key cannot take included: nothing is written then)
-# goes on to the whole script, told by ``held`` what the lease key holds.
+# RELEASE's common case, before anything but the records' helpers is defined: our
+# token holds the lease, no rerun trigger waits and no enqueue marker is asked for (what
+# the whole script below does then, with the fewest commands). Anything else (a record
+# the records key cannot take included: nothing is written then) goes on to the whole
+# script, told by ``held`` what the lease key holds.
 _RELEASE_FAST = """
 local held
 if ARGV[6] ~= '2' and (ARGV[10] or '') == '' then
@@ -752,11 +790,14 @@ if ARGV[6] ~= '2' and (ARGV[10] or '') == '' then
   if held == ARGV[1] and (ARGV[6] == '0' or redis.call('EXISTS', KEYS[4]) == 0) then
     local outcome, idle, recorded = ARGV[4], tonumber(ARGV[7]), true
     if ARGV[2] ~= '' then
-      local added = redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
-                                'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
-                                'outcome', outcome, 'r', ARGV[2])
+      local entry = record_entry(ARGV[2], 'event', 'finished', 'token', run_of(ARGV[1]),
+                                 'fence', ARGV[5], 'outcome', outcome)
+      local added = redis.pcall('LPUSH', KEYS[2], entry)
       recorded = not (type(added) == 'table' and added.err)
-      if recorded and idle > 0 then redis.call('PEXPIRE', KEYS[2], idle) end
+      if recorded then
+        trim_records(KEYS[2], added, ARGV[3])
+        if idle > 0 then redis.call('PEXPIRE', KEYS[2], idle) end
+      end
     end
     if recorded then
       if ARGV[2] ~= '' and outcome == 'ok' then
@@ -782,7 +823,8 @@ end
 
 RELEASE = Script(
     "release",
-    _RELEASE_FAST
+    _APPEND
+    + _RELEASE_FAST
     + _TOUCH
     + _RECORDABLE
     + _SENDING
@@ -820,25 +862,26 @@ if vanished then
 end
 local unrecorded
 if ARGV[2] ~= '' then
-  -- the lease is given back whatever the runs key holds: another type loses the record
-  -- only. Nothing is written before this XADD, so its own error tells (no TYPE per release).
-  local added
+  -- the lease is given back whatever the records key holds: another type loses the
+  -- record only. Nothing is written before this LPUSH, so its own error tells (no TYPE
+  -- per release).
+  local entry
   if vanished then
-    added = redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
-                        'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
-                        'outcome', outcome, 'r', ARGV[2],
-                        'note', 'the lease was gone before release')
+    entry = record_entry(ARGV[2], 'event', 'finished', 'token', run_of(ARGV[1]),
+                         'fence', ARGV[5], 'outcome', outcome,
+                         'note', 'the lease was gone before release')
   else
-    added = redis.pcall('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
-                        'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
-                        'outcome', outcome, 'r', ARGV[2])
+    entry = record_entry(ARGV[2], 'event', 'finished', 'token', run_of(ARGV[1]),
+                         'fence', ARGV[5], 'outcome', outcome)
   end
+  local added = redis.pcall('LPUSH', KEYS[2], entry)
   if type(added) == 'table' and added.err then
     unrecorded = unrecordable(KEYS[2])
     if not unrecorded then
       return added  -- another error: nothing is done yet
     end
   else
+    trim_records(KEYS[2], added, ARGV[3])
     touch(idle, KEYS[2])
   end
   -- a success ends a streak of skips (a claim without records counts none)
@@ -942,21 +985,22 @@ return #stay
 
 # HANDOVER: a run that asked for a retry of its task ends, keeping its lease for the
 #           retried message of the same task id (which takes it over with TAKEOVER)
-# KEYS[1] lock   KEYS[2] runs   KEYS[3] handover (the value of the kept lease)
+# KEYS[1] lock   KEYS[2] records   KEYS[3] handover (the value of the kept lease)
 # ARGV[1] token  ARGV[2] how long the lease is kept, in ms
 # The kept lease's value is "retry-" + token: host, pid and task id read as before, but
 # a renewal of the run still on its way (REFRESH compares the token) finds it gone and
 # cannot cut the kept time short.
 # ARGV[3] JSON of the finished run record, or "" to record nothing
-# ARGV[4] maximum length of the runs stream   ARGV[5] fence of the run being finished
+# ARGV[4] maximum length of the records list   ARGV[5] fence of the run being finished
 # ARGV[6] idle expiry of the name's lasting keys in ms (0 = never)
 # returns 1 when our token held the lease (now kept, its run recorded "retried"), 0 when
 #         the lease was gone or another token's (its run recorded "lost"); with records
-#         and KEYS[2] not a stream, {that 1 or 0, KEYS[2], its type}: nothing recorded
+#         and KEYS[2] not a list, {that 1 or 0, KEYS[2], its type}: nothing recorded
 HANDOVER = Script(
     "handover",
     _TOUCH
     + _RECORDABLE
+    + _APPEND
     + """
 local unrecorded
 if ARGV[3] ~= '' then unrecorded = unrecordable(KEYS[2]) end
@@ -974,13 +1018,13 @@ if unrecorded then
 end
 if ARGV[3] ~= '' then
   if kept == 1 then
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*',
-               'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
-               'outcome', outcome, 'r', ARGV[3])
+    append_record(KEYS[2], ARGV[4], ARGV[3],
+                  'event', 'finished', 'token', run_of(ARGV[1]), 'fence', ARGV[5],
+                  'outcome', outcome)
   else
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*',
-               'event', 'finished', 'token', ARGV[1], 'fence', ARGV[5],
-               'outcome', outcome, 'r', ARGV[3], 'note', 'the lease was gone before release')
+    append_record(KEYS[2], ARGV[4], ARGV[3],
+                  'event', 'finished', 'token', run_of(ARGV[1]), 'fence', ARGV[5],
+                  'outcome', outcome, 'note', 'the lease was gone before release')
   end
   touch(tonumber(ARGV[6]), KEYS[2])
 end
@@ -1016,25 +1060,24 @@ local function ran_recently(keys, reason, record, maxlen, idle)
   -- Redis's own expiry times the window: the hosts' clocks play no part
   local left = redis.call('PTTL', keys.cooldown)
   if left <= 0 then return nil end
-  local bad = unrecordable(keys.runs)
-  if bad then return not_a_stream(keys.runs, bad) end
+  local bad = unrecordable(keys.records)
+  if bad then return not_a_list(keys.records, bad) end
   local skips = redis.call('INCR', keys.skips)
-  redis.call('XADD', keys.runs, 'MAXLEN', '~', maxlen, '*',
-             'event', 'skipped', 'reason', reason, 'r', record)
-  touch(idle, keys.runs, keys.skips)
+  append_record(keys.records, maxlen, record, 'event', 'skipped', 'reason', reason)
+  touch(idle, keys.records, keys.skips)
   return {2, '', left, redis.call('GET', keys.fence) or '0', skips, 0}
 end
 """
 
 # TAKEOVER: a retried message takes the lease its earlier attempt kept for it (HANDOVER),
 #           or the name when it is free, minting a new fence as ACQUIRE does (_MINT)
-# KEYS[1] lock   KEYS[2] fence   KEYS[3] runs   KEYS[4] handover
+# KEYS[1] lock   KEYS[2] fence   KEYS[3] records   KEYS[4] handover
 # KEYS[5] (with ARGV[7]) skips   KEYS[6] (with ARGV[7]) cooldown (set by RELEASE after a
 #         run that ended "ok", expires with PX)
 # ARGV[1] token  ARGV[2] ttl in ms
 # ARGV[3] JSON of the "started" run record, or "" to record nothing; with the cooldown
 #         reason, written as the "skipped" entry when the name ran recently
-# ARGV[4] maximum length of the runs stream
+# ARGV[4] maximum length of the records list
 # ARGV[5] the caller's task id: only a lease kept for a token carrying this task id is
 #         taken over; a holder still running (no handover) is never taken from
 # ARGV[6] idle expiry of the name's lasting keys in ms (0 = never)
@@ -1054,6 +1097,7 @@ TAKEOVER = Script(
     "takeover",
     _TOUCH
     + _RECORDABLE
+    + _APPEND
     + _FENCE
     + _MINT
     + _RAN_RECENTLY
@@ -1071,7 +1115,7 @@ if holder then
     return {0, holder, redis.call('PTTL', KEYS[1]), last_fence, 0, 0}
   end
 elseif ARGV[7] and ARGV[7] ~= '' then
-  local recently = ran_recently({cooldown = KEYS[6], runs = KEYS[3], skips = KEYS[5],
+  local recently = ran_recently({cooldown = KEYS[6], records = KEYS[3], skips = KEYS[5],
                                  fence = KEYS[2]}, ARGV[7], ARGV[3], ARGV[4], idle)
   if recently then return recently end
 end
@@ -1081,8 +1125,8 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 redis.call('DEL', KEYS[4])
 local minted = mint_fence(KEYS[2], last_fence, idle)
 if ARGV[3] ~= '' then
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*',
-             'event', 'started', 'token', ARGV[1], 'fence', minted, 'r', ARGV[3])
+  append_record(KEYS[3], ARGV[4], ARGV[3],
+                  'event', 'started', 'token', ARGV[1], 'fence', minted)
 end
 touch(idle, KEYS[3])
 return {1, minted}
@@ -1092,12 +1136,12 @@ return {1, minted}
 # REPLACE: take the name over from whoever holds it (``on_busy="replace"``): the newest
 #          run wins at once, never waiting for the holder, minting a fence above the
 #          holder's as ACQUIRE does (_MINT). Limit 1 only: the plain lease key.
-# KEYS[1] lock   KEYS[2] fence   KEYS[3] runs   KEYS[4] replaced notes (a hash: the first
+# KEYS[1] lock   KEYS[2] fence   KEYS[3] records   KEYS[4] replaced notes (a hash: the first
 #         32 characters of a replaced token -> why, read by that token's REFRESH)
 # KEYS[5] (with ARGV[9]) skips   KEYS[6] (with ARGV[9]) cooldown
 # ARGV[1] token  ARGV[2] ttl in ms
 # ARGV[3] JSON of the "started" run record, or "" to record nothing
-# ARGV[4] maximum length of the runs stream
+# ARGV[4] maximum length of the records list
 # ARGV[5] the caller's task id, or "": a holder carrying the same task id is an earlier
 #         attempt of this very task (a redelivery), never replaced
 # ARGV[6] idle expiry of the name's lasting keys in ms (0 = never)
@@ -1115,12 +1159,13 @@ return {1, minted}
 #                                               task, or (with ARGV[10], then done) a
 #                                               task id whose run ended ok
 #         {2, "", cooldown pttl ms, fence, consecutive skips, 0}   as ACQUIRE's
-#         an error reply naming KEYS[3] (not a stream) or KEYS[2] (not a fence); nothing
+#         an error reply naming KEYS[3] (not a list) or KEYS[2] (not a fence); nothing
 #         is written then
 REPLACE = Script(
     "replace",
     _TOUCH
     + _RECORDABLE
+    + _APPEND
     + _FENCE
     + _MINT
     + _RAN_RECENTLY
@@ -1146,7 +1191,7 @@ if holder then
     return busy
   end
 elseif ARGV[9] and ARGV[9] ~= '' then
-  local recently = ran_recently({cooldown = KEYS[6], runs = KEYS[3], skips = KEYS[5],
+  local recently = ran_recently({cooldown = KEYS[6], records = KEYS[3], skips = KEYS[5],
                                  fence = KEYS[2]}, ARGV[9], ARGV[3], ARGV[4], idle)
   if recently then return recently end
 end
@@ -1154,7 +1199,7 @@ end
 if not fence_ok(last_fence) then return not_a_fence(KEYS[2]) end
 if ARGV[3] ~= '' then
   local bad = unrecordable(KEYS[3])
-  if bad then return not_a_stream(KEYS[3], bad) end
+  if bad then return not_a_list(KEYS[3], bad) end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 local minted = mint_fence(KEYS[2], last_fence, idle)
@@ -1163,14 +1208,14 @@ if holder then
   redis.call('HSET', KEYS[4], string.sub(holder, 1, 32), ARGV[7])
   redis.call('PEXPIRE', KEYS[4], 2 * tonumber(ARGV[2]) + 60000)
   if ARGV[8] ~= '' then
-    redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*',
-               'event', 'finished', 'token', holder, 'fence', last_fence,
-               'outcome', 'lost', 'r', ARGV[8], 'replaced', '1')
+    append_record(KEYS[3], ARGV[4], ARGV[8],
+                  'event', 'finished', 'token', run_of(holder), 'fence', last_fence,
+                  'outcome', 'lost', 'replaced', '1')
   end
 end
 if ARGV[3] ~= '' then
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*',
-             'event', 'started', 'token', ARGV[1], 'fence', minted, 'r', ARGV[3])
+  append_record(KEYS[3], ARGV[4], ARGV[3],
+                  'event', 'started', 'token', ARGV[1], 'fence', minted)
 end
 touch(idle, KEYS[3])
 return granted(minted)
@@ -1178,7 +1223,7 @@ return granted(minted)
 )
 
 # FORCE_RELEASE: clear a claim whatever its token, for an operator or a supervisor
-# KEYS[1] lock   KEYS[2] runs   KEYS[3] fence
+# KEYS[1] lock   KEYS[2] records   KEYS[3] fence
 # ARGV[1] expected token prefix ("" = any holder)   ARGV[2] JSON record   ARGV[3] maxlen
 # ARGV[4] expected task id in the token ("" = any)
 # ARGV[5] outcome of the holder's run, "" for "released" (an operator's act); any other
@@ -1189,6 +1234,7 @@ return granted(minted)
 FORCE_RELEASE = Script(
     "force_release",
     _TOUCH
+    + _APPEND
     + """
 local holder = redis.call('GET', KEYS[1])
 if not holder then return {'', ''} end
@@ -1204,12 +1250,12 @@ redis.call('DEL', KEYS[1])
 if ARGV[2] ~= '' then
   local outcome = ARGV[5]
   if outcome == '' then
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
-               'event', 'released', 'token', holder, 'outcome', 'released', 'r', ARGV[2])
+    append_record(KEYS[2], ARGV[3], ARGV[2],
+                  'event', 'released', 'token', holder, 'outcome', 'released')
   else
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*',
-               'event', 'finished', 'token', holder, 'fence', '0',
-               'outcome', outcome, 'r', ARGV[2])
+    append_record(KEYS[2], ARGV[3], ARGV[2],
+                  'event', 'finished', 'token', run_of(holder), 'fence', '0',
+                  'outcome', outcome)
   end
   touch(tonumber(ARGV[7]), KEYS[2])
 end
@@ -1218,19 +1264,20 @@ return {holder, redis.call('GET', KEYS[3]) or ''}
 )
 
 # RECORD: append one run record without touching the lease
-# KEYS[1] runs   KEYS[2] skips
+# KEYS[1] records   KEYS[2] skips
 # ARGV[1] event  ARGV[2] outcome  ARGV[3] JSON record  ARGV[4] maxlen  ARGV[5] token
 # ARGV[6] idle expiry of the name's lasting keys in ms (0 = never)
-# returns the stream entry id
+# returns the entry's time (the server's TIME in ms, as text)
 RECORD = Script(
     "record",
     _TOUCH
+    + _APPEND
     + """
-local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[4], '*',
-                      'event', ARGV[1], 'token', ARGV[5], 'outcome', ARGV[2], 'r', ARGV[3])
+local at = append_record(KEYS[1], ARGV[4], ARGV[3],
+                        'event', ARGV[1], 'token', ARGV[5], 'outcome', ARGV[2])
 if ARGV[2] == 'ok' then redis.call('DEL', KEYS[2]) end
 touch(tonumber(ARGV[6]), KEYS[1])
-return id
+return at
 """,
 )
 

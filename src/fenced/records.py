@@ -1,9 +1,16 @@
 """Run records and skip counters: what happened to each claim, newest first.
 
-Records live in one capped Redis stream per claim (``{ns}:{name}:runs``), JSON only.
-The claim scripts write them in the same round trip as the lease operation: ACQUIRE
-appends ``started`` (or ``skipped``), RELEASE appends ``finished`` with the outcome.
-A run is assembled from its ``started`` and ``finished`` entries by token.
+Records live in one capped Redis list per claim (``{ns}:{name}:records``), newest
+first, JSON only. The claim scripts write them in the same round trip as the lease
+operation: ACQUIRE pushes ``started`` (or ``skipped``), RELEASE pushes ``finished`` with
+the outcome. A run is assembled from its ``started`` and ``finished`` entries by token.
+
+An entry is a JSON object of its fields (event, token, fence, outcome...; ``at``, the
+server's time in ms), a newline, and the record's own JSON (who, where, how long). A
+list of a few entries costs some hundred bytes; the stream earlier versions kept
+(``{ns}:{name}:runs``, one per name) preallocated about 4 KB. That stream is still read
+beside the list, newest first, so records an earlier version wrote stay shown until
+they expire; nothing writes it any more.
 
 Outcomes: ``ok``, ``skipped``, ``failed``, ``lost``, ``aborted``, ``released`` (by an
 operator), ``retried`` (a Celery run that asked for a retry of its task and kept its
@@ -16,13 +23,12 @@ the scripts append, and :func:`from_entries` reads it back.
 
 from __future__ import annotations
 
+import heapq
 import json
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
-
-import redis
 
 from ._lease import (
     HOST,
@@ -48,8 +54,10 @@ __all__ = [
     "encode_started",
     "entries_for",
     "from_entries",
+    "from_replies",
     "history",
     "last",
+    "queue_read",
     "record",
 ]
 
@@ -131,9 +139,25 @@ def _entry_time(entry_id: str) -> float:
         return 0.0  # not a stream entry id: sorts last
 
 
+def _part(raw: bytes | str, what: str, problems: list[str]) -> str:
+    """One part of a list entry as text; bytes that are not UTF-8 are noted, and read
+    as ``\\x`` escapes (the record) or with U+FFFD (the fields, to read their JSON)."""
+    if not isinstance(raw, bytes):
+        return raw
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        if what == "r":
+            problems.append("field 'r' is not UTF-8")
+            return readable(raw)
+        problems.append("the entry's fields are not UTF-8")
+        return raw.decode("utf-8", "replace")
+
+
 @dataclass
 class _Entry:
-    """One stream entry, read whatever it holds: what could not be read is in ``problems``."""
+    """One entry (of the list, or of an earlier version's stream), read whatever it
+    holds: what could not be read is in ``problems``."""
 
     id: str
     at: float
@@ -143,6 +167,7 @@ class _Entry:
 
     @classmethod
     def read(cls, entry_id: Any, raw: Any) -> _Entry:
+        """A stream entry (XREVRANGE's id and fields)."""
         eid = readable(entry_id)
         problems: list[str] = []
         fields: dict[str, str] = {}
@@ -153,6 +178,35 @@ class _Entry:
                 fields[readable(key)] = readable(value)
                 problems.append(f"field {readable(key)!r} is not UTF-8")
         return cls(eid, _entry_time(eid), fields, _data(fields.get("r"), problems), problems)
+
+    @classmethod
+    def listed(cls, item: Any) -> _Entry:
+        """A list entry: its fields' JSON object, a newline, the record's JSON."""
+        problems: list[str] = []
+        raw = item if isinstance(item, (bytes, str)) else readable(item)
+        newline = b"\n" if isinstance(raw, bytes) else "\n"
+        head_raw, sep, record_raw = raw.partition(newline)  # type: ignore[arg-type]
+        head = _part(head_raw, "fields", problems)
+        fields: dict[str, str] = {}
+        try:
+            parsed = json.loads(head) if head else {}
+        except (ValueError, RecursionError):
+            parsed = {}
+            problems.append(f"the entry's fields are not JSON: {head[:40]!r}")
+        if not isinstance(parsed, dict):
+            problems.append(f"the entry's fields are a JSON {type(parsed).__name__}")
+            parsed = {}
+        for key, value in parsed.items():
+            fields[key] = value if isinstance(value, str) else _encode(value)
+        if sep:
+            fields["r"] = _part(record_raw, "r", problems)
+        stamp = fields.pop("at", "")
+        try:
+            at = int(stamp) / 1000.0
+        except ValueError:
+            at = 0.0  # sorts last
+            problems.append(f"at {stamp[:40]!r} is not a time in ms")
+        return cls(stamp, at, fields, _data(fields.get("r"), problems), problems)
 
     def text(self, key: str) -> str | None:
         """A field of the record's JSON as text (a value of another type, as its JSON)."""
@@ -250,23 +304,57 @@ def history(
     """The most recent runs of a claim, newest first (one round trip)."""
     keys = ClaimKeys.of(name, namespace)
     try:
-        entries = client.xrevrange(keys.runs, count=entries_for(limit))
+        listed, streamed = queue_read(client.pipeline(transaction=False), keys, limit).execute(
+            raise_on_error=False
+        )
     except UnicodeDecodeError:
         # A client that decodes replies cannot read the window at all: say so, once.
         why = "a run record is not UTF-8; a client without decode_responses reads the rest"
         return [RunRecord(name=keys.name, outcome=UNREADABLE, unreadable=why)]
-    except redis.ResponseError as exc:  # not a stream (WRONGTYPE): someone else's key
-        return [RunRecord(name=keys.name, outcome=UNREADABLE, unreadable=f"{keys.runs}: {exc}")]
-    return from_entries(name, entries, limit)
+    return from_replies(keys, listed, streamed, limit)
+
+
+def queue_read(pipe: Any, keys: ClaimKeys, limit: int) -> Any:
+    """Queue the reads of a name's records on a pipeline: LRANGE of the list, then
+    XREVRANGE of an earlier version's stream (:func:`from_replies` reads both)."""
+    count = entries_for(limit)
+    pipe.lrange(keys.records, 0, count - 1)
+    pipe.xrevrange(keys.runs, count=count)
+    return pipe
+
+
+def from_replies(keys: ClaimKeys, listed: Any, streamed: Any, limit: int = 20) -> list[RunRecord]:
+    """The runs :func:`queue_read`'s replies hold, newest first; a key of another type
+    (an error in place of its reply) is one unreadable run naming it."""
+    bad = [
+        RunRecord(name=keys.name, outcome=UNREADABLE, unreadable=f"{key}: {reply}")
+        for key, reply in ((keys.records, listed), (keys.runs, streamed))
+        if isinstance(reply, Exception)
+    ]
+    if isinstance(listed, Exception):
+        listed = []
+    if isinstance(streamed, Exception):
+        streamed = []
+    return bad + from_entries(keys.name, listed, limit, streamed=streamed)
+
+
+def read_problems(listed: Any, streamed: Any) -> list[str]:
+    """What :func:`queue_read`'s replies could not read, for a listing's one line."""
+    pairs = (("records", listed), ("runs", streamed))
+    return [f"{what}: {reply}" for what, reply in pairs if isinstance(reply, Exception)]
 
 
 def entries_for(limit: int) -> int:
-    """How many stream entries to read for ``limit`` runs (each run writes up to two)."""
+    """How many entries to read for ``limit`` runs (each run writes up to two)."""
     return max(1, limit) * 2 + 2
 
 
-def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
-    """Assemble runs, newest first, from XREVRANGE entries (for callers that pipeline).
+def from_entries(
+    name: str, entries: Any, limit: int = 20, *, streamed: Any = ()
+) -> list[RunRecord]:
+    """Assemble runs, newest first, from entries (for callers that pipeline): the
+    records list's items (LRANGE, newest first), or XREVRANGE's pairs of a stream an
+    earlier version wrote; with ``streamed``, such pairs too, merged by time.
 
     Entries that cannot be read (not JSON, fields of the wrong type, not UTF-8) give
     runs with ``unreadable`` saying what is wrong, and the rest is read as usual.
@@ -276,8 +364,7 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
     # An operator's release, listed on its own unless it turns out to be the only end
     # of a run in the window: then it is that run's end, not a second entry.
     releases: dict[str, tuple[float, RunRecord]] = {}
-    for entry_id, raw in entries:
-        e = _Entry.read(entry_id, raw)
+    for e in _entries(entries, streamed):
         f, at = e.fields, e.at
         event = f.get("event")
         if event in ("finished", "released"):
@@ -347,6 +434,22 @@ def from_entries(name: str, entries: Any, limit: int = 20) -> list[RunRecord]:
     return [rec for _at, rec in runs[:limit]]
 
 
+def _entry(item: Any) -> _Entry:
+    if isinstance(item, (bytes, str)):
+        return _Entry.listed(item)
+    entry_id, raw = item
+    return _Entry.read(entry_id, raw)
+
+
+def _entries(entries: Any, streamed: Any) -> Any:
+    """Every entry, newest first: a stream's beside the list's merged by time (each in
+    its own order; the list's first at the same time, it is the newer)."""
+    listed = map(_entry, entries or ())
+    if not streamed:
+        return listed
+    return heapq.merge(listed, map(_entry, streamed), key=lambda e: -e.at)
+
+
 _CORE = {"task_id", "host", "pid", "at", "worker", "reason", "duration", "outcome"}
 
 
@@ -405,7 +508,9 @@ def record(
     idle_ttl: float | None = IDLE_TTL,
     **data: Any,
 ) -> str:
-    """Append one record outside a lease operation (e.g. an aborted run before acquire)."""
+    """Append one record outside a lease operation (e.g. an aborted run before acquire).
+
+    Returns the entry's time: the server's clock in ms, as text."""
     if outcome not in OUTCOMES:
         raise ValueError(f"outcome {outcome!r} is not one of {', '.join(OUTCOMES)}")
     keys = ClaimKeys.of(name, namespace)
@@ -414,7 +519,7 @@ def record(
     return as_text(
         RECORD(
             client,
-            [keys.runs, keys.skips],
+            [keys.records, keys.skips],
             [event, outcome, payload, max_records, token, int(idle_ttl * 1000) if idle_ttl else 0],
         )
     )

@@ -69,9 +69,9 @@ def run_doctor(
                     f"Could not read run records ({exc})",
                     "The naming checks (claim names too fine or too coarse) read the run "
                     "records in the lock Redis; they were skipped.",
-                    "Let this Redis user run SCAN and XREVRANGE on the claim keys "
-                    f"(`ACL SETUSER <user> ~{namespace}:* +scan +xrevrange`), and pass the "
-                    "Redis the workers use: `--redis URL` or `fenced_redis_url`.",
+                    "Let this Redis user run SCAN, LRANGE and XREVRANGE on the claim keys "
+                    f"(`ACL SETUSER <user> ~{namespace}:* +scan +lrange +xrevrange`), and "
+                    "pass the Redis the workers use: `--redis URL` or `fenced_redis_url`.",
                 )
             )
     if records is not None:

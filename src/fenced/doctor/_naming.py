@@ -222,14 +222,16 @@ def load_records(
 ) -> list[dict[str, Any]]:
     """Run records of every claim in Redis, as dicts for :func:`check_naming`."""
     found: list[dict[str, Any]] = []
-    pattern = _escape_glob(namespace) + ":{*}:runs"
     names: set[str] = set()
-    for key in scan_keys(client, pattern, count=500):  # every primary of a cluster
-        name = ClaimKeys.name_from_key(key, namespace)
-        if name is not None:
-            names.add(name)
-        if len(names) >= max_claims:
-            break
+    # The records list, and the stream an earlier version wrote instead.
+    for part in ("records", "runs"):
+        pattern = _escape_glob(namespace) + ":{*}:" + part
+        for key in scan_keys(client, pattern, count=500):  # every primary of a cluster
+            if len(names) >= max_claims:
+                break
+            name = ClaimKeys.name_from_key(key, namespace)
+            if name is not None:
+                names.add(name)
     for name in sorted(names):
         for rec in history(client, name, limit=per_claim, namespace=namespace):
             loaded: dict[str, Any] = {

@@ -14,7 +14,7 @@ from ._finding import Finding
 
 __all__ = ["MIN_REDIS", "check_redis", "version_findings"]
 
-#: Oldest Redis the claim scripts run on: XADD (streams) and TIME before a write.
+#: Oldest Redis the claim scripts run on: TIME before a write (and XADD for pointers).
 MIN_REDIS = (5, 0)
 
 
@@ -32,9 +32,10 @@ def version_findings(version: str) -> list[Finding]:
             "error",
             "redis.version",
             f"Redis {version} is older than 5.0",
-            "The claim scripts append run records with XADD (streams arrived in 5.0) and "
-            "read TIME before writing to mint the fence, which older servers refuse "
-            "without script effects replication: acquire and release fail on this server.",
+            "The claim scripts read TIME before writing, to mint the fence and to time "
+            "each run record, which older servers refuse without script effects "
+            "replication: acquire and release fail on this server (and Redis pointers "
+            "log with XADD: streams arrived in 5.0).",
             "Upgrade the lock Redis to 6.2 or later (5.0 at the very least).",
         )
     ]
