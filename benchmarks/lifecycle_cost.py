@@ -226,7 +226,7 @@ def main() -> int:
                 f"{name}: {res['x_lock']:.2f}x the Lock's server time (target <= {limit}x)"
             )
         if records and res["commands"] > MAX_COMMANDS:
-            missed.append(f"{name}: {res['commands']:.1f} commands (target <= {MAX_COMMANDS})")
+            missed.append(f"{name}: {res['commands']:.2f} commands (target <= {MAX_COMMANDS})")
 
     if args.json:
         print(json.dumps({"machine": info, "lanes": results, "missed": missed}, indent=2))
@@ -235,7 +235,7 @@ def main() -> int:
         rows = [
             [
                 name,
-                f"{res['commands']:.1f}",
+                f"{res['commands']:.2f}",
                 f"{res['server_us']:.1f}",
                 f"{res['x_lock']:.2f}x",
                 " ".join(f"{k}={v:g}" for k, v in res["by_command"].items()),

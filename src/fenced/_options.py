@@ -52,7 +52,10 @@ class ClaimOptions:
     records: bool = _option(
         False, "write run records (fenced.records) with each acquire and release"
     )
-    max_records: int = _option(MAX_RECORDS, "run records kept for the name")
+    max_records: int = _option(
+        MAX_RECORDS,
+        "run records kept for the name (an eighth more gather before the oldest are cut)",
+    )
     idle_ttl: float | None = _option(
         IDLE_TTL,
         "seconds the name's lasting keys (fence, run records, skip count, rerun triggers) "

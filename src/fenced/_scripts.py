@@ -252,13 +252,18 @@ end
 # a JSON object of the entry's fields as text, its "at" the server's TIME in ms (which
 # orders entries as a stream id did), then a newline, then the record's own JSON as the
 # caller sent it (cjson escapes every newline inside the fields). ``...`` are field,
-# value pairs. The list is cut to ``maxlen`` entries after a push made it longer
-# (``length``: LPUSH's answer).
+# value pairs. The list is cut back to ``maxlen`` entries after a push made it an
+# eighth longer (``length``: LPUSH's answer).
 _APPEND = """
-local record_time  -- a TIME reply the script already has, for its entries' "at"
+-- a TIME reply the script already has, for its entries' "at"; false: an entry without
+-- one (a release's: its run's start and duration time it, the list's order places it)
+local record_time
 local function record_entry(record, ...)
-  local t = record_time or redis.call('TIME')
-  local head = {at = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))}
+  local head = {}
+  if record_time ~= false then
+    local t = record_time or redis.call('TIME')
+    head.at = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
+  end
   local fields = {...}
   for i = 1, #fields, 2 do head[fields[i]] = fields[i + 1] end
   return cjson.encode(head) .. '\\n' .. record, head.at
@@ -270,7 +275,10 @@ local function run_of(token)
 end
 local function trim_records(key, length, maxlen)
   local most = math.max(1, tonumber(maxlen))
-  if length > most then redis.call('LTRIM', key, 0, most - 1) end
+  -- cut back once an eighth more have gathered: not one LTRIM per push
+  if length > most + math.max(1, math.floor(most / 8)) then
+    redis.call('LTRIM', key, 0, most - 1)
+  end
 end
 local function append_record(key, maxlen, record, ...)
   local entry, at = record_entry(record, ...)
@@ -784,6 +792,7 @@ end
 # the records key cannot take included: nothing is written then) goes on to the whole
 # script, told by ``held`` what the lease key holds.
 _RELEASE_FAST = """
+record_time = false
 local held
 if ARGV[6] ~= '2' and (ARGV[10] or '') == '' then
   held = redis.call('GET', KEYS[1])

@@ -164,6 +164,11 @@ class _Entry:
     fields: dict[str, str]
     data: dict[str, Any]
     problems: list[str]
+    #: False for a list entry written without a time of its own (a release's end): its
+    #: ``at`` is then the next older entry's, ``before`` the next newer one's (None: it
+    #: is the newest), and its run's end its start + duration, within those two.
+    timed: bool = True
+    before: float | None = None
 
     @classmethod
     def read(cls, entry_id: Any, raw: Any) -> _Entry:
@@ -200,7 +205,9 @@ class _Entry:
             fields[key] = value if isinstance(value, str) else _encode(value)
         if sep:
             fields["r"] = _part(record_raw, "r", problems)
-        stamp = fields.pop("at", "")
+        stamp = fields.pop("at", None)
+        if stamp is None:  # timed by its neighbours (see _entries)
+            return cls("", 0.0, fields, _data(fields.get("r"), problems), problems, False)
         try:
             at = int(stamp) / 1000.0
         except ValueError:
@@ -401,8 +408,13 @@ def from_entries(
             )
             if end is not None:
                 rec.outcome = _outcome(end)
-                rec.finished = end.at
                 duration = end.number("duration")
+                rec.finished = end.at
+                if not end.timed and duration is not None:
+                    # measured by the holder, so bounded by what Redis saw after it
+                    rec.finished = max(end.at, at + duration)
+                    if end.before is not None:
+                        rec.finished = min(rec.finished, end.before)
                 rec.duration = duration if duration is not None else rec.finished - at
                 rec.reason = end.text("reason") or end.fields.get("note")
                 rec.extra.update(end.extra())
@@ -444,7 +456,24 @@ def _entry(item: Any) -> _Entry:
 def _entries(entries: Any, streamed: Any) -> Any:
     """Every entry, newest first: a stream's beside the list's merged by time (each in
     its own order; the list's first at the same time, it is the newer)."""
-    listed = map(_entry, entries or ())
+    listed = [_entry(item) for item in entries or ()]
+    # An entry without a time of its own is placed at the next older entry's time (the
+    # list is in the order Redis pushed it), so the list stays newest first.
+    # The oldest in the window (its older neighbour outside it) takes the newer one's.
+    since = 0.0
+    for e in reversed(listed):
+        if e.timed:
+            since = e.at
+        else:
+            e.at = since
+    newer: float | None = None
+    for e in listed:
+        if e.timed:
+            newer = e.at
+            continue
+        e.before = newer
+        if not e.at:
+            e.at = newer or 0.0
     if not streamed:
         return listed
     return heapq.merge(listed, map(_entry, streamed), key=lambda e: -e.at)
