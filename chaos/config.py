@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["FAULTS", "LANES", "Config", "Shared"]
+__all__ = ["BROKEN", "FAULTS", "LANES", "Config", "Shared"]
 
 #: Every fault the nemesis knows, in the order the report lists them.
 FAULTS = (
@@ -19,6 +19,8 @@ FAULTS = (
     "kill_worker",
     "kill_runner",
 )
+#: Deliberate faults of the dedup lane (``--broken``) that its checker must catch.
+BROKEN = ("limit", "cooldown", "rerun")
 #: The lanes: fenced's front ends, and the same work under redis-py's Lock.
 LANES = ("fenced", "lock")
 #: The environment variable that carries :class:`Shared` to worker processes.
@@ -53,6 +55,15 @@ class Config:
     #: Quiet time between two faults, in multiples of the ttl.
     gap: tuple[float, float] = (1.5, 3.0)
     keep_tables: bool = False
+    #: The dedup lane (chaos/dedup_app.py, chaos/feeder.py): fenced's Celery options.
+    dedup: bool = True
+    #: Prefork children of the dedup lane's Celery worker (more than its limit of 2).
+    dedup_children: int = 4
+    #: Lease of the dedup lane's claims, and its cooldown, in seconds.
+    dedup_ttl: float = 3.0
+    dedup_cooldown: float = 1.5
+    #: Deliberate faults in the dedup lane, from BROKEN (the checker must fail the run).
+    broken: tuple[str, ...] = ()
 
     def check(self) -> None:
         """Raise ValueError for settings that cannot work, naming the fix."""
@@ -65,6 +76,16 @@ class Config:
             raise ValueError(f"--ttl {self.ttl}: at least 0.3 s (the heartbeat renews at ttl/3)")
         if self.seconds <= 0:
             raise ValueError(f"--seconds {self.seconds}: a positive duration")
+        wrong = [b for b in self.broken if b not in BROKEN]
+        if wrong:
+            raise ValueError(f"--broken {','.join(wrong)}: choose from {', '.join(BROKEN)}")
+        if self.broken and not self.dedup:
+            raise ValueError("--broken breaks the dedup lane: drop --no-dedup")
+        if self.dedup and self.dedup_children < 3:
+            raise ValueError(
+                f"--dedup-children {self.dedup_children}: at least 3, so that a limit of 2 "
+                "can be exceeded"
+            )
         if not 0 < self.step_min <= self.step_max:
             raise ValueError("step times: 0 < step_min <= step_max")
 

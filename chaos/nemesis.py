@@ -160,7 +160,7 @@ class Nemesis:
         start = time.monotonic()
         for v in victims:
             if v.get("whole_celery"):
-                self.h.restart_celery_in_background()
+                self.h.restart_celery_in_background(v["lane"])
             else:
                 kill_quietly(v["pid"])
         self.record("kill_worker", start, targets=victims)
