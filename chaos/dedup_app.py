@@ -68,7 +68,13 @@ app.conf.update(
     task_default_queue=QUEUE,
     broker_connection_retry_on_startup=True,
     # A whole worker killed: its messages come back this long after their delivery.
-    broker_transport_options={"visibility_timeout": 8},
+    # kombu looks for such messages every unacked_restore_interval times
+    # unacked_restore_throttle seconds (100 by default): every second here.
+    broker_transport_options={
+        "visibility_timeout": 8,
+        "unacked_restore_interval": 1,
+        "unacked_restore_throttle": 1,
+    },
     result_expires=3600,
     fenced_redis_url=shared.lock_url,
     fenced_secret_key="chaos-dedup-lane-secret-key-0123456789abcdef",

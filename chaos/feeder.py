@@ -36,7 +36,7 @@ PERIODS = {
     "dd.cooldown": 0.3,
     "dd.limit": 0.3,
     "dd.retry": 1.5,
-    "dd.rerun": 0.2,
+    "dd.rerun": 0.35,
     "chord": 2.0,
     "dd.limit_unclaimed": 1.5,
     "dd.cooldown_unclaimed": 1.2,

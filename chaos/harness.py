@@ -433,8 +433,10 @@ class Harness:
                 seen, quiet_since = len(events), time.monotonic()
             left = pending(read_events(self.log_dir))
             # Every call accounted for, and nothing new for a moment (reruns sent by the
-            # last runs have arrived): done.
-            if not left and time.monotonic() - quiet_since > 1.5:
+            # last runs have arrived): done. Also when nothing has run for longer than a
+            # killed worker's messages take to come back: what is left will not come.
+            quiet = time.monotonic() - quiet_since
+            if (not left and quiet > 1.5) or quiet > (3.0 if self.cfg.broken else 12.0):
                 break
             time.sleep(0.5)
         self.drain = {"seconds": round(time.monotonic() - start, 1), "pending": len(left)}
