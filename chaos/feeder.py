@@ -92,14 +92,16 @@ class Feeder:
     def send_chord(self) -> None:
         self.chords += 1
         c = self.chords
-        members = [dd.member.s(i) for i in range(2)]
+        ids = [str(uuid.uuid4()) for _ in range(2)]
+        members = [dd.member.s(i).set(task_id=ids[i]) for i in range(2)]
         t0 = time.monotonic()
         try:
             result = chord(members)(dd.chord_body.s(chord=c))
         except Exception as exc:
             self.log.emit("dd-call-error", t=t0, task="chord", args=[c], error=repr(exc)[:200])
             return
-        self.log.emit("dd-chord", t=t0, t1=time.monotonic(), chord=c, body=result.id)
+        self.log.emit("dd-chord", t=t0, t1=time.monotonic(), chord=c, body=result.id,
+                      members=ids)  # fmt: skip
 
     def run(self) -> None:
         due = {kind: time.monotonic() for kind in self.kinds}
