@@ -309,7 +309,15 @@ class Report:
         rows.append(("chords: sent / body ran", f"{d.chords} / {d.chords_done}"))
         rows.append(("excused: a restart of Redis forgot the state", kv(d.excused)))
         rows.append(("drain after the faults", f"{self.setup.drain_seconds:g} s"))
-        return _table(rows)
+        out = _table(rows)
+        if d.beside:
+            names = list(d.beside)
+            keys = list(next(iter(d.beside.values())))
+            side: list[tuple[str, ...]] = [("same calls, same faults", *names)]
+            for k in keys:
+                side.append((k, *(str(d.beside[n].get(k, "")) for n in names)))
+            out += ["", *_table(side)]
+        return out
 
     def _side_by_side(self) -> list[str]:
         lanes = [self.fenced] + ([self.lock] if self.lock else [])

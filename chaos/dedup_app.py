@@ -19,6 +19,10 @@ task                   claim                         what it exercises
 ``dd.member``          ``dd:member:{k}``             a chord member (``dd.chord_body``)
 =====================  ============================  =====================================
 
+Beside them, when celery-once is installed, ``dd.once`` (``QueueOnce``, graceful, one
+lock for every call, kept on the lock Redis too) is called on ``dd.finished``'s
+schedule: a peer, reported beside fenced, not held to fenced's invariants.
+
 ``CHAOS_BROKEN`` (``--broken``) switches on deliberate faults the checker must catch:
 ``limit`` and ``cooldown`` add unclaimed tasks that log as ``dd:limit`` and
 ``dd:cooldown`` (the feeder sends them now and then); ``rerun`` makes every other run
@@ -83,6 +87,11 @@ app.conf.update(
     # The nemesis restarts the claims' Redis for up to half a second: retry through it.
     fenced_claim_unavailable_backoff=0.2,
     fenced_claim_unavailable_retries=12,
+    # celery-once's locks: on the lock Redis (its faults hit them too), database 2.
+    ONCE={
+        "backend": "celery_once.backends.Redis",
+        "settings": {"url": shared.lock_url.rsplit("/", 1)[0] + "/2", "default_timeout": 3600},
+    },
 )
 
 _log: tuple[int, EventLog] | None = None
@@ -245,3 +254,19 @@ def limit_unclaimed(self: Any, k: int) -> str:
 def cooldown_unclaimed(self: Any, k: int) -> str:
     _hold(self, "dd:cooldown", (k,), 0.1, 0.3)
     return "done"
+
+
+# -- celery-once, the peer (when installed) -----------------------------------------------
+
+try:
+    from celery_once import QueueOnce  # type: ignore[import-untyped]
+except ImportError:  # pragma: no cover - celery-once comes with the dev group
+    QueueOnce = None
+
+if QueueOnce is not None:
+
+    @app.task(base=QueueOnce, bind=True, name="dd.once", once={"graceful": True, "keys": []})
+    def once(self: Any, k: int) -> str:
+        """celery-once: a call sent while another is queued or running is refused."""
+        _hold(self, "once:finished", (k,), 0.2, 0.5)
+        return "done"

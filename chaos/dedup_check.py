@@ -20,6 +20,9 @@ Invariants (any violation fails the run):
   was lost fails, and Celery fails its chord): only a member that lost its claim to a
   restart of the lock Redis excuses it.
 
+celery-once (``dd.once``, when installed) runs beside ``dd.finished`` on the same
+schedule and faults; its figures are reported beside fenced's, not held to these.
+
 A restart of the lock Redis empties it (no persistence): leases, cooldown stamps and
 rerun triggers are forgotten, as fenced documents. A violation that such a restart
 explains (it came between the two runs, or between a trigger and its rerun) is
@@ -45,6 +48,8 @@ INVARIANTS = {
 }
 #: Runs of a name allowed at once (chaos.dedup_app.LIMITS; 1 for every other name).
 LIMITS = {"dd:limit": 2}
+#: The peer: celery-once's task, and the run name it logs (kept out of the invariants).
+PEER_TASK, PEER_NAME = "dd.once", "once:finished"
 #: A rerun trigger lost to a restart of the lock Redis in this many seconds after it.
 RESTART_WINDOW = 10.0
 
@@ -83,6 +88,8 @@ class DedupStats:
     chords_done: int = 0
     killed_runs: int = 0
     excused: dict[str, int] = field(default_factory=dict)
+    #: fenced's until_finished and celery-once under the same calls and faults.
+    beside: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -150,6 +157,8 @@ def _accounting(
     problems: list[tuple[float, str]] = []
     excused = 0
     for call in lane.calls:
+        if call["task"] == PEER_TASK:
+            continue
         t0, own, returned = float(call["t"]), str(call["id"]), str(call["returned"])
         what = f"{call['task']}{tuple(call['args'])} (task {own[:8]})"
         if returned != own:
@@ -255,7 +264,7 @@ def check_dedup(
     stats.calls = len(lane.calls)
     stats.call_errors = len(lane.errors)
     stats.runs = dict(Counter("dd:member:*" if r.name.startswith("dd:member")
-                              else r.name for r in lane.runs))  # fmt: skip
+                              else r.name for r in lane.runs if r.name != PEER_NAME))  # fmt: skip
     stats.runs = {k: v for k, v in sorted(stats.runs.items())}
     stats.reruns = sum(1 for r in lane.runs if r.rerun)
     stats.killed_runs = sum(1 for r in lane.runs if r.how == "killed")
@@ -272,7 +281,8 @@ def check_dedup(
     # dd-limit: a sweep over each name's runs.
     by_name: dict[str, list[Run]] = defaultdict(list)
     for run in lane.runs:
-        by_name[run.name].append(run)
+        if run.name != PEER_NAME:
+            by_name[run.name].append(run)
     for name, runs in sorted(by_name.items()):
         limit = LIMITS.get(name, 1)
         runs.sort(key=lambda r: r.start)
@@ -388,6 +398,11 @@ def check_dedup(
                       timeline.before(t))
         )  # fmt: skip
     stats.excused = dict(excused)
+    stats.beside = {
+        "fenced until_finished": _beside(lane, "dd.finished", "dd:finished"),
+        **({"celery-once": _beside(lane, PEER_TASK, PEER_NAME)}
+           if any(c["task"] == PEER_TASK for c in lane.calls) else {}),
+    }  # fmt: skip
     checked = {
         "dd-limit": f"{len(lane.runs)} runs, {len(by_name)} names",
         "dd-cooldown": f"{n_ok} ok runs",
@@ -396,3 +411,44 @@ def check_dedup(
         "dd-chord": f"{stats.chords} chords",
     }
     return violations, stats, checked
+
+
+def _beside(lane: _Lane, task: str, name: str) -> dict[str, Any]:
+    """One contender's figures: its calls, what became of them, its runs.
+
+    A call not published (fenced: coalesced into a queued message; celery-once:
+    refused) is *dropped* when, as it was sent, no run of its name was running and no
+    message of it was queued (published before, run after): nothing was left to do its
+    work, as after a run killed with its lock, or a lock that outlived its message.
+    """
+    calls = [c for c in lane.calls if c["task"] == task]
+    runs = sorted((r for r in lane.runs if r.name == name), key=lambda r: r.start)
+    first: dict[str, float] = {}
+    for r in runs:
+        first.setdefault(r.id, r.start)
+    published = [c for c in calls if str(c["returned"]) == str(c["id"])]
+    kept = [c for c in calls if str(c["returned"]) != str(c["id"])]
+    dropped = 0
+    for c in kept:
+        t0 = float(c["t"])
+        running = any(r.start <= t0 <= (r.end or t0) for r in runs)
+        queued = any(
+            float(p["t"]) < t0 and first.get(str(p["id"]), float("inf")) > t0 for p in published
+        )
+        dropped += not (running or queued)
+    most, active = 0, list[Run]()
+    for r in runs:
+        active = [a for a in active if (a.end or a.start) > r.start] + [r]
+        most = max(most, len(active))
+    never = sum(
+        1 for c in published if str(c["id"]) not in first and not lane.posts.get(str(c["id"]))
+    )
+    return {
+        "calls": len(calls),
+        "published": len(published),
+        "not published": len(kept),
+        "dropped with nothing queued or running": dropped,
+        "published, never ran": never,
+        "runs": len(runs),
+        "most at once": most,
+    }

@@ -33,6 +33,7 @@ __all__ = ["main"]
 PERIODS = {
     "dd.started": 0.25,
     "dd.finished": 0.25,
+    "dd.once": 0.25,
     "dd.cooldown": 0.3,
     "dd.limit": 0.3,
     "dd.retry": 1.5,
@@ -51,6 +52,8 @@ TASKS: dict[str, Any] = {
     "dd.limit_unclaimed": dd.limit_unclaimed,
     "dd.cooldown_unclaimed": dd.cooldown_unclaimed,
 }
+if "dd.once" in dd.app.tasks:
+    TASKS["dd.once"] = dd.app.tasks["dd.once"]
 #: The most messages waiting in the queue before the feeder holds back (a queue that
 #: grows without end says nothing about dedup, only about two cores).
 MAX_QUEUED = 12
@@ -64,7 +67,9 @@ class Feeder:
         self.stopping = threading.Event()
         self.k = 0
         self.chords = 0
-        kinds = [k for k in PERIODS if not k.endswith("_unclaimed")]
+        kinds = [
+            k for k in PERIODS if k == "chord" or (k in TASKS and not k.endswith("_unclaimed"))
+        ]
         if "limit" in dd.BROKEN:
             kinds.append("dd.limit_unclaimed")
         if "cooldown" in dd.BROKEN:
@@ -81,7 +86,9 @@ class Feeder:
         own = str(uuid.uuid4())
         t0 = time.monotonic()
         try:
-            returned = TASKS[kind].apply_async(args, task_id=own).id
+            result = TASKS[kind].apply_async(args, task_id=own)
+            # celery-once refuses a call with a result of no id, state REJECTED.
+            returned = result.id if result.id is not None else "rejected"
         except Exception as exc:  # not sent: the caller is told, as the log says
             self.log.emit("dd-call-error", t=t0, task=kind, args=args, id=own,
                           error=repr(exc)[:200], closing=closing)  # fmt: skip
