@@ -43,6 +43,18 @@ def parse(argv: list[str] | None = None) -> Config | str:
         "--dedup-children", type=int, default=4, help="dedup lane prefork children (>= 3)"
     )
     p.add_argument(
+        "--sentinel",
+        action="store_true",
+        help="the dedup lane's claims on a Sentinel group, with the failover faults "
+        "(its master killed, or paused until a replica is promoted)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="claim_replicas of the dedup lane's tasks (default: 1 with --sentinel, else 0)",
+    )
+    p.add_argument(
         "--broken",
         default="",
         help="break the dedup lane on purpose, to see the checker fail: comma-separated "
@@ -85,6 +97,8 @@ def parse(argv: list[str] | None = None) -> Config | str:
         dedup=not a.no_dedup,
         dedup_children=a.dedup_children,
         broken=tuple(b for b in a.broken.split(",") if b),
+        sentinel=a.sentinel,
+        replicas=a.replicas,
     )
     try:
         cfg.check()

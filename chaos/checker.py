@@ -307,7 +307,7 @@ class Report:
         rows.append(("failed runs", str(d.failed)))
         rows.append(("most runs at once, by name", kv(d.max_at_once)))
         rows.append(("chords: sent / body ran", f"{d.chords} / {d.chords_done}"))
-        rows.append(("excused: a restart of Redis forgot the state", kv(d.excused)))
+        rows.append(("excused: a restart or failover forgot the state", kv(d.excused)))
         rows.append(("drain after the faults", f"{self.setup.drain_seconds:g} s"))
         out = _table(rows)
         if d.beside:

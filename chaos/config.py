@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["BROKEN", "FAULTS", "LANES", "Config", "Shared"]
+__all__ = ["BROKEN", "FAILOVER_FAULTS", "FAULTS", "LANES", "Config", "Shared"]
 
 #: Every fault the nemesis knows, in the order the report lists them.
 FAULTS = (
@@ -18,7 +18,11 @@ FAULTS = (
     "partition",
     "kill_worker",
     "kill_runner",
+    "failover_kill",
+    "failover_pause",
 )
+#: The faults of a Sentinel group (``--sentinel``): they need its master and replica.
+FAILOVER_FAULTS = ("failover_kill", "failover_pause")
 #: Deliberate faults of the dedup lane (``--broken``) that its checker must catch.
 BROKEN = ("limit", "cooldown", "rerun")
 #: The lanes: fenced's front ends, and the same work under redis-py's Lock.
@@ -64,6 +68,12 @@ class Config:
     dedup_cooldown: float = 1.5
     #: Deliberate faults in the dedup lane, from BROKEN (the checker must fail the run).
     broken: tuple[str, ...] = ()
+    #: The dedup lane's claims on a Sentinel group (master, replica, three sentinels),
+    #: which the failover faults kill or pause.
+    sentinel: bool = False
+    #: claim_replicas of the dedup lane's tasks (replicas that must acknowledge each
+    #: acquire and renewal); None: 1 on Sentinel, else 0.
+    replicas: int | None = None
 
     def check(self) -> None:
         """Raise ValueError for settings that cannot work, naming the fix."""
@@ -79,6 +89,8 @@ class Config:
         wrong = [b for b in self.broken if b not in BROKEN]
         if wrong:
             raise ValueError(f"--broken {','.join(wrong)}: choose from {', '.join(BROKEN)}")
+        if self.sentinel and not self.dedup:
+            raise ValueError("--sentinel puts the dedup lane on Sentinel: drop --no-dedup")
         if self.broken and not self.dedup:
             raise ValueError("--broken breaks the dedup lane: drop --no-dedup")
         if self.dedup and self.dedup_children < 3:

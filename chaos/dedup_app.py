@@ -80,10 +80,12 @@ app.conf.update(
         "unacked_restore_throttle": 1,
     },
     result_expires=3600,
-    fenced_redis_url=shared.lock_url,
+    # The lock Redis, or with --sentinel a Sentinel group's redis+sentinel:// URL.
+    fenced_redis_url=shared.extra.get("dedup_url") or shared.lock_url,
     fenced_secret_key="chaos-dedup-lane-secret-key-0123456789abcdef",
     fenced_claim_ttl=TTL,
     fenced_claim_alert_after_skips=0,
+    fenced_claim_replicas=int(shared.extra.get("replicas") or 0),
     # The nemesis restarts the claims' Redis for up to half a second: retry through it.
     fenced_claim_unavailable_backoff=0.2,
     fenced_claim_unavailable_retries=12,

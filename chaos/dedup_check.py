@@ -24,9 +24,11 @@ celery-once (``dd.once``, when installed) runs beside ``dd.finished`` on the sam
 schedule and faults; its figures are reported beside fenced's, not held to these.
 
 A restart of the lock Redis empties it (no persistence): leases, cooldown stamps and
-rerun triggers are forgotten, as fenced documents. A violation that such a restart
-explains (it came between the two runs, or between a trigger and its rerun) is
-counted apart as excused, not failed.
+rerun triggers are forgotten, as fenced documents. So may a Sentinel failover
+(``--sentinel``): the promoted replica may lack the last writes, and a paused master,
+resumed, serves the clients still connected to it until the sentinels demote it. A
+violation that such a fault explains (it came between the two runs, or between a
+trigger and its rerun) is counted apart as excused, not failed.
 """
 
 from __future__ import annotations
@@ -144,6 +146,18 @@ def _read(events: list[Event], killed: dict[int, float]) -> _Lane:
     return lane
 
 
+def _forgetting(faults: list[Any]) -> list[tuple[float, float]]:
+    """The faults after which the claims' Redis may have forgotten what it acknowledged:
+    a restart of the lock Redis (empty), a Sentinel failover (to a replica that may lack
+    the last writes; a paused master, resumed, serves its clients until demoted)."""
+    # A failover's window lasts until the old master is a replica again ("synced").
+    return [
+        (f.start, max(f.end, float(f.details.get("synced") or f.end)))
+        for f in faults
+        if f.kind in ("restart_lock_redis", "failover_kill", "failover_pause")
+    ]
+
+
 def _restart_between(restarts: list[tuple[float, float]], a: float, b: float) -> bool:
     """Whether a restart of the lock Redis (start, end) overlaps [a, b]."""
     return any(start <= b and end >= a for start, end in restarts)
@@ -167,14 +181,27 @@ def _accounting(
             later = [r for r in lane.starts.get(returned, []) if r.start > t0] + [
                 p for p in lane.posts.get(returned, []) if float(p["t"]) > t0
             ]
-            if not later:
+            # The run that cleared the mark may have cleared it on a master that the
+            # failover then discarded: the mark stayed on the new one.
+            ran = [r.start for r in lane.starts.get(returned, [])] + [
+                float(p["t"]) for p in lane.posts.get(returned, [])
+            ]
+            if not later and (
+                _restart_between(restarts, t0 - 1.0, t0)
+                or any(_restart_between(restarts, t, t) for t in ran)
+            ):
+                excused += 1
+            elif not later:
                 problems.append((t0, f"{what} was coalesced into task {returned[:8]}, which "
                                      "had run already: the call was lost"))  # fmt: skip
             continue
         if stats is not None:
             stats.published += 1
         if not lane.starts.get(own) and not lane.posts.get(own):
-            problems.append((t0, f"{what} was published and never delivered"))
+            if _restart_between(restarts, t0 - 1.0, t0 + RESTART_WINDOW):
+                excused += 1
+            else:
+                problems.append((t0, f"{what} was published and never delivered"))
     # A retry that kept its claim: the same task id comes back.
     for tid, posts in lane.posts.items():
         for p in posts:
@@ -224,7 +251,7 @@ def pending(events: list[Event]) -> list[str]:
 
     faults, _, _ = _faults(events)
     lane = _read(events, _kill_times(faults))
-    restarts = [(f.start, f.end) for f in faults if f.kind == "restart_lock_redis"]
+    restarts = _forgetting(faults)
     problems, _ = _accounting(lane, restarts)
     out = [what for _t, what in problems]
     out += [
@@ -257,7 +284,7 @@ def check_dedup(
 
     killed = _kill_times(faults)
     lane = _read(events, killed)
-    restarts = [(f.start, f.end) for f in faults if f.kind == "restart_lock_redis"]
+    restarts = _forgetting(faults)
     stats = DedupStats()
     violations: list[Any] = []
     excused: Counter[str] = Counter()

@@ -22,7 +22,7 @@ import redis
 
 import fenced
 from fenced import read_holder
-from fenced.testing import CeleryWorker, RedisServer, TcpProxy
+from fenced.testing import CeleryWorker, RedisServer, SentinelGroup, TcpProxy
 
 from . import checker
 from .config import ENV, Config, Shared
@@ -73,6 +73,7 @@ class Harness:
         self.store_server = RedisServer()
         self.broker_server = RedisServer() if cfg.celery or cfg.dedup else None
         self.proxy: TcpProxy | None = None
+        self.sentinel: SentinelGroup | None = None
         self.run_lane: RunLane | None = None
         self.celery: CeleryWorker | None = None
         self.dedup: CeleryWorker | None = None
@@ -243,6 +244,8 @@ class Harness:
         if self.broker_server is not None:
             self.broker_server.start()
         self.proc_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.sentinel:
+            self.sentinel = SentinelGroup(down_after_ms=1000, failover_timeout_ms=3000).start()
         create_tables(self.sql_url, self.sql_prefix)
         self.shared = Shared(
             name=NAME,
@@ -260,6 +263,8 @@ class Harness:
                 "dedup_ttl": str(cfg.dedup_ttl),
                 "dedup_cooldown": str(cfg.dedup_cooldown),
                 "broken": ",".join(cfg.broken),
+                "dedup_url": self.sentinel.url if self.sentinel is not None else "",
+                "replicas": str(cfg.replicas if cfg.replicas is not None else int(cfg.sentinel)),
             },
         )
         src = str(Path(fenced.__file__).resolve().parent.parent)
@@ -463,6 +468,8 @@ class Harness:
         for server in (self.lock_server, self.store_server, self.broker_server):
             if server is not None:
                 server.stop()
+        if self.sentinel is not None:
+            self.sentinel.stop()
         if not self.cfg.keep_tables:
             try:
                 drop_tables(self.sql_url, self.sql_prefix)
