@@ -304,6 +304,7 @@ class Report:
         rows.append(("skipped, by reason", kv(d.skipped)))
         rows.append(("rerun triggers / reruns run", f"{d.rerun_triggers} / {d.reruns}"))
         rows.append(("retries keeping the claim", str(d.retries)))
+        rows.append(("retries: Redis unreachable at acquire", str(d.unavailable_retries)))
         rows.append(("failed runs", str(d.failed)))
         rows.append(("most runs at once, by name", kv(d.max_at_once)))
         rows.append(("chords: sent / body ran", f"{d.chords} / {d.chords_done}"))

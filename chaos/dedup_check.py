@@ -84,6 +84,8 @@ class DedupStats:
     reruns: int = 0
     rerun_triggers: int = 0
     retries: int = 0
+    #: Retries of an acquire that could not reach Redis (they hold no claim).
+    unavailable_retries: int = 0
     failed: int = 0
     max_at_once: dict[str, int] = field(default_factory=dict)
     chords: int = 0
@@ -103,6 +105,8 @@ class _Lane:
     runs: list[Run]
     posts: dict[str, list[Event]]
     starts: dict[str, list[Run]]
+    #: (task id, pid) -> when its body asked for a retry (dd-retrying)
+    retrying: dict[tuple[str, int], list[float]] = field(default_factory=dict)
 
 
 def _read(events: list[Event], killed: dict[int, float]) -> _Lane:
@@ -136,6 +140,8 @@ def _read(events: list[Event], killed: dict[int, float]) -> _Lane:
                 run_or_none.end, run_or_none.how = t, str(e.get("how"))
         elif ev == "dd-post":
             lane.posts[str(e["id"])].append(e)
+        elif ev == "dd-retrying":
+            lane.retrying.setdefault((str(e["id"]), pid), []).append(t)
     for run in lane.runs:
         if run.end is None:
             dead = killed.get(run.pid)
@@ -156,6 +162,14 @@ def _forgetting(faults: list[Any]) -> list[tuple[float, float]]:
         for f in faults
         if f.kind in ("restart_lock_redis", "failover_kill", "failover_pause")
     ]
+
+
+def _kept(lane: _Lane, post: Event) -> bool:
+    """Whether a RETRY was the body's own (self.retry(), which keeps the claim), not one
+    of an acquire that could not reach Redis (which holds nothing)."""
+    t = float(post["t"])
+    asked = lane.retrying.get((str(post["id"]), int(post["pid"])), [])
+    return any(t - 5.0 <= x <= t for x in asked)
 
 
 def _restart_between(restarts: list[tuple[float, float]], a: float, b: float) -> bool:
@@ -300,8 +314,10 @@ def check_dedup(
             if p.get("skipped"):
                 reason = str(p["skipped"]).split(":")[0][:40]
                 stats.skipped[reason] = stats.skipped.get(reason, 0) + 1
-            elif p.get("state") == "RETRY":
+            elif p.get("state") == "RETRY" and _kept(lane, p):
                 stats.retries += 1
+            elif p.get("state") == "RETRY":
+                stats.unavailable_retries += 1
             elif p.get("state") not in ("SUCCESS", None):
                 stats.failed += 1
 
@@ -382,7 +398,7 @@ def check_dedup(
     retry_runs = by_name.get("dd:retry", [])
     for tid, posts in lane.posts.items():
         for p in posts:
-            if p.get("state") != "RETRY":
+            if p.get("state") != "RETRY" or not _kept(lane, p):
                 continue
             t = float(p["t"])
             nxt = [r.start for r in lane.starts.get(tid, []) if r.start > t]

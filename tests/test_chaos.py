@@ -173,8 +173,16 @@ def test_dedup_checker_catches_each_broken_invariant(broken: str) -> None:
     ev += _dd_run("dd:finished", "dd.finished", "f1", 16, 0.2, 0.6)
     ev.append(_dd_call(2.0, "dd.retry", "t1"))
     ev += _dd_run("dd:retry", "dd.retry", "t1", 17, 2.1, 2.3)
-    ev[-1]["state"] = "RETRY"
+    ev[-1]["state"] = "RETRY"  # asked for by the body (dd-retrying): the claim is kept
+    ev.append(_dd(2.29, "dd-retrying", 17, name="dd:retry", id="t1", args=[1]))
     ev += _dd_run("dd:retry", "dd.retry", "t1", 17, 2.7, 2.9)
+    # A retry of an acquire that could not reach Redis keeps nothing: another run may
+    # start before it comes back.
+    ev.append(_dd_call(3.0, "dd.retry", "t5"))
+    ev.append(_dd(3.1, "dd-post", 21, task="dd.retry", id="t5", args=[1], state="RETRY",
+                  skipped=None, rerun=False, policy="skip"))  # fmt: skip
+    ev += _dd_run("dd:retry", "dd.retry", "t6", 22, 3.2, 3.3)
+    ev += _dd_run("dd:retry", "dd.retry", "t5", 21, 3.5, 3.6)
     ev.append(_dd(3.0, "dd-chord", 1, t1=3.01, chord=1, body="x"))
     ev.append(_dd(3.5, "dd-chord-body", 18, chord=1, results=2))
     assert _dd_violations([dict(e) for e in ev]) == set()
