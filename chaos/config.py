@@ -89,6 +89,8 @@ class Config:
         wrong = [b for b in self.broken if b not in BROKEN]
         if wrong:
             raise ValueError(f"--broken {','.join(wrong)}: choose from {', '.join(BROKEN)}")
+        if self.replicas is not None and self.replicas < 0:
+            raise ValueError(f"--replicas {self.replicas}: 0 or more")
         if self.sentinel and not self.dedup:
             raise ValueError("--sentinel puts the dedup lane on Sentinel: drop --no-dedup")
         if self.broken and not self.dedup:
