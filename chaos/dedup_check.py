@@ -461,37 +461,39 @@ def _beside(lane: _Lane, task: str, name: str) -> dict[str, Any]:
 
     A call not published (fenced: coalesced into a queued message; celery-once:
     refused) is *dropped* when, as it was sent, no run of its name was running and no
-    message of it was queued (published before, run after): nothing was left to do its
-    work, as after a run killed with its lock, or a lock that outlived its message.
+    message of it was still to be delivered (published before, delivered after, a
+    killed run's message coming back included): nothing was left to do its work, as
+    with a lock that outlived its message.
     """
     calls = [c for c in lane.calls if c["task"] == task]
     runs = sorted((r for r in lane.runs if r.name == name), key=lambda r: r.start)
-    first: dict[str, float] = {}
+    # Each published message's last delivery (a run's start, or a post).
+    last: dict[str, float] = {}
     for r in runs:
-        first.setdefault(r.id, r.start)
+        last[r.id] = max(last.get(r.id, r.start), r.start)
     published = [c for c in calls if str(c["returned"]) == str(c["id"])]
+    for c in published:
+        for p in lane.posts.get(str(c["id"]), []):
+            last[str(c["id"])] = max(last.get(str(c["id"]), float(p["t"])), float(p["t"]))
     kept = [c for c in calls if str(c["returned"]) != str(c["id"])]
     dropped = 0
     for c in kept:
         t0 = float(c["t"])
         running = any(r.start <= t0 <= (r.end or t0) for r in runs)
         queued = any(
-            float(p["t"]) < t0 and first.get(str(p["id"]), float("inf")) > t0 for p in published
+            float(p["t"]) < t0 and last.get(str(p["id"]), float("inf")) > t0 for p in published
         )
         dropped += not (running or queued)
     most, active = 0, list[Run]()
     for r in runs:
         active = [a for a in active if (a.end or a.start) > r.start] + [r]
         most = max(most, len(active))
-    never = sum(
-        1 for c in published if str(c["id"]) not in first and not lane.posts.get(str(c["id"]))
-    )
     return {
         "calls": len(calls),
         "published": len(published),
         "not published": len(kept),
         "dropped with nothing queued or running": dropped,
-        "published, never ran": never,
+        "published, never delivered": sum(1 for c in published if str(c["id"]) not in last),
         "runs": len(runs),
         "most at once": most,
     }
