@@ -244,3 +244,22 @@ def test_dedup_checker_fails_a_broken_lane(tmp_path: Path) -> None:
     # triggers dropped, never rerun.
     assert found["dd-limit"] and found["dd-cooldown"] and found["dd-accounted"], report.tables()
     assert not report.ok
+
+
+def test_dedup_checker_excuses_what_a_failover_forgot_until_the_old_master_is_demoted() -> None:
+    """Two runs of a limit-1 name at once while a paused master, resumed, still served
+    clients (before the sentinels demoted it): excused and counted; the same after the
+    demotion: a violation."""
+    from chaos.checker import Fault, Timeline
+
+    def overlap(at: float) -> list[dict[str, Any]]:
+        ev = [_dd_call(at, "dd.started", "a"), _dd_call(at + 0.1, "dd.started", "b")]
+        ev += _dd_run("dd:started", "dd.started", "a", 10, at + 0.2, at + 1.0)
+        ev += _dd_run("dd:started", "dd.started", "b", 11, at + 0.5, at + 1.2)
+        return sorted(ev, key=lambda e: e["t"])
+
+    pause = Fault(1, "failover_pause", 1.0, 3.0, 1001.0, {"synced": 12.0})
+    for at, excused in ((8.0, True), (20.0, False)):
+        found, stats, _ = check_dedup(overlap(at), [pause], Timeline([pause]), cooldown=1.5)
+        assert [v.invariant for v in found] == ([] if excused else ["dd-limit"])
+        assert stats.excused.get("dd-limit", 0) == int(excused)
