@@ -11,7 +11,8 @@ Invariants (any violation fails the run):
   it that ended ok (its body ended ok and its delivery reported success);
 - ``dd-accounted``: every call is accounted for: it ran, it was skipped with a
   recorded reason, or it was coalesced at enqueue into a message that had not run yet
-  (that message's run or skip came after the call); a retry that kept its claim was
+  (that message's run or skip came after the call); a delivery ignored as a duplicate
+  follows a run of its task id that completed; a retry that kept its claim was
   delivered again; a call skipped under ``claim_on_busy="rerun"`` was followed by a
   rerun with its arguments;
 - ``dd-retry``: while a run that asked for a retry keeps its claim, no other run of the
@@ -216,6 +217,20 @@ def _accounting(
                 excused += 1
             else:
                 problems.append((t0, f"{what} was published and never delivered"))
+    # A delivery ignored as a duplicate of a completed run: that run must have been.
+    for tid, posts in lane.posts.items():
+        for p in posts:
+            if p.get("state") != "IGNORED" or p.get("task") == PEER_TASK:
+                continue
+            t = float(p["t"])
+            done = any(
+                q.get("state") == "SUCCESS" and not q.get("skipped") and float(q["t"]) < t
+                for q in posts
+            )
+            if not done:
+                problems.append((t, f"{p['task']}{tuple(p['args'])} (task {tid[:8]}) was "
+                                    "ignored as already completed, but no run of it had "
+                                    "completed"))  # fmt: skip
     # A retry that kept its claim: the same task id comes back.
     for tid, posts in lane.posts.items():
         for p in posts:

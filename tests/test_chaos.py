@@ -153,7 +153,7 @@ def _dd_violations(events: list[dict[str, Any]]) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "broken", ["limit", "cooldown", "rerun", "coalesced", "retry", "chord", "healthy"]
+    "broken", ["limit", "cooldown", "rerun", "coalesced", "ignored", "retry", "chord", "healthy"]
 )
 def test_dedup_checker_catches_each_broken_invariant(broken: str) -> None:
     """Hand-made logs of one violation each; the healthy logs report none."""
@@ -196,6 +196,10 @@ def test_dedup_checker_catches_each_broken_invariant(broken: str) -> None:
         ev = [e for e in ev if e.get("id") != "r3"]
     elif broken == "coalesced":  # coalesced into a message whose run had ended
         ev += [_dd_call(0.7, "dd.finished", "f3", "f1")]
+    elif broken == "ignored":  # a first delivery ignored as a duplicate of no run
+        ev.append(_dd_call(4.0, "dd.cooldown", "c3"))
+        ev.append(_dd(4.1, "dd-post", 23, task="dd.cooldown", id="c3", args=[1],
+                      state="IGNORED", skipped=None, rerun=False, policy="skip"))  # fmt: skip
     elif broken == "retry":  # another run took the claim the retry kept
         ev += _dd_run("dd:retry", "dd.retry", "t2", 20, 2.5, 2.6)
     elif broken == "chord":
@@ -205,6 +209,7 @@ def test_dedup_checker_catches_each_broken_invariant(broken: str) -> None:
         "cooldown": {"dd-cooldown"},
         "rerun": {"dd-accounted"},
         "coalesced": {"dd-accounted"},
+        "ignored": {"dd-accounted"},
         "retry": {"dd-retry"},
         "chord": {"dd-chord"},
         "healthy": set(),
