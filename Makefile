@@ -55,7 +55,7 @@ clean:
 	rm -rf $(VENV) build dist .pytest_cache .mypy_cache .ruff_cache
 
 # Fault injection (chaos/; the README's "Under faults"): five minutes by default.
-# CHAOS_SECONDS=60 make chaos; CHAOS_ARGS="--workers 3 --no-celery" (python -m chaos --help).
+# CHAOS_SECONDS=60 make chaos; CHAOS_ARGS="--workers 3 --no-celery --no-dedup" (python -m chaos --help).
 CHAOS_SECONDS ?= 300
 .PHONY: chaos
 chaos: install

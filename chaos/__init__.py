@@ -8,6 +8,10 @@ and a fenced ``upsert`` (PostgreSQL when ``FENCED_TEST_POSTGRES_URL`` is set, SQ
 otherwise). The front ends are ``Claim`` (explicit and ``with``), ``@exclusive`` and
 ``ClaimedTask`` in a real ``celery worker``; a separate lane runs ``fenced run``. A
 baseline lane does the same work under redis-py's ``Lock`` with fence-less writes.
+A dedup lane runs fenced's Celery options (enqueue dedup, cooldown, limit, a retry,
+rerun, a chord) in a second ``celery worker``, fed calls all through the run, with
+celery-once beside it; ``--sentinel`` puts its claims on a Sentinel group and adds
+failovers to the faults.
 
 A nemesis pauses holders, restarts the lock Redis empty, kills its clients, makes it
 sleep or pause, black-holes one worker's connection, and kills workers and runners.
@@ -16,7 +20,8 @@ stores and says which invariant broke, after which fault.
 
 Modules: ``config`` (one run's settings), ``events`` (the logs), ``stores`` (the
 fenced and fence-less stores), ``worker`` (the worker processes), ``celery_app`` (the
-Celery lane), ``runlane`` (the ``fenced run`` lane), ``nemesis`` (the faults),
+Celery lane), ``runlane`` (the ``fenced run`` lane), ``dedup_app``, ``feeder`` and
+``dedup_check`` (the dedup lane, its calls and its verdict), ``nemesis`` (the faults),
 ``checker`` (the verdict), ``harness`` (all of it together).
 """
 

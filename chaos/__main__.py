@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 
-from .config import FAULTS, Config
+from .config import BROKEN, FAULTS, Config
 
 
 def parse(argv: list[str] | None = None) -> Config | str:
@@ -36,6 +36,30 @@ def parse(argv: list[str] | None = None) -> Config | str:
     p.add_argument("--no-run-lane", action="store_true", help="no fenced run lane")
     p.add_argument("--runners", type=int, default=2, help="fenced run runners")
     p.add_argument("--no-baseline", action="store_true", help="no redis-py Lock lane")
+    p.add_argument(
+        "--no-dedup", action="store_true", help="no dedup lane (fenced's Celery options)"
+    )
+    p.add_argument(
+        "--dedup-children", type=int, default=4, help="dedup lane prefork children (>= 3)"
+    )
+    p.add_argument(
+        "--sentinel",
+        action="store_true",
+        help="the dedup lane's claims on a Sentinel group, with the failover faults "
+        "(its master killed, or paused until a replica is promoted)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="claim_replicas of the dedup lane's tasks (default: 1 with --sentinel, else 0)",
+    )
+    p.add_argument(
+        "--broken",
+        default="",
+        help="break the dedup lane on purpose, to see the checker fail: comma-separated "
+        f"from {','.join(BROKEN)}",
+    )
     p.add_argument(
         "--faults",
         default=",".join(FAULTS),
@@ -70,6 +94,11 @@ def parse(argv: list[str] | None = None) -> Config | str:
         out=a.out,
         faults=tuple(f for f in a.faults.split(",") if f),
         keep_tables=a.keep_tables,
+        dedup=not a.no_dedup,
+        dedup_children=a.dedup_children,
+        broken=tuple(b for b in a.broken.split(",") if b),
+        sentinel=a.sentinel,
+        replicas=a.replicas,
     )
     try:
         cfg.check()

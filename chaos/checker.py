@@ -46,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from .config import FAULTS, Config
+from .dedup_check import INVARIANTS as DEDUP_INVARIANTS
+from .dedup_check import DedupStats
 from .runlane import Command
 from .stores import STORES, Final
 
@@ -87,9 +89,17 @@ class Setup:
     celery_children: int
     runners: int
     sql: str
+    #: The dedup lane: its worker's prefork children (0: lane off), cooldown, --broken.
+    dedup_children: int = 0
+    dedup_cooldown: float = 0.0
+    broken: str = ""
+    #: Seconds the dedup lane took after the faults to account for its calls.
+    drain_seconds: float = 0.0
 
     @classmethod
-    def of(cls, cfg: Config, sql_url: str, celery: bool) -> Setup:
+    def of(
+        cls, cfg: Config, sql_url: str, celery: bool, drain: dict[str, Any] | None = None
+    ) -> Setup:
         claim = (cfg.workers + 1) // 2
         return cls(
             seconds=cfg.seconds,
@@ -100,6 +110,10 @@ class Setup:
             celery_children=cfg.celery_children if celery else 0,
             runners=cfg.runners if cfg.run_lane else 0,
             sql=sql_url.split(":", 1)[0].split("+", 1)[0],
+            dedup_children=cfg.dedup_children if cfg.dedup else 0,
+            dedup_cooldown=cfg.dedup_cooldown,
+            broken=",".join(cfg.broken),
+            drain_seconds=float((drain or {}).get("seconds", 0.0)),
         )
 
 
@@ -197,6 +211,7 @@ class Report:
     lock: LaneStats | None
     run_lane: dict[str, Any]
     checked: dict[str, str]
+    dedup: DedupStats | None = None
 
     @property
     def ok(self) -> bool:
@@ -222,7 +237,9 @@ class Report:
                if s.celery_children else "")
             + (f"; fenced run lane: {s.runners} runners" if s.runners else "")
             + (f"; Lock lane: {s.baseline_workers} workers" if self.lock else "")
-            + f"; upserts on {s.sql}",
+            + f"; upserts on {s.sql}"
+            + (f"; dedup lane: celery prefork, {s.dedup_children} children"
+               + (f", BROKEN: {s.broken}" if s.broken else "") if s.dedup_children else ""),
             f"faults injected: {sum(self.faults.values())} ("
             + ", ".join(f"{k} {n}" for k, n in sorted(self.faults.items(), key=_fault_order))
             + ")",
@@ -230,7 +247,8 @@ class Report:
         ]  # fmt: skip
         counts = self.by_invariant()
         rows: list[tuple[str, ...]] = [("invariant (fenced lane)", "result", "checked")]
-        for key, text in INVARIANTS.items():
+        every = {**INVARIANTS, **(DEDUP_INVARIANTS if self.dedup is not None else {})}
+        for key, text in every.items():
             n = counts.get(key, 0)
             rows.append((text, "ok" if n == 0 else f"VIOLATED x{n}", self.checked.get(key, "")))
         f = self.fenced
@@ -247,6 +265,9 @@ class Report:
         lines.append(
             "overlap classes: " + "; ".join(f"{k}: {v}" for k, v in OVERLAP_CLASSES.items())
         )
+        if self.dedup is not None:
+            lines.append("")
+            lines += self._dedup()
         lines.append("")
         lines += self._side_by_side()
         lines.append("")
@@ -266,6 +287,38 @@ class Report:
                if self.ok else f"FAIL: {len(self.violations)} violation(s)")
         )  # fmt: skip
         return "\n".join(lines)
+
+    def _dedup(self) -> list[str]:
+        d = self.dedup
+        assert d is not None
+
+        def kv(counts: dict[str, int]) -> str:
+            return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "0"
+
+        rows: list[tuple[str, ...]] = [("dedup lane (Celery options)", "figures")]
+        rows.append(("calls sent by the feeder", f"{d.calls} ({d.call_errors} refused at send)"))
+        rows.append(("  published", str(d.published)))
+        rows.append(("  coalesced at enqueue", kv(d.coalesced)))
+        rows.append(("runs by claim name", kv(d.runs)))
+        rows.append(("  killed mid-run", str(d.killed_runs)))
+        rows.append(("skipped, by reason", kv(d.skipped)))
+        rows.append(("rerun triggers / reruns run", f"{d.rerun_triggers} / {d.reruns}"))
+        rows.append(("retries keeping the claim", str(d.retries)))
+        rows.append(("retries: Redis unreachable at acquire", str(d.unavailable_retries)))
+        rows.append(("failed runs", str(d.failed)))
+        rows.append(("most runs at once, by name", kv(d.max_at_once)))
+        rows.append(("chords: sent / body ran", f"{d.chords} / {d.chords_done}"))
+        rows.append(("excused: a restart or failover forgot the state", kv(d.excused)))
+        rows.append(("drain after the faults", f"{self.setup.drain_seconds:g} s"))
+        out = _table(rows)
+        if d.beside:
+            names = list(d.beside)
+            keys = list(next(iter(d.beside.values())))
+            side: list[tuple[str, ...]] = [("same calls, same faults", *names)]
+            for k in keys:
+                side.append((k, *(str(d.beside[n].get(k, "")) for n in names)))
+            out += ["", *_table(side)]
+        return out
 
     def _side_by_side(self) -> list[str]:
         lanes = [self.fenced] + ([self.lock] if self.lock else [])
@@ -614,8 +667,16 @@ def check(
         checked["run-orphan"] = f"{sum(1 for f in faults if f.kind == 'kill_runner')} kills"
     else:
         checked["run-overlap"] = checked["run-orphan"] = "lane off"
+    dedup = None
+    if setup.dedup_children:
+        from .dedup_check import check_dedup
+
+        found, dedup, dedup_checked = check_dedup(events, faults, timeline, setup.dedup_cooldown)
+        violations += found
+        checked.update(dedup_checked)
     violations.sort(key=lambda v: v.t if v.t is not None else float("inf"))
     return Report(
+        dedup=dedup,
         setup=setup,
         faults=dict(Counter(f.kind for f in faults)),
         skipped_faults=dict(skipped),

@@ -6,7 +6,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["FAULTS", "LANES", "Config", "Shared"]
+__all__ = ["BROKEN", "FAILOVER_FAULTS", "FAULTS", "LANES", "Config", "Shared"]
 
 #: Every fault the nemesis knows, in the order the report lists them.
 FAULTS = (
@@ -18,7 +18,13 @@ FAULTS = (
     "partition",
     "kill_worker",
     "kill_runner",
+    "failover_kill",
+    "failover_pause",
 )
+#: The faults of a Sentinel group (``--sentinel``): they need its master and replica.
+FAILOVER_FAULTS = ("failover_kill", "failover_pause")
+#: Deliberate faults of the dedup lane (``--broken``) that its checker must catch.
+BROKEN = ("limit", "cooldown", "rerun")
 #: The lanes: fenced's front ends, and the same work under redis-py's Lock.
 LANES = ("fenced", "lock")
 #: The environment variable that carries :class:`Shared` to worker processes.
@@ -53,6 +59,21 @@ class Config:
     #: Quiet time between two faults, in multiples of the ttl.
     gap: tuple[float, float] = (1.5, 3.0)
     keep_tables: bool = False
+    #: The dedup lane (chaos/dedup_app.py, chaos/feeder.py): fenced's Celery options.
+    dedup: bool = True
+    #: Prefork children of the dedup lane's Celery worker (more than its limit of 2).
+    dedup_children: int = 4
+    #: Lease of the dedup lane's claims, and its cooldown, in seconds.
+    dedup_ttl: float = 3.0
+    dedup_cooldown: float = 1.5
+    #: Deliberate faults in the dedup lane, from BROKEN (the checker must fail the run).
+    broken: tuple[str, ...] = ()
+    #: The dedup lane's claims on a Sentinel group (master, replica, three sentinels),
+    #: which the failover faults kill or pause.
+    sentinel: bool = False
+    #: claim_replicas of the dedup lane's tasks (replicas that must acknowledge each
+    #: acquire and renewal); None: 1 on Sentinel, else 0.
+    replicas: int | None = None
 
     def check(self) -> None:
         """Raise ValueError for settings that cannot work, naming the fix."""
@@ -65,6 +86,20 @@ class Config:
             raise ValueError(f"--ttl {self.ttl}: at least 0.3 s (the heartbeat renews at ttl/3)")
         if self.seconds <= 0:
             raise ValueError(f"--seconds {self.seconds}: a positive duration")
+        wrong = [b for b in self.broken if b not in BROKEN]
+        if wrong:
+            raise ValueError(f"--broken {','.join(wrong)}: choose from {', '.join(BROKEN)}")
+        if self.replicas is not None and self.replicas < 0:
+            raise ValueError(f"--replicas {self.replicas}: 0 or more")
+        if self.sentinel and not self.dedup:
+            raise ValueError("--sentinel puts the dedup lane on Sentinel: drop --no-dedup")
+        if self.broken and not self.dedup:
+            raise ValueError("--broken breaks the dedup lane: drop --no-dedup")
+        if self.dedup and self.dedup_children < 3:
+            raise ValueError(
+                f"--dedup-children {self.dedup_children}: at least 3, so that a limit of 2 "
+                "can be exceeded"
+            )
         if not 0 < self.step_min <= self.step_max:
             raise ValueError("step times: 0 < step_min <= step_max")
 

@@ -22,7 +22,7 @@ import redis
 
 import fenced
 from fenced import read_holder
-from fenced.testing import CeleryWorker, RedisServer, TcpProxy
+from fenced.testing import CeleryWorker, RedisServer, SentinelGroup, TcpProxy
 
 from . import checker
 from .config import ENV, Config, Shared
@@ -37,6 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 NAME = "chaos:main"
 RUN_NAME = "chaos:run"
 QUEUE = "chaos"
+DEDUP_QUEUE = "chaos-dedup"
+#: The longest the dedup lane may take, after the faults, to account for every call.
+DRAIN_SECONDS = 45.0
 
 
 @dataclass
@@ -68,11 +71,16 @@ class Harness:
             # DEBUG SLEEP is a fault the nemesis injects; Redis 7 refuses DEBUG by default.
             self.lock_server.extra = ["--enable-debug-command", "yes"]
         self.store_server = RedisServer()
-        self.broker_server = RedisServer() if cfg.celery else None
+        self.broker_server = RedisServer() if cfg.celery or cfg.dedup else None
         self.proxy: TcpProxy | None = None
+        self.sentinel: SentinelGroup | None = None
         self.run_lane: RunLane | None = None
         self.celery: CeleryWorker | None = None
+        self.dedup: CeleryWorker | None = None
+        self.feeder: subprocess.Popen[bytes] | None = None
+        self.drain: dict[str, Any] = {}
         self._celery_restarting = threading.Lock()
+        self._dedup_restarting = threading.Lock()
         self.slots: list[Slot] = []
         self._slots_lock = threading.Lock()
         self._admin: Any = None
@@ -126,6 +134,9 @@ class Harness:
         if lane == "fenced" and self.celery is not None and self.celery.proc is not None:
             for pid in children(self.celery.proc.pid):
                 pids[pid] = f"celery-{pid}"
+        if lane == "dedup" and self.dedup is not None and self.dedup.proc is not None:
+            for pid in children(self.dedup.proc.pid):
+                pids[pid] = f"dedup-{pid}"
         return pids
 
     def holders(self, wait: bool = True) -> list[dict[str, Any]]:
@@ -155,7 +166,8 @@ class Harness:
         """A worker of each lane to kill: its current holder half the time."""
         victims: list[dict[str, Any]] = []
         holders = {h["lane"]: h for h in self.holders()} if rng.random() < 0.5 else {}
-        for lane in ["fenced"] + (["lock"] if self.cfg.baseline else []):
+        lanes = ["fenced"] + (["lock"] if self.cfg.baseline else [])
+        for lane in lanes + (["dedup"] if self.dedup is not None else []):
             pids = self.lane_pids(lane)
             if not pids:
                 continue
@@ -164,30 +176,33 @@ class Harness:
             else:
                 pid, is_holder = rng.choice(sorted(pids)), False
             victim: dict[str, Any] = {"lane": lane, "pid": pid, "w": pids[pid], "holder": is_holder}
-            if pids[pid].startswith("celery-") and rng.random() < 0.25 and self.celery:
+            worker = {"celery": self.celery, "dedup": self.dedup}.get(pids[pid].split("-")[0])
+            if worker is not None and worker.proc is not None and rng.random() < 0.25:
                 # Now and then the whole worker, as a deploy's hard restart does.
-                assert self.celery.proc is not None
                 victim["whole_celery"] = True
-                victim["pids"] = [self.celery.proc.pid, *children(self.celery.proc.pid)]
+                victim["pids"] = [worker.proc.pid, *children(worker.proc.pid)]
             victims.append(victim)
         return victims
 
-    def restart_celery_in_background(self) -> None:
+    def restart_celery_in_background(self, lane: str = "fenced") -> None:
+        worker = self.dedup if lane == "dedup" else self.celery
+        guard = self._dedup_restarting if lane == "dedup" else self._celery_restarting
+
         def restart() -> None:
-            if not self._celery_restarting.acquire(blocking=False):
+            if not guard.acquire(blocking=False):
                 return
             try:
-                assert self.celery is not None
-                self.celery.kill()
+                assert worker is not None
+                worker.kill()
                 if self.stopping.is_set():
                     return
-                self.celery.start()
-                self.celery.ready()
-                self.log.emit("celery-restarted")
+                worker.start()
+                worker.ready()
+                self.log.emit("celery-restarted", lane=lane)
             except Exception as exc:
-                self.log.emit("celery-restart-failed", error=repr(exc)[:300])
+                self.log.emit("celery-restart-failed", lane=lane, error=repr(exc)[:300])
             finally:
-                self._celery_restarting.release()
+                guard.release()
 
         threading.Thread(target=restart, daemon=True).start()
 
@@ -216,7 +231,7 @@ class Harness:
         finally:
             self.stopping.set()
             self._teardown()
-        setup = checker.Setup.of(self.cfg, self.sql_url, self.celery is not None)
+        setup = checker.Setup.of(self.cfg, self.sql_url, self.celery is not None, self.drain)
         checker.save_inputs(self.out, finals, setup)
         report = checker.check(read_events(self.log_dir), read_lane(self.lane_file), finals, setup)
         report.write(self.out / "report.json")
@@ -229,6 +244,8 @@ class Harness:
         if self.broker_server is not None:
             self.broker_server.start()
         self.proc_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.sentinel:
+            self.sentinel = SentinelGroup(down_after_ms=1000, failover_timeout_ms=3000).start()
         create_tables(self.sql_url, self.sql_prefix)
         self.shared = Shared(
             name=NAME,
@@ -242,6 +259,13 @@ class Harness:
             sql_prefix=self.sql_prefix,
             files_dir=str(self.out / "files"),
             log_dir=str(self.log_dir),
+            extra={
+                "dedup_ttl": str(cfg.dedup_ttl),
+                "dedup_cooldown": str(cfg.dedup_cooldown),
+                "broken": ",".join(cfg.broken),
+                "dedup_url": self.sentinel.url if self.sentinel is not None else "",
+                "replicas": str(cfg.replicas if cfg.replicas is not None else int(cfg.sentinel)),
+            },
         )
         src = str(Path(fenced.__file__).resolve().parent.parent)
         path = [str(ROOT), src, *filter(None, [os.environ.get("PYTHONPATH")])]
@@ -249,6 +273,9 @@ class Harness:
         if self.broker_server is not None:
             self.env["CHAOS_BROKER_URL"] = self.broker_server.url
             self.env["CHAOS_QUEUE"] = QUEUE
+            self.env["CHAOS_DEDUP_QUEUE"] = DEDUP_QUEUE
+            # The dedup lane's chords need a result backend: another database of the broker.
+            self.env["CHAOS_RESULT_URL"] = f"redis://127.0.0.1:{self.broker_server.port}/1"
         if "partition" in cfg.faults:
             self.proxy = TcpProxy(self.lock_server.port)
         for i in range(cfg.workers):
@@ -271,6 +298,17 @@ class Harness:
             ).start()
             self.celery.ready()
             threading.Thread(target=self._feed, daemon=True).start()
+        if cfg.dedup:
+            self.dedup = CeleryWorker(
+                "chaos.dedup_app",
+                name="chaos-dedup",
+                log=self.proc_dir / "dedup.out",
+                queues=DEDUP_QUEUE,
+                concurrency=cfg.dedup_children,
+                pool="prefork",
+                cwd=ROOT,
+                env=self.env,
+            ).start()
         if cfg.run_lane:
             self.run_lane = RunLane(
                 name=RUN_NAME,
@@ -283,6 +321,13 @@ class Harness:
                 out_dir=self.proc_dir,
             )
             self.run_lane.start()
+        if self.dedup is not None:
+            self.dedup.ready()
+            with open(self.proc_dir / "feeder.out", "ab") as out:
+                self.feeder = subprocess.Popen(
+                    [sys.executable, "-m", "chaos.feeder"], cwd=ROOT, env=self.env,
+                    stdout=out, stderr=subprocess.STDOUT,
+                )  # fmt: skip
         self._warm_up()
 
     def _url_for(self, i: int) -> str:
@@ -362,12 +407,51 @@ class Harness:
         if self.celery is not None:
             with self._celery_restarting:
                 self.celery.stop()
+        if self.dedup is not None:
+            self._drain_dedup()
         # A command whose runner was killed may still run: it belongs to this run.
         deadline = time.monotonic() + 10
         while alive_commands(read_lane(self.lane_file)) and time.monotonic() < deadline:
             time.sleep(0.1)
         for pid in alive_commands(read_lane(self.lane_file)):
             kill_quietly(pid)
+
+    def _drain_dedup(self) -> None:
+        """Stop the feeder (it sends its closing calls), then let the dedup worker run
+        until every call is accounted for, DRAIN_SECONDS at most."""
+        from .dedup_check import pending
+
+        assert self.dedup is not None
+        start = time.monotonic()
+        if self.feeder is not None:
+            stop_processes([self.feeder], timeout=30)
+        with self._dedup_restarting:
+            if self.dedup.proc is None or self.dedup.proc.poll() is not None:
+                self.dedup.start()
+                self.dedup.ready()
+        left: list[str] = []
+        quiet_since = time.monotonic()
+        seen = 0
+        while time.monotonic() - start < DRAIN_SECONDS:
+            # Only the dedup lane's logs and the harness's (its faults): the other lanes'
+            # are large after a long run, and say nothing here.
+            runs = read_events(self.log_dir, "dedup.*.jsonl")
+            if len(runs) != seen:
+                seen, quiet_since = len(runs), time.monotonic()
+            others = [*read_events(self.log_dir, "feeder.jsonl"),
+                      *read_events(self.log_dir, "harness.jsonl")]  # fmt: skip
+            left = pending(sorted([*runs, *others], key=lambda e: float(e["t"])))
+            # Every call accounted for, and nothing new for a moment (reruns sent by the
+            # last runs have arrived): done. Also when nothing has run for longer than a
+            # killed worker's messages take to come back: what is left will not come.
+            quiet = time.monotonic() - quiet_since
+            if (not left and quiet > 1.5) or quiet > (3.0 if self.cfg.broken else 12.0):
+                break
+            time.sleep(0.5)
+        self.drain = {"seconds": round(time.monotonic() - start, 1), "pending": len(left)}
+        self.log.emit("dedup-drained", **self.drain)
+        with self._dedup_restarting:
+            self.dedup.stop()
 
     def _teardown(self) -> None:
         for p in [s.proc for s in self.slots if s.proc is not None]:
@@ -378,11 +462,18 @@ class Harness:
             self.run_lane.stop(timeout=2)
         if self.celery is not None:
             self.celery.kill()
+        if self.feeder is not None and self.feeder.poll() is None:
+            self.feeder.kill()
+            self.feeder.wait()
+        if self.dedup is not None:
+            self.dedup.kill()
         if self.proxy is not None:
             self.proxy.close()
         for server in (self.lock_server, self.store_server, self.broker_server):
             if server is not None:
                 server.stop()
+        if self.sentinel is not None:
+            self.sentinel.stop()
         if not self.cfg.keep_tables:
             try:
                 drop_tables(self.sql_url, self.sql_prefix)

@@ -42,6 +42,8 @@ class Nemesis:
             return self.h.proxy is not None
         if kind == "kill_runner":
             return self.h.run_lane is not None
+        if kind in ("failover_kill", "failover_pause"):
+            return self.h.sentinel is not None
         return True
 
     def run(self, until: float) -> None:
@@ -160,10 +162,52 @@ class Nemesis:
         start = time.monotonic()
         for v in victims:
             if v.get("whole_celery"):
-                self.h.restart_celery_in_background()
+                self.h.restart_celery_in_background(v["lane"])
             else:
                 kill_quietly(v["pid"])
         self.record("kill_worker", start, targets=victims)
+
+    def failover_kill(self) -> None:
+        """kill -9 the Sentinel group's master; once the sentinels have promoted the
+        replica, start the old master again as its replica (empty: no persistence)."""
+        group = self.h.sentinel
+        assert group is not None
+        start = time.monotonic()
+        old = group.kill_master()
+        _host, port = group.wait_promoted(timeout=30)
+        promoted = time.monotonic()
+        old.extra = _replica_of(old.extra, port)
+        old.start()
+        # Alive again: a later failover may promote it (wait_promoted skips the killed).
+        group._killed.remove(old)
+        _wait_synced(old)
+        self.record("failover_kill", start, promoted, killed=old.port, promoted=port,
+                    synced=time.monotonic())  # fmt: skip
+
+    def failover_pause(self) -> None:
+        """SIGSTOP the Sentinel group's master until the sentinels promote the replica,
+        then SIGCONT it: for a moment two servers believe they are the master, until
+        the sentinels make the old one a replica."""
+        group = self.h.sentinel
+        assert group is not None
+        master = group.master()
+        start = time.monotonic()
+        master.pause()
+        try:
+            deadline = start + 30
+            while time.monotonic() < deadline and not self.stopping.is_set():
+                try:
+                    if group.master_address()[1] != master.port:
+                        break
+                except Exception:
+                    pass
+                time.sleep(0.1)
+        finally:
+            master.resume()
+        resumed = time.monotonic()
+        _wait_synced(master)
+        self.record("failover_pause", start, resumed, paused=master.port,
+                    promoted=group.master_address()[1], synced=time.monotonic())  # fmt: skip
 
     def kill_runner(self) -> None:
         """kill -9 the ``fenced run`` runner that holds the lane's claim, early in a command."""
@@ -182,3 +226,36 @@ class Nemesis:
                     return
             time.sleep(0.05)
         self.skipped("kill_runner", "no runner mid-command")
+
+
+def _replica_of(extra: list[str], port: int) -> list[str]:
+    """A server's arguments, made those of a replica of 127.0.0.1:port."""
+    out: list[str] = []
+    skip = 0
+    for arg in extra:
+        if skip:
+            skip -= 1
+            continue
+        if arg == "--replicaof":
+            skip = 2
+            continue
+        out.append(arg)
+    return [*out, "--replicaof", "127.0.0.1", str(port)]
+
+
+def _wait_synced(server: Any, timeout: float = 30.0) -> None:
+    """Wait until ``server`` is a replica whose link to its master is up (the group can
+    fail over again), or the timeout passes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            client: Any = redis.Redis(port=server.port, socket_timeout=2)
+            try:
+                info = client.info("replication")
+            finally:
+                client.close()
+            if info.get("role") == "slave" and info.get("master_link_status") == "up":
+                return
+        except redis.RedisError:
+            pass
+        time.sleep(0.1)

@@ -5,6 +5,10 @@ about 25 s with three fenced workers, two Lock workers, one Celery worker (two p
 children) and two ``fenced run`` runners, and fails on any broken invariant of the
 fenced lane. The redis-py Lock lane runs beside it under the same faults and is not
 held to anything. The first test shows that the checker catches what it should.
+
+The dedup lane (fenced's Celery options, chaos/dedup_app.py) runs on its own, shorter:
+under every fault with no violation, and broken on purpose (``--broken``) so that its
+checker must fail; its checker is also fed hand-made logs of each violation.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 from chaos import Config  # noqa: E402
 from chaos.checker import Setup, check  # noqa: E402
-from chaos.config import FAULTS  # noqa: E402
+from chaos.config import FAILOVER_FAULTS, FAULTS  # noqa: E402
+from chaos.dedup_check import check_dedup  # noqa: E402
 from chaos.harness import Harness  # noqa: E402
 from chaos.stores import Final  # noqa: E402
 
@@ -95,12 +100,171 @@ def test_fenced_keeps_its_invariants_under_every_fault(tmp_path: Path) -> None:
         # Quiet time between faults a little shorter than make chaos's, so that every
         # kind of fault comes up in a short run.
         gap=(1.2, 2.0),
+        dedup=False,  # test_dedup_lane_keeps_its_invariants_under_every_fault
     )
     report = Harness(cfg).run()
     print(report.tables())
     fronts = {front.split("/")[0] for front in report.fenced.fronts}
     assert fronts == {"claim", "exclusive", "celery"}, report.tables()
     assert report.run_lane["commands"] > 3, report.tables()
-    # About one of each kind in 25 s; a loaded machine may fit fewer.
-    assert sum(report.faults.values()) >= len(FAULTS) - 2, report.tables()
+    # About one of each kind in 25 s (the failovers need --sentinel); a loaded machine
+    # may fit fewer.
+    assert sum(report.faults.values()) >= len(FAULTS) - len(FAILOVER_FAULTS) - 2, report.tables()
     assert report.ok, "\n" + report.tables()
+
+
+# -- the dedup lane ---------------------------------------------------------------------
+
+
+class _NoFaults:
+    def before(self, t: float | None) -> str:
+        return "before any fault"
+
+
+def _dd(t: float, ev: str, pid: int, **fields: Any) -> dict[str, Any]:
+    return {"t": t, "wall": 1000 + t, "ev": ev, "w": f"dedup-{pid}", "pid": pid,
+            "lane": "dedup", **fields}  # fmt: skip
+
+
+def _dd_run(
+    name: str, task: str, tid: str, pid: int, start: float, end: float, *, args: Any = (1,),
+    rerun: bool = False, skipped: str | None = None, policy: str = "skip",
+) -> list[dict[str, Any]]:  # fmt: skip
+    ident = {"name": name, "task": task, "id": tid, "args": list(args)}
+    post = {"task": task, "id": tid, "args": list(args), "rerun": rerun, "policy": policy}
+    if skipped is not None:
+        return [_dd(end, "dd-post", pid, state="SUCCESS", skipped=skipped, **post)]
+    return [
+        _dd(start, "dd-start", pid, fence=int(start * 10), rerun=rerun, retries=0, **ident),
+        _dd(end, "dd-end", pid, how="ok", **ident),
+        _dd(end + 0.01, "dd-post", pid, state="SUCCESS", skipped=None, **post),
+    ]
+
+
+def _dd_call(t: float, task: str, tid: str, returned: str | None = None, args: Any = (1,)) -> Any:
+    return _dd(t, "dd-call", 1, t1=t + 0.01, task=task, args=list(args), id=tid,
+               returned=returned or tid, closing=False)  # fmt: skip
+
+
+def _dd_violations(events: list[dict[str, Any]]) -> set[str]:
+    events.sort(key=lambda e: e["t"])
+    found, _stats, _checked = check_dedup(events, [], _NoFaults(), cooldown=1.5)
+    return {v.invariant for v in found}
+
+
+@pytest.mark.parametrize(
+    "broken", ["limit", "cooldown", "rerun", "coalesced", "ignored", "retry", "chord", "healthy"]
+)
+def test_dedup_checker_catches_each_broken_invariant(broken: str) -> None:
+    """Hand-made logs of one violation each; the healthy logs report none."""
+    ev: list[dict[str, Any]] = []
+    ev += _dd_call(0.0, "dd.limit", "a"), _dd_call(0.1, "dd.limit", "b")
+    ev += _dd_run("dd:limit", "dd.limit", "a", 10, 0.5, 1.5)
+    ev += _dd_run("dd:limit", "dd.limit", "b", 11, 0.6, 1.6)
+    ev += _dd_call(0.0, "dd.cooldown", "c1"), _dd_call(0.2, "dd.cooldown", "c2")
+    ev += _dd_run("dd:cooldown", "dd.cooldown", "c1", 12, 0.3, 0.5)
+    ev += _dd_run("dd:cooldown", "dd.cooldown", "c2", 13, 0.6, 0.61, skipped="ran recently")
+    ev += _dd_call(0.0, "dd.rerun", "r1", args=(5,)), _dd_call(0.2, "dd.rerun", "r2", args=(5,))
+    ev += _dd_run("dd:rerun", "dd.rerun", "r1", 14, 0.1, 0.8, args=(5,), policy="rerun")
+    ev += _dd_run("dd:rerun", "dd.rerun", "r2", 15, 0.3, 0.31, args=(5,), policy="rerun",
+                  skipped="already running; rerun requested")  # fmt: skip
+    ev += _dd_run("dd:rerun", "dd.rerun", "r3", 14, 0.9, 1.2, args=(5,), rerun=True,
+                  policy="rerun")  # fmt: skip
+    ev += _dd_call(0.0, "dd.finished", "f1"), _dd_call(0.4, "dd.finished", "f2", "f1")
+    ev += _dd_run("dd:finished", "dd.finished", "f1", 16, 0.2, 0.6)
+    ev.append(_dd_call(2.0, "dd.retry", "t1"))
+    ev += _dd_run("dd:retry", "dd.retry", "t1", 17, 2.1, 2.3)
+    ev[-1]["state"] = "RETRY"  # asked for by the body (dd-retrying): the claim is kept
+    ev.append(_dd(2.29, "dd-retrying", 17, name="dd:retry", id="t1", args=[1]))
+    ev += _dd_run("dd:retry", "dd.retry", "t1", 17, 2.7, 2.9)
+    # A retry of an acquire that could not reach Redis keeps nothing: another run may
+    # start before it comes back.
+    ev.append(_dd_call(3.0, "dd.retry", "t5"))
+    ev.append(_dd(3.1, "dd-post", 21, task="dd.retry", id="t5", args=[1], state="RETRY",
+                  skipped=None, rerun=False, policy="skip"))  # fmt: skip
+    ev += _dd_run("dd:retry", "dd.retry", "t6", 22, 3.2, 3.3)
+    ev += _dd_run("dd:retry", "dd.retry", "t5", 21, 3.5, 3.6)
+    ev.append(_dd(3.0, "dd-chord", 1, t1=3.01, chord=1, body="x"))
+    ev.append(_dd(3.5, "dd-chord-body", 18, chord=1, results=2))
+    assert _dd_violations([dict(e) for e in ev]) == set()
+
+    if broken == "limit":  # a third run of a limit-2 name
+        ev += _dd_run("dd:limit", "dd.limit_unclaimed", "u", 19, 0.7, 1.0)
+    elif broken == "cooldown":  # a run 0.5 s after an ok run, in a 1.5 s cooldown
+        ev += _dd_run("dd:cooldown", "dd.cooldown_unclaimed", "u", 19, 1.0, 1.1)
+    elif broken == "rerun":  # the rerun never came
+        ev = [e for e in ev if e.get("id") != "r3"]
+    elif broken == "coalesced":  # coalesced into a message whose run had ended
+        ev += [_dd_call(0.7, "dd.finished", "f3", "f1")]
+    elif broken == "ignored":  # a first delivery ignored as a duplicate of no run
+        ev.append(_dd_call(4.0, "dd.cooldown", "c3"))
+        ev.append(_dd(4.1, "dd-post", 23, task="dd.cooldown", id="c3", args=[1],
+                      state="IGNORED", skipped=None, rerun=False, policy="skip"))  # fmt: skip
+    elif broken == "retry":  # another run took the claim the retry kept
+        ev += _dd_run("dd:retry", "dd.retry", "t2", 20, 2.5, 2.6)
+    elif broken == "chord":
+        ev = [e for e in ev if e["ev"] != "dd-chord-body"]
+    expected = {
+        "limit": {"dd-limit"},
+        "cooldown": {"dd-cooldown"},
+        "rerun": {"dd-accounted"},
+        "coalesced": {"dd-accounted"},
+        "ignored": {"dd-accounted"},
+        "retry": {"dd-retry"},
+        "chord": {"dd-chord"},
+        "healthy": set(),
+    }[broken]
+    assert _dd_violations(ev) == expected
+
+
+def _dedup_config(tmp_path: Path, **kw: Any) -> Config:
+    base: dict[str, Any] = dict(
+        workers=2, baseline=False, run_lane=False, celery=False, ttl=TTL,
+        out=str(tmp_path / "run"), dedup=True, dedup_children=4, gap=(1.2, 2.0),
+    )  # fmt: skip
+    return Config(**{**base, **kw})
+
+
+@pytest.mark.timeout(180)
+def test_dedup_lane_keeps_its_invariants_under_every_fault(tmp_path: Path) -> None:
+    report = Harness(_dedup_config(tmp_path, seconds=12, seed=20240502)).run()
+    print(report.tables())
+    d = report.dedup
+    assert d is not None
+    assert d.calls > 50 and d.published and d.coalesced, report.tables()
+    assert d.max_at_once.get("dd:limit") == 2, report.tables()
+    assert d.rerun_triggers and d.reruns and d.retries and d.chords_done, report.tables()
+    assert report.ok, "\n" + report.tables()
+
+
+@pytest.mark.timeout(120)
+def test_dedup_checker_fails_a_broken_lane(tmp_path: Path) -> None:
+    cfg = _dedup_config(
+        tmp_path, seconds=6, seed=1, faults=("client_kill",), broken=("limit", "cooldown", "rerun")
+    )
+    report = Harness(cfg).run()
+    print(report.tables())
+    found = report.by_invariant()
+    # --broken limit: a third run of dd:limit; cooldown: a run inside the window; rerun:
+    # triggers dropped, never rerun.
+    assert found["dd-limit"] and found["dd-cooldown"] and found["dd-accounted"], report.tables()
+    assert not report.ok
+
+
+def test_dedup_checker_excuses_what_a_failover_forgot_until_the_old_master_is_demoted() -> None:
+    """Two runs of a limit-1 name at once while a paused master, resumed, still served
+    clients (before the sentinels demoted it): excused and counted; the same after the
+    demotion: a violation."""
+    from chaos.checker import Fault, Timeline
+
+    def overlap(at: float) -> list[dict[str, Any]]:
+        ev = [_dd_call(at, "dd.started", "a"), _dd_call(at + 0.1, "dd.started", "b")]
+        ev += _dd_run("dd:started", "dd.started", "a", 10, at + 0.2, at + 1.0)
+        ev += _dd_run("dd:started", "dd.started", "b", 11, at + 0.5, at + 1.2)
+        return sorted(ev, key=lambda e: e["t"])
+
+    pause = Fault(1, "failover_pause", 1.0, 3.0, 1001.0, {"synced": 12.0})
+    for at, excused in ((8.0, True), (20.0, False)):
+        found, stats, _ = check_dedup(overlap(at), [pause], Timeline([pause]), cooldown=1.5)
+        assert [v.invariant for v in found] == ([] if excused else ["dd-limit"])
+        assert stats.excused.get("dd-limit", 0) == int(excused)

@@ -219,3 +219,86 @@ def test_a_claim_whose_replicas_stay_away_costs_its_neighbours_nothing(
         replica.resume()
         plain.release()
         waiting.release()
+
+
+def test_a_skip_for_a_cooldown_or_a_rate_is_not_read_as_a_duplicate_delivery(
+    pair: tuple[RedisServer, RedisServer],
+) -> None:
+    """ACQUIRE's "ran recently" and "rate limited" answers carry no done marker: the
+    replicas' count that follows them must not be read as one (a Celery task would be
+    ignored as already completed instead of skipped, or put back for its booked start)."""
+    master, _ = pair
+    client = master.client()
+    with Claim(
+        client,
+        "cooled",
+        ttl=5,
+        cooldown=60,
+        replicas=1,
+        heartbeat=False,
+        redelivery_window=60,
+        task_id="a",
+    ):
+        pass
+    later = Claim(
+        client,
+        "cooled",
+        ttl=5,
+        cooldown=60,
+        replicas=1,
+        heartbeat=False,
+        redelivery_window=60,
+        task_id="b",
+    )
+    assert not later.acquire()
+    assert later.ran_recently and not later.completed_before
+    first = Claim(
+        client,
+        "rated",
+        ttl=5,
+        rate="1/m",
+        replicas=1,
+        heartbeat=False,
+        redelivery_window=60,
+        task_id="c",
+    )
+    assert first.acquire()
+    first.release()
+    over = Claim(
+        client,
+        "rated",
+        ttl=5,
+        rate="1/m",
+        replicas=1,
+        heartbeat=False,
+        redelivery_window=60,
+        task_id="d",
+    )
+    assert not over.acquire()
+    assert over.throttled and not over.completed_before
+
+
+def test_a_claimed_task_inside_its_cooldown_with_replicas_returns_its_skip(
+    pair: tuple[RedisServer, RedisServer],
+) -> None:
+    """Not ignored as a duplicate delivery (no stored result: a caller would wait for
+    ever): the Skipped result, as without replicas."""
+    from celery import Celery
+
+    import fenced
+    from fenced.celery import ClaimedTask
+
+    master, _ = pair
+    app = Celery("fenced_replicas_cooldown", set_as_current=False, broker="memory://")
+    app.conf.fenced_redis_url = master.url
+    app.conf.fenced_claim_replicas = 1
+    app.finalize()
+
+    @app.task(shared=False, base=ClaimedTask, bind=True, claim="cooled-task", claim_cooldown=60)
+    def task(self: Any) -> str:
+        return "ran"
+
+    assert task.apply(task_id="first").get() == "ran"
+    second = task.apply(task_id="second")
+    assert second.state == "SUCCESS" and fenced.is_skipped(second.get()), second.state
+    assert "ran recently" in second.get()["reason"]

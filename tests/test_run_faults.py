@@ -443,3 +443,29 @@ def test_a_lease_gone_when_the_command_ends_exits_76(redis_server: RedisServer) 
     )
     assert res.returncode == 76, res.stderr
     assert "was not held when the command ended" in res.stderr
+
+
+def test_a_runner_gone_before_its_command_execs_keeps_the_command_from_running(
+    tmp_path: Path,
+) -> None:
+    """The runner killed between the fork and the exec of its command (before it could
+    tell its watchdog the command's group): the child, under the runner's Python signal
+    handlers until its exec, must end itself, not run the command unsupervised."""
+    from fenced._watchdog import dies_with_runner
+
+    previous = signal.signal(signal.SIGTERM, lambda _s, _f: None)  # as fenced run has
+    try:
+        # A parent other than the runner the function was made for: the runner is gone.
+        gone = dies_with_runner(runner=1)
+        assert gone is not None
+        proc = subprocess.Popen(["sh", "-c", "echo ran"], preexec_fn=gone,
+                                stdout=subprocess.PIPE)  # fmt: skip
+        out, _ = proc.communicate(timeout=10)
+        assert (out, proc.returncode) == (b"", 128 + signal.SIGTERM)
+        # The runner alive: the command runs, and its SIGTERM has its default action.
+        proc = subprocess.Popen(["sh", "-c", "echo ran; kill -TERM $$; echo survived"],
+                                preexec_fn=dies_with_runner(), stdout=subprocess.PIPE)  # fmt: skip
+        out, _ = proc.communicate(timeout=10)
+        assert (out, proc.returncode) == (b"ran\n", -signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -620,11 +620,14 @@ class ClaimState(LeaseState):
         # ACQUIRE's reply ends at a value Lua could not read as a number (a fence or
         # skip count someone else wrote): what is missing is unknown, the lease is held.
         pttl, fence, skips, rerun = (*res[2:6], None, None, None, None)[:4]
-        asked = not takeover and self._store.asks_done(self.task_id) and len(res) > 6
+        code = int_or_none(res[0])
+        # Only a busy answer (0) carries the done marker; "ran recently" and "rate
+        # limited" (2, 3, 4) never do, and what follows them with replicas is the count
+        # of replicas that acknowledged.
+        asked = not takeover and code == 0 and self._store.asks_done(self.task_id) and len(res) > 6
         self.completed_before = bool(int_or_none(res[6])) if asked else None
         self.skips = int_or_none(skips) or 0
         self.rerun_requested = int_or_none(rerun) or 0
-        code = int_or_none(res[0])
         # rate limited (3), with a start booked for this task id (4)
         self.throttled = (int_or_none(pttl) or 0) / 1000 if code in (3, 4) else None
         self.booked = self.throttled if code == 4 else None

@@ -231,8 +231,14 @@ class Watchdog:
             self.pipe = None
 
 
-def dies_with_runner() -> Callable[[], None] | None:
+def dies_with_runner(runner: int | None = None) -> Callable[[], None] | None:
     """A ``preexec_fn`` giving the command SIGTERM when its runner dies (Linux), or None.
+
+    ``runner`` is the pid the command's parent must be (default: this process). A runner
+    already gone when the child looks ends the child before the exec. Until the exec the
+    child still has the runner's signal handlers, and Python's only notes a signal for
+    later: the child sets SIGTERM's default action first (the exec would reset a caught
+    signal to it anyway), so that the death signal, arriving between the two, ends it.
 
     Everything is looked up before the fork: the child of a process with threads must
     not load libraries or take locks between fork and exec.
@@ -242,18 +248,26 @@ def dies_with_runner() -> Callable[[], None] | None:
     try:
         import ctypes
 
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl, set_action = libc.prctl, libc.signal
     except (ImportError, OSError, AttributeError):  # pragma: no cover - a libc without it
         return None
     prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
     prctl.restype = ctypes.c_int
-    runner = os.getpid()
+    set_action.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    set_action.restype = ctypes.c_void_p
+    parent = os.getpid() if runner is None else runner
     term = int(signal.SIGTERM)
+    # Only a caught SIGTERM is reset: one the runner inherited as ignored stays ignored
+    # for the command, as the exec would leave it.
+    caught = callable(signal.getsignal(signal.SIGTERM))
 
     def set_parent_death_signal() -> None:
+        if caught:
+            set_action(term, None)  # SIG_DFL
         prctl(PR_SET_PDEATHSIG, term, 0, 0, 0)
-        if os.getppid() != runner:  # the runner died before the signal was set
-            os.kill(os.getpid(), term)
+        if os.getppid() != parent:  # the runner died before the signal was set
+            os._exit(128 + term)
 
     return set_parent_death_signal
 
