@@ -245,9 +245,15 @@ def test_dedup_checker_fails_a_broken_lane(tmp_path: Path) -> None:
     report = Harness(cfg).run()
     print(report.tables())
     found = report.by_invariant()
-    # --broken limit: a third run of dd:limit; cooldown: a run inside the window; rerun:
-    # triggers dropped, never rerun.
-    assert found["dd-limit"] and found["dd-cooldown"] and found["dd-accounted"], report.tables()
+    d = report.dedup
+    assert d is not None
+    # --broken limit: a third run of dd:limit; cooldown: a run inside the window.
+    assert found["dd-limit"] and found["dd-cooldown"], report.tables()
+    # rerun: triggers dropped, never rerun; when a call came while a run held the name
+    # at all (a loaded machine can space six seconds of calls so that none did: the
+    # checker catches a dropped trigger on hand-made logs every time: see above).
+    if d.rerun_triggers:
+        assert found["dd-accounted"], report.tables()
     assert not report.ok
 
 

@@ -229,51 +229,17 @@ def test_a_skip_for_a_cooldown_or_a_rate_is_not_read_as_a_duplicate_delivery(
     ignored as already completed instead of skipped, or put back for its booked start)."""
     master, _ = pair
     client = master.client()
-    with Claim(
-        client,
-        "cooled",
-        ttl=5,
-        cooldown=60,
-        replicas=1,
-        heartbeat=False,
-        redelivery_window=60,
-        task_id="a",
-    ):
+    common: dict[str, Any] = {"ttl": 5, "replicas": 1, "heartbeat": False}
+    common["redelivery_window"] = 60
+    with Claim(client, "cooled", cooldown=60, task_id="a", **common):
         pass
-    later = Claim(
-        client,
-        "cooled",
-        ttl=5,
-        cooldown=60,
-        replicas=1,
-        heartbeat=False,
-        redelivery_window=60,
-        task_id="b",
-    )
+    later = Claim(client, "cooled", cooldown=60, task_id="b", **common)
     assert not later.acquire()
     assert later.ran_recently and not later.completed_before
-    first = Claim(
-        client,
-        "rated",
-        ttl=5,
-        rate="1/m",
-        replicas=1,
-        heartbeat=False,
-        redelivery_window=60,
-        task_id="c",
-    )
+    first = Claim(client, "rated", rate="1/m", task_id="c", **common)
     assert first.acquire()
     first.release()
-    over = Claim(
-        client,
-        "rated",
-        ttl=5,
-        rate="1/m",
-        replicas=1,
-        heartbeat=False,
-        redelivery_window=60,
-        task_id="d",
-    )
+    over = Claim(client, "rated", rate="1/m", task_id="d", **common)
     assert not over.acquire()
     assert over.throttled and not over.completed_before
 
