@@ -27,7 +27,9 @@ schedule and faults; its figures are reported beside fenced's, not held to these
 A restart of the lock Redis empties it (no persistence): leases, cooldown stamps and
 rerun triggers are forgotten, as fenced documents. So may a Sentinel failover
 (``--sentinel``): the promoted replica may lack the last writes, and a paused master,
-resumed, serves the clients still connected to it until the sentinels demote it. A
+resumed, serves the clients still connected to it until the sentinels demote it; and
+a Cluster failover (``--cluster``), until the old master is a replica of the promoted
+one and every node agrees on the slot map. A
 violation that such a fault explains (it came between the two runs, or between a
 trigger and its rerun) is counted apart as excused, not failed.
 """
@@ -37,6 +39,8 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
+
+from .config import CLUSTER_FAULTS, FAILOVER_FAULTS
 
 __all__ = ["INVARIANTS", "DedupStats", "check_dedup", "pending"]
 
@@ -53,6 +57,8 @@ INVARIANTS = {
 LIMITS = {"dd:limit": 2}
 #: The peer: celery-once's task, and the run name it logs (kept out of the invariants).
 PEER_TASK, PEER_NAME = "dd.once", "once:finished"
+#: The faults that may make the claims' Redis forget what it acknowledged.
+FORGETTING = ("restart_lock_redis", *FAILOVER_FAULTS, *CLUSTER_FAULTS)
 #: A rerun trigger lost to a restart of the lock Redis in this many seconds after it.
 RESTART_WINDOW = 10.0
 
@@ -155,13 +161,15 @@ def _read(events: list[Event], killed: dict[int, float]) -> _Lane:
 
 def _forgetting(faults: list[Any]) -> list[tuple[float, float]]:
     """The faults after which the claims' Redis may have forgotten what it acknowledged:
-    a restart of the lock Redis (empty), a Sentinel failover (to a replica that may lack
-    the last writes; a paused master, resumed, serves its clients until demoted)."""
-    # A failover's window lasts until the old master is a replica again ("synced").
+    a restart of the lock Redis (empty), a Sentinel or Cluster failover (to a replica
+    that may lack the last writes; a paused master, resumed, serves its clients until
+    demoted; a killed one, started again empty, until it rejoins as a replica)."""
+    # A failover's window lasts until the old master is a replica again and, on a
+    # Cluster, every node agrees on the slot map ("synced").
     return [
         (f.start, max(f.end, float(f.details.get("synced") or f.end)))
         for f in faults
-        if f.kind in ("restart_lock_redis", "failover_kill", "failover_pause")
+        if f.kind in FORGETTING
     ]
 
 
