@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from chaos import Config  # noqa: E402
 from chaos.checker import Setup, check  # noqa: E402
-from chaos.config import FAILOVER_FAULTS, FAULTS  # noqa: E402
+from chaos.config import CLUSTER_FAULTS, FAILOVER_FAULTS, FAULTS  # noqa: E402
 from chaos.dedup_check import check_dedup  # noqa: E402
 from chaos.harness import Harness  # noqa: E402
 from chaos.stores import Final  # noqa: E402
@@ -107,9 +107,10 @@ def test_fenced_keeps_its_invariants_under_every_fault(tmp_path: Path) -> None:
     fronts = {front.split("/")[0] for front in report.fenced.fronts}
     assert fronts == {"claim", "exclusive", "celery"}, report.tables()
     assert report.run_lane["commands"] > 3, report.tables()
-    # About one of each kind in 25 s (the failovers need --sentinel); a loaded machine
-    # may fit fewer.
-    assert sum(report.faults.values()) >= len(FAULTS) - len(FAILOVER_FAULTS) - 2, report.tables()
+    # About one of each kind in 25 s (the failovers need --sentinel or --cluster); a loaded
+    # machine may fit fewer.
+    failovers = len(FAILOVER_FAULTS) + len(CLUSTER_FAULTS)
+    assert sum(report.faults.values()) >= len(FAULTS) - failovers - 2, report.tables()
     assert report.ok, "\n" + report.tables()
 
 
@@ -274,3 +275,64 @@ def test_dedup_checker_excuses_what_a_failover_forgot_until_the_old_master_is_de
         found, stats, _ = check_dedup(overlap(at), [pause], Timeline([pause]), cooldown=1.5)
         assert [v.invariant for v in found] == ([] if excused else ["dd-limit"])
         assert stats.excused.get("dd-limit", 0) == int(excused)
+
+
+@pytest.mark.parametrize("kind", CLUSTER_FAULTS)
+def test_dedup_checker_excuses_what_a_cluster_failover_forgot_until_the_slot_map_settles(
+    kind: str,
+) -> None:
+    """A Cluster failover, as a Sentinel one: two runs of a limit-1 name at once, and
+    calls coalesced into a task whose run cleared its mark on the old master only, are
+    excused until the old master is a replica in sync and the slot map agreed
+    ("synced"); the same after it: violations."""
+    from chaos.checker import Fault, Timeline
+
+    def overlap(at: float) -> list[dict[str, Any]]:
+        ev = [_dd_call(at, "dd.started", "a"), _dd_call(at + 0.1, "dd.started", "b")]
+        ev += _dd_run("dd:started", "dd.started", "a", 10, at + 0.2, at + 1.0)
+        ev += _dd_run("dd:started", "dd.started", "b", 11, at + 0.5, at + 1.2)
+        return ev
+
+    def forgotten_clear(at: float) -> list[dict[str, Any]]:
+        # f1 ran; its release cleared the until_finished mark where the failover lost
+        # it: a later call is coalesced into f1, which will not run again.
+        ev = [_dd_call(at, "dd.finished", "f1")]
+        ev += _dd_run("dd:finished", "dd.finished", "f1", 12, at + 0.1, at + 0.4)
+        ev.append(_dd_call(at + 1.0, "dd.finished", "f2", "f1"))
+        return ev
+
+    failover = Fault(1, kind, 1.0, 3.5, 1001.0, {"names": ["dd:started"], "synced": 6.0})
+    for at, excused in ((2.0, True), (4.5, True), (10.0, False)):
+        events = sorted(overlap(at) + forgotten_clear(at), key=lambda e: e["t"])
+        found, stats, _ = check_dedup(events, [failover], Timeline([failover]), cooldown=1.5)
+        assert sorted(v.invariant for v in found) == (
+            [] if excused else ["dd-accounted", "dd-limit"]
+        )
+        counted = {k: n for k, n in stats.excused.items() if n}
+        assert counted == ({"dd-limit": 1, "dd-accounted": 1} if excused else {})
+
+
+@pytest.mark.timeout(90)
+def test_dedup_lane_on_a_cluster_keeps_its_invariants_through_failovers(tmp_path: Path) -> None:
+    """The dedup lane's claims on a Redis Cluster (claim_replicas=1), its masters killed
+    and paused until their replicas are promoted: no violation."""
+    cfg = _dedup_config(tmp_path, seconds=12, seed=5, cluster=True, faults=CLUSTER_FAULTS)
+    report = Harness(cfg).run()
+    print(report.tables())
+    d = report.dedup
+    assert d is not None
+    assert d.calls > 50 and d.published, report.tables()
+    assert sum(report.faults.get(k, 0) for k in CLUSTER_FAULTS) >= 1, report.tables()
+    assert report.ok, "\n" + report.tables()
+
+
+def test_cluster_and_sentinel_are_one_or_the_other() -> None:
+    from chaos.__main__ import parse
+
+    with pytest.raises(ValueError, match="choose one of them"):
+        Config(sentinel=True, cluster=True).check()
+    with pytest.raises(ValueError, match="drop --no-dedup"):
+        Config(cluster=True, dedup=False).check()
+    cfg = parse(["--cluster"])
+    assert isinstance(cfg, Config) and cfg.cluster and cfg.dedup_replicas == 1
+    assert Config(cluster=True, replicas=0).dedup_replicas == 0
