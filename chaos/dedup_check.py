@@ -225,7 +225,9 @@ def _accounting(
                 excused += 1
             else:
                 problems.append((t0, f"{what} was published and never delivered"))
-    # A delivery ignored as a duplicate of a completed run: that run must have been.
+    # A delivery ignored as a duplicate of a completed run: that run must have been. Its
+    # postrun may be missing: a worker killed after the body ended ok and the release
+    # set the done marker, before the postrun, has its message delivered again.
     for tid, posts in lane.posts.items():
         for p in posts:
             if p.get("state") != "IGNORED" or p.get("task") == PEER_TASK:
@@ -234,7 +236,7 @@ def _accounting(
             done = any(
                 q.get("state") == "SUCCESS" and not q.get("skipped") and float(q["t"]) < t
                 for q in posts
-            )
+            ) or any(r.how == "ok" and (r.end or t) < t for r in lane.starts.get(tid, []))
             if not done:
                 problems.append((t, f"{p['task']}{tuple(p['args'])} (task {tid[:8]}) was "
                                     "ignored as already completed, but no run of it had "

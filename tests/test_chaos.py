@@ -336,3 +336,21 @@ def test_cluster_and_sentinel_are_one_or_the_other() -> None:
     cfg = parse(["--cluster"])
     assert isinstance(cfg, Config) and cfg.cluster and cfg.dedup_replicas == 1
     assert Config(cluster=True, replicas=0).dedup_replicas == 0
+
+
+def test_dedup_checker_accepts_a_duplicate_ignored_after_a_run_killed_before_its_postrun() -> None:
+    """The body ended ok and its release set the done marker; the worker was killed
+    before the postrun: the message comes back and is ignored as completed. Without
+    the ok end, the same ignore is a violation."""
+    from chaos.checker import Fault, Timeline
+
+    kill = Fault(1, "kill_worker", 0.61, 0.61, 1000.61,
+                 {"targets": [{"lane": "dedup", "pid": 10, "w": "dedup-10"}]})  # fmt: skip
+    ran = _dd_run("dd:rerun", "dd.rerun", "r1", 10, 0.2, 0.6, policy="rerun")[:2]
+    ignored = _dd(5.0, "dd-post", 11, task="dd.rerun", id="r1", args=[1], state="IGNORED",
+                  skipped=None, rerun=False, policy="rerun")  # fmt: skip
+    for how, ok in (("ok", True), ("error", False)):
+        events = [_dd_call(0.0, "dd.rerun", "r1"), *[dict(e) for e in ran], ignored]
+        events[2]["how"] = how
+        found, _, _ = check_dedup(events, [kill], Timeline([kill]), cooldown=1.5)
+        assert [v.invariant for v in found] == ([] if ok else ["dd-accounted"])
