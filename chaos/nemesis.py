@@ -258,6 +258,7 @@ class Nemesis:
         if found is None:
             return
         master, names = found
+        slots = _slots_of(cluster, master.port)
         start = time.monotonic()
         cluster._kill(master)
         try:
@@ -270,7 +271,7 @@ class Nemesis:
             cluster._killed.remove(master)
         synced = self._settle(master)
         self.record("cluster_failover_kill", start, promoted, killed=master.port,
-                    promoted=new, names=names, synced=synced)  # fmt: skip
+                    promoted=new, names=names, slots=slots, synced=synced)  # fmt: skip
 
     def cluster_failover_pause(self) -> None:
         """SIGSTOP the cluster master serving the dedup lane's busiest slots until its
@@ -284,6 +285,7 @@ class Nemesis:
         master, names = found
         replicas = cluster.replicas_of(master)
         slot = key_slot(ClaimKeys.of(names[0]).lock.encode())
+        slots = _slots_of(cluster, master.port)
         new: int | None = None
         start = time.monotonic()
         master.pause()
@@ -303,7 +305,7 @@ class Nemesis:
         resumed = time.monotonic()
         synced = self._settle(master)
         self.record("cluster_failover_pause", start, resumed, paused=master.port,
-                    promoted=new, names=names, synced=synced)  # fmt: skip
+                    promoted=new, names=names, slots=slots, synced=synced)  # fmt: skip
 
     def kill_runner(self) -> None:
         """kill -9 the ``fenced run`` runner that holds the lane's claim, early in a command."""
@@ -322,6 +324,13 @@ class Nemesis:
                     return
             time.sleep(0.05)
         self.skipped("kill_runner", "no runner mid-command")
+
+
+def _slots_of(cluster: Any, port: int) -> list[list[int]]:
+    """The slot ranges [first, last] that the master on ``port`` serves now (what its
+    failover may forget: the checker excuses only the claim names there)."""
+    view = cluster._slots_view(cluster._live()[0])
+    return sorted([first, last] for first, last, owner, _ in view if owner == port)
 
 
 def _owner(cluster: Any, node: Any, slot: int) -> int | None:

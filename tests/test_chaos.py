@@ -284,7 +284,8 @@ def test_dedup_checker_excuses_what_a_cluster_failover_forgot_until_the_slot_map
     """A Cluster failover, as a Sentinel one: two runs of a limit-1 name at once, and
     calls coalesced into a task whose run cleared its mark on the old master only, are
     excused until the old master is a replica in sync and the slot map agreed
-    ("synced"); the same after it: violations."""
+    ("synced"); the same after it, or under a master that did not serve the names'
+    slots: violations."""
     from chaos.checker import Fault, Timeline
 
     def overlap(at: float) -> list[dict[str, Any]]:
@@ -301,8 +302,18 @@ def test_dedup_checker_excuses_what_a_cluster_failover_forgot_until_the_slot_map
         ev.append(_dd_call(at + 1.0, "dd.finished", "f2", "f1"))
         return ev
 
-    failover = Fault(1, kind, 1.0, 3.5, 1001.0, {"names": ["dd:started"], "synced": 6.0})
-    for at, excused in ((2.0, True), (4.5, True), (10.0, False)):
+    from redis.crc import key_slot
+
+    from fenced._lease import ClaimKeys
+
+    hit = sorted(key_slot(ClaimKeys.of(n).lock.encode()) for n in ("dd:started", "dd:finished"))
+    # The failed-over master served both names' slots; another master's failover (the
+    # slots between theirs) forgets neither: nothing of theirs is excused.
+    ours = {"slots": [[hit[0], hit[1]]], "synced": 6.0}
+    theirs = {"slots": [[hit[0] + 1, hit[1] - 1]], "synced": 6.0}
+    cases = [(2.0, ours, True), (4.5, ours, True), (10.0, ours, False), (2.0, theirs, False)]
+    for at, details, excused in cases:
+        failover = Fault(1, kind, 1.0, 3.5, 1001.0, details)
         events = sorted(overlap(at) + forgotten_clear(at), key=lambda e: e["t"])
         found, stats, _ = check_dedup(events, [failover], Timeline([failover]), cooldown=1.5)
         assert sorted(v.invariant for v in found) == (
