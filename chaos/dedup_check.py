@@ -465,8 +465,14 @@ def check_dedup(
                 continue  # dd-accounted says so
             n_retry += 1
             until = min(nxt)
+            # The process that kept the claim killed meanwhile (a whole worker killed
+            # takes the retry's message with it until it is delivered again): the kept
+            # lease is renewed no more and expires, as a dead holder's lease does.
+            dead = killed.get(int(p["pid"]))
             for other in retry_runs:
                 if other.id == tid or not t < other.start < until:
+                    continue
+                if dead is not None and t <= dead <= other.start:
                     continue
                 if _restart_between(restarts, t, other.start, "dd:retry"):
                     excused["dd-retry"] += 1

@@ -365,3 +365,24 @@ def test_dedup_checker_accepts_a_duplicate_ignored_after_a_run_killed_before_its
         events[2]["how"] = how
         found, _, _ = check_dedup(events, [kill], Timeline([kill]), cooldown=1.5)
         assert [v.invariant for v in found] == ([] if ok else ["dd-accounted"])
+
+
+def test_dedup_checker_lets_a_retry_lease_go_when_its_holder_is_killed() -> None:
+    """A retry keeps its claim; the worker that held it is killed (its message comes
+    back only after the broker's visibility timeout): another run may start once the
+    kept lease expired. Without the kill, the same start is a violation."""
+    from chaos.checker import Fault, Timeline
+
+    ev = [_dd_call(0.0, "dd.retry", "t1"), _dd_call(3.0, "dd.retry", "t2")]
+    ev += _dd_run("dd:retry", "dd.retry", "t1", 17, 0.1, 0.3)
+    ev[-1]["state"] = "RETRY"
+    ev.append(_dd(0.29, "dd-retrying", 17, name="dd:retry", id="t1", args=[1]))
+    ev += _dd_run("dd:retry", "dd.retry", "t2", 18, 4.0, 4.2)
+    ev += _dd_run("dd:retry", "dd.retry", "t1", 19, 9.0, 9.2)
+    ev.sort(key=lambda e: e["t"])
+    kill = Fault(1, "kill_worker", 0.5, 0.5, 1000.5,
+                 {"targets": [{"lane": "dedup", "pid": 17, "w": "dedup-17",
+                               "whole_celery": True, "pids": [16, 17, 18]}]})  # fmt: skip
+    for faults, expected in (([kill], []), ([], ["dd-retry"])):
+        found, _, _ = check_dedup(ev, faults, Timeline(faults), cooldown=1.5)
+        assert [v.invariant for v in found] == expected
