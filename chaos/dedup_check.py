@@ -29,7 +29,7 @@ rerun triggers are forgotten, as fenced documents. So may a Sentinel failover
 (``--sentinel``): the promoted replica may lack the last writes, and a paused master,
 resumed, serves the clients still connected to it until the sentinels demote it; and
 a Cluster failover (``--cluster``), until the old master is a replica of the promoted
-one and every node agrees on the slot map. A
+one and every node agrees on the slot map, for the names whose slots it served. A
 violation that such a fault explains (it came between the two runs, or between a
 trigger and its rerun) is counted apart as excused, not failed.
 """
