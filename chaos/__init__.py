@@ -10,8 +10,8 @@ otherwise). The front ends are ``Claim`` (explicit and ``with``), ``@exclusive``
 baseline lane does the same work under redis-py's ``Lock`` with fence-less writes.
 A dedup lane runs fenced's Celery options (enqueue dedup, cooldown, limit, a retry,
 rerun, a chord) in a second ``celery worker``, fed calls all through the run, with
-celery-once beside it; ``--sentinel`` puts its claims on a Sentinel group and adds
-failovers to the faults.
+celery-once beside it; ``--sentinel`` puts its claims on a Sentinel group, and
+``--cluster`` on a Redis Cluster, and adds their failovers to the faults.
 
 A nemesis pauses holders, restarts the lock Redis empty, kills its clients, makes it
 sleep or pause, black-holes one worker's connection, and kills workers and runners.

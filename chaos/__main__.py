@@ -49,10 +49,18 @@ def parse(argv: list[str] | None = None) -> Config | str:
         "(its master killed, or paused until a replica is promoted)",
     )
     p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="the dedup lane's claims on a Redis Cluster (3 masters, a replica each), with "
+        "the cluster failover faults (the master of the lane's busiest slots killed, or "
+        "paused until its replica is promoted)",
+    )
+    p.add_argument(
         "--replicas",
         type=int,
         default=None,
-        help="claim_replicas of the dedup lane's tasks (default: 1 with --sentinel, else 0)",
+        help="claim_replicas of the dedup lane's tasks (default: 1 with --sentinel or "
+        "--cluster, else 0)",
     )
     p.add_argument(
         "--broken",
@@ -98,6 +106,7 @@ def parse(argv: list[str] | None = None) -> Config | str:
         dedup_children=a.dedup_children,
         broken=tuple(b for b in a.broken.split(",") if b),
         sentinel=a.sentinel,
+        cluster=a.cluster,
         replicas=a.replicas,
     )
     try:

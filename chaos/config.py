@@ -6,7 +6,16 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["BROKEN", "FAILOVER_FAULTS", "FAULTS", "LANES", "Config", "Shared"]
+__all__ = [
+    "BROKEN",
+    "CLUSTER_FAULTS",
+    "DEDUP_NAMES",
+    "FAILOVER_FAULTS",
+    "FAULTS",
+    "LANES",
+    "Config",
+    "Shared",
+]
 
 #: Every fault the nemesis knows, in the order the report lists them.
 FAULTS = (
@@ -20,9 +29,15 @@ FAULTS = (
     "kill_runner",
     "failover_kill",
     "failover_pause",
+    "cluster_failover_kill",
+    "cluster_failover_pause",
 )
 #: The faults of a Sentinel group (``--sentinel``): they need its master and replica.
 FAILOVER_FAULTS = ("failover_kill", "failover_pause")
+#: The faults of a Redis Cluster (``--cluster``): they need a master with a replica.
+CLUSTER_FAULTS = ("cluster_failover_kill", "cluster_failover_pause")
+#: The dedup lane's fixed claim names (chaos/dedup_app.py; the chord members' vary).
+DEDUP_NAMES = ("dd:started", "dd:finished", "dd:cooldown", "dd:limit", "dd:retry", "dd:rerun")
 #: Deliberate faults of the dedup lane (``--broken``) that its checker must catch.
 BROKEN = ("limit", "cooldown", "rerun")
 #: The lanes: fenced's front ends, and the same work under redis-py's Lock.
@@ -71,8 +86,11 @@ class Config:
     #: The dedup lane's claims on a Sentinel group (master, replica, three sentinels),
     #: which the failover faults kill or pause.
     sentinel: bool = False
+    #: The dedup lane's claims on a Redis Cluster (three masters, a replica each), whose
+    #: masters the cluster failover faults kill or pause.
+    cluster: bool = False
     #: claim_replicas of the dedup lane's tasks (replicas that must acknowledge each
-    #: acquire and renewal); None: 1 on Sentinel, else 0.
+    #: acquire and renewal); None: 1 on Sentinel or Cluster, else 0.
     replicas: int | None = None
 
     def check(self) -> None:
@@ -91,6 +109,12 @@ class Config:
             raise ValueError(f"--broken {','.join(wrong)}: choose from {', '.join(BROKEN)}")
         if self.replicas is not None and self.replicas < 0:
             raise ValueError(f"--replicas {self.replicas}: 0 or more")
+        if self.sentinel and self.cluster:
+            raise ValueError(
+                "--sentinel and --cluster both move the dedup lane's claims: choose one of them"
+            )
+        if self.cluster and not self.dedup:
+            raise ValueError("--cluster puts the dedup lane on a Redis Cluster: drop --no-dedup")
         if self.sentinel and not self.dedup:
             raise ValueError("--sentinel puts the dedup lane on Sentinel: drop --no-dedup")
         if self.broken and not self.dedup:
@@ -102,6 +126,13 @@ class Config:
             )
         if not 0 < self.step_min <= self.step_max:
             raise ValueError("step times: 0 < step_min <= step_max")
+
+    @property
+    def dedup_replicas(self) -> int:
+        """claim_replicas of the dedup lane: as asked, else 1 on Sentinel or Cluster."""
+        if self.replicas is not None:
+            return self.replicas
+        return int(self.sentinel or self.cluster)
 
     @property
     def n_baseline(self) -> int:

@@ -44,7 +44,7 @@ from fenced import ClaimLost
 from fenced._lease import ClaimKeys
 from fenced.celery import ClaimedTask
 
-from .config import Shared
+from .config import DEDUP_NAMES, Shared
 from .events import EventLog
 
 __all__ = ["BROKEN", "LIMITS", "NAMES", "QUEUE", "app"]
@@ -58,7 +58,7 @@ COOLDOWN = float(shared.extra.get("dedup_cooldown", "1.5"))
 BROKEN = frozenset(filter(None, shared.extra.get("broken", "").split(",")))
 #: How many runs of each claim name may run at once (the checker reads it too).
 LIMITS = {"dd:limit": 2}
-NAMES = ("dd:started", "dd:finished", "dd:cooldown", "dd:limit", "dd:retry", "dd:rerun")
+NAMES = DEDUP_NAMES
 
 app = Celery(
     "chaos-dedup",
@@ -80,7 +80,8 @@ app.conf.update(
         "unacked_restore_throttle": 1,
     },
     result_expires=3600,
-    # The lock Redis, or with --sentinel a Sentinel group's redis+sentinel:// URL.
+    # The lock Redis, or with --sentinel a Sentinel group's redis+sentinel:// URL, or
+    # with --cluster a Redis Cluster's redis+cluster:// URL.
     fenced_redis_url=shared.extra.get("dedup_url") or shared.lock_url,
     fenced_secret_key="chaos-dedup-lane-secret-key-0123456789abcdef",
     fenced_claim_ttl=TTL,

@@ -27,7 +27,9 @@ schedule and faults; its figures are reported beside fenced's, not held to these
 A restart of the lock Redis empties it (no persistence): leases, cooldown stamps and
 rerun triggers are forgotten, as fenced documents. So may a Sentinel failover
 (``--sentinel``): the promoted replica may lack the last writes, and a paused master,
-resumed, serves the clients still connected to it until the sentinels demote it. A
+resumed, serves the clients still connected to it until the sentinels demote it; and
+a Cluster failover (``--cluster``), until the old master is a replica of the promoted
+one and every node agrees on the slot map, for the names whose slots it served. A
 violation that such a fault explains (it came between the two runs, or between a
 trigger and its rerun) is counted apart as excused, not failed.
 """
@@ -37,6 +39,10 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
+
+from fenced._lease import ClaimKeys
+
+from .config import CLUSTER_FAULTS, FAILOVER_FAULTS
 
 __all__ = ["INVARIANTS", "DedupStats", "check_dedup", "pending"]
 
@@ -53,6 +59,8 @@ INVARIANTS = {
 LIMITS = {"dd:limit": 2}
 #: The peer: celery-once's task, and the run name it logs (kept out of the invariants).
 PEER_TASK, PEER_NAME = "dd.once", "once:finished"
+#: The faults that may make the claims' Redis forget what it acknowledged.
+FORGETTING = ("restart_lock_redis", *FAILOVER_FAULTS, *CLUSTER_FAULTS)
 #: A rerun trigger lost to a restart of the lock Redis in this many seconds after it.
 RESTART_WINDOW = 10.0
 
@@ -153,16 +161,45 @@ def _read(events: list[Event], killed: dict[int, float]) -> _Lane:
     return lane
 
 
-def _forgetting(faults: list[Any]) -> list[tuple[float, float]]:
+#: A forgetting fault's window: (start, end, the slot ranges it hit; None: every slot).
+Window = tuple[float, float, "tuple[tuple[int, int], ...] | None"]
+
+
+def _forgetting(faults: list[Any]) -> list[Window]:
     """The faults after which the claims' Redis may have forgotten what it acknowledged:
-    a restart of the lock Redis (empty), a Sentinel failover (to a replica that may lack
-    the last writes; a paused master, resumed, serves its clients until demoted)."""
-    # A failover's window lasts until the old master is a replica again ("synced").
-    return [
-        (f.start, max(f.end, float(f.details.get("synced") or f.end)))
-        for f in faults
-        if f.kind in ("restart_lock_redis", "failover_kill", "failover_pause")
-    ]
+    a restart of the lock Redis (empty), a Sentinel or Cluster failover (to a replica
+    that may lack the last writes; a paused master, resumed, serves its clients until
+    demoted; a killed one, started again empty, until it rejoins as a replica)."""
+    # A failover's window lasts until the old master is a replica again and, on a
+    # Cluster, every node agrees on the slot map ("synced"). A Cluster failover
+    # forgets only what its master's slots held ("slots"): the names there.
+    out: list[Window] = []
+    for f in faults:
+        if f.kind not in FORGETTING:
+            continue
+        slots = f.details.get("slots")
+        hit = None if slots is None else tuple((int(a), int(b)) for a, b in slots)
+        out.append((f.start, max(f.end, float(f.details.get("synced") or f.end)), hit))
+    return out
+
+
+def _name_of(task: str, args: Any) -> str | None:
+    """The claim name of a dedup task's call (chaos.dedup_app), None if unknown."""
+    if task == "dd.member" and args:
+        return f"dd:member:{args[0]}"
+    if task.startswith("dd.") and task != "dd.chord_body":
+        return "dd:" + task[3:].removesuffix("_unclaimed")
+    return None
+
+
+def _in_slots(slots: tuple[tuple[int, int], ...] | None, name: str | None) -> bool:
+    """Whether a claim name's keys (one hash tag: one slot) lie in the slot ranges."""
+    if slots is None or name is None:
+        return True
+    from redis.crc import key_slot
+
+    slot = key_slot(ClaimKeys.of(name).lock.encode())
+    return any(first <= slot <= last for first, last in slots)
 
 
 def _kept(lane: _Lane, post: Event) -> bool:
@@ -173,13 +210,14 @@ def _kept(lane: _Lane, post: Event) -> bool:
     return any(t - 5.0 <= x <= t for x in asked)
 
 
-def _restart_between(restarts: list[tuple[float, float]], a: float, b: float) -> bool:
-    """Whether a restart of the lock Redis (start, end) overlaps [a, b]."""
-    return any(start <= b and end >= a for start, end in restarts)
+def _restart_between(restarts: list[Window], a: float, b: float, name: str | None = None) -> bool:
+    """Whether a forgetting fault's window overlaps [a, b] (for a Cluster failover: and
+    its master served ``name``'s slot)."""
+    return any(start <= b and end >= a and _in_slots(slots, name) for start, end, slots in restarts)
 
 
 def _accounting(
-    lane: _Lane, restarts: list[tuple[float, float]], stats: DedupStats | None = None
+    lane: _Lane, restarts: list[Window], stats: DedupStats | None = None
 ) -> tuple[list[tuple[float, str]], int]:
     """Calls, retries and rerun triggers not accounted for: (time, what), and how many
     a restart of the lock Redis excuses."""
@@ -190,6 +228,7 @@ def _accounting(
             continue
         t0, own, returned = float(call["t"]), str(call["id"]), str(call["returned"])
         what = f"{call['task']}{tuple(call['args'])} (task {own[:8]})"
+        name = _name_of(str(call["task"]), call["args"])
         if returned != own:
             if stats is not None:
                 stats.coalesced[call["task"]] = stats.coalesced.get(call["task"], 0) + 1
@@ -202,8 +241,8 @@ def _accounting(
                 float(p["t"]) for p in lane.posts.get(returned, [])
             ]
             if not later and (
-                _restart_between(restarts, t0 - 1.0, t0)
-                or any(_restart_between(restarts, t, t) for t in ran)
+                _restart_between(restarts, t0 - 1.0, t0, name)
+                or any(_restart_between(restarts, t, t, name) for t in ran)
             ):
                 excused += 1
             elif not later:
@@ -213,11 +252,13 @@ def _accounting(
         if stats is not None:
             stats.published += 1
         if not lane.starts.get(own) and not lane.posts.get(own):
-            if _restart_between(restarts, t0 - 1.0, t0 + RESTART_WINDOW):
+            if _restart_between(restarts, t0 - 1.0, t0 + RESTART_WINDOW, name):
                 excused += 1
             else:
                 problems.append((t0, f"{what} was published and never delivered"))
-    # A delivery ignored as a duplicate of a completed run: that run must have been.
+    # A delivery ignored as a duplicate of a completed run: that run must have been. Its
+    # postrun may be missing: a worker killed after the body ended ok and the release
+    # set the done marker, before the postrun, has its message delivered again.
     for tid, posts in lane.posts.items():
         for p in posts:
             if p.get("state") != "IGNORED" or p.get("task") == PEER_TASK:
@@ -226,7 +267,7 @@ def _accounting(
             done = any(
                 q.get("state") == "SUCCESS" and not q.get("skipped") and float(q["t"]) < t
                 for q in posts
-            )
+            ) or any(r.how == "ok" and (r.end or t) < t for r in lane.starts.get(tid, []))
             if not done:
                 problems.append((t, f"{p['task']}{tuple(p['args'])} (task {tid[:8]}) was "
                                     "ignored as already completed, but no run of it had "
@@ -261,7 +302,9 @@ def _accounting(
             if any(x > t for x in reruns.get(_rerun_key(p), [])):
                 continue
             # The skip's acquire came a moment before its postrun.
-            if _restart_between(restarts, t - 1.0, t + RESTART_WINDOW):
+            if _restart_between(
+                restarts, t - 1.0, t + RESTART_WINDOW, _name_of(str(p["task"]), p["args"])
+            ):
                 excused += 1
                 continue
             problems.append((t, f"{p['task']}{tuple(p['args'])} (task {str(p['id'])[:8]}) was "
@@ -291,8 +334,8 @@ def pending(events: list[Event]) -> list[str]:
     return out
 
 
-def _failed_members(lane: _Lane, chord: Event) -> list[tuple[float, float, str]]:
-    """The chord's members that failed: (start, failure, error) of each."""
+def _failed_members(lane: _Lane, chord: Event) -> list[tuple[float, float, str, str | None]]:
+    """The chord's members that failed: (start, failure, error, claim name) of each."""
     out = []
     for tid in chord.get("members") or []:
         for p in lane.posts.get(str(tid), []):
@@ -301,7 +344,8 @@ def _failed_members(lane: _Lane, chord: Event) -> list[tuple[float, float, str]]
                     r.start for r in lane.starts.get(str(tid), []) if r.start <= float(p["t"])
                 ]
                 t = float(p["t"])
-                out.append((max(starts) if starts else t, t, str(p.get("error") or "")))
+                out.append((max(starts) if starts else t, t, str(p.get("error") or ""),
+                            _name_of(str(p.get("task") or ""), p.get("args"))))  # fmt: skip
     return out
 
 
@@ -353,7 +397,7 @@ def check_dedup(
             most = max(most, len(active))
             if len(active) > limit:
                 first = min(a.start for a in active)
-                if _restart_between(restarts, first, run.start):
+                if _restart_between(restarts, first, run.start, name):
                     excused["dd-limit"] += 1
                     continue
                 held = ", ".join(
@@ -388,7 +432,7 @@ def check_dedup(
         for other in cool:
             if other is run or not run.end < other.start < run.end + cooldown:
                 continue
-            if _restart_between(restarts, run.end, other.start):
+            if _restart_between(restarts, run.end, other.start, "dd:cooldown"):
                 excused["dd-cooldown"] += 1
                 continue
             violations.append(
@@ -421,10 +465,16 @@ def check_dedup(
                 continue  # dd-accounted says so
             n_retry += 1
             until = min(nxt)
+            # The process that kept the claim killed meanwhile (a whole worker killed
+            # takes the retry's message with it until it is delivered again): the kept
+            # lease is renewed no more and expires, as a dead holder's lease does.
+            dead = killed.get(int(p["pid"]))
             for other in retry_runs:
                 if other.id == tid or not t < other.start < until:
                     continue
-                if _restart_between(restarts, t, other.start):
+                if dead is not None and t <= dead <= other.start:
+                    continue
+                if _restart_between(restarts, t, other.start, "dd:retry"):
                     excused["dd-retry"] += 1
                     continue
                 violations.append(
@@ -446,7 +496,8 @@ def check_dedup(
         t = float(c["t"])
         failed = _failed_members(lane, c)
         if failed and all(
-            "ClaimLost" in err and _restart_between(restarts, a, b) for a, b, err in failed
+            "ClaimLost" in err and _restart_between(restarts, a, b, name)
+            for a, b, err, name in failed
         ):
             excused["dd-chord"] += 1
             continue

@@ -22,7 +22,7 @@ import redis
 
 import fenced
 from fenced import read_holder
-from fenced.testing import CeleryWorker, RedisServer, SentinelGroup, TcpProxy
+from fenced.testing import CeleryWorker, RedisCluster, RedisServer, SentinelGroup, TcpProxy
 
 from . import checker
 from .config import ENV, Config, Shared
@@ -74,6 +74,7 @@ class Harness:
         self.broker_server = RedisServer() if cfg.celery or cfg.dedup else None
         self.proxy: TcpProxy | None = None
         self.sentinel: SentinelGroup | None = None
+        self.cluster: RedisCluster | None = None
         self.run_lane: RunLane | None = None
         self.celery: CeleryWorker | None = None
         self.dedup: CeleryWorker | None = None
@@ -246,6 +247,9 @@ class Harness:
         self.proc_dir.mkdir(parents=True, exist_ok=True)
         if cfg.sentinel:
             self.sentinel = SentinelGroup(down_after_ms=1000, failover_timeout_ms=3000).start()
+        if cfg.cluster:
+            # Three masters: a failover needs a majority of them to vote.
+            self.cluster = RedisCluster(masters=3, replicas=1, node_timeout_ms=1000).start()
         create_tables(self.sql_url, self.sql_prefix)
         self.shared = Shared(
             name=NAME,
@@ -263,8 +267,8 @@ class Harness:
                 "dedup_ttl": str(cfg.dedup_ttl),
                 "dedup_cooldown": str(cfg.dedup_cooldown),
                 "broken": ",".join(cfg.broken),
-                "dedup_url": self.sentinel.url if self.sentinel is not None else "",
-                "replicas": str(cfg.replicas if cfg.replicas is not None else int(cfg.sentinel)),
+                "dedup_url": self._dedup_url(),
+                "replicas": str(cfg.dedup_replicas),
             },
         )
         src = str(Path(fenced.__file__).resolve().parent.parent)
@@ -329,6 +333,14 @@ class Harness:
                     stdout=out, stderr=subprocess.STDOUT,
                 )  # fmt: skip
         self._warm_up()
+
+    def _dedup_url(self) -> str:
+        """The dedup lane's claims: a Sentinel or Cluster URL, else the lock Redis ("")."""
+        if self.sentinel is not None:
+            return self.sentinel.url
+        if self.cluster is not None:
+            return self.cluster.startup_url
+        return ""
 
     def _url_for(self, i: int) -> str:
         # The first worker of each lane reaches the lock Redis through the proxy.
@@ -474,6 +486,8 @@ class Harness:
                 server.stop()
         if self.sentinel is not None:
             self.sentinel.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
         if not self.cfg.keep_tables:
             try:
                 drop_tables(self.sql_url, self.sql_prefix)

@@ -16,7 +16,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import redis
+from redis.crc import key_slot
 
+from fenced._lease import ClaimKeys
+
+from .config import CLUSTER_FAULTS, DEDUP_NAMES, FAILOVER_FAULTS
 from .runlane import children, kill_quietly, process_age
 
 if TYPE_CHECKING:
@@ -42,8 +46,10 @@ class Nemesis:
             return self.h.proxy is not None
         if kind == "kill_runner":
             return self.h.run_lane is not None
-        if kind in ("failover_kill", "failover_pause"):
+        if kind in FAILOVER_FAULTS:
             return self.h.sentinel is not None
+        if kind in CLUSTER_FAULTS:
+            return self.h.cluster is not None
         return True
 
     def run(self, until: float) -> None:
@@ -209,6 +215,98 @@ class Nemesis:
         self.record("failover_pause", start, resumed, paused=master.port,
                     promoted=group.master_address()[1], synced=time.monotonic())  # fmt: skip
 
+    def _busiest_master(self, kind: str) -> tuple[Any, list[str]] | None:
+        """The cluster master that serves the most of the dedup lane's claim names (ties
+        drawn at random), and those names; None (skipped) when it has no live replica."""
+        cluster = self.h.cluster
+        assert cluster is not None
+        served: dict[int, list[str]] = {}
+        for name in DEDUP_NAMES:
+            port = cluster.master_for_key(ClaimKeys.of(name).lock).port
+            served.setdefault(port, []).append(name)
+        most = max(len(names) for names in served.values())
+        port = self.rng.choice(sorted(p for p, names in served.items() if len(names) == most))
+        master = next(n for n in cluster.nodes if n.port == port)
+        if not cluster.replicas_of(master):
+            self.skipped(kind, f"master {port} has no live replica")
+            return None
+        return master, served[port]
+
+    def _settle(self, node: Any) -> float:
+        """Wait until ``node`` is a replica in sync and every node agrees on the slot map
+        again (a later failover has a replica to promote); when that was."""
+        cluster = self.h.cluster
+        assert cluster is not None
+        _wait_synced(node)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            try:
+                if cluster._ready():
+                    break
+            except Exception:
+                pass
+            time.sleep(0.1)
+        return time.monotonic()
+
+    def cluster_failover_kill(self) -> None:
+        """kill -9 the cluster master serving the dedup lane's busiest slots; once its
+        replica is promoted, start the old node again: it rejoins (nodes.conf) as the
+        promoted one's replica, empty, and syncs from it."""
+        cluster = self.h.cluster
+        assert cluster is not None
+        found = self._busiest_master("cluster_failover_kill")
+        if found is None:
+            return
+        master, names = found
+        slots = _slots_of(cluster, master.port)
+        start = time.monotonic()
+        cluster._kill(master)
+        try:
+            cluster.wait_failover(timeout=30)
+            promoted = time.monotonic()
+            new = cluster.master_for_key(ClaimKeys.of(names[0]).lock).port
+        finally:
+            # Alive again, and a replica: a later failover may promote it.
+            master.start()
+            cluster._killed.remove(master)
+        synced = self._settle(master)
+        self.record("cluster_failover_kill", start, promoted, killed=master.port,
+                    promoted=new, names=names, slots=slots, synced=synced)  # fmt: skip
+
+    def cluster_failover_pause(self) -> None:
+        """SIGSTOP the cluster master serving the dedup lane's busiest slots until its
+        replica is promoted, then SIGCONT it: for a moment it still believes it serves
+        the slots, until the cluster's gossip makes it the new master's replica."""
+        cluster = self.h.cluster
+        assert cluster is not None
+        found = self._busiest_master("cluster_failover_pause")
+        if found is None:
+            return
+        master, names = found
+        replicas = cluster.replicas_of(master)
+        slot = key_slot(ClaimKeys.of(names[0]).lock.encode())
+        slots = _slots_of(cluster, master.port)
+        new: int | None = None
+        start = time.monotonic()
+        master.pause()
+        try:
+            deadline = start + 30
+            while new is None and time.monotonic() < deadline and not self.stopping.is_set():
+                for replica in replicas:  # a replica knows first that it was promoted
+                    try:
+                        owner = _owner(cluster, replica, slot)
+                    except Exception:
+                        continue
+                    if owner != master.port:
+                        new = owner
+                time.sleep(0.1)
+        finally:
+            master.resume()
+        resumed = time.monotonic()
+        synced = self._settle(master)
+        self.record("cluster_failover_pause", start, resumed, paused=master.port,
+                    promoted=new, names=names, slots=slots, synced=synced)  # fmt: skip
+
     def kill_runner(self) -> None:
         """kill -9 the ``fenced run`` runner that holds the lane's claim, early in a command."""
         lane = self.h.run_lane
@@ -226,6 +324,21 @@ class Nemesis:
                     return
             time.sleep(0.05)
         self.skipped("kill_runner", "no runner mid-command")
+
+
+def _slots_of(cluster: Any, port: int) -> list[list[int]]:
+    """The slot ranges [first, last] that the master on ``port`` serves now (what its
+    failover may forget: the checker excuses only the claim names there)."""
+    view = cluster._slots_view(cluster._live()[0])
+    return sorted([first, last] for first, last, owner, _ in view if owner == port)
+
+
+def _owner(cluster: Any, node: Any, slot: int) -> int | None:
+    """The port of the master that serves ``slot``, as ``node`` sees it."""
+    for first, last, port, _ in cluster._slots_view(node):
+        if first <= slot <= last:
+            return int(port)
+    return None
 
 
 def _replica_of(extra: list[str], port: int) -> list[str]:

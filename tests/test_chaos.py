@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from chaos import Config  # noqa: E402
 from chaos.checker import Setup, check  # noqa: E402
-from chaos.config import FAILOVER_FAULTS, FAULTS  # noqa: E402
+from chaos.config import CLUSTER_FAULTS, FAILOVER_FAULTS, FAULTS  # noqa: E402
 from chaos.dedup_check import check_dedup  # noqa: E402
 from chaos.harness import Harness  # noqa: E402
 from chaos.stores import Final  # noqa: E402
@@ -107,9 +107,10 @@ def test_fenced_keeps_its_invariants_under_every_fault(tmp_path: Path) -> None:
     fronts = {front.split("/")[0] for front in report.fenced.fronts}
     assert fronts == {"claim", "exclusive", "celery"}, report.tables()
     assert report.run_lane["commands"] > 3, report.tables()
-    # About one of each kind in 25 s (the failovers need --sentinel); a loaded machine
-    # may fit fewer.
-    assert sum(report.faults.values()) >= len(FAULTS) - len(FAILOVER_FAULTS) - 2, report.tables()
+    # About one of each kind in 25 s (the failovers need --sentinel or --cluster); a loaded
+    # machine may fit fewer.
+    failovers = len(FAILOVER_FAULTS) + len(CLUSTER_FAULTS)
+    assert sum(report.faults.values()) >= len(FAULTS) - failovers - 2, report.tables()
     assert report.ok, "\n" + report.tables()
 
 
@@ -274,3 +275,114 @@ def test_dedup_checker_excuses_what_a_failover_forgot_until_the_old_master_is_de
         found, stats, _ = check_dedup(overlap(at), [pause], Timeline([pause]), cooldown=1.5)
         assert [v.invariant for v in found] == ([] if excused else ["dd-limit"])
         assert stats.excused.get("dd-limit", 0) == int(excused)
+
+
+@pytest.mark.parametrize("kind", CLUSTER_FAULTS)
+def test_dedup_checker_excuses_what_a_cluster_failover_forgot_until_the_slot_map_settles(
+    kind: str,
+) -> None:
+    """A Cluster failover, as a Sentinel one: two runs of a limit-1 name at once, and
+    calls coalesced into a task whose run cleared its mark on the old master only, are
+    excused until the old master is a replica in sync and the slot map agreed
+    ("synced"); the same after it, or under a master that did not serve the names'
+    slots: violations."""
+    from chaos.checker import Fault, Timeline
+
+    def overlap(at: float) -> list[dict[str, Any]]:
+        ev = [_dd_call(at, "dd.started", "a"), _dd_call(at + 0.1, "dd.started", "b")]
+        ev += _dd_run("dd:started", "dd.started", "a", 10, at + 0.2, at + 1.0)
+        ev += _dd_run("dd:started", "dd.started", "b", 11, at + 0.5, at + 1.2)
+        return ev
+
+    def forgotten_clear(at: float) -> list[dict[str, Any]]:
+        # f1 ran; its release cleared the until_finished mark where the failover lost
+        # it: a later call is coalesced into f1, which will not run again.
+        ev = [_dd_call(at, "dd.finished", "f1")]
+        ev += _dd_run("dd:finished", "dd.finished", "f1", 12, at + 0.1, at + 0.4)
+        ev.append(_dd_call(at + 1.0, "dd.finished", "f2", "f1"))
+        return ev
+
+    from redis.crc import key_slot
+
+    from fenced._lease import ClaimKeys
+
+    hit = sorted(key_slot(ClaimKeys.of(n).lock.encode()) for n in ("dd:started", "dd:finished"))
+    # The failed-over master served both names' slots; another master's failover (the
+    # slots between theirs) forgets neither: nothing of theirs is excused.
+    ours = {"slots": [[hit[0], hit[1]]], "synced": 6.0}
+    theirs = {"slots": [[hit[0] + 1, hit[1] - 1]], "synced": 6.0}
+    cases = [(2.0, ours, True), (4.5, ours, True), (10.0, ours, False), (2.0, theirs, False)]
+    for at, details, excused in cases:
+        failover = Fault(1, kind, 1.0, 3.5, 1001.0, details)
+        events = sorted(overlap(at) + forgotten_clear(at), key=lambda e: e["t"])
+        found, stats, _ = check_dedup(events, [failover], Timeline([failover]), cooldown=1.5)
+        assert sorted(v.invariant for v in found) == (
+            [] if excused else ["dd-accounted", "dd-limit"]
+        )
+        counted = {k: n for k, n in stats.excused.items() if n}
+        assert counted == ({"dd-limit": 1, "dd-accounted": 1} if excused else {})
+
+
+@pytest.mark.timeout(90)
+def test_dedup_lane_on_a_cluster_keeps_its_invariants_through_failovers(tmp_path: Path) -> None:
+    """The dedup lane's claims on a Redis Cluster (claim_replicas=1), its masters killed
+    and paused until their replicas are promoted: no violation."""
+    cfg = _dedup_config(tmp_path, seconds=12, seed=5, cluster=True, faults=CLUSTER_FAULTS)
+    report = Harness(cfg).run()
+    print(report.tables())
+    d = report.dedup
+    assert d is not None
+    assert d.calls > 50 and d.published, report.tables()
+    assert sum(report.faults.get(k, 0) for k in CLUSTER_FAULTS) >= 1, report.tables()
+    assert report.ok, "\n" + report.tables()
+
+
+def test_cluster_and_sentinel_are_one_or_the_other() -> None:
+    from chaos.__main__ import parse
+
+    with pytest.raises(ValueError, match="choose one of them"):
+        Config(sentinel=True, cluster=True).check()
+    with pytest.raises(ValueError, match="drop --no-dedup"):
+        Config(cluster=True, dedup=False).check()
+    cfg = parse(["--cluster"])
+    assert isinstance(cfg, Config) and cfg.cluster and cfg.dedup_replicas == 1
+    assert Config(cluster=True, replicas=0).dedup_replicas == 0
+
+
+def test_dedup_checker_accepts_a_duplicate_ignored_after_a_run_killed_before_its_postrun() -> None:
+    """The body ended ok and its release set the done marker; the worker was killed
+    before the postrun: the message comes back and is ignored as completed. Without
+    the ok end, the same ignore is a violation."""
+    from chaos.checker import Fault, Timeline
+
+    kill = Fault(1, "kill_worker", 0.61, 0.61, 1000.61,
+                 {"targets": [{"lane": "dedup", "pid": 10, "w": "dedup-10"}]})  # fmt: skip
+    ran = _dd_run("dd:rerun", "dd.rerun", "r1", 10, 0.2, 0.6, policy="rerun")[:2]
+    ignored = _dd(5.0, "dd-post", 11, task="dd.rerun", id="r1", args=[1], state="IGNORED",
+                  skipped=None, rerun=False, policy="rerun")  # fmt: skip
+    for how, ok in (("ok", True), ("error", False)):
+        events = [_dd_call(0.0, "dd.rerun", "r1"), *[dict(e) for e in ran], ignored]
+        events[2]["how"] = how
+        found, _, _ = check_dedup(events, [kill], Timeline([kill]), cooldown=1.5)
+        assert [v.invariant for v in found] == ([] if ok else ["dd-accounted"])
+
+
+def test_dedup_checker_lets_a_retry_lease_go_when_its_holder_is_killed() -> None:
+    """A retry keeps its claim; the worker that held it is killed (its message comes
+    back only after the broker's visibility timeout): another run may start once the
+    kept lease expired. Without the kill, the same start is a violation."""
+    from chaos.checker import Fault, Timeline
+
+    ev = [_dd_call(0.0, "dd.retry", "t1"), _dd_call(3.0, "dd.retry", "t2")]
+    ev += _dd_run("dd:retry", "dd.retry", "t1", 17, 0.1, 0.3)
+    ev[-1]["state"] = "RETRY"
+    ev.append(_dd(0.29, "dd-retrying", 17, name="dd:retry", id="t1", args=[1]))
+    ev += _dd_run("dd:retry", "dd.retry", "t2", 18, 4.0, 4.2)
+    ev += _dd_run("dd:retry", "dd.retry", "t1", 19, 9.0, 9.2)
+    ev.sort(key=lambda e: e["t"])
+    kill = Fault(1, "kill_worker", 0.5, 0.5, 1000.5,
+                 {"targets": [{"lane": "dedup", "pid": 17, "w": "dedup-17",
+                               "whole_celery": True, "pids": [16, 17, 18]}]})  # fmt: skip
+    for faults, expected in (([kill], []), ([], ["dd-retry"])):
+        found, _, _ = check_dedup(ev, faults, Timeline(faults), cooldown=1.5)
+        assert [v.invariant for v in found] == expected
