@@ -135,7 +135,6 @@ def main() -> int:
         r = server.client()
         info = machine_info(server)
         fresh = itertools.count()
-        locks = {"reused": r.lock("bench:lock", timeout=30)}
 
         def lock_cycle(lock: Any) -> Callable[[], object]:
             def op() -> None:
@@ -149,7 +148,7 @@ def main() -> int:
             lock.acquire(blocking=False)
             lock.release()
 
-        def fenced(records: bool, new: bool) -> Callable[[], object]:
+        def claim_cycle(records: bool, new: bool) -> Callable[[], object]:
             reused = Claim(r, f"bench:claim:{records}", ttl=30, heartbeat=False, records=records)
 
             def op() -> None:
@@ -170,12 +169,12 @@ def main() -> int:
             return op
 
         lanes: dict[str, tuple[str, Callable[[], object]]] = {
-            "redis-py Lock": ("Lock", lock_cycle(locks["reused"])),
+            "redis-py Lock": ("Lock", lock_cycle(r.lock("bench:lock", timeout=30))),
             "redis-py Lock, new names": ("Lock new", new_lock),
-            "fenced, records off": ("Lock", fenced(False, False)),
-            "fenced, records off, new names": ("Lock new", fenced(False, True)),
-            "fenced, records on": ("Lock", fenced(True, False)),
-            "fenced, records on, new names": ("Lock new", fenced(True, True)),
+            "fenced, records off": ("Lock", claim_cycle(False, False)),
+            "fenced, records off, new names": ("Lock new", claim_cycle(False, True)),
+            "fenced, records on": ("Lock", claim_cycle(True, False)),
+            "fenced, records on, new names": ("Lock new", claim_cycle(True, True)),
         }
         base = {"Lock": "redis-py Lock", "Lock new": "redis-py Lock, new names"}
         shares: dict[str, dict[str, float]] = {}

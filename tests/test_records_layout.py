@@ -169,3 +169,36 @@ def test_a_records_key_of_another_type_is_unreadable_and_named(r: Any, part: str
         # Nothing writes the old stream: a claim goes on, and its runs are recorded.
         _one_run(r, "odd")
         assert "ok" in [run.outcome for run in records.history(r, "odd")]
+
+
+def _listed(fields: dict[str, Any], record: dict[str, Any]) -> str:
+    """One entry of the records list, as the scripts push it."""
+    return json.dumps(fields) + "\n" + json.dumps(record)
+
+
+def test_a_release_entry_without_a_time_is_placed_by_its_neighbours() -> None:
+    """A release's entry carries no time: its run ends at its start plus the holder's
+    duration, never after the entry pushed above it; one whose start is outside the
+    window takes the time of the entry above it (newest first, as LRANGE reads)."""
+    tok_a, tok_b = "a" * 32 + ":h:1:", "b" * 32 + ":h:1:"
+    entries = [
+        _listed({"event": "started", "token": tok_b, "fence": "7", "at": "1000900"}, {}),
+        _listed(
+            {"event": "finished", "token": "aaaaaaaa", "fence": "6", "outcome": "ok"},
+            {"duration": 5.0},
+        ),
+        _listed({"event": "skipped", "reason": "already running", "at": "1000200"}, {}),
+        _listed({"event": "started", "token": tok_a, "fence": "6", "at": "1000100"}, {}),
+        _listed(
+            {"event": "finished", "token": "cccccccc", "fence": "5", "outcome": "failed"},
+            {"duration": 1.0},
+        ),
+    ]
+    runs = records.from_entries("job", entries)
+    by_fence = {run.fence: run for run in runs}
+    assert [run.outcome for run in runs] == ["running", "skipped", "ok", "failed"]
+    assert by_fence[6].started == 1000.1
+    # start + 5 s would be 1005.1: bounded by the entry pushed above it (1000.9)
+    assert by_fence[6].finished == 1000.9 and by_fence[6].duration == 5.0
+    # the oldest in the window: the time of the entry above it
+    assert by_fence[5].finished == 1000.1 and by_fence[5].unreadable is None
