@@ -170,6 +170,38 @@ def test_repeated_keys_in_one_call_last_row_wins(engine: sa.Engine, feeds: sa.Ta
     assert _contents(engine, feeds) == {"a": ("last", None, 5), "b": ("only", None, 5)}
 
 
+def test_a_key_repeated_with_other_columns_keeps_the_last_row_and_rows_may_be_a_generator(
+    engine: sa.Engine, feeds: sa.Table
+) -> None:
+    rows = [
+        {"url": "a", "title": "first", "body": "first body"},
+        {"url": "b", "title": "b"},
+        {"body": "last body", "url": "a"},
+        {"url": "c", "title": "c", "body": "c body"},
+        {"title": "b again", "url": "b"},
+    ]
+    with engine.begin() as conn:
+        result = upsert(conn, feeds, (row for row in rows), key=["url"], fence=5)
+    assert result.rows == 3
+    assert _contents(engine, feeds) == {
+        "a": (None, "last body", 5),
+        "b": ("b again", None, 5),
+        "c": ("c", "c body", 5),
+    }
+
+
+def test_a_key_column_holding_none_is_refused_with_its_row(
+    engine: sa.Engine, feeds: sa.Table
+) -> None:
+    rows = [*_rows(3), {"url": None, "title": "x"}]
+    with (
+        engine.begin() as conn,
+        pytest.raises(ConfigError, match=r"row 3 has no value for key column\(s\) url"),
+    ):
+        upsert(conn, feeds, rows, key=["url"], fence=5)
+    assert _contents(engine, feeds) == {}
+
+
 def test_rows_with_different_columns_update_only_their_own(
     engine: sa.Engine, feeds: sa.Table
 ) -> None:

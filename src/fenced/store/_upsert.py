@@ -112,7 +112,7 @@ def upsert(
             # rule refused changes none); preserve_rowcount keeps it for an INSERT.
             stmt = _statement(dialect, tbl, None, columns, keys, fence_column)
             for start in range(0, len(group), batch_size):
-                page = group[start : start + batch_size]
+                page = [{**row, fence_column: fence} for row in group[start : start + batch_size]]
                 count = conn.execute(stmt, page, execution_options=_COUNTED).rowcount
                 written = None if written is None or count < 0 else written + count
             continue
@@ -120,7 +120,7 @@ def upsert(
         # rewriting is theirs to change, so the batch is not left to it.
         per_statement = max(1, min(batch_size, _MAX_PARAMS // len(columns)))
         for start in range(0, len(group), per_statement):
-            chunk = group[start : start + per_statement]
+            chunk = [{**row, fence_column: fence} for row in group[start : start + per_statement]]
             conn.execute(_statement(dialect, tbl, chunk, columns, keys, fence_column))
     total = sum(len(group) for _cols, group in batches)
     return UpsertResult(total, written if dialect in _ON_CONFLICT else None)
@@ -220,54 +220,77 @@ def _prepare(
     keys: list[str],
     fence_column: str,
     fence: int,
-) -> list[tuple[tuple[str, ...], list[dict[str, Any]]]]:
-    """Check every row, stamp the fence, keep the last row per key, group by columns."""
+) -> list[tuple[tuple[str, ...], list[Mapping[str, Any]]]]:
+    """Check every row, keep the last row per key, group by columns (the fence last).
+
+    Rows are not copied: a row that carries the fence column must carry this upsert's
+    fence, and the statements add the fence to the rows that do not.
+    """
     if isinstance(rows, (Mapping, str, bytes)):
         raise ConfigError("rows must be an iterable of mappings (a list of dicts), not one row")
+    rows = rows if type(rows) is list else list(rows)
     known = frozenset(tbl.c.keys())
-    # The row's key: its one key column's value, or a tuple of them.
-    one = keys[0] if len(keys) == 1 else None
-    by_key: dict[Any, dict[str, Any]] = {}
-    # Rows mostly share one set of columns in one order: each order met is checked and
-    # sorted once, and a row pays a dict lookup for it.
-    orders: dict[tuple[str, ...], tuple[str, ...]] = {}
-    cols_of: dict[Any, tuple[str, ...]] = {}
+    # Rows mostly share one set of columns: each set met is checked once, and a row
+    # pays a comparison of its keys with the last set's.
+    groups: dict[frozenset[str], list[Mapping[str, Any]]] = {}
+    names: Any = None
+    group: list[Mapping[str, Any]] = []
+    carries = False
     for n, row in enumerate(rows):
         if type(row) is not dict and not isinstance(row, Mapping):
             raise ConfigError(f"row {n} is a {type(row).__name__}, not a mapping: pass dicts")
-        order = tuple(row)
-        cols = orders.get(order)
-        if cols is None:
-            unknown = [c for c in order if c not in known]
-            if unknown:
-                raise ConfigError(
-                    f"row {n} has column(s) {', '.join(map(repr, unknown))} that table "
-                    f"{tbl.name!r} lacks: drop them or add the columns"
-                )
-            # The fence goes last: MySQL assigns left to right (see the module docstring).
-            cols = orders[order] = (*sorted(c for c in order if c != fence_column), fence_column)
-        if fence_column in row and row[fence_column] != fence:
+        if row.keys() != names:
+            names = row.keys()
+            carries = fence_column in names
+            group = groups.setdefault(frozenset(names), [])
+            if not group:
+                _check_columns(tbl.name, known, names, keys, n)
+        if carries and row[fence_column] != fence:
             raise ConfigError(
                 f"row {n} carries {fence_column}={row[fence_column]!r}, not the fence={fence} "
                 f"of this upsert: leave {fence_column!r} out of the rows, upsert stamps it"
             )
-        stamped: dict[str, Any] = {**row, fence_column: fence}
-        k: Any = stamped.get(one) if one is not None else tuple([stamped.get(c) for c in keys])
-        if k is None or (one is None and None in k):
-            absent = [c for c in keys if stamped.get(c) is None]
+        group.append(row)
+    one = keys[0] if len(keys) == 1 else None
+    by_key: dict[Any, tuple[frozenset[str], Mapping[str, Any]]] = {}
+    for names, group in groups.items():
+        if one is not None:
+            unique = {row[one]: row for row in group}
+        else:
+            unique = {tuple([row[c] for c in keys]): row for row in group}
+        if None in unique or (one is None and any(None in k for k in unique)):
+            n, row = next((n, r) for n, r in enumerate(rows) if any(r.get(c) is None for c in keys))
+            absent = [c for c in keys if row.get(c) is None]
             raise ConfigError(f"row {n} has no value for key column(s) {', '.join(absent)}")
-        by_key[k] = stamped  # a repeated key: the last row wins
-        if len(orders) > 1:
-            cols_of[k] = cols
-    if not by_key:
-        return []
-    first = next(iter(orders.values()))
-    if len(orders) == 1:  # one set of columns: one group, no second pass
-        return [(first, list(by_key.values()))]
-    groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-    for k, row in by_key.items():
-        groups.setdefault(cols_of.get(k, first), []).append(row)
-    return list(groups.items())
+        if len(groups) == 1:
+            if len(unique) < len(group):  # a repeated key: the last row wins
+                groups[names] = list(unique.values())
+            break
+        for k, row in unique.items():
+            by_key.pop(k, None)  # the last row of a key wins, whatever its columns
+            by_key[k] = (names, row)
+    if len(groups) > 1:
+        groups = {}
+        for names, row in by_key.values():
+            groups.setdefault(names, []).append(row)
+    # The fence goes last: MySQL assigns left to right (see the module docstring).
+    return [
+        ((*sorted(c for c in names if c != fence_column), fence_column), group)
+        for names, group in groups.items()
+        if group
+    ]
+
+
+def _check_columns(table: str, known: frozenset[str], names: Any, keys: list[str], n: int) -> None:
+    unknown = [c for c in names if c not in known]
+    if unknown:
+        raise ConfigError(
+            f"row {n} has column(s) {', '.join(map(repr, unknown))} that table "
+            f"{table!r} lacks: drop them or add the columns"
+        )
+    absent = [c for c in keys if c not in names]
+    if absent:
+        raise ConfigError(f"row {n} has no value for key column(s) {', '.join(absent)}")
 
 
 def _statement(
