@@ -272,15 +272,13 @@ def _accounting(
                 problems.append((t, f"{p['task']}{tuple(p['args'])} (task {tid[:8]}) was "
                                     "ignored as already completed, but no run of it had "
                                     "completed"))  # fmt: skip
-    # A retry that kept its claim: the same task id comes back.
+    # A retry: the same task id comes back, as its next attempt.
     for tid, posts in lane.posts.items():
         for p in posts:
             if p.get("state") != "RETRY":
                 continue
             t = float(p["t"])
-            if not any(r.start > t for r in lane.starts.get(tid, [])) and not any(
-                float(q["t"]) > t for q in posts if q is not p
-            ):
+            if not _came_back(lane, tid, p):
                 problems.append((t, f"{p['task']}(task {tid[:8]}) asked for a retry that "
                                     "never came"))  # fmt: skip
     # A call skipped under the rerun policy: a rerun with its arguments comes after it.
@@ -310,6 +308,24 @@ def _accounting(
             problems.append((t, f"{p['task']}{tuple(p['args'])} (task {str(p['id'])[:8]}) was "
                                 "skipped for a rerun that never came"))  # fmt: skip
     return problems, excused
+
+
+def _came_back(lane: _Lane, tid: str, post: Event) -> bool:
+    """Whether the retry a RETRY postrun reports was delivered: an attempt of its task
+    id with more retries started or reported. The body publishes the retry before its
+    own postrun is written, so the next attempt (its countdown passed, in another pool
+    child) may log before it: attempts are told apart by their retries, not by time.
+    A postrun logged without its retries (older logs): any later start or postrun."""
+    n = post.get("retries")
+    posts = lane.posts.get(tid, [])
+    if n is None:
+        t = float(post["t"])
+        return any(r.start > t for r in lane.starts.get(tid, [])) or any(
+            float(q["t"]) > t for q in posts if q is not post
+        )
+    return any(r.retries > int(n) for r in lane.starts.get(tid, [])) or any(
+        int(q.get("retries") or 0) > int(n) for q in posts if q is not post
+    )
 
 
 def _rerun_key(p: Event) -> str:
