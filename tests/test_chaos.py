@@ -402,3 +402,19 @@ def test_dedup_checker_tells_a_retry_that_came_by_its_attempt_not_by_time() -> N
     again = _dd(2.0, "dd-post", 18, task="dd.started", id="s1", args=[1], state="SUCCESS",
                 skipped="busy", rerun=False, policy="skip", retries=0)  # fmt: skip
     assert _dd_violations([call, post, again]) == {"dd-accounted"}
+
+
+def test_dedup_checker_wants_a_retry_of_its_own_for_a_message_delivered_again() -> None:
+    """A killed worker's message comes back: its attempt asks for a retry again. An
+    attempt that the first delivery's retry made long before does not account for it."""
+    call = _dd_call(0.0, "dd.started", "s1")
+
+    def retry(t: float, pid: int) -> dict[str, Any]:
+        return _dd(t, "dd-post", pid, task="dd.started", id="s1", args=[1], state="RETRY",
+                   skipped=None, rerun=False, policy="skip", retries=0)  # fmt: skip
+
+    came = _dd_run("dd:started", "dd.started", "s1", 18, 1.5, 1.8)
+    came[0]["retries"] = 1
+    came[-1]["retries"] = 1
+    assert _dd_violations([call, retry(1.0, 17), *came]) == set()
+    assert _dd_violations([call, retry(1.0, 17), *came, retry(20.0, 19)]) == {"dd-accounted"}
