@@ -78,6 +78,10 @@ app.conf.update(
         "visibility_timeout": 8,
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
+        # A worker killed inside a sweep leaves kombu's restore mutex held: by default
+        # for 300 s, longer than the drain, and no message of a killed worker comes back
+        # meanwhile. A sweep takes milliseconds.
+        "unacked_mutex_expire": 5,
     },
     result_expires=3600,
     # The lock Redis, or with --sentinel a Sentinel group's redis+sentinel:// URL, or
@@ -169,6 +173,7 @@ def _after(task_id: str | None = None, task: Any = None, args: Any = None, kwarg
         state=state,
         skipped=reason,
         rerun=_is_rerun(task.request),
+        retries=task.request.retries or 0,
         policy=getattr(task, "claim_on_busy", None),
         error=repr(retval)[:200] if state == "FAILURE" else None,
     )

@@ -63,6 +63,9 @@ PEER_TASK, PEER_NAME = "dd.once", "once:finished"
 FORGETTING = ("restart_lock_redis", *FAILOVER_FAULTS, *CLUSTER_FAULTS)
 #: A rerun trigger lost to a restart of the lock Redis in this many seconds after it.
 RESTART_WINDOW = 10.0
+#: How long before an attempt's RETRY postrun its retry may already have logged: the
+#: retry is published at the body's end, the postrun written after the result is stored.
+RETRY_LEAD = 5.0
 
 
 @dataclass
@@ -272,15 +275,13 @@ def _accounting(
                 problems.append((t, f"{p['task']}{tuple(p['args'])} (task {tid[:8]}) was "
                                     "ignored as already completed, but no run of it had "
                                     "completed"))  # fmt: skip
-    # A retry that kept its claim: the same task id comes back.
+    # A retry: the same task id comes back, as its next attempt.
     for tid, posts in lane.posts.items():
         for p in posts:
             if p.get("state") != "RETRY":
                 continue
             t = float(p["t"])
-            if not any(r.start > t for r in lane.starts.get(tid, [])) and not any(
-                float(q["t"]) > t for q in posts if q is not p
-            ):
+            if not _came_back(lane, tid, p):
                 problems.append((t, f"{p['task']}(task {tid[:8]}) asked for a retry that "
                                     "never came"))  # fmt: skip
     # A call skipped under the rerun policy: a rerun with its arguments comes after it.
@@ -310,6 +311,29 @@ def _accounting(
             problems.append((t, f"{p['task']}{tuple(p['args'])} (task {str(p['id'])[:8]}) was "
                                 "skipped for a rerun that never came"))  # fmt: skip
     return problems, excused
+
+
+def _came_back(lane: _Lane, tid: str, post: Event) -> bool:
+    """Whether the retry a RETRY postrun reports was delivered: an attempt of its task
+    id with more retries started or reported after it was sent. The body publishes the
+    retry before its own postrun is written, so the next attempt (its countdown passed,
+    in another pool child) may log a moment before that postrun: attempts are told
+    apart by their retries, and "after" reaches RETRY_LEAD seconds before the postrun
+    (an attempt of a copy of the same message delivered again long after, as a killed
+    worker's message is, still needs a retry of its own). A postrun logged without its
+    retries (older logs): any later start or postrun."""
+    n, t = post.get("retries"), float(post["t"])
+    posts = lane.posts.get(tid, [])
+    if n is None:
+        return any(r.start > t for r in lane.starts.get(tid, [])) or any(
+            float(q["t"]) > t for q in posts if q is not post
+        )
+    since = t - RETRY_LEAD
+    return any(r.retries > int(n) and r.start > since for r in lane.starts.get(tid, [])) or any(
+        int(q.get("retries") or 0) > int(n) and float(q["t"]) > since
+        for q in posts
+        if q is not post
+    )
 
 
 def _rerun_key(p: Event) -> str:

@@ -386,3 +386,35 @@ def test_dedup_checker_lets_a_retry_lease_go_when_its_holder_is_killed() -> None
     for faults, expected in (([kill], []), ([], ["dd-retry"])):
         found, _, _ = check_dedup(ev, faults, Timeline(faults), cooldown=1.5)
         assert [v.invariant for v in found] == expected
+
+
+def test_dedup_checker_tells_a_retry_that_came_by_its_attempt_not_by_time() -> None:
+    """The body publishes its retry before its own postrun is written: the next attempt
+    (a short countdown, another pool child) may start before that postrun. It is the
+    retry that came, whatever the order; a later delivery of the same attempt is not."""
+    call = _dd_call(0.0, "dd.started", "s1")
+    post = _dd(1.0, "dd-post", 17, task="dd.started", id="s1", args=[1], state="RETRY",
+               skipped=None, rerun=False, policy="skip", retries=0)  # fmt: skip
+    came = _dd_run("dd:started", "dd.started", "s1", 18, 0.5, 0.8)
+    came[0]["retries"] = 1
+    came[-1]["retries"] = 1
+    assert _dd_violations([call, post, *came]) == set()
+    again = _dd(2.0, "dd-post", 18, task="dd.started", id="s1", args=[1], state="SUCCESS",
+                skipped="busy", rerun=False, policy="skip", retries=0)  # fmt: skip
+    assert _dd_violations([call, post, again]) == {"dd-accounted"}
+
+
+def test_dedup_checker_wants_a_retry_of_its_own_for_a_message_delivered_again() -> None:
+    """A killed worker's message comes back: its attempt asks for a retry again. An
+    attempt that the first delivery's retry made long before does not account for it."""
+    call = _dd_call(0.0, "dd.started", "s1")
+
+    def retry(t: float, pid: int) -> dict[str, Any]:
+        return _dd(t, "dd-post", pid, task="dd.started", id="s1", args=[1], state="RETRY",
+                   skipped=None, rerun=False, policy="skip", retries=0)  # fmt: skip
+
+    came = _dd_run("dd:started", "dd.started", "s1", 18, 1.5, 1.8)
+    came[0]["retries"] = 1
+    came[-1]["retries"] = 1
+    assert _dd_violations([call, retry(1.0, 17), *came]) == set()
+    assert _dd_violations([call, retry(1.0, 17), *came, retry(20.0, 19)]) == {"dd-accounted"}

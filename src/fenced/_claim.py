@@ -330,8 +330,9 @@ class ClaimState(LeaseState):
         """Let the lease's own scripts handle the name's enqueue marker while it holds
         this claim's ``task_id`` (``fenced.celery``'s ``claim_enqueue``), sparing the
         run a round trip for each: on each acquire, ``"-"`` deletes it and a number of
-        ms gives it that expiry (``""``: nothing); with ``on_release``, the release
-        deletes it (``unqueued`` then says it was done)."""
+        ms gives it that expiry (``""``: nothing); with ``on_release``, each renewal
+        keeps it alive one ttl and the release deletes it (``unqueued`` then says it
+        was done)."""
         self._queued_op = on_acquire
         self._unqueue = on_release
 
@@ -397,7 +398,14 @@ class ClaimState(LeaseState):
                 self.replicas,
                 self.options.replica_ms,  # the heartbeat keeps it below its socket timeout
                 self.keys.replaced if self.limit == 1 else "",
+                self._marker(),
             )
+
+    def _marker(self) -> tuple[str, str] | None:
+        """The enqueue marker each renewal keeps alive (``until_finished``), if any."""
+        if self._unqueue and self.task_id:
+            return self.keys.queued, self.task_id
+        return None
 
     def _snapshot(self) -> Snapshot:
         return Snapshot(self.token, self.fence, self.slot, self._started_at)
@@ -990,7 +998,7 @@ class Claim(ClaimState):
         token = self.token
         sent = self._clock()
         try:
-            ok = self._store.refresh(token, self.slot or 0)
+            ok = self._store.refresh(token, self.slot or 0, self._marker())
         except NotReplicated as exc:
             self.retry_soon()
             raise ClaimUnavailable.about(

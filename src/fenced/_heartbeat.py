@@ -81,10 +81,23 @@ class Renewal(NamedTuple):
     replica_timeout_ms: int = 0
     #: The name's replaced notes (REPLACE writes them), read by a refused renewal.
     notes: str = ""
+    #: The name's enqueue marker and the run's task id (``claim_enqueue="until_finished"``):
+    #: each renewal keeps the marker alive one ttl while it holds that task id, so a
+    #: marker a lost release left behind lasts no longer than the lease would have.
+    marker: tuple[str, str] | None = None
 
 
 def refresh_call(lease: Renewal) -> Call:
     """REFRESH of one lease: with the name's replaced notes, a refusal says why."""
+    if lease.marker is not None:
+        key, task_id = lease.marker
+        notes = [lease.notes] if lease.notes else []
+        keys = [lease.key, *notes, *lease.lasting, key]
+        return (
+            REFRESH,
+            keys,
+            [lease.token, lease.ttl_ms, lease.idle_ms, "1" if notes else "", task_id],
+        )
     if lease.notes:
         keys = [lease.key, lease.notes, *lease.lasting]
         return REFRESH, keys, [lease.token, lease.ttl_ms, lease.idle_ms, "1"]

@@ -723,10 +723,19 @@ class LeaseCalls:
         """Whether ACQUIRE for ``task_id`` looks at its done marker (and its grant says)."""
         return bool(task_id) and self.opts.done_ms > 0
 
-    def refresh_call(self, token: str, slot: int = 0) -> Call:
-        """REFRESH of ``token``'s lease (and the name's lasting keys); 1 when extended."""
+    def refresh_call(
+        self, token: str, slot: int = 0, marker: tuple[str, str] | None = None
+    ) -> Call:
+        """REFRESH of ``token``'s lease (and the name's lasting keys); 1 when extended.
+        With ``marker`` (the enqueue marker's key and the run's task id), the marker is
+        kept alive one ttl while it holds that task id (REFRESH's ARGV[5])."""
         lease, idle_ms = self.keys.slot(slot), self.opts.idle_ms
         lasting = self._lasting if idle_ms else ()
+        if marker is not None:
+            key, task_id = marker
+            notes = [self.keys.replaced] if self.limit == 1 else []
+            keys = [lease, *notes, *lasting, key]
+            return REFRESH, keys, [token, self.opts.ttl_ms, idle_ms, "1" if notes else "", task_id]
         if self.limit == 1:
             # A refusal then says so when a newer run replaced this one (REPLACE).
             keys = [lease, self.keys.replaced, *lasting]
@@ -964,10 +973,12 @@ class LeaseStore(LeaseCalls):
         wait = (self.opts.replicas, self.opts.replica_ms)
         return run_replicated(self.client, self.keys.lock, (script, keys, args), wait)
 
-    def refresh(self, token: str, slot: int = 0) -> bool | str:
+    def refresh(
+        self, token: str, slot: int = 0, marker: tuple[str, str] | None = None
+    ) -> bool | str:
         """Extend the lease if ``token`` still holds it (and keep the name's lasting keys):
         True when extended; when not, False, or why when a newer run replaced it."""
-        call = self.refresh_call(token, slot)
+        call = self.refresh_call(token, slot, marker)
         if self.opts.replicas:
             reply, acked = self.replicated(*call)
             if reply == 1 and acked < self.opts.replicas:

@@ -718,18 +718,32 @@ return lose(holders[pick], redis.call('PTTL', slots[pick]),
 # ARGV[1] token  ARGV[2] ttl in ms  ARGV[3] (optional) idle expiry in ms (0 = never)
 # ARGV[4] (optional) "1" when KEYS[2] is the name's replaced notes (see REPLACE): the
 #         lasting keys then start at KEYS[3]
+# ARGV[5] (optional) the task id of the run holding the lease, with the name's enqueue
+#         marker (``claim_enqueue="until_finished"``) as the last of KEYS (the lasting
+#         keys then end before it): while the lease is extended and the marker still
+#         holds that task id, the marker lives at least ttl ms too (never less than it
+#         had: a retry of the run marked it for its queued message). "" or absent:
+#         no marker
 # returns 1 when the lease was extended, 0 when the token no longer holds it, or the
 #         reason REPLACE noted for this token when another run took the lease over
 REFRESH = Script(
     "refresh",
     _TOUCH
     + """
-local first = 2
+local first, last = 2, #KEYS
 if ARGV[4] == '1' then first = 3 end
+local marked = ARGV[5] and ARGV[5] ~= ''
+if marked then last = last - 1 end
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   local idle = tonumber(ARGV[3] or '0')
-  if idle > 0 and #KEYS >= first then
-    touch(idle, unpack(KEYS, first))
+  if idle > 0 and last >= first then
+    touch(idle, unpack(KEYS, first, last))
+  end
+  if marked and redis.pcall('GET', KEYS[#KEYS]) == ARGV[5] then
+    local left = redis.call('PTTL', KEYS[#KEYS])
+    if left >= 0 and left < tonumber(ARGV[2]) then
+      redis.call('PEXPIRE', KEYS[#KEYS], ARGV[2])
+    end
   end
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end

@@ -186,7 +186,7 @@ class Claim(ClaimState):
         try:
             ok = await call(
                 self.redis,
-                self._store.refresh_call(token, self.slot or 0),
+                self._store.refresh_call(token, self.slot or 0, self._marker()),
             )
         except UNREACHABLE as exc:
             self.retry_soon()

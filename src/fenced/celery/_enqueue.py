@@ -9,7 +9,10 @@ marker still holds its own task id; a retry under another claim name leaves the 
 name's marker cleared, and a pool child killed mid-run whose message is not delivered
 again has its marker cleared by the worker's main process. The marker expires after
 ``claim_enqueue_ttl`` (counted from the message's ``eta`` when it has one), so a message
-that is lost never blocks its name for longer.
+that is lost never blocks its name for longer. While a run holds its claim
+(``until_finished``), the marker lives as its lease does: the run's acquire gives it the
+lease's ttl and each renewal extends it, so a marker whose deletion was lost (a failover
+that forgot the release, a run that died unreleased) frees the name within one ttl.
 """
 
 from __future__ import annotations

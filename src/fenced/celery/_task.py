@@ -407,13 +407,15 @@ class ClaimedTask(Task[Any, Any]):
 
     def _enqueue_marker(self, claim: Claim, opts: TaskOptions) -> None:
         """With ``claim_enqueue``: the run's ACQUIRE handles the marker as its message
-        leaves the queue (``until_started`` deletes it; ``until_finished`` counts its
-        expiry from the run's start), and its RELEASE deletes it (``until_finished``)."""
+        leaves the queue (``until_started`` deletes it). With ``until_finished`` the
+        marker then lives as the lease does: ACQUIRE gives it the lease's ttl, each
+        renewal extends it, and RELEASE deletes it; a release a failover lost (or a run
+        that died unreleased) leaves a marker that ends within one ttl, as the lease."""
         request = self.request
         if opts.enqueue is None or not request.id or request.called_directly:
             return
         until_started = opts.enqueue == "until_started"
-        expiry = "-" if until_started else str(_enqueue.expiry_ms(opts.enqueue_ttl, {}))
+        expiry = "-" if until_started else str(claim.options.ttl_ms)
         claim.handle_enqueue_marker(expiry, not until_started)
 
     def _unqueue_after(self, claim: Claim, exc: BaseException | None) -> None:
@@ -1011,7 +1013,8 @@ class ClaimedTask(Task[Any, Any]):
 
         With ``claim_enqueue="until_finished"``, a message that is not ``requeued``
         (no ``acks_late`` with ``reject_on_worker_lost``) never runs again: its queued
-        marker is cleared too, so the name takes a new message at once.
+        marker is cleared too, so the name takes a new message at once; a requeued one
+        marks its name again for ``claim_enqueue_ttl``.
         """
         if not enabled(self.app):
             return None  # it held a local claim only
@@ -1043,11 +1046,28 @@ class ClaimedTask(Task[Any, Any]):
                 why,
                 extra=claim_fields(name, holder.fence, holder.text, "aborted", event="released"),
             )
-        if opts.enqueue == "until_finished" and not requeued:
-            self._clear_queued(
-                ClaimKeys(opts.claim.namespace, name), task_id, "as its process died"
-            )
+        if opts.enqueue == "until_finished":
+            keys = ClaimKeys(opts.claim.namespace, name)
+            if requeued:
+                self._mark_requeued(keys, task_id, opts)
+            else:
+                self._clear_queued(keys, task_id, "as its process died")
         return holder
+
+    def _mark_requeued(self, keys: ClaimKeys, task_id: str, opts: TaskOptions) -> None:
+        """The dead run's message is queued again: its name is marked for it again,
+        for claim_enqueue_ttl (the run kept the marker one lease ttl only, so it may be
+        gone by now), unless another message's marker took its place."""
+        try:
+            expiry = _enqueue.expiry_ms(opts.enqueue_ttl, {})
+            _enqueue.mark(lock_redis(self.app), keys, task_id, expiry, None)
+        except Exception:  # the run's claim still keeps a second run out
+            log.warning(
+                "fenced: could not mark %r as queued again as its process died",
+                keys.name,
+                exc_info=True,
+                extra=claim_fields(keys.name),
+            )
 
 
 #: The reason recorded for a delivery of a task id that already ran to the end.
