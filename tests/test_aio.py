@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import pytest
 import redis.asyncio as aredis
@@ -24,6 +24,7 @@ from _clock import ManualClock
 from fenced import ClaimHeld, ClaimLost, ConfigError, Skipped, exclusive
 from fenced._lease import ClaimKeys
 from fenced.aio import Claim, Lock, renewer
+from fenced.aio._send import _packable
 from fenced.records import history
 from fenced.testing import RedisServer
 
@@ -330,8 +331,63 @@ class _ArmedConnection(UnixDomainSocketConnection):
         return await super().read_response(*args, **kwargs)
 
 
+class Cutter:
+    """Cancels a chosen task at a chosen point of the scripts a plain client sends.
+
+    The client stays a ``redis.asyncio.Redis`` over its own pool, so fenced packs its
+    script calls and sends them on the pool's connections itself. Every script call has
+    two points: before it is sent, and once it was sent (as its answer is read). Point
+    ``cancel_at`` (counted over all calls) cancels ``target`` there, once.
+    """
+
+    def __init__(self) -> None:
+        self.target: asyncio.Task[Any] | None = None
+        self.cancel_at = -1
+        self.points = 0
+
+    def _point(self) -> bool:
+        hit = self.points == self.cancel_at and self.target is not None
+        if hit:
+            self.cancel_at = -1
+        self.points += 1
+        return hit
+
+    def client(self, server: RedisServer) -> aredis.Redis:
+        cutter = self
+
+        class Cutting(UnixDomainSocketConnection):
+            armed = False
+
+            async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+                script = isinstance(command, bytes) and b"EVAL" in command[:24]
+                if script and cutter._point() and cutter.target is not None:
+                    cutter.target.cancel()
+                    await asyncio.sleep(0)  # not sent
+                await super().send_packed_command(command, check_health)
+                self.armed = script and cutter._point() and cutter.target is not None
+
+            async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+                if self.armed and cutter.target is not None:
+                    self.armed = False
+                    cutter.target.cancel()  # sent: cancelled as its answer is awaited
+                    await asyncio.sleep(0)
+                return await super().read_response(*args, **kwargs)
+
+        client = aredis.Redis(unix_socket_path=server.socket_path)
+        client.connection_pool.connection_class = Cutting
+        return client
+
+
+class Steps(Protocol):
+    """What ``cancel_everywhere`` steps through: a Stepping client or a Cutter."""
+
+    target: asyncio.Task[Any] | None
+    cancel_at: int
+    points: int
+
+
 async def cancel_everywhere(
-    r: Stepping,
+    r: Steps,
     cycle: Callable[[list[bool]], Coroutine[Any, Any, None]],
     settle: Callable[[], Awaitable[None]],
 ) -> list[tuple[str, int]]:
@@ -386,6 +442,46 @@ def test_cancellation_at_every_await_of_acquire_and_release_leaves_no_lease(
     # The acquire runs to its end whatever the point: each cancelled one got a grant (a
     # new fence) and gave it back.
     assert 0 < grants[0] < grants[1] < grants[2]
+
+
+def test_a_packed_acquire_or_release_cancelled_anywhere_leaves_no_lease(
+    server: RedisServer,
+) -> None:
+    sync = server.client()
+    keys = ClaimKeys.of("cut")
+    grants: list[int] = []
+    cutter = Cutter()
+
+    async def scenario() -> list[tuple[str, int]]:
+        r = cutter.client(server)
+        assert _packable(r)
+        try:
+            async with Claim(r, "cut", ttl=5):  # the scripts are cached
+                pass
+            grants.append(int(sync.get(keys.fence) or 0))
+
+            async def cycle(entered: list[bool]) -> None:
+                async with Claim(r, "cut", ttl=5):
+                    entered.append(True)
+
+            async def settle() -> None:
+                grants.append(int(sync.get(keys.fence) or 0))
+                assert sync.exists(keys.lock) == 0, "a lease was left behind"
+
+            ends = await cancel_everywhere(cutter, cycle, settle)
+            # A reply read after its caller was cancelled gives the connection back.
+            assert not r.connection_pool._in_use_connections
+            return ends
+        finally:
+            await r.aclose()
+
+    ends = asyncio.run(scenario())
+    kinds = [end for end, _point in ends]
+    # Two calls (ACQUIRE, RELEASE), two points each, then a run that completes.
+    assert kinds == ["cancelled in acquire"] * 2 + ["cancelled in release"] * 2 + ["done"]
+    # Cancelled before it was sent, an acquire is not sent; once sent, it is read by a
+    # task of its own, and its grant (a new fence) given back.
+    assert grants[0] == grants[1] < grants[2]
 
 
 def test_a_thousand_claims_are_renewed_by_one_task_in_few_round_trips(
