@@ -336,8 +336,9 @@ class Cutter:
 
     The client stays a ``redis.asyncio.Redis`` over its own pool, so fenced packs its
     script calls and sends them on the pool's connections itself. Every script call has
-    two points: before it is sent, and once it was sent (as its answer is read). Point
-    ``cancel_at`` (counted over all calls) cancels ``target`` there, once.
+    two points: before it is sent (as it takes a connection), and once it was sent (as
+    its answer is read). Point ``cancel_at`` (counted over all calls) cancels
+    ``target`` there, once.
     """
 
     def __init__(self) -> None:
@@ -356,19 +357,17 @@ class Cutter:
         cutter = self
 
         class Cutting(UnixDomainSocketConnection):
-            armed = False
-
-            async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-                script = isinstance(command, bytes) and b"EVAL" in command[:24]
-                if script and cutter._point() and cutter.target is not None:
+            async def connect(self) -> None:  # each call takes a connection of the pool
+                if cutter._point() and cutter.target is not None:
                     cutter.target.cancel()
                     await asyncio.sleep(0)  # not sent
-                await super().send_packed_command(command, check_health)
-                self.armed = script and cutter._point() and cutter.target is not None
+                await super().connect()
 
             async def read_response(self, *args: Any, **kwargs: Any) -> Any:
-                if self.armed and cutter.target is not None:
-                    self.armed = False
+                # A script call's answer, awaited by its caller (a task reading it for a
+                # cancelled caller keeps redis-py's disconnect on error).
+                awaited = kwargs.get("disconnect_on_error") is False
+                if awaited and cutter._point() and cutter.target is not None:
                     cutter.target.cancel()  # sent: cancelled as its answer is awaited
                     await asyncio.sleep(0)
                 return await super().read_response(*args, **kwargs)

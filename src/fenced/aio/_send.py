@@ -101,7 +101,7 @@ async def _send_one(client: Any, packed: bytes, on_cancel: OnCancel | None) -> A
     async def attempt() -> Any:
         nonlocal reading
         reading = False
-        await conn.send_packed_command(packed)
+        await _write(conn, packed)
         reading = True
         reply = await conn.read_response(disconnect_on_error=False)
         reading = False  # read: a cancel from here on leaves nothing on the connection
@@ -133,6 +133,27 @@ async def _send_one(client: Any, packed: bytes, on_cancel: OnCancel | None) -> A
     finally:
         if conn is not None:
             await pool.release(conn)
+
+
+async def _write(conn: Any, packed: bytes) -> None:
+    """``conn.send_packed_command(packed)`` for a connection that is ready: written at
+    once, and drained (within the socket timeout) only when the socket did not take it
+    all, where redis-py starts a timed task for every command on Python 3.11."""
+    writer = getattr(conn, "_writer", None)
+    if writer is None or conn.health_check_interval or writer.transport.is_closing():
+        await conn.send_packed_command(packed)  # connects, checks health, reports
+        return
+    writer.write(packed)  # a socket error closes the transport: the read reports it
+    if not writer.transport.get_write_buffer_size():
+        return
+    try:
+        await asyncio.wait_for(writer.drain(), conn.socket_timeout)
+    except asyncio.TimeoutError:
+        await conn.disconnect(nowait=True)
+        raise redis.TimeoutError("Timeout writing to socket") from None
+    except OSError as exc:
+        await conn.disconnect(nowait=True)
+        raise redis.ConnectionError(f"Error while writing to socket: {exc}") from exc
 
 
 async def _read_late(pool: Any, conn: Any, on_cancel: OnCancel) -> None:
