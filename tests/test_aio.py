@@ -361,7 +361,7 @@ class Cutter:
                 if cutter._point() and cutter.target is not None:
                     cutter.target.cancel()
                     await asyncio.sleep(0)  # not sent
-                await super().connect()
+                await super().connect()  # type: ignore[no-untyped-call]
 
             async def read_response(self, *args: Any, **kwargs: Any) -> Any:
                 # A script call's answer, awaited by its caller (a task reading it for a
