@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import pytest
 import redis.asyncio as aredis
@@ -282,7 +282,22 @@ def test_a_cancellation_from_elsewhere_propagates_and_releases(server: RedisServ
     assert history(sync, "cancelled")[0].outcome == "failed"
 
 
-class Stepping(aredis.Redis):
+class Points:
+    """Counts the points of a client's commands; cancels ``target`` at ``cancel_at``."""
+
+    target: asyncio.Task[Any] | None = None
+    cancel_at = -1
+    points = 0
+
+    def _point(self) -> bool:
+        hit = self.points == self.cancel_at and self.target is not None
+        if hit:
+            self.cancel_at = -1
+        self.points += 1
+        return hit
+
+
+class Stepping(Points, aredis.Redis):  # type: ignore[misc]  # redis-py's own bases differ
     """A real client that cancels a chosen task at a chosen point of its commands.
 
     Every command has three points: before it is sent, once it was sent (as its answer
@@ -290,9 +305,6 @@ class Stepping(aredis.Redis):
     cancels ``target`` there, once.
     """
 
-    target: asyncio.Task[Any] | None = None
-    cancel_at = -1
-    points = 0
     #: Called by the connection as it starts reading an answer (the command was sent).
     armed: Callable[[], object] | None = None
 
@@ -302,13 +314,6 @@ class Stepping(aredis.Redis):
         client = cls(unix_socket_path=server.socket_path, **kw)
         client.connection_pool.connection_class = _ArmedConnection
         return client
-
-    def _point(self) -> bool:
-        hit = self.points == self.cancel_at and self.target is not None
-        if hit:
-            self.cancel_at = -1
-        self.points += 1
-        return hit
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         if self._point() and self.target is not None:
@@ -331,7 +336,7 @@ class _ArmedConnection(UnixDomainSocketConnection):
         return await super().read_response(*args, **kwargs)
 
 
-class Cutter:
+class Cutter(Points):
     """Cancels a chosen task at a chosen point of the scripts a plain client sends.
 
     The client stays a ``redis.asyncio.Redis`` over its own pool, so fenced packs its
@@ -340,18 +345,6 @@ class Cutter:
     its answer is read). Point ``cancel_at`` (counted over all calls) cancels
     ``target`` there, once.
     """
-
-    def __init__(self) -> None:
-        self.target: asyncio.Task[Any] | None = None
-        self.cancel_at = -1
-        self.points = 0
-
-    def _point(self) -> bool:
-        hit = self.points == self.cancel_at and self.target is not None
-        if hit:
-            self.cancel_at = -1
-        self.points += 1
-        return hit
 
     def client(self, server: RedisServer) -> aredis.Redis:
         cutter = self
@@ -376,17 +369,29 @@ class Cutter:
         client.connection_pool.connection_class = Cutting
         return client
 
-
-class Steps(Protocol):
-    """What ``cancel_everywhere`` steps through: a Stepping client or a Cutter."""
-
-    target: asyncio.Task[Any] | None
-    cancel_at: int
-    points: int
+    async def everywhere(
+        self,
+        server: RedisServer,
+        cycle: Callable[[Any, list[bool]], Coroutine[Any, Any, None]],
+        settle: Callable[[], Awaitable[None]],
+    ) -> list[tuple[str, int]]:
+        """``cancel_everywhere`` on a client of this cutter's, after a first ``cycle``
+        (uncut) cached the scripts and was settled."""
+        r = self.client(server)
+        assert _packable(r)
+        try:
+            await cycle(r, [])
+            await settle()
+            ends = await cancel_everywhere(self, lambda entered: cycle(r, entered), settle)
+            # A reply read after its caller was cancelled gives the connection back.
+            assert not r.connection_pool._in_use_connections
+            return ends
+        finally:
+            await r.aclose()
 
 
 async def cancel_everywhere(
-    r: Steps,
+    r: Points,
     cycle: Callable[[list[bool]], Coroutine[Any, Any, None]],
     settle: Callable[[], Awaitable[None]],
 ) -> list[tuple[str, int]]:
@@ -449,32 +454,16 @@ def test_a_packed_acquire_or_release_cancelled_anywhere_leaves_no_lease(
     sync = server.client()
     keys = ClaimKeys.of("cut")
     grants: list[int] = []
-    cutter = Cutter()
 
-    async def scenario() -> list[tuple[str, int]]:
-        r = cutter.client(server)
-        assert _packable(r)
-        try:
-            async with Claim(r, "cut", ttl=5):  # the scripts are cached
-                pass
-            grants.append(int(sync.get(keys.fence) or 0))
+    async def cycle(r: Any, entered: list[bool]) -> None:
+        async with Claim(r, "cut", ttl=5):
+            entered.append(True)
 
-            async def cycle(entered: list[bool]) -> None:
-                async with Claim(r, "cut", ttl=5):
-                    entered.append(True)
+    async def settle() -> None:
+        grants.append(int(sync.get(keys.fence) or 0))
+        assert sync.exists(keys.lock) == 0, "a lease was left behind"
 
-            async def settle() -> None:
-                grants.append(int(sync.get(keys.fence) or 0))
-                assert sync.exists(keys.lock) == 0, "a lease was left behind"
-
-            ends = await cancel_everywhere(cutter, cycle, settle)
-            # A reply read after its caller was cancelled gives the connection back.
-            assert not r.connection_pool._in_use_connections
-            return ends
-        finally:
-            await r.aclose()
-
-    ends = asyncio.run(scenario())
+    ends = asyncio.run(Cutter().everywhere(server, cycle, settle))
     kinds = [end for end, _point in ends]
     # Two calls (ACQUIRE, RELEASE), two points each, then a run that completes.
     assert kinds == ["cancelled in acquire"] * 2 + ["cancelled in release"] * 2 + ["done"]

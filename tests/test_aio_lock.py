@@ -15,7 +15,6 @@ from redis.exceptions import LockError, LockNotOwnedError
 import fenced
 from fenced import ConfigError
 from fenced.aio import Lock
-from fenced.aio._send import _packable
 from fenced.testing import RedisServer
 from test_aio import Cutter, Stepping, cancel_everywhere
 
@@ -212,27 +211,15 @@ def test_a_packed_acquire_or_release_cancelled_anywhere_leaves_no_lock(
     server: RedisServer,
 ) -> None:
     sync = server.client()
-    cutter = Cutter()
 
-    async def scenario() -> list[tuple[str, int]]:
-        r = cutter.client(server)
-        assert _packable(r)
-        try:
-            async with Lock(r, "cut", timeout=30):  # the scripts are cached
-                pass
+    async def cycle(r: Any, entered: list[bool]) -> None:
+        async with Lock(r, "cut", timeout=30):
+            entered.append(True)
 
-            async def cycle(entered: list[bool]) -> None:
-                async with Lock(r, "cut", timeout=30):
-                    entered.append(True)
+    async def settle() -> None:
+        assert not sync.exists("cut"), "a lock was left behind"
 
-            async def settle() -> None:
-                assert not sync.exists("cut"), "a lock was left behind"
-
-            return await cancel_everywhere(cutter, cycle, settle)
-        finally:
-            await r.aclose()
-
-    ends = asyncio.run(scenario())
+    ends = asyncio.run(Cutter().everywhere(server, cycle, settle))
     kinds = [end for end, _point in ends]
     assert kinds == ["cancelled in acquire"] * 2 + ["cancelled in release"] * 2 + ["done"]
 
