@@ -24,6 +24,7 @@ from _clock import ManualClock
 from fenced import ClaimHeld, ClaimLost, ConfigError, Skipped, exclusive
 from fenced._lease import ClaimKeys
 from fenced.aio import Claim, Lock, renewer
+from fenced.aio._send import _packable
 from fenced.records import history
 from fenced.testing import RedisServer
 
@@ -281,7 +282,22 @@ def test_a_cancellation_from_elsewhere_propagates_and_releases(server: RedisServ
     assert history(sync, "cancelled")[0].outcome == "failed"
 
 
-class Stepping(aredis.Redis):
+class Points:
+    """Counts the points of a client's commands; cancels ``target`` at ``cancel_at``."""
+
+    target: asyncio.Task[Any] | None = None
+    cancel_at = -1
+    points = 0
+
+    def _point(self) -> bool:
+        hit = self.points == self.cancel_at and self.target is not None
+        if hit:
+            self.cancel_at = -1
+        self.points += 1
+        return hit
+
+
+class Stepping(Points, aredis.Redis):  # type: ignore[misc]  # redis-py's own bases differ
     """A real client that cancels a chosen task at a chosen point of its commands.
 
     Every command has three points: before it is sent, once it was sent (as its answer
@@ -289,9 +305,6 @@ class Stepping(aredis.Redis):
     cancels ``target`` there, once.
     """
 
-    target: asyncio.Task[Any] | None = None
-    cancel_at = -1
-    points = 0
     #: Called by the connection as it starts reading an answer (the command was sent).
     armed: Callable[[], object] | None = None
 
@@ -301,13 +314,6 @@ class Stepping(aredis.Redis):
         client = cls(unix_socket_path=server.socket_path, **kw)
         client.connection_pool.connection_class = _ArmedConnection
         return client
-
-    def _point(self) -> bool:
-        hit = self.points == self.cancel_at and self.target is not None
-        if hit:
-            self.cancel_at = -1
-        self.points += 1
-        return hit
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         if self._point() and self.target is not None:
@@ -330,8 +336,62 @@ class _ArmedConnection(UnixDomainSocketConnection):
         return await super().read_response(*args, **kwargs)
 
 
+class Cutter(Points):
+    """Cancels a chosen task at a chosen point of the scripts a plain client sends.
+
+    The client stays a ``redis.asyncio.Redis`` over its own pool, so fenced packs its
+    script calls and sends them on the pool's connections itself. Every script call has
+    two points: before it is sent (as it takes a connection), and once it was sent (as
+    its answer is read). Point ``cancel_at`` (counted over all calls) cancels
+    ``target`` there, once.
+    """
+
+    def client(self, server: RedisServer) -> aredis.Redis:
+        cutter = self
+
+        class Cutting(UnixDomainSocketConnection):
+            async def connect(self) -> None:  # each call takes a connection of the pool
+                if cutter._point() and cutter.target is not None:
+                    cutter.target.cancel()
+                    await asyncio.sleep(0)  # not sent
+                await super().connect()  # type: ignore[no-untyped-call]
+
+            async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+                # A script call's answer, awaited by its caller (a task reading it for a
+                # cancelled caller keeps redis-py's disconnect on error).
+                awaited = kwargs.get("disconnect_on_error") is False
+                if awaited and cutter._point() and cutter.target is not None:
+                    cutter.target.cancel()  # sent: cancelled as its answer is awaited
+                    await asyncio.sleep(0)
+                return await super().read_response(*args, **kwargs)
+
+        client = aredis.Redis(unix_socket_path=server.socket_path)
+        client.connection_pool.connection_class = Cutting
+        return client
+
+    async def everywhere(
+        self,
+        server: RedisServer,
+        cycle: Callable[[Any, list[bool]], Coroutine[Any, Any, None]],
+        settle: Callable[[], Awaitable[None]],
+    ) -> list[tuple[str, int]]:
+        """``cancel_everywhere`` on a client of this cutter's, after a first ``cycle``
+        (uncut) cached the scripts and was settled."""
+        r = self.client(server)
+        assert _packable(r)
+        try:
+            await cycle(r, [])
+            await settle()
+            ends = await cancel_everywhere(self, lambda entered: cycle(r, entered), settle)
+            # A reply read after its caller was cancelled gives the connection back.
+            assert not r.connection_pool._in_use_connections
+            return ends
+        finally:
+            await r.aclose()
+
+
 async def cancel_everywhere(
-    r: Stepping,
+    r: Points,
     cycle: Callable[[list[bool]], Coroutine[Any, Any, None]],
     settle: Callable[[], Awaitable[None]],
 ) -> list[tuple[str, int]]:
@@ -386,6 +446,30 @@ def test_cancellation_at_every_await_of_acquire_and_release_leaves_no_lease(
     # The acquire runs to its end whatever the point: each cancelled one got a grant (a
     # new fence) and gave it back.
     assert 0 < grants[0] < grants[1] < grants[2]
+
+
+def test_a_packed_acquire_or_release_cancelled_anywhere_leaves_no_lease(
+    server: RedisServer,
+) -> None:
+    sync = server.client()
+    keys = ClaimKeys.of("cut")
+    grants: list[int] = []
+
+    async def cycle(r: Any, entered: list[bool]) -> None:
+        async with Claim(r, "cut", ttl=5):
+            entered.append(True)
+
+    async def settle() -> None:
+        grants.append(int(sync.get(keys.fence) or 0))
+        assert sync.exists(keys.lock) == 0, "a lease was left behind"
+
+    ends = asyncio.run(Cutter().everywhere(server, cycle, settle))
+    kinds = [end for end, _point in ends]
+    # Two calls (ACQUIRE, RELEASE), two points each, then a run that completes.
+    assert kinds == ["cancelled in acquire"] * 2 + ["cancelled in release"] * 2 + ["done"]
+    # Cancelled before it was sent, an acquire is not sent; once sent, it is read by a
+    # task of its own, and its grant (a new fence) given back.
+    assert grants[0] == grants[1] < grants[2]
 
 
 def test_a_thousand_claims_are_renewed_by_one_task_in_few_round_trips(

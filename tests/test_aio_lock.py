@@ -16,7 +16,7 @@ import fenced
 from fenced import ConfigError
 from fenced.aio import Lock
 from fenced.testing import RedisServer
-from test_aio import Stepping, cancel_everywhere
+from test_aio import Cutter, Stepping, cancel_everywhere
 
 T = TypeVar("T")
 
@@ -205,6 +205,23 @@ def test_a_cancelled_acquire_or_release_leaves_no_lock(server: RedisServer) -> N
     ends = run(server, scenario)
     kinds = [end for end, _point in ends]
     assert kinds == ["cancelled in acquire"] * 3 + ["cancelled in release"] * 3 + ["done"]
+
+
+def test_a_packed_acquire_or_release_cancelled_anywhere_leaves_no_lock(
+    server: RedisServer,
+) -> None:
+    sync = server.client()
+
+    async def cycle(r: Any, entered: list[bool]) -> None:
+        async with Lock(r, "cut", timeout=30):
+            entered.append(True)
+
+    async def settle() -> None:
+        assert not sync.exists("cut"), "a lock was left behind"
+
+    ends = asyncio.run(Cutter().everywhere(server, cycle, settle))
+    kinds = [end for end, _point in ends]
+    assert kinds == ["cancelled in acquire"] * 2 + ["cancelled in release"] * 2 + ["done"]
 
 
 class FakeLoopTime:

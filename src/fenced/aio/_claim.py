@@ -13,10 +13,10 @@ front end; this class only awaits the scripts. What it adds is asyncio's:
   ``asyncio.timeout`` does, and the block ends in ``ClaimLost`` (on Python 3.10,
   which has no ``Task.uncancel``, a cancellation that arrives from elsewhere at the
   same moment is taken for the loss);
-- acquire and release run to their end even when their caller is cancelled: an
-  acquire is shielded, and a grant that lands after its caller was cancelled is given
-  back; a release cut short is sent again (RELEASE is safe to repeat), so a cancelled
-  caller never leaves its lease behind.
+- a cancelled caller never leaves its lease behind: an acquire cancelled once it was
+  sent has its reply read by a task of its own, and a grant in it is given back (no
+  task is started unless the caller is cancelled); a release cut short is sent again
+  (RELEASE is safe to repeat).
 """
 
 from __future__ import annotations
@@ -113,9 +113,7 @@ class Claim(ClaimState):
             request = self._acquire_call(token, record_skip, mark_rerun)
         sent = self._clock()
         try:
-            res = list(
-                await run_to_end(call(self.redis, request), lambda f: self._abandon(f, token))
-            )
+            res = list(await call(self.redis, request, lambda f: self._abandon(f, token)))
         except UNREACHABLE as exc:
             if isinstance(exc, redis.TimeoutError):
                 # Only a request that was sent can have landed.

@@ -8,8 +8,8 @@ share one fence. redis-py's acquire loop, ``locked``, ``extend``, ``reacquire`` 
 ``async with`` are used as they are; a renewed hold is renewed by the event loop's
 renewer (with the claims).
 
-An acquire runs to its end even when its caller is cancelled (a grant that lands after
-that is given back); a release cut short is sent again.
+An acquire cancelled once it was sent has its reply read by a task of its own (a grant
+in it is given back); a release cut short is sent again.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class Lock(LockCore, _RedisLock):
         raw, request = self._acquire_call(token)
         sent = time.monotonic()
         try:
-            reply = await run_to_end(call(self.redis, request), lambda f: self._abandon(f, raw))
+            reply = await call(self.redis, request, lambda f: self._abandon(f, raw))
             if reply is None:  # a fence Lua could not read as a number: no fence to give
                 raise redis.ResponseError("the fence is not a number")
         except redis.ResponseError as exc:

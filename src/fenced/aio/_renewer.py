@@ -11,7 +11,8 @@ is declared lost no later than its local deadline plus one refresh interval.
 
 Claims are held weakly and told what came of a renewal through the same
 :class:`fenced._heartbeat.Renewable` interface as the thread heartbeat. The task ends
-when no claim is left, and starts again with the next one.
+a second after the last claim left (one that comes sooner is renewed by it), and
+starts again with the next one.
 
 Its time is a seam, as the thread heartbeat's: a :class:`Renewer` made with another
 ``clock`` and ``wait`` (tests drive time with one) reads that clock for every deadline
@@ -49,6 +50,9 @@ from ._send import call_pipeline, keep
 __all__ = ["Renewer", "renewer"]
 
 log = logging.getLogger("fenced.heartbeat")
+
+#: How long the task waits for a claim once none is left, before it ends (seconds).
+LINGER = 1.0
 
 Batch = list[tuple[Renewable, Renewal]]
 #: A round that ends in one of these got no answer: its claims are tried again soon.
@@ -124,14 +128,20 @@ class Renewer:
         return self._task
 
     async def _run(self) -> None:
-        while self._claims:
-            try:
-                wake = self._tick()
-            except Exception:  # a renewer that dies silently is the bug to avoid
-                log.exception("fenced: renewer tick failed; retrying")
-                wake = self._clock() + 0.05
+        lingered = False
+        while self._claims or not lingered:
+            if self._claims:
+                lingered = False
+                try:
+                    wake = self._tick()
+                except Exception:  # a renewer that dies silently is the bug to avoid
+                    log.exception("fenced: renewer tick failed; retrying")
+                    wake = self._clock() + 0.05
             if not self._claims:
-                break
+                # None left: wait a little for the next before ending, so that claims
+                # taken and given back in turn do not start a task each.
+                lingered = True
+                wake = self._clock() + LINGER
             self._wake_at = wake
             await self._wait(self._wake, max(0.0, wake - self._clock()))
             self._wake.clear()
