@@ -202,24 +202,3 @@ def test_a_release_entry_without_a_time_is_placed_by_its_neighbours() -> None:
     assert by_fence[6].finished == 1000.9 and by_fence[6].duration == 5.0
     # the oldest in the window: the time of the entry above it
     assert by_fence[5].finished == 1000.1 and by_fence[5].unreadable is None
-
-
-@pytest.mark.parametrize(
-    "extra",
-    [
-        {"task": "t.x", "template": "x:{a}", "worker": "w@h", "args": {"a": '1"\\\n\x00é😀'}},
-        {"arg_text": {}},
-        {"args": {"a": 1}},
-        {"n": None, "ok": True},
-        {1: "a number as key"},
-    ],
-)
-def test_a_started_record_is_the_json_of_its_fields_whatever_path_encodes_it(
-    extra: dict[Any, Any],
-) -> None:
-    text = records.encode_started("task-1", extra)
-    head, _, rest = text.partition(',"at":')
-    _at, _, members = rest.partition(",")
-    # The members after the base fields are byte for byte what the encoder writes.
-    assert "{" + members == records._encode(dict(extra))
-    assert json.loads(text)["task_id"] == "task-1" and head.startswith('{"task_id":"task-1"')
