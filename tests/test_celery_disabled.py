@@ -12,9 +12,10 @@ from celery import Celery
 
 from celery_harness import WAIT, Services, Worker, key
 from fenced import ConfigError
-from fenced.celery import ClaimedTask
+from fenced.celery import ClaimedTask, lock_redis
 from fenced.celery import _options as options_module
 from fenced.celery._disabled import LocalClaim, enabled
+from fenced.celery._task import _claims_client
 from fenced.doctor import check_celery
 from fenced.testing import RedisServer
 
@@ -234,3 +235,26 @@ def test_switched_off_claim_enqueue_touches_no_redis(
         assert sender not in options_module._clients
         assert "queued mark" not in worker.log()
     sender.close()
+
+
+def test_each_run_asks_once_and_follows_each_apps_switch_and_url(
+    no_switch: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    one, _ = eager_app(fenced_enabled=False)
+    two, _ = eager_app()
+    # Runs of two apps in turn: neither is handed the other's answer.
+    for _ in range(2):
+        assert _claims_client(one) is None
+        assert _claims_client(two) is lock_redis(two)
+    one.conf.fenced_enabled = True
+    assert _claims_client(one) is lock_redis(one) is not lock_redis(two)
+    monkeypatch.setenv("FENCED_ENABLED", "0")
+    changes = one.conf.changes
+    assert changes is not None
+    del changes["fenced_enabled"]
+    assert _claims_client(one) is None and _claims_client(two) is None
+    monkeypatch.delenv("FENCED_ENABLED")
+    before = _claims_client(two)
+    two.conf.fenced_redis_url = f"redis://127.0.0.1:{closed_port()}/2"
+    after = _claims_client(two)
+    assert after is not before and after is lock_redis(two)

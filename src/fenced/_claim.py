@@ -728,9 +728,11 @@ class ClaimState(LeaseState):
     ) -> bool:
         """Take in the answer of a RELEASE; returns ``released``."""
         self.unqueued = self._unqueue
-        if self.keeps_reruns:
+        if self.keeps_reruns and triggers:
             self.rerun_sending = list(zip(triggers[::2], triggers[1::2], strict=False))
             triggers = [trigger for _field, trigger in self.rerun_sending]
+        elif self.keeps_reruns:
+            self.rerun_sending = []
         self.rerun_triggers = triggers
         self.rerun_requested = len(triggers)
         lost_first = before == LOST and outcome == "ok"

@@ -16,6 +16,7 @@ Everything that talks to Redis about a lease goes through here:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -236,8 +237,13 @@ class ClaimKeys:
         check_namespace(namespace)
         return cls(namespace, validate_name(name))
 
+    @functools.cached_property
+    def prefix(self) -> str:
+        """What every key of the name starts with: ``{namespace}:{{name}}:``."""
+        return f"{self.namespace}:{{{self.name}}}:"
+
     def _key(self, part: str) -> str:
-        return f"{self.namespace}:{{{self.name}}}:{part}"
+        return self.prefix + part
 
     @property
     def lock(self) -> str:
@@ -343,7 +349,8 @@ class ClaimKeys:
     def lasting(self, limit: int = 1) -> tuple[str, ...]:
         """The keys that outlive a lease and expire when the name is idle (a name held
         by several at once, ``limit`` > 1, keeps its slots' hash too)."""
-        kept = (self.fence, self.records, self.skips, self.rerun)
+        p = self.prefix
+        kept = (p + "fence", p + "records", p + "skips", p + "rerun")
         return (*kept, self.slots) if limit > 1 else kept
 
     def done(self, task_id: str) -> str:
@@ -364,7 +371,7 @@ class ClaimKeys:
         """The keys the ACQUIRE script receives, in KEYS order."""
         # As lock, fence, records, skips, rerun and cooldown spell them, from one prefix:
         # every claim object builds these.
-        prefix = self._key("")
+        prefix = self.prefix
         parts = ("lock", "fence", "records", "skips", "rerun", "cooldown")
         return [prefix + part for part in parts]
 

@@ -377,18 +377,23 @@ class PerApp:
             weakref.WeakKeyDictionary()
         )
         self._lock = threading.Lock()
+        # The last app asked (weakly) and its entry: every run of a worker's tasks asks
+        # for the same app, and a weak mapping's lookup makes a weak reference per call.
+        self._last: tuple[weakref.ref[Any], tuple[tuple[Any, ...], Any]] | None = None
 
     def __call__(self, app: Any, compute: Callable[[Any], Any]) -> Any:
         """``compute(app)``, or its answer given before under the same settings."""
         seen = settings_seen(app, self.names)
         if seen is not None:
-            known = self._answers.get(app)
+            last = self._last
+            known = last[1] if last is not None and last[0]() is app else self._answers.get(app)
             if known is not None and known[0] == seen:
                 return known[1]
         answer = compute(app)
         if seen is not None:
             with self._lock:
-                self._answers[app] = (seen, answer)
+                entry = self._answers[app] = (seen, answer)
+                self._last = (weakref.ref(app), entry)
         return answer
 
 
@@ -410,12 +415,26 @@ def settings_seen(app: Any, names: tuple[str, ...]) -> tuple[Any, ...] | None:
     changes = getattr(conf, "__dict__", {}).get("changes")
     if not isinstance(changes, dict):
         return None
-    return (
-        conf,
-        len(changes),
-        *(changes.get(name) for name in names),
-        *(os.environ.get(name.upper()) for name in names),
-    )
+    return (conf, len(changes), *map(changes.get, names), *_environment(names))
+
+
+# Each setting's environment variable as os.environ keeps it (its encoded upper-case
+# name), so that a run's look at the environment is one dict lookup per name.
+_env_keys: dict[tuple[str, ...], tuple[Any, ...]] = {}
+
+
+def _environment(names: tuple[str, ...]) -> tuple[Any, ...]:
+    """The environment's value of each setting's upper-case name (None when unset), as
+    os.environ stores it: compared with an earlier look, never shown."""
+    env = os.environ
+    data = getattr(env, "_data", None)
+    encode = getattr(env, "encodekey", None)
+    if type(data) is not dict or encode is None:  # not the standard os.environ
+        return tuple(env.get(name.upper()) for name in names)
+    keys = _env_keys.get(names)
+    if keys is None:
+        keys = _env_keys[names] = tuple(encode(name.upper()) for name in names)
+    return tuple(map(data.get, keys))
 
 
 def lock_url(app: Any) -> str | None:

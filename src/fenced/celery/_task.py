@@ -90,10 +90,12 @@ from .._options import refuse_unknown
 from .._redact import exception_text
 from .._scripts import RERUN_SENT
 from . import _debounce, _enqueue, _rerun, signals
+from ._disabled import SETTING as ENABLED_SETTING
 from ._disabled import LocalClaim, enabled
 from ._options import (
     OPTIONS,
     RENAMED,
+    PerApp,
     TaskOptions,
     as_attribute,
     lock_redis,
@@ -157,6 +159,22 @@ def _warn_unsigned(name: str) -> None:
         name,
         extra=claim_fields(name),
     )
+
+
+# Whether an app's claims are on, and the client they are taken on: both hang on these
+# settings, so each run looks at them once.
+_claims = PerApp(
+    (ENABLED_SETTING, "fenced_redis_client", "fenced_redis_url", "fenced_redis_options")
+)
+
+
+def _claims_client(app: Any) -> Any:
+    """The client an app's claims are taken on; None when claims are switched off."""
+    return _claims(app, _client_if_enabled)
+
+
+def _client_if_enabled(app: Any) -> Any:
+    return lock_redis(app) if enabled(app) else None
 
 
 _local = threading.local()
@@ -411,8 +429,10 @@ class ClaimedTask(Task[Any, Any]):
         marker then lives as the lease does: ACQUIRE gives it the lease's ttl, each
         renewal extends it, and RELEASE deletes it; a release a failover lost (or a run
         that died unreleased) leaves a marker that ends within one ttl, as the lease."""
+        if opts.enqueue is None:
+            return
         request = self.request
-        if opts.enqueue is None or not request.id or request.called_directly:
+        if not request.id or request.called_directly:
             return
         until_started = opts.enqueue == "until_started"
         expiry = "-" if until_started else str(claim.options.ttl_ms)
@@ -425,8 +445,10 @@ class ClaimedTask(Task[Any, Any]):
         did not answer), so a caller that waited for the result and sends again is not
         handed the finished run's result back.
         """
+        if self._options().enqueue != "until_finished":
+            return
         request = self.request
-        if self._options().enqueue != "until_finished" or not request.id:
+        if not request.id:
             return
         if isinstance(exc, Retry) and self._retried_as(exc, claim) == claim.name:
             return  # its message is queued again, under the same id and name
@@ -464,10 +486,10 @@ class ClaimedTask(Task[Any, Any]):
     # -- a run -------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not enabled(self.app):
+        client = _claims_client(self.app)
+        if client is None:
             return self._run_unclaimed(args, kwargs)
         opts = self._options()
-        client = lock_redis(self.app)
         request = self.request
         if opts.values["claim_debounce"] is not None and _delivered(request):
             try:
@@ -555,7 +577,7 @@ class ClaimedTask(Task[Any, Any]):
             except BaseException as exc:
                 self._finish(claim, "failed", exception_text(exc), args, kwargs)
                 raise
-        return self._run(claim, interrupter, args, kwargs)
+        return self._run(claim, interrupter, request, args, kwargs)
 
     def _run_unclaimed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """fenced switched off (tests without Redis): the body runs under a LocalClaim."""
@@ -636,6 +658,7 @@ class ClaimedTask(Task[Any, Any]):
         self,
         claim: Claim,
         interrupter: _interrupt.Interrupter | None,
+        request: Any,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
@@ -646,7 +669,7 @@ class ClaimedTask(Task[Any, Any]):
             with interrupter or nullcontext():
                 if claim.lost:  # lost before it could be interrupted: do not start
                     raise ClaimInterrupted()
-                if _traced(self, args, kwargs):
+                if _traced(self, request, args, kwargs):
                     result = self.run(*args, **kwargs)
                 else:
                     result = super().__call__(*args, **kwargs)
@@ -1114,7 +1137,7 @@ def _seconds_until(app: Any, when: Any) -> float:
         return 0.0
 
 
-def _traced(task: ClaimedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def _traced(task: ClaimedTask, request: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether Celery's tracer pushed this very call's request (a worker, ``apply()``).
 
     ``Task.__call__`` would then push a copy of it and call ``run``: the body runs as a
@@ -1128,19 +1151,19 @@ def _traced(task: ClaimedTask, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         plain = next((k.__dict__["__call__"] for k in after if "__call__" in k.__dict__), None)
         plain = plain is Task.__call__
         cls._fenced_plain_call = plain
-    if not plain:
-        return False
-    request = task.request
-    if request.called_directly:
+    if not plain or request.called_directly:
         return False
     pushed_args, pushed_kwargs = request.args, request.kwargs or {}
     # The tracer calls ``task(*args, **kwargs)`` with the request's own objects.
-    return (
-        pushed_args is not None
-        and len(pushed_args) == len(args)
-        and all(a is b for a, b in zip(pushed_args, args))
-        and pushed_kwargs.keys() == kwargs.keys()
-        and all(pushed_kwargs[k] is v for k, v in kwargs.items())
+    if pushed_args is None or len(pushed_args) != len(args):
+        return False
+    for pushed, given in zip(pushed_args, args):
+        if pushed is not given:
+            return False
+    if not kwargs:
+        return not pushed_kwargs
+    return pushed_kwargs.keys() == kwargs.keys() and all(
+        pushed_kwargs[k] is v for k, v in kwargs.items()
     )
 
 
