@@ -778,17 +778,17 @@ class LeaseCalls:
         o = self.opts
         take = ("2" if keep_reruns else "1") if take_reruns else "0"
         cooldown_ms = o.cooldown_ms if window else 0
-        # ARGV as RELEASE takes them: token, outcome, then the record, fence, rerun
-        # triggers, done marker ms, idle ms and maximum records, each left off at its
+        # ARGV as RELEASE takes them: token, outcome, then the record, fence, idle ms,
+        # rerun triggers, done marker ms and maximum records, each left off at its
         # default when nothing after it is sent (the fence is read only to record it or
         # start a window, the idle expiry only to give a list or sending set one).
         args: list[Any] = [token, outcome]
         rest = [
             record,
             (fence or 0) if record or cooldown_ms else 0,
+            o.idle_ms if record or take == "2" else 0,
             take,
             o.done_ms if task_id else 0,
-            o.idle_ms if record or take == "2" else 0,
             o.max_records,
         ]
         if cooldown_ms or (unqueue and task_id):
@@ -826,7 +826,7 @@ class LeaseCalls:
         nothing."""
         rest = (*self._release_keys[1:], self._no_done, self._note_prefix + token[:32])
         return [
-            (RELEASE, (self.keys.slot(i), *rest), [token, "", "", 0, "0"])
+            (RELEASE, (self.keys.slot(i), *rest), [token, "", "", 0, 0, "0"])
             for i in range(self.limit)
         ]
 
@@ -867,7 +867,7 @@ class LeaseCalls:
 
 #: What ACQUIRE and RELEASE take for an optional argument left off (see their ARGV).
 _ACQUIRE_DEFAULTS = ("", "", "", "", str(MAX_RECORDS))
-_RELEASE_DEFAULTS = ("", "0", "1", "0", "0", str(MAX_RECORDS))
+_RELEASE_DEFAULTS = ("", "0", "0", "1", "0", str(MAX_RECORDS))
 
 
 def _trimmed(args: list[Any], defaults: Sequence[str]) -> list[Any]:

@@ -265,8 +265,18 @@ local function record_entry(record, ...)
     head.at = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
   end
   local fields = {...}
-  for i = 1, #fields, 2 do head[fields[i]] = fields[i + 1] end
-  return cjson.encode(head) .. '\\n' .. record, head.at
+  for i = 2, #fields, 2 do
+    if string.find(fields[i], '[%c"\\\\]') then
+      -- a value JSON must escape: cjson writes the object
+      for j = 1, #fields, 2 do head[fields[j]] = fields[j + 1] end
+      return cjson.encode(head) .. '\\n' .. record, head.at
+    end
+  end
+  -- plain text values (what nearly every entry holds): the object written as it stands
+  local out = {}
+  if head.at then out[1] = '"at":"' .. head.at .. '"' end
+  for i = 1, #fields, 2 do out[#out + 1] = '"' .. fields[i] .. '":"' .. fields[i + 1] .. '"' end
+  return '{' .. table.concat(out, ',') .. '}\\n' .. record, head.at
 end
 -- A run's end names its run by the start of its token's random part, as the records
 -- show it (``short_token``): the whole token (host, pid, task id) is in its start.
@@ -771,8 +781,8 @@ end
 """
 
 # RELEASE: ARGV as sent: token, outcome, then (each may be left off at its default,
-#          when nothing after it is sent) record (""), fence ("0"), rerun triggers
-#          ("1"), done marker ms ("0"), idle ms ("0"), maximum records ("1000"), then the
+#          when nothing after it is sent) record (""), fence ("0"), idle ms ("0"),
+#          rerun triggers ("1"), done marker ms ("0"), maximum records ("1000"), then the
 #          optional A[9] and A[10]. The script reads them as ``A``, in the order
 #          described below (``_RELEASE_ARGS``); its common case reads ARGV itself.
 # RELEASE (safe to send again: a retry of a release whose reply was lost gets the first
@@ -813,9 +823,9 @@ end
 _RELEASE_FAST = """
 record_time = false
 local held
-if ARGV[5] ~= '2' and (ARGV[10] or '') == '' then
+if ARGV[6] ~= '2' and (ARGV[10] or '') == '' then
   held = redis.call('GET', KEYS[1])
-  if held == ARGV[1] and (ARGV[5] == '0' or redis.call('EXISTS', KEYS[4]) == 0) then
+  if held == ARGV[1] and (ARGV[6] == '0' or redis.call('EXISTS', KEYS[4]) == 0) then
     local outcome, record, recorded = ARGV[2], ARGV[3] or '', true
     if record ~= '' then
       local entry = record_entry(record, 'event', 'finished', 'token', run_of(ARGV[1]),
@@ -826,8 +836,8 @@ if ARGV[5] ~= '2' and (ARGV[10] or '') == '' then
         -- the list's idle expiry was renewed by this run's grant (and each renewal of
         -- the lease); a list this push made (the grant's gone) gets its own
         trim_records(KEYS[2], added, ARGV[8] or '1000')
-        if added == 1 and (ARGV[7] or '0') ~= '0' then
-          redis.call('PEXPIRE', KEYS[2], ARGV[7])
+        if added == 1 and (ARGV[5] or '0') ~= '0' then
+          redis.call('PEXPIRE', KEYS[2], ARGV[5])
         end
       end
     end
@@ -837,10 +847,10 @@ if ARGV[5] ~= '2' and (ARGV[10] or '') == '' then
       else
         redis.call('DEL', KEYS[1])
       end
-      local done_ms = tonumber(ARGV[6] or '0')
+      local done_ms = tonumber(ARGV[7] or '0')
       local marked = outcome == 'ok' and done_ms > 0
       if marked then
-        redis.call('SET', KEYS[5], string.sub(ARGV[1], 1, 32), 'PX', ARGV[6])
+        redis.call('SET', KEYS[5], string.sub(ARGV[1], 1, 32), 'PX', ARGV[7])
       end
       if outcome == 'ok' and tonumber(ARGV[9] or '0') > 0 then
         redis.call('SET', KEYS[7], ARGV[4], 'PX', ARGV[9])
@@ -857,7 +867,7 @@ end
 # The arguments of RELEASE in the order its whole script reads them (see RELEASE).
 _RELEASE_ARGS = """
 local A = {ARGV[1], ARGV[3] or '', ARGV[8] or '1000', ARGV[2], ARGV[4] or '0',
-           ARGV[5] or '1', ARGV[7] or '0', ARGV[6] or '0', ARGV[9], ARGV[10]}
+           ARGV[6] or '1', ARGV[5] or '0', ARGV[7] or '0', ARGV[9], ARGV[10]}
 """
 
 RELEASE = Script(

@@ -151,7 +151,9 @@ class Claim(ClaimState):
         if request.cancelled():
             return
         exc = request.exception()
-        if (exc is None and int(request.result()[0]) == 1) or isinstance(exc, redis.TimeoutError):
+        if (exc is None and int(granted_reply(request.result())[0]) == 1) or isinstance(
+            exc, redis.TimeoutError
+        ):
             await self._give_back(token)
 
     async def _corrupt_key(self) -> tuple[str, str] | None:
