@@ -61,6 +61,7 @@ __all__ = [
     "check_timing",
     "current_pid",
     "describe_client",
+    "granted_reply",
     "new_token",
     "reachable",
     "released",
@@ -682,25 +683,21 @@ class LeaseCalls:
         next free start for the task id, held that long past it (ACQUIRE's ARGV[14]).
         """
         o = self.opts
-        args = [
-            token,
-            o.ttl_ms,
-            record,
-            skip_reason,
-            o.max_records,
-            rerun,
-            task_id or "",
-            o.idle_ms,
-        ]
         cooldown_reason = cooldown_reason if o.cooldown_ms else ""
         queued = queued if task_id else ""
         # A delivery of a task id whose run ended ok: the script says so in its grant
         # (whatever the broker's flags), and the window that run started does not skip it.
         done = self.asks_done(task_id)
         rate = o.rate_us
+        # ARGV as ACQUIRE takes them: token, ttl, idle, then the record, skip reason,
+        # rerun trigger, task id and maximum records, each left off at its default
+        # when nothing after it is sent.
+        args: list[Any] = [token, o.ttl_ms, o.idle_ms]
+        rest = [record, skip_reason, rerun, task_id or "", o.max_records]
         if self.limit == 1 and not cooldown_reason and not queued and not done and not rate:
             # The plain claim sends what it always sent: no cooldown key, no slots.
-            return ACQUIRE, self._plain_keys, args
+            return ACQUIRE, self._plain_keys, args + _trimmed(rest, _ACQUIRE_DEFAULTS)
+        args += rest
         args.append(cooldown_reason)
         keys = self._acquire_keys
         if rate:
@@ -795,20 +792,26 @@ class LeaseCalls:
         # The note's key: the token's random part (new_token's 32 hex digits).
         keys: tuple[str, ...] = (*lease, done, self._note_prefix + token[:32])
         o = self.opts
-        args = [
-            token,
-            record,
-            o.max_records,
-            outcome,
-            fence or 0,
-            ("2" if keep_reruns else "1") if take_reruns else "0",
-            o.idle_ms,
-            o.done_ms if task_id else 0,
-        ]
+        take = ("2" if keep_reruns else "1") if take_reruns else "0"
         cooldown_ms = o.cooldown_ms if window else 0
+        # ARGV as RELEASE takes them: token, outcome, then the record, fence, idle ms,
+        # rerun triggers, done marker ms and maximum records, each left off at its
+        # default when nothing after it is sent (the fence is read only to record it or
+        # start a window, the idle expiry only to give a list or sending set one).
+        args: list[Any] = [token, outcome]
+        rest = [
+            record,
+            (fence or 0) if record or cooldown_ms else 0,
+            o.idle_ms if record or take == "2" else 0,
+            take,
+            o.done_ms if task_id else 0,
+            o.max_records,
+        ]
         if cooldown_ms or (unqueue and task_id):
             keys += (self._cooldown,)
-            args.append(cooldown_ms)
+            args += [*rest, cooldown_ms]
+        else:
+            args += _trimmed(rest, _RELEASE_DEFAULTS)
         if unqueue and task_id:
             keys += (self.keys.queued,)
             args.append(task_id)
@@ -839,7 +842,7 @@ class LeaseCalls:
         nothing."""
         rest = (*self._release_keys[1:], self._no_done, self._note_prefix + token[:32])
         return [
-            (RELEASE, (self.keys.slot(i), *rest), [token, "", MAX_RECORDS, "", 0, "0", 0, 0])
+            (RELEASE, (self.keys.slot(i), *rest), [token, "", "", 0, 0, "0"])
             for i in range(self.limit)
         ]
 
@@ -876,6 +879,19 @@ class LeaseCalls:
                 if value is not None and fence_or_none(value) is None:
                     return self.keys.slots, not_a_fence(value)
         return None
+
+
+#: What ACQUIRE and RELEASE take for an optional argument left off (see their ARGV).
+_ACQUIRE_DEFAULTS = ("", "", "", "", str(MAX_RECORDS))
+_RELEASE_DEFAULTS = ("", "0", "0", "1", "0", str(MAX_RECORDS))
+
+
+def _trimmed(args: list[Any], defaults: Sequence[str]) -> list[Any]:
+    """``args`` without the trailing ones at their script's default (fewer to send)."""
+    end = len(args)
+    while end and str(args[end - 1]) == defaults[end - 1]:
+        end -= 1
+    return args[:end]
 
 
 def _key_types(keys: ClaimKeys) -> dict[str, tuple[str, ...]]:
@@ -929,8 +945,19 @@ def refreshed(reply: Any) -> bool | str:
     return int(reply) == 1
 
 
+def granted_reply(res: Any) -> list[Any]:
+    """An ACQUIRE (or TAKEOVER, REPLACE) answer as a list: a plain grant answers its
+    fence alone, for ``[1, fence]``."""
+    if isinstance(res, (bytes, str)):
+        return [1, res]
+    return list(res)
+
+
 def released(res: Any) -> tuple[bool, str, list[str]]:
-    """A RELEASE answer: (our token held the lease, the outcome recorded, reruns taken)."""
+    """A RELEASE answer: (our token held the lease, the outcome recorded, reruns taken).
+    A plain release answers its outcome alone, for ``[1, outcome, []]``."""
+    if isinstance(res, (bytes, str)):
+        return True, as_text(res), []
     if len(res) > 3:
         unrecorded(res[3], res[4], "release")
     # A trigger is whatever a caller stored: bytes that are not text still name no call.
@@ -970,8 +997,8 @@ class LeaseStore(LeaseCalls):
         replicas to wait for, the answer has one more item: how many acknowledged."""
         if self.opts.replicas:
             reply, acked = self.replicated(*call)
-            return [*reply, acked]
-        return list(self.send(call))
+            return [*granted_reply(reply), acked]
+        return granted_reply(self.send(call))
 
     def replicated(
         self, script: Script, keys: Sequence[str], args: Sequence[Any]
@@ -1003,9 +1030,10 @@ class LeaseStore(LeaseCalls):
         """
         if wait and self.opts.replicas:
             reply, acked = self.replicated(*call)
-            if int(reply[0]) == 1:
+            answer = released(reply)
+            if answer[0]:
                 self._warn_unreplicated(acked, "release", "its cooldown window and done marker")
-            return released(reply)
+            return answer
         return released(self.send(call))
 
     def hand_over(self, call: Call) -> bool:

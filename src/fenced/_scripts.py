@@ -262,7 +262,8 @@ local function record_entry(record, ...)
   local head = {}
   if record_time ~= false then
     local t = record_time or redis.call('TIME')
-    head.at = t[1] .. string.format('%03d', math.floor(tonumber(t[2]) / 1000))
+    -- the ms of the µs reply, as text: string.format costs the server more
+    head.at = t[1] .. string.sub(string.rep('0', 6 - #t[2]) .. t[2], 1, 3)
   end
   local fields = {...}
   for i = 1, #fields, 2 do head[fields[i]] = fields[i + 1] end
@@ -289,45 +290,50 @@ end
 """
 
 # ACQUIRE
+# ARGV as sent: token, ttl, idle, then (each may be left off at its default, when
+# nothing after it is sent) record (""), skip reason (""), rerun trigger (""), task id
+# (""), maximum records ("1000"), then the optional A[9] and on. The script reads them
+# as ``A``, in the order described below (``_ACQUIRE_ARGS``); its common grant reads
+# ARGV itself.
 # KEYS[1] lock (slot 0)   KEYS[2] fence   KEYS[3] records   KEYS[4] skips   KEYS[5] rerun
 #         (a set)
-# KEYS[6] (with ARGV[9] or ARGV[10]) cooldown (set by RELEASE after a run that ended
+# KEYS[6] (with A[9] or A[10]) cooldown (set by RELEASE after a run that ended
 #         "ok", expires with PX)
-# KEYS[7] (with ARGV[10] > 1) slots: a hash of each slot's fence ("0", "1", ...) and
+# KEYS[7] (with A[10] > 1) slots: a hash of each slot's fence ("0", "1", ...) and
 #         the limit it was last acquired with ("limit")
-# KEYS[8..] (with ARGV[10] > 1) slots 1 .. ARGV[10]-1, each a lease like KEYS[1]
-# then (with ARGV[11] = "1") the done marker of ARGV[7]'s task id, then (with ARGV[12])
+# KEYS[8..] (with A[10] > 1) slots 1 .. A[10]-1, each a lease like KEYS[1]
+# then (with A[11] = "1") the done marker of A[7]'s task id, then (with A[12])
 #         the enqueue marker of the name (``claim_enqueue``)
-# ARGV[1] token  ARGV[2] ttl in ms
-# ARGV[3] JSON of the run record (who, where, when), or "" to record nothing; written
+# A[1] token  A[2] ttl in ms
+# A[3] JSON of the run record (who, where, when), or "" to record nothing; written
 #         as the "started" entry, or with the skip reason as the "skipped" entry
-# ARGV[4] the skip reason to record when we lose, or "" to record nothing (and count
+# A[4] the skip reason to record when we lose, or "" to record nothing (and count
 #         no skip)
-# ARGV[5] maximum length of the records list
-# ARGV[6] the trigger to hand the holder when we lose the race (it runs once more for
+# A[5] maximum length of the records list
+# A[6] the trigger to hand the holder when we lose the race (it runs once more for
 #         each distinct trigger after its own run; equal triggers coalesce), or ""
-# ARGV[7] the caller's task id, or "": a holder whose token carries the same task id is
+# A[7] the caller's task id, or "": a holder whose token carries the same task id is
 #         an earlier attempt of the same task (a redelivery), not a competitor, so no
 #         skip is counted or recorded and no rerun is asked; with slots, such a holder
 #         in any slot is reported, and no other slot is taken
-# ARGV[8] idle expiry of the name's lasting keys in ms (0 = never)
-# ARGV[9] (optional) the skip reason to record while the cooldown key lives, or "" for
+# A[8] idle expiry of the name's lasting keys in ms (0 = never)
+# A[9] (optional) the skip reason to record while the cooldown key lives, or "" for
 #         a claim without a cooldown: checked before the lease, unless the caller is a
-#         redelivery of a task (ARGV[7]) that already holds a lease of the name or whose
-#         run ended ok (its done marker, with ARGV[11]): that goes on
+#         redelivery of a task (A[7]) that already holds a lease of the name or whose
+#         run ended ok (its done marker, with A[11]): that goes on
 #         to the lease as without a window. Such a skip is always counted and recorded,
 #         and asks no rerun
-# ARGV[10] (optional) the limit: how many holders the name may have at once (1 when
+# A[10] (optional) the limit: how many holders the name may have at once (1 when
 #         absent: KEYS[1] alone, and nothing else of slots is touched); the first free
 #         slot is taken
-# ARGV[11] (optional) "1" when KEYS carry the done marker of ARGV[7]'s task id (see
+# A[11] (optional) "1" when KEYS carry the done marker of A[7]'s task id (see
 #         RELEASE), after the slots: a grant then says whether it exists (a delivery
 #         of a task id whose run already ended ok, whatever the broker's flags say)
-# ARGV[12] (optional) what the run of ARGV[7] does to the enqueue marker, first and
-#         whatever the answer, when the marker still holds ARGV[7]: "-" deletes it (the
+# A[12] (optional) what the run of A[7] does to the enqueue marker, first and
+#         whatever the answer, when the marker still holds A[7]: "-" deletes it (the
 #         message left the queue), a number of ms gives it that expiry (it now covers
 #         the run); "" or absent: nothing. A marker of another type is left alone
-# ARGV[13] (optional) the rate: µs between two starts of the name (``rate``), with the
+# A[13] (optional) the rate: µs between two starts of the name (``rate``), with the
 #         rate key and the last-start key after the markers: the rate key holds the
 #         next free start (Redis TIME in µs: one interval after the last start granted
 #         or booked) and expires then; the last-start key holds the last start granted
@@ -335,9 +341,9 @@ end
 #         call takes no start) and before the grant (a rate-limited call takes no
 #         lease); a grant sets the next free start one interval ahead. "" or absent:
 #         no rate
-# ARGV[14] (optional, with ARGV[13] and ARGV[7]) how long a booking holds past its
-#         start, in ms, with the booking key of ARGV[7]'s task id as the last of KEYS
-#         (ARGV[7] is then not ""): a call over the rate books the next free start for
+# A[14] (optional, with A[13] and A[7]) how long a booking holds past its
+#         start, in ms, with the booking key of A[7]'s task id as the last of KEYS
+#         (A[7] is then not ""): a call over the rate books the next free start for
 #         its task id (the key holds it, in µs, and expires that long after it; the
 #         next free start moves one interval on). A call that holds a booking starts at
 #         it, not counted again and refused by nobody, but never within one interval of
@@ -345,14 +351,14 @@ end
 #         until then, and that long after); its grant deletes the booking. "" or
 #         absent: nothing is booked
 # returns {1, fence}                                    when the claim is ours (also
-#                                                       when ARGV[1] already holds it:
+#                                                       when A[1] already holds it:
 #                                                       a retried request is idempotent)
-#         {1, fence, slot index}                        the same, with ARGV[10] > 1
-#         {1, fence, slot index or 0, done}             the same, with ARGV[11] = "1":
+#         {1, fence, slot index}                        the same, with A[10] > 1
+#         {1, fence, slot index or 0, done}             the same, with A[11] = "1":
 #                                                       done is 1 when the task id's
 #                                                       done marker exists
 #         {0, holder token, pttl ms, holder fence, consecutive skips, distinct triggers}
-#                                                       (with ARGV[11] = "1", then 1 when
+#                                                       (with A[11] = "1", then 1 when
 #                                                       the task id's done marker exists:
 #                                                       no skip, no trigger, as for its
 #                                                       own earlier attempt)
@@ -362,9 +368,9 @@ end
 #                                                       lease ends first)
 #         {2, "", cooldown pttl ms, fence, consecutive skips, 0}   the name ran recently
 #         {3, "", ms until the next start is allowed, fence, 0, 0}   rate limited (with
-#                                                       ARGV[13]): nothing is written
+#                                                       A[13]): nothing is written
 #         {4, booked start in µs, ms until it, fence, 0, 0}   rate limited, with a start
-#                                                       booked for ARGV[7] (ARGV[14]):
+#                                                       booked for A[7] (A[14]):
 #                                                       just booked, or booked before
 #                                                       and not due yet
 #         an error reply naming KEYS[3] (or KEYS[5]) when a skip (or a rerun trigger)
@@ -380,7 +386,6 @@ end
 # script below, told by ``taken`` whether the lease is set (false: busy), by
 # ``previous`` what the fence key held and by ``written`` what was written in its place.
 _ACQUIRE_FAST = """
-local idle = tonumber(ARGV[8])
 local taken, previous, written
 if (ARGV[9] or '') == '' and (ARGV[10] or '1') == '1' and (ARGV[12] or '') == ''
     and (ARGV[13] or '') == '' then
@@ -389,63 +394,73 @@ if (ARGV[9] or '') == '' and (ARGV[10] or '1') == '1' and (ARGV[12] or '') == ''
     local t = redis.call('TIME')
     local now = t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
     written = now
-    if idle > 0 then
-      previous = redis.pcall('SET', KEYS[2], now, 'PX', idle, 'GET')
+    if ARGV[3] ~= '0' then
+      previous = redis.pcall('SET', KEYS[2], now, 'PX', ARGV[3], 'GET')
     else
       previous = redis.pcall('SET', KEYS[2], now, 'GET')
     end
     if not previous or (type(previous) == 'string' and #previous <= #now
         and string.find(previous, '^[1-9]%d*$') and (#previous < #now or previous < now)) then
-      if ARGV[3] ~= '' then
+      if (ARGV[4] or '') ~= '' then
         record_time = t
-        local _, length = append_record(KEYS[3], ARGV[5], ARGV[3],
-                                        'event', 'started', 'token', ARGV[1], 'fence', now)
-        -- a new list gets its idle expiry here; each release renews it
-        if idle > 0 and length == 1 then redis.call('PEXPIRE', KEYS[3], idle) end
+        append_record(KEYS[3], ARGV[8] or '1000', ARGV[4],
+                      'event', 'started', 'token', ARGV[1], 'fence', now)
+        -- the list's idle expiry, renewed as the fence's is: by each grant (and each
+        -- renewal of the lease), not by the release of a run that held it
+        if ARGV[3] ~= '0' then redis.call('PEXPIRE', KEYS[3], ARGV[3]) end
       end
       if ARGV[11] == '1' then return {1, now, 0, redis.call('EXISTS', KEYS[#KEYS])} end
-      return {1, now}
+      return now  -- {1, now} as the bare fence: a table reply costs the server more
     end
   end
 end
+"""
+
+# The arguments of ACQUIRE in the order its whole script reads them (see ACQUIRE).
+_ACQUIRE_ARGS = """
+local A = {ARGV[1], ARGV[2], ARGV[4] or '', ARGV[5] or '', ARGV[8] or '1000',
+           ARGV[6] or '', ARGV[7] or '', ARGV[3], ARGV[9], ARGV[10], ARGV[11], ARGV[12],
+           ARGV[13], ARGV[14]}
+local idle = tonumber(A[8])
 """
 
 ACQUIRE = Script(
     "acquire",
     _APPEND
     + _ACQUIRE_FAST
+    + _ACQUIRE_ARGS
     + _TOUCH
     + _RECORDABLE
     + _FENCE
     + """
-local limit = tonumber(ARGV[10] or '1')
+local limit = tonumber(A[10] or '1')
 -- the leases: KEYS[1], then (limit > 1) the slots from KEYS[8]; the markers after them
 local last = #KEYS
 local rate_key, last_key, booking_key, interval, rate_now, hold
-if ARGV[13] and ARGV[13] ~= '' then
-  if ARGV[14] and ARGV[14] ~= '' then
+if A[13] and A[13] ~= '' then
+  if A[14] and A[14] ~= '' then
     booking_key = KEYS[last]
     last = last - 1
-    hold = tonumber(ARGV[14])
+    hold = tonumber(A[14])
   end
   last_key = KEYS[last]
   rate_key = KEYS[last - 1]
   last = last - 2
-  interval = tonumber(ARGV[13])
+  interval = tonumber(A[13])
 end
-if ARGV[12] and ARGV[12] ~= '' then
+if A[12] and A[12] ~= '' then
   local queued = KEYS[last]
   last = last - 1
-  if redis.pcall('GET', queued) == ARGV[7] then
-    if ARGV[12] == '-' then
+  if redis.pcall('GET', queued) == A[7] then
+    if A[12] == '-' then
       redis.call('DEL', queued)
     else
-      redis.call('PEXPIRE', queued, ARGV[12])
+      redis.call('PEXPIRE', queued, A[12])
     end
   end
 end
 local done
-if ARGV[11] == '1' then
+if A[11] == '1' then
   done = KEYS[last]
   last = last - 1
 end
@@ -458,11 +473,11 @@ local function granted(fence, slot)
 end
 local function own_task(holder)
   local _, _, _, task_id = string.match(holder, TOKEN_PATTERN)
-  return task_id == ARGV[7]
+  return task_id == A[7]
 end
 local function redelivered()
   -- a run of this very task id ended ok (so it started the window) or holds a lease
-  if ARGV[7] == '' then return false end
+  if A[7] == '' then return false end
   if done and redis.call('EXISTS', done) == 1 then return true end
   local holder = redis.call('GET', KEYS[1])
   if holder and own_task(holder) then return true end
@@ -474,15 +489,15 @@ local function redelivered()
   end
   return false
 end
-if ARGV[9] and ARGV[9] ~= '' then
+if A[9] and A[9] ~= '' then
   -- Redis's own expiry times the window: the hosts' clocks play no part
   local left = redis.call('PTTL', KEYS[6])
   if left > 0 and not redelivered() then
     local bad = unrecordable(KEYS[3])
     if bad then return not_a_list(KEYS[3], bad) end
     local skips = redis.call('INCR', KEYS[4])
-    append_record(KEYS[3], ARGV[5], ARGV[3],
-                  'event', 'skipped', 'reason', ARGV[9])
+    append_record(KEYS[3], A[5], A[3],
+                  'event', 'skipped', 'reason', A[9])
     touch(idle, KEYS[3], KEYS[4])
     return {2, '', left, redis.call('GET', KEYS[2]) or '0', skips, 0}
   end
@@ -551,8 +566,8 @@ if rate_key then
   end
 end
 local function started(minted)
-  if ARGV[3] ~= '' then
-    append_record(KEYS[3], ARGV[5], ARGV[3], 'event', 'started', 'token', ARGV[1],
+  if A[3] ~= '' then
+    append_record(KEYS[3], A[5], A[3], 'event', 'started', 'token', A[1],
                   'fence', minted)
     -- the skip count and rerun triggers are given the expiry when they are written
     touch(idle, KEYS[3])
@@ -567,7 +582,7 @@ local function mint()
   end
   -- one write gives the fence its value and its idle expiry
   if idle > 0 then
-    redis.call('SET', KEYS[2], minted, 'PX', idle)
+    redis.call('SET', KEYS[2], minted, 'PX', A[8])
   else
     redis.call('SET', KEYS[2], minted)
   end
@@ -583,7 +598,7 @@ local function mint_plain()
   if previous == nil then
     now = fence_clock()
     if idle > 0 then
-      previous = redis.pcall('SET', KEYS[2], now, 'PX', idle, 'GET')
+      previous = redis.pcall('SET', KEYS[2], now, 'PX', A[8], 'GET')
     else
       previous = redis.pcall('SET', KEYS[2], now, 'GET')
     end
@@ -601,7 +616,7 @@ local function mint_plain()
   local minted = fence_after(last_fence)
   if fence_below(now, minted) then
     if idle > 0 then
-      redis.call('SET', KEYS[2], minted, 'PX', idle)
+      redis.call('SET', KEYS[2], minted, 'PX', A[8])
     else
       redis.call('SET', KEYS[2], minted)
     end
@@ -614,10 +629,10 @@ local function lose(holder, pttl, fence)
   -- an earlier attempt of this task id holds it, or a run of it already ended ok: not
   -- a competitor (no skip counted or recorded, no rerun asked)
   local completed = done and redis.call('EXISTS', done) or 0
-  local own = ARGV[7] ~= '' and (completed == 1 or own_task(holder))
+  local own = A[7] ~= '' and (completed == 1 or own_task(holder))
   -- every key written below is checked first: a wrong one stops the script unwritten
   local rerun_kind
-  if ARGV[6] ~= '' and not own then
+  if A[6] ~= '' and not own then
     rerun_kind = redis.call('TYPE', KEYS[5]).ok
     if rerun_kind ~= 'set' and rerun_kind ~= 'string' and rerun_kind ~= 'none' then
       return redis.error_reply('WRONGTYPE ' .. KEYS[5] .. ' is a ' .. rerun_kind ..
@@ -627,12 +642,12 @@ local function lose(holder, pttl, fence)
   local skips = 0
   if own then
     skips = tonumber(redis.call('GET', KEYS[4]) or '0')
-  elseif ARGV[4] ~= '' then
+  elseif A[4] ~= '' then
     local bad = unrecordable(KEYS[3])
     if bad then return not_a_list(KEYS[3], bad) end
     skips = redis.call('INCR', KEYS[4])
-    append_record(KEYS[3], ARGV[5], ARGV[3],
-                  'event', 'skipped', 'holder', holder, 'reason', ARGV[4])
+    append_record(KEYS[3], A[5], A[3],
+                  'event', 'skipped', 'holder', holder, 'reason', A[4])
     touch(idle, KEYS[3], KEYS[4])
   end
   local rerun = 0
@@ -640,7 +655,7 @@ local function lose(holder, pttl, fence)
     if rerun_kind == 'string' then
       redis.call('DEL', KEYS[5])  -- a counter left by fenced 0.1
     end
-    redis.call('SADD', KEYS[5], ARGV[6])
+    redis.call('SADD', KEYS[5], A[6])
     rerun = redis.call('SCARD', KEYS[5])
     touch(idle, KEYS[5])
   end
@@ -650,7 +665,7 @@ end
 if limit <= 1 then
   local wait = rate_key and redis.call('EXISTS', KEYS[1]) == 0 and rate_wait()
   if wait then return throttled(wait) end
-  if taken or (taken == nil and redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])) then
+  if taken or (taken == nil and redis.call('SET', KEYS[1], A[1], 'NX', 'PX', A[2])) then
     local minted, refused = mint_plain()
     if not minted then
       redis.call('DEL', KEYS[1])  -- granted nothing
@@ -662,7 +677,7 @@ if limit <= 1 then
   local holder = redis.call('GET', KEYS[1]) or ''
   -- our own token: a client's retry of an ACQUIRE whose reply was lost; nobody can have
   -- acquired since, so the fence is the one minted for us
-  if holder == ARGV[1] then
+  if holder == A[1] then
     if not fence_ok(read_fence()) then
       redis.call('DEL', KEYS[1])
       return not_a_fence(KEYS[2])
@@ -677,7 +692,7 @@ local free, own, first, first_pttl
 local holders = {}
 for i, key in ipairs(slots) do
   local holder = redis.call('GET', key)
-  if holder == ARGV[1] then
+  if holder == A[1] then
     -- a retry of our own request: the fence minted for this slot
     local fence = redis.call('HGET', KEYS[7], tostring(i - 1)) or '0'
     if not fence_ok(fence) then
@@ -687,7 +702,7 @@ for i, key in ipairs(slots) do
     return granted(fence, i - 1)
   elseif holder then
     holders[i] = holder
-    if not own and ARGV[7] ~= '' and own_task(holder) then own = i end
+    if not own and A[7] ~= '' and own_task(holder) then own = i end
     local pttl = redis.call('PTTL', key)
     if first == nil or (pttl >= 0 and (first_pttl < 0 or pttl < first_pttl)) then
       first, first_pttl = i, pttl
@@ -700,7 +715,7 @@ if free and not own then
   if not fence_ok(read_fence()) then return not_a_fence(KEYS[2]) end
   local wait = rate_key and rate_wait()
   if wait then return throttled(wait) end
-  redis.call('SET', slots[free], ARGV[1], 'PX', ARGV[2])
+  redis.call('SET', slots[free], A[1], 'PX', A[2])
   local fence = mint()
   if rate_key then rate_take() end
   redis.call('HSET', KEYS[7], tostring(free - 1), fence, 'limit', tostring(limit))
@@ -770,34 +785,39 @@ local function sending_entry(member)
 end
 """
 
+# RELEASE: ARGV as sent: token, outcome, then (each may be left off at its default,
+#          when nothing after it is sent) record (""), fence ("0"), idle ms ("0"),
+#          rerun triggers ("1"), done marker ms ("0"), maximum records ("1000"), then the
+#          optional A[9] and A[10]. The script reads them as ``A``, in the order
+#          described below (``_RELEASE_ARGS``); its common case reads ARGV itself.
 # RELEASE (safe to send again: a retry of a release whose reply was lost gets the first
 #          answer back, from a short-lived note of it or from the done marker it set,
 #          and records nothing twice)
 # KEYS[1] lock   KEYS[2] records   KEYS[3] skips   KEYS[4] rerun
 # KEYS[5] done marker (holds the first 32 characters of the token whose run ended ok)
 # KEYS[6] the note of this token's release
-# KEYS[7] (optional) cooldown: set to the fence with PX = ARGV[9] after an "ok" run
-# ARGV[1] token
-# ARGV[2] JSON of the finished run record, or "" to record nothing
-# ARGV[3] maximum length of the records list
-# ARGV[4] outcome ("ok" resets the consecutive-skip count); a run that says "ok" but
+# KEYS[7] (optional) cooldown: set to the fence with PX = A[9] after an "ok" run
+# A[1] token
+# A[2] JSON of the finished run record, or "" to record nothing
+# A[3] maximum length of the records list
+# A[4] outcome ("ok" resets the consecutive-skip count); a run that says "ok" but
 #         whose lease was already gone ended "lost": it did not end under the claim
-# ARGV[5] fence of the run being finished (recorded beside the outcome)
-# ARGV[6] "1" to take (read and clear) the rerun triggers; "2" to take them into the
+# A[5] fence of the run being finished (recorded beside the outcome)
+# A[6] "1" to take (read and clear) the rerun triggers; "2" to take them into the
 #         name's sending set, KEYS[#KEYS] (see _SENDING), where they stay until the
 #         caller forgets each once its rerun is published (RERUN_SENT); "0" to leave them
-# ARGV[7] idle expiry of the name's lasting keys in ms (0 = never)
-# ARGV[8] how long to remember that this task id finished "ok", in ms (0 = not at all)
-# ARGV[9] (optional) the cooldown window in ms that a run ending "ok" starts (0 = none);
+# A[7] idle expiry of the name's lasting keys in ms (0 = never)
+# A[8] how long to remember that this task id finished "ok", in ms (0 = not at all)
+# A[9] (optional) the cooldown window in ms that a run ending "ok" starts (0 = none);
 #         a failed or lost run starts none
-# KEYS[8] and ARGV[10] (optional) the name's enqueue marker (``claim_enqueue``) and the
+# KEYS[8] and A[10] (optional) the name's enqueue marker (``claim_enqueue``) and the
 #         task id of this run: the marker is deleted if it still holds that task id
 #         (the run ended, not by a retry)
-# KEYS[#KEYS] (with ARGV[6] = "2") the sending set, after the keys above
+# KEYS[#KEYS] (with A[6] = "2") the sending set, after the keys above
 # returns {1 if our token held the lease and it is now deleted else 0, the outcome
 #          recorded, {the rerun triggers taken}}, and two more items when the run was
 #          not recorded because KEYS[2] is not a list: KEYS[2] and its type. With
-#          ARGV[6] = "2" the triggers are {field, trigger, ...}: the whole sending set,
+#          A[6] = "2" the triggers are {field, trigger, ...}: the whole sending set,
 #          with what earlier releases left unsent ("" for the field of a trigger taken
 #          while the set's key held another type: it is kept nowhere)
 # RELEASE's common case, before anything but the records' helpers is defined: our
@@ -811,53 +831,65 @@ local held
 if ARGV[6] ~= '2' and (ARGV[10] or '') == '' then
   held = redis.call('GET', KEYS[1])
   if held == ARGV[1] and (ARGV[6] == '0' or redis.call('EXISTS', KEYS[4]) == 0) then
-    local outcome, idle, recorded = ARGV[4], tonumber(ARGV[7]), true
-    if ARGV[2] ~= '' then
-      local entry = record_entry(ARGV[2], 'event', 'finished', 'token', run_of(ARGV[1]),
-                                 'fence', ARGV[5], 'outcome', outcome)
+    local outcome, record, recorded = ARGV[2], ARGV[3] or '', true
+    if record ~= '' then
+      local entry = record_entry(record, 'event', 'finished', 'token', run_of(ARGV[1]),
+                                 'fence', ARGV[4], 'outcome', outcome)
       local added = redis.pcall('LPUSH', KEYS[2], entry)
       recorded = not (type(added) == 'table' and added.err)
       if recorded then
-        trim_records(KEYS[2], added, ARGV[3])
-        if idle > 0 then redis.call('PEXPIRE', KEYS[2], idle) end
+        -- the list's idle expiry was renewed by this run's grant (and each renewal of
+        -- the lease); a list this push made (the grant's gone) gets its own
+        trim_records(KEYS[2], added, ARGV[8] or '1000')
+        if added == 1 and (ARGV[5] or '0') ~= '0' then
+          redis.call('PEXPIRE', KEYS[2], ARGV[5])
+        end
       end
     end
     if recorded then
-      if ARGV[2] ~= '' and outcome == 'ok' then
+      if record ~= '' and outcome == 'ok' then
         redis.call('DEL', KEYS[1], KEYS[3])  -- a success ends a streak of skips
       else
         redis.call('DEL', KEYS[1])
       end
-      local marked = outcome == 'ok' and tonumber(ARGV[8]) > 0
+      local done_ms = tonumber(ARGV[7] or '0')
+      local marked = outcome == 'ok' and done_ms > 0
       if marked then
-        redis.call('SET', KEYS[5], string.sub(ARGV[1], 1, 32), 'PX', ARGV[8])
+        redis.call('SET', KEYS[5], string.sub(ARGV[1], 1, 32), 'PX', ARGV[7])
       end
       if outcome == 'ok' and tonumber(ARGV[9] or '0') > 0 then
-        redis.call('SET', KEYS[7], ARGV[5], 'PX', ARGV[9])
+        redis.call('SET', KEYS[7], ARGV[4], 'PX', ARGV[9])
       end
-      if not (marked and tonumber(ARGV[8]) >= 60000) then
-        redis.call('SET', KEYS[6], outcome, 'PX', 60000)
+      if not (marked and done_ms >= 60000) then
+        redis.call('SET', KEYS[6], outcome, 'PX', '60000')
       end
-      return {1, outcome, {}}
+      return outcome  -- {1, outcome, {}} as the bare outcome
     end
   end
 end
+"""
+
+# The arguments of RELEASE in the order its whole script reads them (see RELEASE).
+_RELEASE_ARGS = """
+local A = {ARGV[1], ARGV[3] or '', ARGV[8] or '1000', ARGV[2], ARGV[4] or '0',
+           ARGV[6] or '1', ARGV[5] or '0', ARGV[7] or '0', ARGV[9], ARGV[10]}
 """
 
 RELEASE = Script(
     "release",
     _APPEND
     + _RELEASE_FAST
+    + _RELEASE_ARGS
     + _TOUCH
     + _RECORDABLE
     + _SENDING
     + """
 -- the done marker of a run that ended ok holds the start of its token: it is also
 -- that release's note (see below)
-local mark = string.sub(ARGV[1], 1, 32)
+local mark = string.sub(A[1], 1, 32)
 local released = 0
 if held == nil then held = redis.call('GET', KEYS[1]) end
-if held == ARGV[1] then
+if held == A[1] then
   released = 1
 else
   -- our token holds no lease: gone, or released already by this very request
@@ -868,34 +900,34 @@ else
     end
     return cjson.decode(noted)
   end
-  if tonumber(ARGV[8]) > 0 and redis.call('GET', KEYS[5]) == mark then
+  if tonumber(A[8]) > 0 and redis.call('GET', KEYS[5]) == mark then
     return {1, 'ok', {}}
   end
 end
-local idle = tonumber(ARGV[7])
+local idle = tonumber(A[7])
 -- the keys to delete, in one call
 local gone = {}
 if released == 1 then
   gone[1] = KEYS[1]
 end
-local outcome = ARGV[4]
+local outcome = A[4]
 local vanished = released == 0 and outcome == 'ok'
 if vanished then
   outcome = 'lost'
 end
 local unrecorded
-if ARGV[2] ~= '' then
+if A[2] ~= '' then
   -- the lease is given back whatever the records key holds: another type loses the
   -- record only. Nothing is written before this LPUSH, so its own error tells (no TYPE
   -- per release).
   local entry
   if vanished then
-    entry = record_entry(ARGV[2], 'event', 'finished', 'token', run_of(ARGV[1]),
-                         'fence', ARGV[5], 'outcome', outcome,
+    entry = record_entry(A[2], 'event', 'finished', 'token', run_of(A[1]),
+                         'fence', A[5], 'outcome', outcome,
                          'note', 'the lease was gone before release')
   else
-    entry = record_entry(ARGV[2], 'event', 'finished', 'token', run_of(ARGV[1]),
-                         'fence', ARGV[5], 'outcome', outcome)
+    entry = record_entry(A[2], 'event', 'finished', 'token', run_of(A[1]),
+                         'fence', A[5], 'outcome', outcome)
   end
   local added = redis.pcall('LPUSH', KEYS[2], entry)
   if type(added) == 'table' and added.err then
@@ -904,7 +936,7 @@ if ARGV[2] ~= '' then
       return added  -- another error: nothing is done yet
     end
   else
-    trim_records(KEYS[2], added, ARGV[3])
+    trim_records(KEYS[2], added, A[3])
     touch(idle, KEYS[2])
   end
   -- a success ends a streak of skips (a claim without records counts none)
@@ -912,18 +944,18 @@ if ARGV[2] ~= '' then
     gone[#gone + 1] = KEYS[3]
   end
 end
-if ARGV[10] and ARGV[10] ~= '' and redis.pcall('GET', KEYS[8]) == ARGV[10] then
+if A[10] and A[10] ~= '' and redis.pcall('GET', KEYS[8]) == A[10] then
   gone[#gone + 1] = KEYS[8]
 end
-local marked = outcome == 'ok' and tonumber(ARGV[8]) > 0
+local marked = outcome == 'ok' and tonumber(A[8]) > 0
 if marked then
-  redis.call('SET', KEYS[5], mark, 'PX', ARGV[8])
+  redis.call('SET', KEYS[5], mark, 'PX', A[8])
 end
-if outcome == 'ok' and tonumber(ARGV[9] or '0') > 0 then
-  redis.call('SET', KEYS[7], ARGV[5], 'PX', ARGV[9])
+if outcome == 'ok' and tonumber(A[9] or '0') > 0 then
+  redis.call('SET', KEYS[7], A[5], 'PX', A[9])
 end
 local reruns = {}
-if ARGV[6] ~= '0' and released == 1 then
+if A[6] ~= '0' and released == 1 then
   local kind = redis.call('TYPE', KEYS[4]).ok
   local taken = {}
   if kind == 'set' then
@@ -934,7 +966,7 @@ if ARGV[6] ~= '0' and released == 1 then
   if kind ~= 'none' then
     gone[#gone + 1] = KEYS[4]
   end
-  if ARGV[6] ~= '2' then
+  if A[6] ~= '2' then
     reruns = taken
   else
     -- kept until each rerun is sent: a holder that dies first leaves them to the
@@ -942,7 +974,7 @@ if ARGV[6] ~= '0' and released == 1 then
     local sending = KEYS[#KEYS]
     local out = redis.call('TYPE', sending).ok
     if out == 'set' or out == 'none' then
-      local release_id = string.match(ARGV[1], '^[^:]*')
+      local release_id = string.match(A[1], '^[^:]*')
       for _, t in ipairs(taken) do
         redis.call('SADD', sending, release_id .. ':' .. t)
       end
@@ -966,12 +998,12 @@ if #gone > 0 then
   redis.call('DEL', unpack(gone))
 end
 local answer = {released, outcome, reruns}
-if released == 1 and not (marked and #reruns == 0 and tonumber(ARGV[8]) >= 60000) then
+if released == 1 and not (marked and #reruns == 0 and tonumber(A[8]) >= 60000) then
   -- the note of a release that took no rerun triggers is its outcome alone; an ok run
   -- with a done marker that outlives the note needs none (the marker answers a retry)
   local note = outcome
   if #reruns > 0 then note = cjson.encode(answer) end
-  redis.call('SET', KEYS[6], note, 'PX', 60000)
+  redis.call('SET', KEYS[6], note, 'PX', '60000')
 end
 if unrecorded then
   -- after the note: a retry of this release does not say it twice

@@ -37,7 +37,7 @@ from .._client import require_async
 from .._errors import ConfigError
 from .._guard import RAISE, RUN, Action, BusyPolicy, Run, busy_error, lost_error, settle
 from .._held import HELD
-from .._lease import UNREACHABLE, LeaseCalls, new_token, refreshed, released
+from .._lease import UNREACHABLE, LeaseCalls, granted_reply, new_token, refreshed, released
 from .._scripts import Call
 from ._renewer import renewer
 from ._send import call, keep, run_to_end
@@ -113,7 +113,7 @@ class Claim(ClaimState):
             request = self._acquire_call(token, record_skip, mark_rerun)
         sent = self._clock()
         try:
-            res = list(await call(self.redis, request, lambda f: self._abandon(f, token)))
+            res = granted_reply(await call(self.redis, request, lambda f: self._abandon(f, token)))
         except UNREACHABLE as exc:
             if isinstance(exc, redis.TimeoutError):
                 # Only a request that was sent can have landed.
@@ -149,7 +149,9 @@ class Claim(ClaimState):
         if request.cancelled():
             return
         exc = request.exception()
-        if (exc is None and int(request.result()[0]) == 1) or isinstance(exc, redis.TimeoutError):
+        if (exc is None and int(granted_reply(request.result())[0]) == 1) or isinstance(
+            exc, redis.TimeoutError
+        ):
             await self._give_back(token)
 
     async def _corrupt_key(self) -> tuple[str, str] | None:
