@@ -60,16 +60,27 @@ _NO_ANSWER: tuple[type[BaseException], ...] = (*UNREACHABLE, asyncio.TimeoutErro
 
 
 async def wait_or_wake(wake: asyncio.Event, timeout: float) -> None:
-    """Sleep until ``wake`` is set or ``timeout`` seconds have passed."""
+    """Sleep until ``wake`` is set or ``timeout`` seconds have passed (the timeout sets
+    ``wake``, which the caller clears: no task of its own, unlike ``wait_for``)."""
+    if wake.is_set():
+        return
+    timer = asyncio.get_running_loop().call_later(timeout, wake.set)
     try:
-        await asyncio.wait_for(wake.wait(), timeout)
-    except asyncio.TimeoutError:
-        pass
+        await wake.wait()
+    finally:
+        timer.cancel()
 
 
 def round_timeout(refresh_every: float) -> float:
     """How long one renewal round may wait for its server: below the interval."""
     return min(5.0, max(0.05, refresh_every / 2))
+
+
+def quiet(idle: bool) -> None:
+    """Whether asyncio may drop the current task unlogged when its loop is closed."""
+    task = asyncio.current_task()
+    if task is not None and hasattr(task, "_log_destroy_pending"):
+        task._log_destroy_pending = not idle
 
 
 class Renewer:
@@ -143,7 +154,11 @@ class Renewer:
                 lingered = True
                 wake = self._clock() + LINGER
             self._wake_at = wake
+            # A loop closed while the task lingers with nothing to renew loses nothing:
+            # no "Task was destroyed but it is pending" for it.
+            quiet(lingered)
             await self._wait(self._wake, max(0.0, wake - self._clock()))
+            quiet(False)
             self._wake.clear()
             self._wake_at = math.inf
         self._task = None
