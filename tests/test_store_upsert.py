@@ -15,7 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 from fenced import Claim, ConfigError, FencedError
-from fenced.store import UpsertResult, upsert
+from fenced.store import UpsertResult, _upsert, upsert
 from fenced.testing import RedisServer
 
 BIG = 1_790_000_000_000_000  # fences are microseconds: about this size
@@ -110,9 +110,12 @@ def test_running_the_same_ingestion_twice_converges(engine: sa.Engine, feeds: sa
     assert once["https://example.com/7"] == ("v1 title 7", "body 7", BIG)
 
 
+@pytest.mark.parametrize("fence_in", ["rows", "statement"])
 def test_a_lower_fence_does_not_overwrite_an_equal_or_higher_one_does(
-    engine: sa.Engine, feeds: sa.Table
+    engine: sa.Engine, feeds: sa.Table, fence_in: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Small calls stamp the fence on each row; large ones write it into the statement.
+    monkeypatch.setattr(_upsert, "_INLINE_FROM", 1 if fence_in == "statement" else 10**9)
     with engine.begin() as conn:
         upsert(conn, feeds, _rows(40, "new"), key="url", fence=BIG + 10)
     newer = _contents(engine, feeds)

@@ -20,6 +20,7 @@ the fence column must be a BIGINT.
 
 from __future__ import annotations
 
+import operator
 import sqlite3
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,9 @@ _ON_CONFLICT = ("sqlite", "postgresql")
 _DUPLICATE_KEY = ("mysql", "mariadb")
 #: Keep the driver's count of rows changed by an executemany INSERT (SQLAlchemy 2.0.28).
 _COUNTED = {"preserve_rowcount": True}
+#: From this many rows on, the fence is written into the statement instead of each row:
+#: its compile (about 0.5 ms per new fence) costs less than stamping the rows.
+_INLINE_FROM = 500
 #: Bound parameters one statement may carry (the lowest limit of the supported databases).
 _MAX_PARAMS = 32766 if sqlite3.sqlite_version_info >= (3, 32) else 999
 
@@ -111,8 +115,16 @@ def upsert(
             # prepared. The count of rows changed is the driver's (an update the fence
             # rule refused changes none); preserve_rowcount keeps it for an INSERT.
             stmt = _statement(dialect, tbl, None, columns, keys, fence_column)
+            stamped = fence_column in group[0]
+            if not stamped and len(group) >= _INLINE_FROM:
+                # The fence as a constant of the statement (a checked int): rows are sent
+                # as given, a parameter less each, for one compile per fence.
+                stmt = stmt.values({fence_column: sa.literal_column(str(fence), sa.BigInteger)})
+                stamped = True
             for start in range(0, len(group), batch_size):
-                page = [{**row, fence_column: fence} for row in group[start : start + batch_size]]
+                page = group[start : start + batch_size]
+                if not stamped:
+                    page = [{**row, fence_column: fence} for row in page]
                 count = conn.execute(stmt, page, execution_options=_COUNTED).rowcount
                 written = None if written is None or count < 0 else written + count
             continue
@@ -233,10 +245,14 @@ def _prepare(
     # Rows mostly share one set of columns: each set met is checked once, and a row
     # pays a comparison of its keys with the last set's.
     groups: dict[frozenset[str], list[Mapping[str, Any]]] = {}
+    if _alike(rows) and fence_column not in rows[0]:
+        # Dicts with one set of columns and no fence, checked in C: the usual call.
+        _check_columns(tbl.name, known, rows[0].keys(), keys, 0)
+        groups[frozenset(rows[0])] = rows
     names: Any = None
     group: list[Mapping[str, Any]] = []
     carries = False
-    for n, row in enumerate(rows):
+    for n, row in enumerate(rows if not groups else ()):
         if type(row) is not dict and not isinstance(row, Mapping):
             raise ConfigError(f"row {n} is a {type(row).__name__}, not a mapping: pass dicts")
         if row.keys() != names:
@@ -255,7 +271,7 @@ def _prepare(
     by_key: dict[Any, tuple[frozenset[str], Mapping[str, Any]]] = {}
     for names, group in groups.items():
         if one is not None:
-            unique = {row[one]: row for row in group}
+            unique = dict(zip(map(operator.itemgetter(one), group), group))
         else:
             unique = {tuple([row[c] for c in keys]): row for row in group}
         if None in unique or (one is None and any(None in k for k in unique)):
@@ -279,6 +295,14 @@ def _prepare(
         for names, group in groups.items()
         if group
     ]
+
+
+def _alike(rows: list[Any]) -> bool:
+    """Whether ``rows`` are dicts that all have the first one's keys."""
+    if not rows or type(rows[0]) is not dict:
+        return False
+    first = rows[0].keys()
+    return set(map(type, rows)) == {dict} and all(map(first.__eq__, map(dict.keys, rows)))
 
 
 def _check_columns(table: str, known: frozenset[str], names: Any, keys: list[str], n: int) -> None:
