@@ -730,13 +730,20 @@ def serve(
     import uvicorn
 
     config = server_config(app, forwarded_allow_ips=forwarded_allow_ips)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            # Said once uvicorn's own handlers are in place: a stop asked for when the
+            # server says it is up sets its should_exit, never a signal between the two.
+            if started is not None and not self.should_exit:
+                started()
+
     # uvicorn stops on SIGINT or SIGTERM, then raises it again: a stop asked for returns
     # (exit 0), not a KeyboardInterrupt (130) or a death by signal, even one that comes
     # before uvicorn's own handlers are in place.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        if started is not None:
-            started()
-        uvicorn.Server(config).run(sockets=[sock])
+        Server(config).run(sockets=[sock])
     except KeyboardInterrupt:
         pass
