@@ -56,9 +56,9 @@ from redis.sentinel import SentinelConnectionPool
 from . import events
 from ._audit import claim_fields
 from ._client import is_cluster, node_client, refresh_slots
-from ._lease import UNREACHABLE
+from ._lease import UNREACHABLE, refresh_request
 from ._printable import readable
-from ._scripts import REFRESH, Call, run_pipeline
+from ._scripts import Call, run_pipeline
 
 __all__ = ["Heartbeat", "Renewable", "Renewal", "heartbeat"]
 
@@ -89,19 +89,15 @@ class Renewal(NamedTuple):
 
 def refresh_call(lease: Renewal) -> Call:
     """REFRESH of one lease: with the name's replaced notes, a refusal says why."""
-    if lease.marker is not None:
-        key, task_id = lease.marker
-        notes = [lease.notes] if lease.notes else []
-        keys = [lease.key, *notes, *lease.lasting, key]
-        return (
-            REFRESH,
-            keys,
-            [lease.token, lease.ttl_ms, lease.idle_ms, "1" if notes else "", task_id],
-        )
-    if lease.notes:
-        keys = [lease.key, lease.notes, *lease.lasting]
-        return REFRESH, keys, [lease.token, lease.ttl_ms, lease.idle_ms, "1"]
-    return REFRESH, [lease.key, *lease.lasting], [lease.token, lease.ttl_ms, lease.idle_ms]
+    return refresh_request(
+        lease.key,
+        lease.token,
+        lease.ttl_ms,
+        lease.idle_ms,
+        lease.lasting,
+        lease.notes,
+        lease.marker,
+    )
 
 
 def refused_why(reply: Any) -> str | None:

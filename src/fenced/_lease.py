@@ -64,6 +64,7 @@ __all__ = [
     "granted_reply",
     "new_token",
     "reachable",
+    "refresh_request",
     "released",
     "run_replicated",
     "why_unreachable",
@@ -733,18 +734,13 @@ class LeaseCalls:
         """REFRESH of ``token``'s lease (and the name's lasting keys); 1 when extended.
         With ``marker`` (the enqueue marker's key and the run's task id), the marker is
         kept alive one ttl while it holds that task id (REFRESH's ARGV[5])."""
-        lease, idle_ms = self.keys.slot(slot), self.opts.idle_ms
+        idle_ms = self.opts.idle_ms
+        # With limit 1 a refusal says so when a newer run replaced this one (REPLACE).
+        notes = self.keys.replaced if self.limit == 1 else ""
         lasting = self._lasting if idle_ms else ()
-        if marker is not None:
-            key, task_id = marker
-            notes = [self.keys.replaced] if self.limit == 1 else []
-            keys = [lease, *notes, *lasting, key]
-            return REFRESH, keys, [token, self.opts.ttl_ms, idle_ms, "1" if notes else "", task_id]
-        if self.limit == 1:
-            # A refusal then says so when a newer run replaced this one (REPLACE).
-            keys = [lease, self.keys.replaced, *lasting]
-            return REFRESH, keys, [token, self.opts.ttl_ms, idle_ms, "1"]
-        return REFRESH, [lease, *lasting], [token, self.opts.ttl_ms, idle_ms]
+        return refresh_request(
+            self.keys.slot(slot), token, self.opts.ttl_ms, idle_ms, lasting, notes, marker
+        )
 
     def replace_call(
         self, token: str, record: str, task_id: str, why: str, cooldown_reason: str
@@ -943,6 +939,28 @@ def refreshed(reply: Any) -> bool | str:
     if isinstance(reply, (bytes, str)):
         return readable(reply)
     return int(reply) == 1
+
+
+def refresh_request(
+    key: str,
+    token: str,
+    ttl_ms: int,
+    idle_ms: int,
+    lasting: Sequence[str],
+    notes: str = "",
+    marker: tuple[str, str] | None = None,
+) -> Call:
+    """REFRESH of one lease (the claim's and the heartbeat's): with the name's replaced
+    notes a refusal says why; with ``marker`` (the enqueue marker's key and the run's
+    task id) the marker is kept alive one ttl while it holds that task id."""
+    keys = [key, notes, *lasting] if notes else [key, *lasting]
+    args: list[Any] = [token, ttl_ms, idle_ms]
+    if marker is not None:
+        keys.append(marker[0])
+        args += ["1" if notes else "", marker[1]]
+    elif notes:
+        args.append("1")
+    return REFRESH, keys, args
 
 
 def granted_reply(res: Any) -> list[Any]:
