@@ -39,6 +39,8 @@ def make_app(
             "visibility_timeout": visibility,
             "unacked_restore_interval": 1,
             "unacked_restore_throttle": 1,
+            # A worker killed inside a sweep holds its mutex 300 s by default.
+            "unacked_mutex_expire": 5,
         }
     app.conf.update(
         task_acks_late=True,
