@@ -149,7 +149,7 @@ return redis.call('DEL', KEYS[1])
 )
 
 
-def seconds(value: Any, option: str, where: str) -> float:
+def seconds(value: Any, option: str) -> float:
     """A duration option: seconds (> 0), or text such as ``"300ms"``, ``"5s"``, ``"1m"``."""
     number: float | None = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -160,28 +160,26 @@ def seconds(value: Any, option: str, where: str) -> float:
             number = float(found.group(1)) * _UNITS[found.group(2)]
     if number is None or not 0 < number < float("inf"):
         raise ConfigError(
-            f"{where}: {option}={value!r} is not a duration > 0: give seconds or a number "
+            f"{option}={value!r} is not a duration > 0: give seconds or a number "
             "with ms, s, m or h, e.g. 0.5, '300ms', '5s', '1m'"
         )
     return number
 
 
-def check(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+def check(values: Mapping[str, Any]) -> dict[str, Any]:
     """The debounce options cleaned; ConfigError for a bad one or a contradiction among
     ``values`` (the options given so far: a task's own, or all of them resolved)."""
     out: dict[str, Any] = {}
     debounce, most = values.get("claim_debounce"), values.get("claim_debounce_max")
     if debounce is not None:
-        out["claim_debounce"] = debounce = seconds(debounce, "claim_debounce", where)
+        out["claim_debounce"] = debounce = seconds(debounce, "claim_debounce")
     if most is not None:
-        out["claim_debounce_max"] = most = seconds(most, "claim_debounce_max", where)
+        out["claim_debounce_max"] = most = seconds(most, "claim_debounce_max")
         if debounce is None:
-            raise ConfigError(
-                f"{where}: claim_debounce_max caps a debounce: give claim_debounce too"
-            )
+            raise ConfigError("claim_debounce_max caps a debounce: give claim_debounce too")
         if most < debounce:
             raise ConfigError(
-                f"{where}: claim_debounce_max={most:g}s is shorter than claim_debounce="
+                f"claim_debounce_max={most:g}s is shorter than claim_debounce="
                 f"{debounce:g}s: a burst runs at most claim_debounce_max after its first call, "
                 "so it must be at least the debounce"
             )
@@ -189,18 +187,18 @@ def check(values: Mapping[str, Any], where: str) -> dict[str, Any]:
         return out
     for option, why in _CONTRADICTS.items():
         if values.get(option):
-            raise ConfigError(f"{where}: claim_debounce with {option}: {why}")
+            raise ConfigError(f"claim_debounce with {option}: {why}")
     on_busy = values.get("claim_on_busy")
     if on_busy is not None and on_busy != "retry":
         raise ConfigError(
-            f"{where}: claim_debounce with claim_on_busy={on_busy!r}: a debounced run that "
+            f"claim_debounce with claim_on_busy={on_busy!r}: a debounced run that "
             "finds its name busy waits for it (claim_on_busy='retry', the default with a "
             "debounce); any other policy would lose the burst's calls"
         )
     limit = values.get("claim_limit")
     if limit is not None and limit != 1:
         raise ConfigError(
-            f"{where}: claim_debounce with claim_limit={limit!r}: a burst is one run at a "
+            f"claim_debounce with claim_limit={limit!r}: a burst is one run at a "
             "time of its name; give claim_limit=1"
         )
     return out

@@ -286,10 +286,8 @@ class Scheduler(beat.Scheduler):
     def setup_schedule(self) -> None:
         """Celery's entries (``beat_schedule``), each entry's catch-up checked now."""
         super().setup_schedule()
-        for name, entry in self.schedule.items():
-            self._catch_up[name] = CatchUp.of(
-                entry.options or {}, self.fenced.ttl, f"beat_schedule[{name!r}]"
-            )
+        for name in self.schedule:
+            self._catch_up_of(name)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         """Lead or stand by; as the leader, send what is due. Seconds until the next tick."""
@@ -328,10 +326,7 @@ class Scheduler(beat.Scheduler):
         super().close()
 
     def _give_up_lead(self) -> None:
-        claim, self._claim = self._claim, None
-        self._unsent.clear()
-        self._shown.clear()
-        self._leading_is(False)
+        claim = self._lose_lead()
         if claim is not None:
             try:
                 if claim.release():
@@ -383,11 +378,16 @@ class Scheduler(beat.Scheduler):
         log.info("fenced beat %s: leading, fence %s", self.fenced.name, claim.fence)
         return True
 
-    def _step_down(self, why: str) -> None:
+    def _lose_lead(self) -> Claim | None:
+        """Forget the lead (what it was granted and showed); the claim it held."""
         claim, self._claim = self._claim, None
         self._unsent.clear()
         self._shown.clear()
         self._leading_is(False)
+        return claim
+
+    def _step_down(self, why: str) -> None:
+        claim = self._lose_lead()
         if claim is not None:
             log.warning(
                 "fenced beat %s: no longer leading (fence %s): %s; standing by",
@@ -493,7 +493,14 @@ class Scheduler(beat.Scheduler):
             if ok or gap == "skip":
                 last[name] = max(due, last.get(name, due))
         self._show_next(client, claim, last)
-        return self._next_wake(triples, stored, now_ms)
+        # The next wake counts every due time asked for, granted or not.
+        for name, due, _gap in triples:
+            last[name] = max(due, last.get(name, due))
+        wait = self.fenced.poll
+        for name, entry in self.schedule.items():
+            if name in last:
+                wait = min(wait, (next_due(entry.schedule, last[name]) - now_ms) / 1000)
+        return max(self._capped(wait), 0.01)
 
     def _show_next(self, client: Any, claim: Claim, last: Mapping[str, int]) -> None:
         """Write each entry's next due time where ``fenced beat`` reads it, when it
@@ -561,18 +568,6 @@ class Scheduler(beat.Scheduler):
             return False
         self._count("dispatched", name)
         return True
-
-    def _next_wake(
-        self, triples: Sequence[tuple[str, int, str]], stored: Mapping[str, EntryState], now_ms: int
-    ) -> float:
-        last = {name: state.due_ms for name, state in stored.items()}
-        for name, due, _gap in triples:
-            last[name] = max(due, last.get(name, due))
-        wait = self.fenced.poll
-        for name, entry in self.schedule.items():
-            if name in last:
-                wait = min(wait, (next_due(entry.schedule, last[name]) - now_ms) / 1000)
-        return max(self._capped(wait), 0.01)
 
 
 _UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
