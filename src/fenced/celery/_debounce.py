@@ -204,16 +204,6 @@ def check(values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def burst_key(keys: ClaimKeys) -> str:
-    """The name's open burst."""
-    return keys.debounce
-
-
-def taken_key(keys: ClaimKeys, task_id: str) -> str:
-    """The call a burst's run took, kept for a redelivery of its message."""
-    return f"{burst_key(keys)}:{task_id}"
-
-
 def join(
     client: Any,
     keys: ClaimKeys,
@@ -226,7 +216,7 @@ def join(
     """Add a call to the name's burst: (the burst's task id, whether this call opened it)."""
     found = JOIN(
         client,
-        [burst_key(keys)],
+        [keys.debounce],
         [task_id, call, max(1, int(expiry * 1000)), int(debounce * 1000), int((most or 0) * 1000)],
     )
     return as_text(found[0]), bool(int(found[1]))
@@ -244,7 +234,8 @@ def take(
     ("own", None): run with the message's own arguments."""
     found = TAKE(
         client,
-        [burst_key(keys), taken_key(keys, task_id), keys.lock],
+        # the name's open burst, the call this task id's run took (for a redelivery)
+        [keys.debounce, f"{keys.debounce}:{task_id}", keys.lock],
         [
             task_id,
             int(debounce * 1000),
@@ -259,19 +250,6 @@ def take(
     if what == "run":
         return what, as_text(found[1])
     return "own", None
-
-
-def call_of(
-    text: str, name: str, key: bytes | None, names: Callable[[Any, Any], str]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The call a taken burst stored, checked as a rerun trigger is; :class:`_rerun.Refused`
-    for one unsigned, forged, malformed, or naming another claim."""
-    call = _rerun.decode(text, name, key)
-    if isinstance(call, str):
-        raise _rerun.Refused("a call fenced does not store")
-    if names(*call) != name:
-        raise _rerun.Refused("a call that names another claim")
-    return call
 
 
 def defer(task: Any, seconds: float, exc: BaseException | None = None) -> Retry:
@@ -344,7 +322,7 @@ def send(
         return publish(args, kwargs, burst, countdown=debounce, **options)
     except BaseException:
         try:  # the calls that join it would wait for a message that never comes
-            ABANDON(client, [burst_key(keys)], [burst])
+            ABANDON(client, [keys.debounce], [burst])
         except Exception:
             log.warning(
                 "fenced: could not abandon the burst of %r; it expires", name, exc_info=True
@@ -384,9 +362,9 @@ def delivered(
         return args, kwargs
     key = task._rerun_key()
     try:
-        args, kwargs = call_of(value, name, key, task.claim_name_for)
+        args, kwargs = _rerun.checked(value, name, key, task.claim_name_for)
     except Exception as exc:
-        why = str(exc) if isinstance(exc, _rerun.Refused) else type(exc).__name__
+        why = _rerun.why(exc)
         count("debounce_dropped")
         # Its text is not logged: a genuine call's arguments may be secret.
         log.warning(

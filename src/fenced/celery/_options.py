@@ -20,7 +20,6 @@ import inspect
 import math
 import os
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -114,23 +113,6 @@ KNOWN_SETTINGS = frozenset(
         "fenced_beat_metrics_port",
     )
 )
-
-
-def renamed(values: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """``values`` with earlier option names moved to their current ones."""
-    out = dict(values)
-    for old, new in RENAMED.items():
-        if old in out:
-            value = out.pop(old)
-            if value is None:
-                continue
-            warnings.warn(
-                f"{where}: {old} is now {new}; rename it (the values are the same)",
-                DeprecationWarning,
-                stacklevel=4,
-            )
-            out.setdefault(new, value)
-    return out
 
 
 def _number(value: Any, option: str, integer: bool = False) -> Any:
@@ -397,6 +379,28 @@ def _environment(names: tuple[str, ...]) -> tuple[Any, ...]:
     if keys is None:
         keys = _env_keys[names] = tuple(encode(name.upper()) for name in names)
     return tuple(map(data.get, keys))
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def switch(app: Any, setting: str, default: bool, use: str, means: str = "") -> bool:
+    """An on/off setting: True or False, else its upper-case environment variable
+    (1/0, true/false, yes/no, on/off; empty or unset: ``default``). ``use`` is what the
+    variable's error suggests, ``means`` what the setting's adds."""
+    value = app.conf.get(setting)
+    if value is None:
+        text = os.environ.get(setting.upper(), "")
+        word = text.strip().lower()
+        if not word:
+            return default
+        if word not in _TRUE + _FALSE:
+            raise ConfigError(f"{setting.upper()}={text!r} is not a switch: use {use}")
+        return word in _TRUE
+    if not isinstance(value, bool):
+        raise ConfigError(f"{setting}={value!r} must be True or False{means}")
+    return value
 
 
 def lock_url(app: Any) -> str | None:

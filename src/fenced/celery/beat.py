@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -122,13 +121,8 @@ class BeatOptions:
             isinstance(alarm, bool) or not isinstance(alarm, (int, float)) or alarm <= 0
         ):
             raise ConfigError(f"fenced_beat_alarm_after={alarm!r} must be seconds > 0")
-        port = self.metrics_port
-        if port is not None and (
-            isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
-        ):
-            raise ConfigError(
-                f"{METRICS_PORT}={port!r} must be a TCP port number (1-65535), e.g. 9809"
-            )
+        if self.metrics_port is not None:
+            _metrics.check_port(self.metrics_port, METRICS_PORT, 9809)
 
     @property
     def claim(self) -> str:
@@ -279,7 +273,7 @@ class Scheduler(beat.Scheduler):
         self._shown: dict[str, int] = {}
         _start_metrics(app, self.fenced)
         super().__init__(app, *args, **kwargs)
-        self._leading_is(False)
+        self._count("leading", False)
 
     # -- Celery's Scheduler interface ---------------------------------------------------
 
@@ -374,7 +368,7 @@ class Scheduler(beat.Scheduler):
                 self._alarmed_at = None
             return False
         self._claim = claim
-        self._leading_is(True)
+        self._count("leading", True)
         log.info("fenced beat %s: leading, fence %s", self.fenced.name, claim.fence)
         return True
 
@@ -383,7 +377,7 @@ class Scheduler(beat.Scheduler):
         claim, self._claim = self._claim, None
         self._unsent.clear()
         self._shown.clear()
-        self._leading_is(False)
+        self._count("leading", False)
         return claim
 
     def _step_down(self, why: str) -> None:
@@ -413,16 +407,12 @@ class Scheduler(beat.Scheduler):
 
     # -- metrics -----------------------------------------------------------------------
 
-    def _count(self, what: str, *entry: str) -> None:
-        """Count on the beat metrics, when fenced.metrics is installed in this process."""
-        metrics = _beat_metrics()
-        if metrics is not None:
-            getattr(metrics, what)(self.fenced.name, *entry)
-
-    def _leading_is(self, leads: bool) -> None:
-        metrics = _beat_metrics()
-        if metrics is not None:
-            metrics.leading(self.fenced.name, leads)
+    def _count(self, what: str, *more: Any) -> None:
+        """Count on the beat metrics (``leading``: set whether it leads), when
+        fenced.metrics is installed in this process (never imports it)."""
+        installed = _metrics.installed()
+        if installed is not None:
+            getattr(installed.beat, what)(self.fenced.name, *more)
 
     # -- the leader's tick -------------------------------------------------------------
 
@@ -600,14 +590,6 @@ def _start_metrics(app: Any, opts: BeatOptions) -> None:
             return
         _serving.add(port)
     log.info("fenced beat %s: metrics served on port %d (address %s)", opts.name, port, where)
-
-
-def _beat_metrics() -> Any:
-    """The beat metrics of the fenced.metrics installed here, or None (never imports
-    fenced.metrics, nor prometheus_client)."""
-    module = sys.modules.get("fenced.metrics")
-    installed = None if module is None else module.installed()
-    return None if installed is None else installed.beat
 
 
 def _evaluated(value: Any) -> Any:
