@@ -94,9 +94,7 @@ class LocalClaim(Claim):
             self._deadline = float("inf")
         return True
 
-    def take_over(self) -> bool:
-        """As :meth:`acquire`."""
-        return self.acquire()
+    take_over = acquire  # nothing was kept: a new local claim
 
     def refresh(self) -> bool:
         """Nothing to renew: True while held."""

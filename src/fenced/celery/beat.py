@@ -478,19 +478,21 @@ class Scheduler(beat.Scheduler):
             self._unsent.pop(name, None)
         if sent:
             BEAT_SENT(client, [self._keys.beat], [x for pair in sent.items() for x in pair])
+        # Each entry's last due time as stored now; the next wake counts every due time
+        # asked for, granted or not.
         last = {name: state.due_ms for name, state in stored.items()}
+        asked = dict(last)
         for (name, due, gap), ok in zip(triples, granted, strict=True):
+            asked[name] = max(due, asked.get(name, due))
             if ok or gap == "skip":
                 last[name] = max(due, last.get(name, due))
         self._show_next(client, claim, last)
-        # The next wake counts every due time asked for, granted or not.
-        for name, due, _gap in triples:
-            last[name] = max(due, last.get(name, due))
-        wait = self.fenced.poll
-        for name, entry in self.schedule.items():
-            if name in last:
-                wait = min(wait, (next_due(entry.schedule, last[name]) - now_ms) / 1000)
-        return max(self._capped(wait), 0.01)
+        waits = [
+            (next_due(e.schedule, asked[n]) - now_ms) / 1000
+            for n, e in self.schedule.items()
+            if n in asked
+        ]
+        return max(self._capped(min([self.fenced.poll, *waits])), 0.01)
 
     def _show_next(self, client: Any, claim: Claim, last: Mapping[str, int]) -> None:
         """Write each entry's next due time where ``fenced beat`` reads it, when it
