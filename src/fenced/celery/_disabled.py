@@ -43,6 +43,7 @@ def _enabled(app: Any) -> bool:
     return switch(
         app,
         SETTING,
+        "FENCED_ENABLED",
         True,
         "0 (claims off, for tests without Redis) or 1 (the default)",
         " (False: claims off, for tests without Redis)",

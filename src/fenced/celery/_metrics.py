@@ -60,7 +60,13 @@ def settings(app: Any) -> tuple[bool, int | None]:
 
 
 def _settings(app: Any) -> tuple[bool, int | None]:
-    on = switch(app, SETTING, False, "1 (claim metrics, pip install 'fenced[metrics]') or 0")
+    on = switch(
+        app,
+        SETTING,
+        "FENCED_METRICS",
+        False,
+        "1 (claim metrics, pip install 'fenced[metrics]') or 0",
+    )
     port = app.conf.get(PORT_SETTING)
     where = PORT_SETTING
     if port is None and os.environ.get("FENCED_METRICS_PORT", "").strip():

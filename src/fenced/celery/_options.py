@@ -385,18 +385,18 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def switch(app: Any, setting: str, default: bool, use: str, means: str = "") -> bool:
-    """An on/off setting: True or False, else its upper-case environment variable
-    (1/0, true/false, yes/no, on/off; empty or unset: ``default``). ``use`` is what the
+def switch(app: Any, setting: str, env: str, default: bool, use: str, means: str = "") -> bool:
+    """An on/off setting: True or False, else the environment variable ``env`` (1/0,
+    true/false, yes/no, on/off; empty or unset: ``default``). ``use`` is what the
     variable's error suggests, ``means`` what the setting's adds."""
     value = app.conf.get(setting)
     if value is None:
-        text = os.environ.get(setting.upper(), "")
+        text = os.environ.get(env, "")
         word = text.strip().lower()
         if not word:
             return default
         if word not in _TRUE + _FALSE:
-            raise ConfigError(f"{setting.upper()}={text!r} is not a switch: use {use}")
+            raise ConfigError(f"{env}={text!r} is not a switch: use {use}")
         return word in _TRUE
     if not isinstance(value, bool):
         raise ConfigError(f"{setting}={value!r} must be True or False{means}")

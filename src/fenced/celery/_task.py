@@ -541,10 +541,7 @@ class ClaimedTask(Task[Any, Any]):
         claim.takes_reruns = policy.asks_rerun
         claim.keeps_reruns = True  # until each rerun is published
         try:
-            # The trigger a call skipped leaves for the holder.
-            trigger = (
-                _rerun.encode(args, kwargs, name, self._rerun_key()) if policy.asks_rerun else False
-            )
+            trigger = self._rerun_trigger(name, args, kwargs) if policy.asks_rerun else False
             action = claim.enter(policy, trigger)
             for _ in range(BOOKED_WAITS):
                 # A start of its own this close is waited for here, not sent back.
@@ -733,6 +730,10 @@ class ClaimedTask(Task[Any, Any]):
     def _rerun_key(self) -> bytes | None:
         """The MAC key of this app's rerun triggers (None: no secret key is set)."""
         return _rerun.rerun_key(self.app.conf.get("fenced_secret_key"))
+
+    def _rerun_trigger(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        """The trigger a call skipped on claim ``name`` leaves for the holder."""
+        return _rerun.encode(args, kwargs, name, self._rerun_key())
 
     def _rerun_call(
         self,

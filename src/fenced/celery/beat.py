@@ -92,13 +92,11 @@ class BeatOptions:
     def of(cls, app: Any) -> BeatOptions:
         """The ``fenced_beat_*`` settings of an app (and its ``fenced_namespace``)."""
         conf = app.conf
-        name = conf.get("fenced_beat_name") or app.main or "celery"
         ttl = conf.get("fenced_beat_ttl")
-        alarm = conf.get("fenced_beat_alarm_after")
         opts = cls(
-            name=str(name),
+            name=str(conf.get("fenced_beat_name") or app.main or "celery"),
             ttl=10.0 if ttl is None else ttl,
-            alarm_after=alarm,
+            alarm_after=conf.get("fenced_beat_alarm_after"),
             namespace=conf.get("fenced_namespace") or "fenced",
             metrics_port=conf.get(METRICS_PORT),
         )
