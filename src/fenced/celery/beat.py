@@ -472,8 +472,10 @@ class Scheduler(beat.Scheduler):
                     sent[name] = value
                 else:
                     self._unsent[name] = value
-        for name in sent:
-            self._unsent.pop(name, None)
+        for name, value in sent.items():
+            # A resent tick leaves alone a newer one of the entry that failed to send.
+            if self._unsent.get(name) == value:
+                del self._unsent[name]
         if sent:
             BEAT_SENT(client, [self._keys.beat], [x for pair in sent.items() for x in pair])
         # Each entry's last due time as stored now; the next wake counts every due time
