@@ -35,7 +35,7 @@ __all__ = [
     "open_regular",
     "open_root",
     "read_only",
-    "temp_name",
+    "temp_file",
     "writable_fix",
     "write_all",
     "write_atomic",
@@ -181,16 +181,30 @@ def read_only(fd: int) -> None:
     os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) & ~0o222)
 
 
-def temp_name(directory: Path, stem: str) -> Path:
-    """A fresh hidden name in ``directory`` that no other writer will choose."""
-    return directory / f".{stem}.{secrets.token_hex(6)}.tmp"
-
-
 def write_all(fd: int, data: bytes) -> None:
     """Write all of ``data`` (os.write may write part of it)."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
+
+
+@contextmanager
+def temp_file(directory: int, stem: str) -> Iterator[tuple[str, int]]:
+    """A new file with a fresh hidden name no other writer will choose, in the open
+    ``directory``: its name and a descriptor to write it (closed on leaving the block).
+    When the block raises, the file is removed."""
+    name = f".{stem}.{secrets.token_hex(6)}.tmp"
+    # O_EXCL: a name that exists, a link included, is never opened.
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, FILE_MODE, dir_fd=directory)
+    try:
+        try:
+            yield name, fd
+        finally:
+            os.close(fd)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=directory)
+        raise
 
 
 def write_atomic(
@@ -205,23 +219,11 @@ def write_atomic(
     # when the path to it is changed meanwhile.
     directory = open_root(path.parent) if dir_fd is None else dir_fd
     try:
-        tmp = temp_name(path.parent, path.name).name
-        # O_EXCL: a name that exists, a link included, is never opened.
-        fd = os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, FILE_MODE, dir_fd=directory
-        )
-        try:
-            try:
-                write_all(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        with temp_file(directory, path.name) as (tmp, fd):
+            write_all(fd, data)
+            os.fsync(fd)
             checkpoint(f"{point}:written")
             os.replace(tmp, path.name, src_dir_fd=directory, dst_dir_fd=directory)
-        except BaseException:
-            with suppress(FileNotFoundError):
-                os.unlink(tmp, dir_fd=directory)
-            raise
         checkpoint(f"{point}:replaced")
         os.fsync(directory)
     finally:
@@ -266,15 +268,10 @@ def writing(what: str, directory: Path) -> Iterator[None]:
 
 def check_writable(directory: Path, what: str) -> None:
     """StoreError naming the fix when files cannot be made in ``directory``."""
-    read_only = False
-    try:
-        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
-    except OSError:
-        pass
-    if read_only:
-        err: int | None = errno.EROFS
-    elif not os.access(directory, os.W_OK | os.X_OK):
+    err = None
+    with suppress(OSError):
+        err = errno.EROFS if os.statvfs(directory).f_flag & os.ST_RDONLY else None
+    if err is None and not os.access(directory, os.W_OK | os.X_OK):
         err = errno.EACCES
-    else:
-        return
-    raise StoreError(f"{what} is not writable: {writable_fix(directory, err)}")
+    if err is not None:
+        raise StoreError(f"{what} is not writable: {writable_fix(directory, err)}")
