@@ -137,10 +137,7 @@ def enabled() -> bool:
 
 def emit(event: ClaimEvent) -> None:
     """Hand ``event`` to every subscriber; never raises."""
-    subs = _subscribers
-    if not subs:
-        return
-    for fn in subs:
+    for fn in _subscribers:  # the tuple as it is now: a subscribe meanwhile replaces it
         try:
             fn(event)
         except Exception:

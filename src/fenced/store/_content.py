@@ -53,6 +53,8 @@ _T = TypeVar("_T")
 Source = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]", IO[bytes]]
 #: What gc keeps: objects by Ref, digest or path, and what pointers publish.
 Keep = Union[Ref, Published, Pointer, str, "os.PathLike[str]"]
+#: The store's objects: each fan-out directory's name, and its objects' names and metadata.
+_Listing = list[tuple[str, list[tuple[str, os.stat_result]]]]
 
 
 class _Verifying(io.RawIOBase):
@@ -209,9 +211,7 @@ class ContentStore:
     def put(self, source: Source) -> Ref:
         """Store bytes, a binary file object or the file at a path; same bytes, same Ref."""
         if isinstance(source, (bytes, bytearray, memoryview)):
-            data = bytes(source)
-            digest = hashlib.sha256(data).hexdigest()
-            return self._existing(digest, len(data)) or self._write(digest, [data])
+            return self._put_file(io.BytesIO(bytes(source)))
         if isinstance(source, (str, os.PathLike)):
             path = Path(source)
             if not path.is_file():
@@ -372,7 +372,7 @@ class ContentStore:
         finally:
             os.close(root)
 
-    def _listing(self, root: int) -> list[tuple[str, list[tuple[str, os.stat_result]]]]:
+    def _listing(self, root: int) -> _Listing:
         """Each fan-out directory's objects with their metadata, in full: a link where a
         fan-out directory belongs is refused before anything is returned."""
         found = []
@@ -452,12 +452,7 @@ class ContentStore:
         return removed
 
     def _remove_objects(
-        self,
-        root: int,
-        listing: list[tuple[str, list[tuple[str, os.stat_result]]]],
-        live: set[str],
-        cutoff: float,
-        dry_run: bool,
+        self, root: int, listing: _Listing, live: set[str], cutoff: float, dry_run: bool
     ) -> list[Ref]:
         removed: list[Ref] = []
         for fan, listed in listing:

@@ -152,13 +152,11 @@ def open_dir(parent: int, path: Path, *, create: bool) -> int | None:
         raise
 
 
-def open_regular(
-    path: Path, flags: int, *, mode: int = FILE_MODE, dir_fd: int | None = None
-) -> int:
-    """Open a regular file without following a link (a FIFO or device is refused too)."""
-    name: str | Path = path.name if dir_fd is not None else path
+def open_regular(path: Path, flags: int, *, dir_fd: int) -> int:
+    """Open a regular file, ``path``'s name in the open directory ``dir_fd``, without
+    following a link (a FIFO or device is refused too); a new one gets FILE_MODE."""
     try:
-        fd = os.open(name, flags | NOFOLLOW | os.O_NONBLOCK, mode, dir_fd=dir_fd)
+        fd = os.open(path.name, flags | NOFOLLOW | os.O_NONBLOCK, FILE_MODE, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise not_followed(path, "regular file") from None
@@ -207,28 +205,19 @@ def temp_file(directory: int, stem: str) -> Iterator[tuple[str, int]]:
         raise
 
 
-def write_atomic(
-    path: Path, data: bytes, *, point: str = "write", dir_fd: int | None = None
-) -> None:
-    """Replace ``path`` with ``data`` in one step: temp file, fsync, os.replace, dir fsync.
-
-    ``dir_fd``: the directory of ``path``, already open (else it is opened here).
-    """
-    # The directory is opened once and every step names files beside it (dir_fd): the
-    # temporary file, the replace and a failed write's clean-up all happen in it, even
-    # when the path to it is changed meanwhile.
-    directory = open_root(path.parent) if dir_fd is None else dir_fd
-    try:
-        with temp_file(directory, path.name) as (tmp, fd):
-            write_all(fd, data)
-            os.fsync(fd)
-            checkpoint(f"{point}:written")
-            os.replace(tmp, path.name, src_dir_fd=directory, dst_dir_fd=directory)
-        checkpoint(f"{point}:replaced")
-        os.fsync(directory)
-    finally:
-        if dir_fd is None:
-            os.close(directory)
+def write_atomic(path: Path, data: bytes, *, point: str, dir_fd: int) -> None:
+    """Replace ``path``, a name in the open directory ``dir_fd``, with ``data`` in one
+    step: temp file, fsync, os.replace, directory fsync."""
+    # Every step names files beside the directory (dir_fd): the temporary file, the
+    # replace and a failed write's clean-up all happen in it, even when the path to it
+    # is changed meanwhile.
+    with temp_file(dir_fd, path.name) as (tmp, fd):
+        write_all(fd, data)
+        os.fsync(fd)
+        checkpoint(f"{point}:written")
+        os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    checkpoint(f"{point}:replaced")
+    os.fsync(dir_fd)
 
 
 def writable_fix(path: Path, err: int | None) -> str:
