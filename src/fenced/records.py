@@ -185,10 +185,9 @@ class _Entry:
         return cls(eid, _entry_time(eid), fields, _data(fields.get("r"), problems), problems)
 
     @classmethod
-    def listed(cls, item: Any) -> _Entry:
+    def listed(cls, raw: bytes | str) -> _Entry:
         """A list entry: its fields' JSON object, a newline, the record's JSON."""
         problems: list[str] = []
-        raw = item if isinstance(item, (bytes, str)) else readable(item)
         newline = b"\n" if isinstance(raw, bytes) else "\n"
         head_raw, sep, record_raw = raw.partition(newline)  # type: ignore[arg-type]
         head = _part(head_raw, "fields", problems)
