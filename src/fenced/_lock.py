@@ -396,20 +396,17 @@ class LockCore:
     def _released(self, hold: _Hold | None, released: Any) -> None:
         """LockNotOwnedError when the token no longer held the lock, or the hold was lost
         before (the work under it was not protected)."""
-        if hold is not None and hold.lost:
-            raise LockNotOwnedError(
-                f"Cannot release a lock that was lost while held ({hold.lost_reason})",
-                lock_name=self.name,
-            )
+        self._refuse_if_lost("release", hold)
         if not released:
             raise LockNotOwnedError(
                 "Cannot release a lock that's no longer owned", lock_name=self.name
             )
 
-    def _refuse_if_lost(self, what: str) -> None:
-        if self.lost:
+    def _refuse_if_lost(self, what: str, hold: _Hold | None = None) -> None:
+        hold = hold or getattr(self.local, "hold", None)
+        if hold is not None and hold.lost:
             raise LockNotOwnedError(
-                f"Cannot {what} a lock that was lost while held ({self.lost_reason})",
+                f"Cannot {what} a lock that was lost while held ({hold.lost_reason})",
                 lock_name=self.name,
             )
 
