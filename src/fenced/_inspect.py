@@ -370,11 +370,7 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
         if token is None and not slots and not problems and pending == _IDLE:
             continue  # released (its window ended, its marker cleared...) since the scan
         fence_int = _number(fence, "fence", problems)
-        holder: Holder | None = None
-        if isinstance(token, Exception):
-            holder = Holder.unknown(f"lock: {token}")
-        elif token is not None:
-            holder = Holder.parse(token, int_or_none(pttl), fence_int)
+        holder = lock_holder("lock", token, pttl, fence_int)
         if limit > 1:
             holder = slots[0][1] if slots else None
             fence_int = holder.fence if holder else fence_int
@@ -391,9 +387,7 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
             **pending,
         )
         problems += read_problems(listed, streamed)
-        listed, streamed = (r if not isinstance(r, Exception) else [] for r in (listed, streamed))
-        runs = from_entries(name, listed, LS_RUNS, streamed=streamed)
-        _apply_runs(info, runs, clock(keys.records))
+        _apply_runs(info, (listed, streamed), LS_RUNS, clock(keys.records))
         info.unreadable = "; ".join(problems) or None
         infos.append(info)
     return infos
@@ -410,13 +404,14 @@ def _number(value: Any, what: str, problems: list[str]) -> int | None:
 def _limit_of(fences: Any) -> int:
     """The limit a name was last acquired with, from its slots' hash (1 without one, or
     when the hash is not what fenced writes)."""
-    if not isinstance(fences, dict):
-        return 1
-    for k, v in fences.items():
-        limit = int_or_none(v) if readable(k) == "limit" else None
-        if limit is not None:
-            return max(1, min(limit, MAX_LIMIT))
-    return 1
+    limit = _slot_fences(fences).get("limit")
+    return 1 if limit is None else max(1, min(limit, MAX_LIMIT))
+
+
+def _slot_fences(fences: Any) -> dict[str, int | None]:
+    """The slots' hash, field by field as text (empty when it is not a hash)."""
+    by_slot = fences if isinstance(fences, dict) else {}
+    return {readable(k): int_or_none(v) for k, v in by_slot.items()}
 
 
 def _read_slots(
@@ -440,7 +435,11 @@ def _read_slots(
     return out
 
 
-def _apply_runs(info: ClaimInfo, runs: list[RunRecord], now: float) -> None:
+def _apply_runs(info: ClaimInfo, replies: Sequence[Any], count: int, now: float) -> None:
+    """What the newest ``count`` runs, as :func:`queue_read` read them, say of a claim (a
+    key of another type is read as none: the first look names it)."""
+    listed, streamed = ([] if isinstance(r, Exception) else r for r in replies)
+    runs = from_entries(info.name, listed, count, streamed=streamed)
     token = info.holder.token if info.holder else None
     # The runs of a name's other holders (slots) are running, not unfinished.
     holding = {h.token for _i, h in info.slots}
@@ -470,12 +469,7 @@ def _find_starts(client: Any, infos: list[ClaimInfo], namespace: str) -> None:
         return
     clock = _clocks(client, results, timed)
     for i, (info, keys) in enumerate(zip(infos, names, strict=True)):
-        # A key of another type was named by the first look: the other one is read.
-        listed, streamed = (
-            [] if isinstance(r, Exception) else r for r in results[2 * i : 2 * i + 2]
-        )
-        runs = from_entries(info.name, listed, MAX_RECORDS, streamed=streamed)
-        _apply_runs(info, runs, clock(keys.records))
+        _apply_runs(info, results[2 * i : 2 * i + 2], MAX_RECORDS, clock(keys.records))
 
 
 @dataclass
@@ -534,7 +528,7 @@ def show_claim(
     *leases, fence, fences, listed, streamed = answers[:-5]
     most = _limit_of(fences)
     # The plain claim: its holder's fence is the counter's.
-    holder = lock_holder(keys, leases[0], leases[1], fence) if most == 1 else None
+    holder = lock_holder(keys.lock, leases[0], leases[1], fence) if most == 1 else None
     # A key of another type (WRONGTYPE): someone else's, one unreadable run names it.
     runs = from_replies(keys, listed, streamed, limit)
     slots = slot_holders(leases, fence, fences)
@@ -626,7 +620,7 @@ def read_holder(client: Any, name: str, *, namespace: str = "fenced") -> Holder 
     pipe.pttl(keys.lock)
     pipe.get(keys.fence)
     answers = _read(client, keys, pipe)
-    return Holder.unknown(NOT_TEXT) if answers is None else lock_holder(keys, *answers)
+    return Holder.unknown(NOT_TEXT) if answers is None else lock_holder(keys.lock, *answers)
 
 
 def _read(client: Any, keys: ClaimKeys, pipe: Any) -> list[Any] | None:
@@ -640,14 +634,14 @@ def _read(client: Any, keys: ClaimKeys, pipe: Any) -> list[Any] | None:
     return answers
 
 
-def lock_holder(keys: ClaimKeys, token: Any, pttl: Any, fence: Any) -> Holder | None:
-    """The holder of a plain claim from the GET and PTTL answers of its lease and the
-    fence counter (for callers that pipeline)."""
+def lock_holder(where: str, token: Any, pttl: Any, fence: Any) -> Holder | None:
+    """The holder of a lease (a plain claim's, or one slot's: ``where``, named in what
+    cannot be read) from the GET and PTTL answers of its key and its fence."""
     if token is None:
         return None
     if isinstance(token, Exception):  # e.g. WRONGTYPE: not a string, not a token
-        return Holder.unknown(f"{keys.lock}: {token}")
-    return Holder.parse(token, pttl if isinstance(pttl, int) else None, int_or_none(fence))
+        return Holder.unknown(f"{where}: {token}")
+    return Holder.parse(token, int_or_none(pttl), int_or_none(fence))
 
 
 def read_slots(
@@ -677,20 +671,15 @@ def slot_holders(leases: Sequence[Any], fence: Any, fences: Any) -> list[tuple[i
     """Holders from the GET and PTTL answers of each slot, the fence counter and the
     slots' hash (a slot's fence; slot 0 without one holds the counter's)."""
     # Any of them may hold what fenced never wrote there: read, never fail.
-    by_slot = fences if isinstance(fences, dict) else {}
-    slot_fences = {readable(k): int_or_none(v) for k, v in by_slot.items()}
+    slot_fences = _slot_fences(fences)
     found = []
-    for i in range(len(leases) // 2):
-        token, pttl = leases[2 * i], leases[2 * i + 1]
-        if token is None:
-            continue
+    for i, (token, pttl) in enumerate(zip(leases[::2], leases[1::2], strict=False)):
         minted = slot_fences.get(str(i))
         if minted is None and i == 0:
             minted = int_or_none(fence)
-        if isinstance(token, Exception):  # e.g. WRONGTYPE: not a string, not a token
-            found.append((i, Holder.unknown(f"slot {i}: {token}")))
-            continue
-        found.append((i, Holder.parse(token, int_or_none(pttl), minted)))
+        holder = lock_holder(f"slot {i}", token, pttl, minted)
+        if holder is not None:
+            found.append((i, holder))
     return found
 
 
@@ -811,16 +800,9 @@ return held
 def list_queued(client: Any, namespace: str = "fenced") -> list[str]:
     """The names marked at enqueue (``claim_enqueue``) under a namespace, sorted; a key
     whose name is not UTF-8 cannot be named back (``fenced ls`` shows it as unreadable)."""
-    names = set()
-    for key in _lock_keys(client, namespace, "queued"):
-        try:
-            text = key.decode() if isinstance(key, bytes) else key
-        except UnicodeDecodeError:
-            continue
-        name = ClaimKeys.name_from_key(text, namespace)
-        if name:
-            names.add(name)
-    return sorted(names)
+    keys = _lock_keys(client, namespace, "queued")  # a name not UTF-8 comes as bytes
+    names = {ClaimKeys.name_from_key(key, namespace) for key in keys if isinstance(key, str)}
+    return sorted(name for name in names if name)
 
 
 def clear_queued(
