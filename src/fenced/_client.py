@@ -93,14 +93,7 @@ _TLS_VERSIONS = ("TLSv1_2", "TLSv1_3")
 def _tls_version(text: str) -> Any:
     import ssl
 
-    name = {v.lower(): v for v in _TLS_VERSIONS}[text.lower()]
-    return ssl.TLSVersion[name]
-
-
-def _cert_reqs(text: str) -> str:
-    if text not in _CERT_REQS:
-        raise ValueError(text)
-    return text
+    return ssl.TLSVersion[{v.lower(): v for v in _TLS_VERSIONS}[text.lower()]]
 
 
 # redis-py checks some options only when it first connects (and then with a traceback):
@@ -109,7 +102,7 @@ _READ: dict[str, Callable[[str], Any]] = {
     **dict.fromkeys(_FLOAT, float),
     **dict.fromkeys(_INT, int),
     **dict.fromkeys(_BOOL, lambda text: _FLAGS[text.lower()]),
-    "ssl_cert_reqs": _cert_reqs,
+    "ssl_cert_reqs": dict(zip(_CERT_REQS, _CERT_REQS, strict=True)).__getitem__,
     "ssl_min_version": _tls_version,
 }
 #: What a value of an option with a fixed set of values may be, for the message.
@@ -303,15 +296,11 @@ def redact(url: str) -> str:
 
 def _build(parsed: RedisURL, options: Mapping[str, Any], *, asyncio: bool = False) -> Any:
     """The client a parsed URL names: redis-py's, or with ``asyncio`` redis.asyncio's."""
-    import redis.asyncio.cluster
-    import redis.asyncio.sentinel
-    import redis.cluster
-    import redis.sentinel
-
     # The two families take the same arguments.
-    family: Any = redis.asyncio if asyncio else redis
-    cluster: Any = redis.asyncio.cluster if asyncio else redis.cluster
-    sentinels: Any = redis.asyncio.sentinel if asyncio else redis.sentinel
+    base = "redis.asyncio" if asyncio else "redis"
+    family, cluster, sentinels = (
+        importlib.import_module(base + m) for m in ("", ".cluster", ".sentinel")
+    )
 
     kwargs: dict[str, Any] = {**parsed.options, **options}
     sentinel_auth = {

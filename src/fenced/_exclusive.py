@@ -135,22 +135,18 @@ def exclusive(
         extra = {"function": f"{fn.__module__}.{fn.__qualname__}"}
         fn_opts = opts if opts.label is not None else opts.replace(label=bounded_label(namer.label))
 
-        def named(args: Any, kwargs: Any) -> tuple[str, dict[str, Any]]:
-            # The template and its values go in the run records, as Celery tasks' do: the
-            # doctor's naming checks read them.
+        def claim_for(kind: Any, redis: Any, args: Any, kwargs: Any) -> Any:
+            """A claim of ``kind`` (``Claim`` or ``aio.Claim``) for one call."""
             name, shown = namer(args, kwargs)
-            if namer.template is None or shown is None:
-                return name, extra
-            call_extra = {**extra, "template": namer.template, "args": shown}
-            readable = namer.readable(args, kwargs, shown)
-            if readable:
-                call_extra["arg_text"] = readable
-            return name, call_extra
-
-        def claim_for(args: Any, kwargs: Any) -> Claim:
-            assert client is not None
-            name, call_extra = named(args, kwargs)
-            claim = Claim(client(), name, options=fn_opts, record_extra=call_extra)
+            call_extra: dict[str, Any] = extra
+            if namer.template is not None and shown is not None:
+                # The template and its values go in the run records, as Celery tasks' do:
+                # the doctor's naming checks read them.
+                call_extra = {**extra, "template": namer.template, "args": shown}
+                readable = namer.readable(args, kwargs, shown)
+                if readable:
+                    call_extra["arg_text"] = readable
+            claim = kind(redis, name, options=fn_opts, record_extra=call_extra)
             claim._front_end("exclusive")
             claim._what = "the function"
             return claim
@@ -160,10 +156,7 @@ def exclusive(
 
             @functools.wraps(fn)
             async def aio_wrapper(*args: Any, **kwargs: Any) -> Any:
-                name, call_extra = named(args, kwargs)
-                claim = aio.Claim(async_client(), name, options=fn_opts, record_extra=call_extra)
-                claim._what = "the function"
-                claim._front_end("exclusive")
+                claim = claim_for(aio.Claim, async_client(), args, kwargs)
                 action = await claim.enter(policy)
                 if not isinstance(action, Run):
                     return _refused(action)
@@ -177,7 +170,8 @@ def exclusive(
 
             @functools.wraps(fn)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-                claim = claim_for(args, kwargs)
+                assert client is not None
+                claim = claim_for(Claim, client(), args, kwargs)
                 if policy.blocks:
                     import asyncio  # only coroutine functions pay for the import
 
@@ -194,7 +188,8 @@ def exclusive(
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            claim = claim_for(args, kwargs)
+            assert client is not None
+            claim = claim_for(Claim, client(), args, kwargs)
             action = claim.enter(policy)
             if not isinstance(action, Run):
                 return _refused(action)

@@ -12,7 +12,7 @@ import functools
 import re
 import socket
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
@@ -92,14 +92,7 @@ class Burst:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
-        return {
-            "task_id": self.task_id,
-            "calls": self.calls,
-            "first": self.first,
-            "last": self.last,
-            "due": self.due,
-            "runs_in": self.runs_in,
-        }
+        return asdict(self)
 
 
 #: The fields of a burst record read (never its call: arguments, maybe secret and large).
@@ -125,8 +118,7 @@ class Flow:
             problems.append(f"rate: {rate}")
         elif rate is not None:
             micros = _number(rate, "rate", problems)
-            wait = None if micros is None else micros / 1e6 - now()
-            if micros is not None and wait is not None and wait > 0:
+            if micros is not None and (wait := micros / 1e6 - now()) > 0:
                 flow.next_start, flow.rate_wait = micros / 1e6, wait
         if isinstance(burst, Exception):
             problems.append(f"debounce: {burst}")
@@ -197,28 +189,30 @@ class ClaimInfo:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form (the secret part of the token shortened)."""
-        return {
-            "name": self.name,
-            "holder": self.holder.as_dict() if self.holder else None,
-            "limit": self.limit,
-            "slots": [{"slot": i, **h.as_dict()} for i, h in self.slots],
-            "age": self.age,
-            "expires_in": self.expires_in,
-            "fence": self.fence,
-            "skips": self.skips,
-            "last_outcome": self.last_outcome,
-            "last_finished": self.last_finished,
-            "extra": self.extra,
-            "unreadable": self.unreadable,
-            "cooldown_left": self.cooldown_left,
-            "queued": _queued_dict(self.queued, self.queued_left),
-            "beat": self.beat,
-            **self.flow.as_dict(),
-        }
+        own = ("age", "expires_in", "fence", "skips", "last_outcome", "last_finished", "extra")
+        middle = {key: getattr(self, key) for key in (*own, "unreadable")}
+        return _as_dict(self, {}, middle, self.beat)
 
 
-def _queued_dict(task_id: str | None, left: float | None) -> dict[str, Any] | None:
-    return None if task_id is None else {"task_id": task_id, "expires_in": left}
+def _as_dict(
+    claim: ClaimInfo | ClaimReport, head: dict[str, Any], middle: dict[str, Any], beat: Any
+) -> dict[str, Any]:
+    """The JSON-ready form of a listed or a shown claim: the fields both have, in this
+    order, ``head`` after the name and ``middle`` between the holders and the cooldown."""
+    return {
+        "name": claim.name,
+        **head,
+        "holder": claim.holder.as_dict() if claim.holder else None,
+        "limit": claim.limit,
+        "slots": [{"slot": i, **h.as_dict()} for i, h in claim.slots],
+        **middle,
+        "cooldown_left": claim.cooldown_left,
+        "queued": None
+        if claim.queued is None
+        else {"task_id": claim.queued, "expires_in": claim.queued_left},
+        "beat": beat,
+        **claim.flow.as_dict(),
+    }
 
 
 def _marker(value: Any, problems: list[str]) -> str | None:
@@ -227,6 +221,34 @@ def _marker(value: Any, problems: list[str]) -> str | None:
         problems.append(f"queued: {value}")
         return None
     return None if value is None else readable(value)
+
+
+def _queue_pending(pipe: Any, keys: ClaimKeys) -> Any:
+    """Queue on a pipeline what :func:`_pending` reads: the cooldown's PTTL, the enqueue
+    marker's GET and PTTL, the rate key's GET, the burst record's HMGET. The pipeline."""
+    pipe.pttl(keys.cooldown)
+    pipe.get(keys.queued)
+    pipe.pttl(keys.queued)
+    pipe.get(keys.rate)
+    pipe.hmget(keys.debounce, BURST_FIELDS)
+    return pipe
+
+
+def _pending(
+    answers: Sequence[Any], now: Callable[[], float], problems: list[str], marker: list[str]
+) -> dict[str, Any]:
+    """The cooldown, enqueue marker and flow fields of a ClaimInfo or a ClaimReport, from
+    the answers :func:`_queue_pending` queued; what is not fenced's goes to ``problems``
+    (the marker's to ``marker``)."""
+    cooldown, mark, mark_pttl, rate, burst = answers
+    flow = Flow.read(rate, burst, now, problems)
+    queued = _marker(mark, marker)
+    left = _left(mark_pttl) if queued is not None else None
+    return {"cooldown_left": _left(cooldown), "queued": queued, "queued_left": left, "flow": flow}
+
+
+#: What :func:`_pending` finds for a name with nothing pending.
+_IDLE = {"cooldown_left": None, "queued": None, "queued_left": None, "flow": Flow()}
 
 
 def _lock_keys(client: Any, namespace: str, part: str = "lock") -> Iterator[str | bytes]:
@@ -324,12 +346,7 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
         pipe.pttl(keys.lock)
         pipe.get(keys.fence)
         pipe.get(keys.skips)
-        queue_read(pipe, keys, LS_RUNS)
-        pipe.pttl(keys.cooldown)
-        pipe.get(keys.queued)
-        pipe.pttl(keys.queued)
-        pipe.get(keys.rate)
-        pipe.hmget(keys.debounce, BURST_FIELDS)
+        _queue_pending(queue_read(pipe, keys, LS_RUNS), keys)
         pipe.hgetall(keys.slots)  # last: _read_slots finds it there
     try:
         results = pipe.execute(raise_on_error=False)
@@ -344,24 +361,16 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
     slotted = _read_slots(client, names, results, namespace, per)
     infos: list[ClaimInfo] = []
     for i, name in enumerate(names):
-        token, pttl, fence, skips, listed, streamed, cooldown, mark, mark_pttl, rate, burst = (
-            results[per * i : per * i + per - 1]
-        )
-        window = _left(cooldown)
+        token, pttl, fence, skips, listed, streamed, *answers = results[per * i : per * (i + 1) - 1]
         limit, slots = slotted.get(name, (1, []))
         keys = ClaimKeys(namespace, name)
         problems: list[str] = []
-        flow = Flow.read(rate, burst, functools.partial(clock, keys.records), problems)
-        pending = flow.next_start is not None or flow.burst is not None or problems
-        if token is None and window is None and not slots and mark is None and not pending:
+        now = functools.partial(clock, keys.records)
+        pending = _pending(answers, now, problems, problems)
+        if token is None and not slots and not problems and pending == _IDLE:
             continue  # released (its window ended, its marker cleared...) since the scan
-        queued = _marker(mark, problems)
         fence_int = _number(fence, "fence", problems)
-        holder: Holder | None = None
-        if isinstance(token, Exception):
-            holder = Holder.unknown(f"lock: {token}")
-        elif token is not None:
-            holder = Holder.parse(token, int_or_none(pttl), fence_int)
+        holder = lock_holder("lock", token, pttl, fence_int)
         if limit > 1:
             holder = slots[0][1] if slots else None
             fence_int = holder.fence if holder else fence_int
@@ -373,17 +382,12 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
             expires_in=holder.expires_in if holder else None,
             fence=fence_int,
             skips=_number(skips, "skips", problems) or 0,
-            cooldown_left=window,
             limit=limit,
             slots=slots,
-            queued=queued,
-            queued_left=_left(mark_pttl) if queued is not None else None,
-            flow=flow,
+            **pending,
         )
         problems += read_problems(listed, streamed)
-        listed, streamed = (r if not isinstance(r, Exception) else [] for r in (listed, streamed))
-        runs = from_entries(name, listed, LS_RUNS, streamed=streamed)
-        _apply_runs(info, runs, clock(keys.records))
+        _apply_runs(info, (listed, streamed), LS_RUNS, clock(keys.records))
         info.unreadable = "; ".join(problems) or None
         infos.append(info)
     return infos
@@ -400,13 +404,14 @@ def _number(value: Any, what: str, problems: list[str]) -> int | None:
 def _limit_of(fences: Any) -> int:
     """The limit a name was last acquired with, from its slots' hash (1 without one, or
     when the hash is not what fenced writes)."""
-    if not isinstance(fences, dict):
-        return 1
-    for k, v in fences.items():
-        limit = int_or_none(v) if readable(k) == "limit" else None
-        if limit is not None:
-            return max(1, min(limit, MAX_LIMIT))
-    return 1
+    limit = _slot_fences(fences).get("limit")
+    return 1 if limit is None else max(1, min(limit, MAX_LIMIT))
+
+
+def _slot_fences(fences: Any) -> dict[str, int | None]:
+    """The slots' hash, field by field as text (empty when it is not a hash)."""
+    by_slot = fences if isinstance(fences, dict) else {}
+    return {readable(k): int_or_none(v) for k, v in by_slot.items()}
 
 
 def _read_slots(
@@ -430,7 +435,11 @@ def _read_slots(
     return out
 
 
-def _apply_runs(info: ClaimInfo, runs: list[RunRecord], now: float) -> None:
+def _apply_runs(info: ClaimInfo, replies: Sequence[Any], count: int, now: float) -> None:
+    """What the newest ``count`` runs, as :func:`queue_read` read them, say of a claim (a
+    key of another type is read as none: the first look names it)."""
+    listed, streamed = ([] if isinstance(r, Exception) else r for r in replies)
+    runs = from_entries(info.name, listed, count, streamed=streamed)
     token = info.holder.token if info.holder else None
     # The runs of a name's other holders (slots) are running, not unfinished.
     holding = {h.token for _i, h in info.slots}
@@ -460,12 +469,7 @@ def _find_starts(client: Any, infos: list[ClaimInfo], namespace: str) -> None:
         return
     clock = _clocks(client, results, timed)
     for i, (info, keys) in enumerate(zip(infos, names, strict=True)):
-        # A key of another type was named by the first look: the other one is read.
-        listed, streamed = (
-            [] if isinstance(r, Exception) else r for r in results[2 * i : 2 * i + 2]
-        )
-        runs = from_entries(info.name, listed, MAX_RECORDS, streamed=streamed)
-        _apply_runs(info, runs, clock(keys.records))
+        _apply_runs(info, results[2 * i : 2 * i + 2], MAX_RECORDS, clock(keys.records))
 
 
 @dataclass
@@ -493,18 +497,9 @@ class ClaimReport:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
-        return {
-            "name": self.name,
-            "namespace": self.namespace,
-            "holder": self.holder.as_dict() if self.holder else None,
-            "limit": self.limit,
-            "slots": [{"slot": i, **h.as_dict()} for i, h in self.slots],
-            "runs": [run.as_dict() for run in self.runs],
-            "cooldown_left": self.cooldown_left,
-            "queued": _queued_dict(self.queued, self.queued_left),
-            "beat": None if self.beat is None else beat_dict(self.beat),
-            **self.flow.as_dict(),
-        }
+        runs = {"runs": [run.as_dict() for run in self.runs]}
+        beat = None if self.beat is None else beat_dict(self.beat)
+        return _as_dict(self, {"namespace": self.namespace}, runs, beat)
 
 
 def _slots_hash(client: Any, keys: ClaimKeys) -> Any:
@@ -525,27 +520,19 @@ def show_claim(
     """
     keys = ClaimKeys.of(name, namespace)
     pipe = queue_read(queue_slots(client.pipeline(transaction=False), keys), keys, limit)
-    pipe.pttl(keys.cooldown)
-    pipe.get(keys.queued)
-    pipe.pttl(keys.queued)
-    pipe.get(keys.rate)
-    pipe.hmget(keys.debounce, BURST_FIELDS)
-    answers = _read(client, keys, pipe)
+    answers = _read(client, keys, _queue_pending(pipe, keys))
     if answers is None:
         # A client that decodes replies met bytes that are not text, and the whole answer
         # is lost with them: read part by part, to show what can be read.
         return _show_apart(client, keys, limit)
-    *leases, fence, fences, listed, streamed, cooldown, mark, mark_pttl, rate, burst = answers
+    *leases, fence, fences, listed, streamed = answers[:-5]
     most = _limit_of(fences)
     # The plain claim: its holder's fence is the counter's.
-    holder = lock_holder(keys, leases[0], leases[1], fence) if most == 1 else None
+    holder = lock_holder(keys.lock, leases[0], leases[1], fence) if most == 1 else None
     # A key of another type (WRONGTYPE): someone else's, one unreadable run names it.
     runs = from_replies(keys, listed, streamed, limit)
     slots = slot_holders(leases, fence, fences)
-    report = _report(
-        keys, slots, most, holder, runs, cooldown, (mark, mark_pttl), (rate, burst), client
-    )
-    return _with_beat(client, keys, report)
+    return _report(keys, slots, most, holder, runs, answers[-5:], client)
 
 
 def _with_beat(client: Any, keys: ClaimKeys, report: ClaimReport) -> ClaimReport:
@@ -570,11 +557,7 @@ def _server_clock(client: Any, keys: ClaimKeys) -> Callable[[], float]:
     @functools.cache
     def now() -> float:
         with reachable(client, f"read the clock of claim {keys.name!r}", keys.name):
-            if not is_cluster(client):
-                secs, micros = client.time()
-                return int(secs) + int(micros) / 1e6
-            times = server_times(client)
-            return times.get(node_of(client, keys.lock), max(times.values()))
+            return _clocks(client, [], False)(keys.lock)
 
     return now
 
@@ -593,12 +576,14 @@ def _show_apart(client: Any, keys: ClaimKeys, limit: int) -> ClaimReport:
     most = _limit_of(_slots_hash(client, keys))
     holder = read_holder(client, keys.name, namespace=keys.namespace) if most == 1 else None
     runs = history(client, keys.name, limit=limit, namespace=keys.namespace)
-    mark = _get(client, "GET", keys.queued)
-    pttl = client.pttl(keys.cooldown)
-    flow = (_get(client, "GET", keys.rate), _get(client, "HMGET", keys.debounce, *BURST_FIELDS))
-    marked = (mark, client.pttl(keys.queued))
-    report = _report(keys, slots, most, holder, runs, pttl, marked, flow, client)
-    return _with_beat(client, keys, report)
+    pending = (
+        client.pttl(keys.cooldown),
+        _get(client, "GET", keys.queued),
+        client.pttl(keys.queued),
+        _get(client, "GET", keys.rate),
+        _get(client, "HMGET", keys.debounce, *BURST_FIELDS),
+    )
+    return _report(keys, slots, most, holder, runs, pending, client)
 
 
 def _report(
@@ -607,36 +592,24 @@ def _report(
     most: int,
     holder: Holder | None,
     runs: list[RunRecord],
-    pttl: Any,
-    marked: tuple[Any, Any],
-    flow: tuple[Any, Any],
+    pending: Sequence[Any],
     client: Any,
 ) -> ClaimReport:
-    """A report from the answers about one name: its enqueue marker's GET and PTTL, its
-    rate key's GET and its burst record's HMGET (``flow``)."""
+    """A report from the answers about one name (``pending``: those of
+    :func:`_queue_pending`), with a beat's status when it is a beat's leader claim."""
     if most == 1:  # a plain claim: its lease, or what stands in a slot above 0
         slots = [(0, holder)] if holder else [s for s in slots if s[0]]
-    mark, mark_pttl = marked
     problems: list[str] = []
-    queued = _marker(mark, problems)
-    if problems:  # a marker key of another type: shown as the runs key's would be
-        runs = [*runs, RunRecord(keys.name, UNREADABLE, unreadable=f"{keys.queued}: {mark}")]
-    problems = []
-    pending = Flow.read(*flow, _server_clock(client, keys), problems)
+    marker: list[str] = []
+    fields = _pending(pending, _server_clock(client, keys), problems, marker)
+    if marker:  # a marker key of another type: shown as the runs key's would be
+        runs = [*runs, RunRecord(keys.name, UNREADABLE, unreadable=f"{keys.queued}: {pending[1]}")]
     # What the rate key or the burst record hold that fenced never wrote, shown likewise.
     runs += [RunRecord(keys.name, UNREADABLE, unreadable=problem) for problem in problems]
-    return ClaimReport(
-        keys.name,
-        keys.namespace,
-        slots[0][1] if slots else None,
-        runs,
-        _left(pttl),
-        max(most, max((i + 1 for i, _h in slots), default=1)),
-        slots,
-        queued,
-        _left(mark_pttl) if queued is not None else None,
-        flow=pending,
-    )
+    most = max(most, max((i + 1 for i, _h in slots), default=1))
+    holder = slots[0][1] if slots else None
+    report = ClaimReport(keys.name, keys.namespace, holder, runs, limit=most, slots=slots, **fields)
+    return _with_beat(client, keys, report)
 
 
 def read_holder(client: Any, name: str, *, namespace: str = "fenced") -> Holder | None:
@@ -647,7 +620,7 @@ def read_holder(client: Any, name: str, *, namespace: str = "fenced") -> Holder 
     pipe.pttl(keys.lock)
     pipe.get(keys.fence)
     answers = _read(client, keys, pipe)
-    return Holder.unknown(NOT_TEXT) if answers is None else lock_holder(keys, *answers)
+    return Holder.unknown(NOT_TEXT) if answers is None else lock_holder(keys.lock, *answers)
 
 
 def _read(client: Any, keys: ClaimKeys, pipe: Any) -> list[Any] | None:
@@ -661,14 +634,14 @@ def _read(client: Any, keys: ClaimKeys, pipe: Any) -> list[Any] | None:
     return answers
 
 
-def lock_holder(keys: ClaimKeys, token: Any, pttl: Any, fence: Any) -> Holder | None:
-    """The holder of a plain claim from the GET and PTTL answers of its lease and the
-    fence counter (for callers that pipeline)."""
+def lock_holder(where: str, token: Any, pttl: Any, fence: Any) -> Holder | None:
+    """The holder of a lease (a plain claim's, or one slot's: ``where``, named in what
+    cannot be read) from the GET and PTTL answers of its key and its fence."""
     if token is None:
         return None
     if isinstance(token, Exception):  # e.g. WRONGTYPE: not a string, not a token
-        return Holder.unknown(f"{keys.lock}: {token}")
-    return Holder.parse(token, pttl if isinstance(pttl, int) else None, int_or_none(fence))
+        return Holder.unknown(f"{where}: {token}")
+    return Holder.parse(token, int_or_none(pttl), int_or_none(fence))
 
 
 def read_slots(
@@ -698,20 +671,15 @@ def slot_holders(leases: Sequence[Any], fence: Any, fences: Any) -> list[tuple[i
     """Holders from the GET and PTTL answers of each slot, the fence counter and the
     slots' hash (a slot's fence; slot 0 without one holds the counter's)."""
     # Any of them may hold what fenced never wrote there: read, never fail.
-    by_slot = fences if isinstance(fences, dict) else {}
-    slot_fences = {readable(k): int_or_none(v) for k, v in by_slot.items()}
+    slot_fences = _slot_fences(fences)
     found = []
-    for i in range(len(leases) // 2):
-        token, pttl = leases[2 * i], leases[2 * i + 1]
-        if token is None:
-            continue
+    for i, (token, pttl) in enumerate(zip(leases[::2], leases[1::2], strict=False)):
         minted = slot_fences.get(str(i))
         if minted is None and i == 0:
             minted = int_or_none(fence)
-        if isinstance(token, Exception):  # e.g. WRONGTYPE: not a string, not a token
-            found.append((i, Holder.unknown(f"slot {i}: {token}")))
-            continue
-        found.append((i, Holder.parse(token, int_or_none(pttl), minted)))
+        holder = lock_holder(f"slot {i}", token, pttl, minted)
+        if holder is not None:
+            found.append((i, holder))
     return found
 
 
@@ -832,16 +800,9 @@ return held
 def list_queued(client: Any, namespace: str = "fenced") -> list[str]:
     """The names marked at enqueue (``claim_enqueue``) under a namespace, sorted; a key
     whose name is not UTF-8 cannot be named back (``fenced ls`` shows it as unreadable)."""
-    names = set()
-    for key in _lock_keys(client, namespace, "queued"):
-        try:
-            text = key.decode() if isinstance(key, bytes) else key
-        except UnicodeDecodeError:
-            continue
-        name = ClaimKeys.name_from_key(text, namespace)
-        if name:
-            names.add(name)
-    return sorted(names)
+    keys = _lock_keys(client, namespace, "queued")  # a name not UTF-8 comes as bytes
+    names = {ClaimKeys.name_from_key(key, namespace) for key in keys if isinstance(key, str)}
+    return sorted(name for name in names if name)
 
 
 def clear_queued(

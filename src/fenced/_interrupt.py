@@ -27,7 +27,7 @@ import logging
 import signal
 import sys
 import threading
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from ._errors import ClaimInterrupted
@@ -99,12 +99,7 @@ class Interrupter:
         self.active = True
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         with self.lock:
             if self.active:
                 self.active = False

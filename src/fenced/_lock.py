@@ -45,7 +45,7 @@ import redis.lock
 from redis.exceptions import LockError, LockNotOwnedError
 
 from ._audit import claim_fields
-from ._client import connect
+from ._client import connect, is_cluster
 from ._errors import ConfigError
 from ._heartbeat import Heartbeat, Renewal
 from ._heartbeat import heartbeat as _heartbeat
@@ -81,15 +81,6 @@ def hash_tag(name: str) -> str | None:
     if end <= start + 1:
         return None  # no closing brace, or "{}": the whole key is hashed
     return name[start + 1 : end]
-
-
-def corrupt_fence(name: str, key: str, value: Any, exc: BaseException) -> BaseException:
-    """CorruptKey when a lock's fence key holds what is not a fence, else ``exc``."""
-    if value is None or fence_or_none(value) is not None:
-        return exc
-    return corrupt_key_error(
-        name, key, not_a_fence(value), exc, doing="acquire lock", is_fence=True
-    )
 
 
 def fence_key(name: str, namespace: str = "fenced") -> str:
@@ -237,8 +228,9 @@ def check_lock_options(
 
 
 def check_slot(redis: Any, name: str) -> None:
-    """On a Redis Cluster client, refuse a name whose fence key cannot share its slot."""
-    if _on_cluster(redis) and not shares_slot(name):
+    """On a Redis Cluster client (thread or asyncio), refuse a name whose fence key
+    cannot share its slot."""
+    if is_cluster(redis) and not shares_slot(name):
         raise ConfigError(
             f"lock name {name!r} has no hash tag and contains '}}' (or is empty): on "
             "Redis Cluster no fence key can share its slot; give it a hash tag, e.g. "
@@ -381,8 +373,14 @@ class LockCore:
         return True
 
     def _corrupt(self, exc: BaseException, value: Any) -> BaseException:
-        """The error of an acquire Redis answered with an error (``value``: the fence key's)."""
-        return corrupt_fence(self.name, self.fence_key, value, exc)
+        """The error of an acquire Redis answered with an error (``value``: the fence key's):
+        CorruptKey when the fence key holds what is not a fence, else ``exc``."""
+        if value is None or fence_or_none(value) is not None:
+            return exc
+        why = not_a_fence(value)
+        return corrupt_key_error(
+            self.name, self.fence_key, why, exc, doing="acquire lock", is_fence=True
+        )
 
     def _let_go(self) -> _Hold | None:
         """A release is about to be sent: no fence, no renewal; the hold it ends."""
@@ -396,20 +394,17 @@ class LockCore:
     def _released(self, hold: _Hold | None, released: Any) -> None:
         """LockNotOwnedError when the token no longer held the lock, or the hold was lost
         before (the work under it was not protected)."""
-        if hold is not None and hold.lost:
-            raise LockNotOwnedError(
-                f"Cannot release a lock that was lost while held ({hold.lost_reason})",
-                lock_name=self.name,
-            )
+        self._refuse_if_lost("release", hold)
         if not released:
             raise LockNotOwnedError(
                 "Cannot release a lock that's no longer owned", lock_name=self.name
             )
 
-    def _refuse_if_lost(self, what: str) -> None:
-        if self.lost:
+    def _refuse_if_lost(self, what: str, hold: _Hold | None = None) -> None:
+        hold = hold or getattr(self.local, "hold", None)
+        if hold is not None and hold.lost:
             raise LockNotOwnedError(
-                f"Cannot {what} a lock that was lost while held ({self.lost_reason})",
+                f"Cannot {what} a lock that was lost while held ({hold.lost_reason})",
                 lock_name=self.name,
             )
 
@@ -527,11 +522,3 @@ class Lock(LockCore, redis.lock.Lock):
         super().do_reacquire()
         self._extended(sent, self._ttl, True)
         return True
-
-
-def _on_cluster(redis: Any) -> bool:
-    """A Redis Cluster client, thread or asyncio (their keys must share a slot)."""
-    from redis.asyncio.cluster import RedisCluster as AsyncCluster
-    from redis.cluster import RedisCluster
-
-    return isinstance(redis, (RedisCluster, AsyncCluster))

@@ -47,17 +47,13 @@ def scan_keys(client: Any, match: str, count: int = 1000) -> Iterator[str | byte
     seen: set[str | bytes] = set()
     for _, node in primaries(client):
         for key in node.scan_iter(match=match, count=count):
-            text = _text_or_bytes(key)
+            try:
+                text: str | bytes = as_text(key)
+            except UnicodeDecodeError:
+                text = bytes(key)
             if text not in seen:  # SCAN may return a key more than once
                 seen.add(text)
                 yield text
-
-
-def _text_or_bytes(key: Any) -> str | bytes:
-    try:
-        return as_text(key)
-    except UnicodeDecodeError:
-        return bytes(key)
 
 
 def server_times(client: Any) -> dict[str, float]:
