@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
@@ -76,6 +77,7 @@ __all__ = ["Claim", "ClaimState"]
 
 log = logging.getLogger("fenced")
 T = TypeVar("T")
+_C = TypeVar("_C", bound="ClaimState")
 
 #: How often a blocking acquire looks again while the holder's lease runs.
 RETRY_INTERVAL = 0.05
@@ -199,6 +201,44 @@ class ClaimState(LeaseState):
         self._unqueue = False
         self.unqueued = False
         self._bind_store()
+
+    def for_call(
+        self: _C,
+        name: str,
+        task_id: str | None,
+        record_extra: dict[str, Any],
+        on_lost: Callable[[Any], object] | None = None,
+    ) -> _C:
+        """A new claim as this one was made, for another ``name`` (checked already: a
+        name a :class:`fenced._naming.Namer` gave), ``task_id``, ``record_extra`` (taken
+        as it is, not copied) and ``on_lost``.
+
+        A front end that takes a claim per call (a Celery task's runs) keeps one claim,
+        never acquired, made with its client and options, and copies it for each call:
+        what every call shares (the client, the options, what they derive) is not worked
+        out again, and only what differs per call is made anew.
+        """
+        new = object.__new__(type(self))
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        fields.pop("_holder_text", None)
+        keys = ClaimKeys(self.namespace, name)
+        new.keys = keys
+        new.name = name
+        new.key = new._lease_key = keys.lock
+        if self.options.label is None:
+            new.label = name
+        if self._lasting:
+            new._lasting = keys.lasting(self.limit)
+        new.task_id = task_id
+        new.record_extra = record_extra
+        new.on_lost = on_lost
+        new._mutex = threading.Lock()
+        new._pid = current_pid()
+        new.rerun_triggers = []
+        new.rerun_sending = []
+        new._bind_store()
+        return new
 
     _SOURCE = "claim"
     #: What runs under the claim, as loss messages name it.
