@@ -712,10 +712,14 @@ class ClaimState(LeaseState):
 
     def _begin_release(self, outcome: str | None, reason: str | None) -> tuple[str, str, str]:
         """Mark the claim given back: (the state before, the outcome, the finished record)."""
-        self._expire_if_due()
+        # One look at the clock: a lease whose deadline passed by then is lost (and says
+        # why); one held then ends with no loss to tell, whatever the clock says after.
+        now = self._clock()
+        if self._state == HELD and now >= self._deadline:
+            self._declare_lost(self.expired_reason)
         if outcome is None:
             outcome = "lost" if self._state == LOST else "ok"
-        record = self._finished_record(self._clock() - self._started_at, reason or self.lost_reason)
+        record = self._finished_record(now - self._started_at, reason or self._lost_reason)
         return self._end_hold(), outcome, record
 
     def _release_give_up(self, before: str) -> float:
@@ -925,7 +929,7 @@ class Claim(ClaimState):
             raise self._refused(exc, self._store.find_corrupt_key()) from exc
         except UnicodeDecodeError:  # a client that decodes replies: only a holder is text
             return self._held_unreadably()
-        acked = self._unreplicated(res)
+        acked = self._unreplicated(res) if self.replicas else None
         if acked is not None:
             self._give_back(token, res, _UNREPLICATED, self._clock() - sent)
             raise self._unreplicated_error(acked)
