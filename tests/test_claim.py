@@ -369,3 +369,35 @@ def test_a_replica_refuses_and_the_claim_fails_closed(own_server: RedisServer) -
         assert own_server.client().get(c.key) is None
     finally:
         replica.stop()
+
+
+def test_for_call_copies_a_claim_for_another_name_task_and_record(r: Any) -> None:
+    """A claim copied with for_call (a Celery task's runs) holds its own lease, under its
+    own name and task id, and its run records carry its own fields; the claim it was
+    copied from is never touched, and copies held at once are independent."""
+    from fenced import records
+    from fenced._heartbeat import heartbeat
+
+    lost: list[Any] = []
+    template = Claim(r, "copy:0", ttl=5, namespace="copied", records=True, max_records=7)
+    a = template.for_call("copy:a", "task-a", {"task": "t", "args": {"n": "a"}}, lost.append)
+    b = template.for_call("copy:b", "task-b", {"task": "t", "args": {"n": "b"}})
+    assert a.acquire() and b.acquire()
+    assert (a.name, a.task_id, a.namespace, a.options.max_records) == (
+        "copy:a",
+        "task-a",
+        "copied",
+        7,
+    )
+    assert a.key == "copied:{copy:a}:lock" and b.key == "copied:{copy:b}:lock"
+    assert a.fence is not None and b.fence is not None
+    assert not template.held and template.token is None
+    assert a in heartbeat().claims() and b in heartbeat().claims()
+    assert a.release() is True
+    assert b.held and a not in heartbeat().claims() and b in heartbeat().claims()
+    # The other copy's loss is its own: it is refused, and told, while ``a`` is gone.
+    r.delete(b.key)
+    assert b.refresh() is False and b.lost and not lost
+    (run,) = records.history(r, "copy:a", namespace="copied")
+    assert (run.task_id, run.outcome, run.extra.get("args")) == ("task-a", "ok", {"n": "a"})
+    assert records.history(r, "copy:0", namespace="copied") == []

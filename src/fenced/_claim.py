@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
@@ -76,6 +77,7 @@ __all__ = ["Claim", "ClaimState"]
 
 log = logging.getLogger("fenced")
 T = TypeVar("T")
+_C = TypeVar("_C", bound="ClaimState")
 
 #: How often a blocking acquire looks again while the holder's lease runs.
 RETRY_INTERVAL = 0.05
@@ -199,6 +201,44 @@ class ClaimState(LeaseState):
         self._unqueue = False
         self.unqueued = False
         self._bind_store()
+
+    def for_call(
+        self: _C,
+        name: str,
+        task_id: str | None,
+        record_extra: dict[str, Any],
+        on_lost: Callable[[Any], object] | None = None,
+    ) -> _C:
+        """A new claim as this one was made, for another ``name`` (checked already: a
+        name a :class:`fenced._naming.Namer` gave), ``task_id``, ``record_extra`` (taken
+        as it is, not copied) and ``on_lost``.
+
+        A front end that takes a claim per call (a Celery task's runs) keeps one claim,
+        never acquired, made with its client and options, and copies it for each call:
+        what every call shares (the client, the options, what they derive) is not worked
+        out again, and only what differs per call is made anew.
+        """
+        new = object.__new__(type(self))
+        fields = new.__dict__
+        fields.update(self.__dict__)
+        fields.pop("_holder_text", None)
+        keys = ClaimKeys(self.namespace, name)
+        new.keys = keys
+        new.name = name
+        new.key = new._lease_key = keys.lock
+        if self.options.label is None:
+            new.label = name
+        if self._lasting:
+            new._lasting = keys.lasting(self.limit)
+        new.task_id = task_id
+        new.record_extra = record_extra
+        new.on_lost = on_lost
+        new._mutex = threading.Lock()
+        new._pid = current_pid()
+        new.rerun_triggers = []
+        new.rerun_sending = []
+        new._bind_store()
+        return new
 
     _SOURCE = "claim"
     #: What runs under the claim, as loss messages name it.
@@ -672,10 +712,14 @@ class ClaimState(LeaseState):
 
     def _begin_release(self, outcome: str | None, reason: str | None) -> tuple[str, str, str]:
         """Mark the claim given back: (the state before, the outcome, the finished record)."""
-        self._expire_if_due()
+        # One look at the clock: a lease whose deadline passed by then is lost (and says
+        # why); one held then ends with no loss to tell, whatever the clock says after.
+        now = self._clock()
+        if self._state == HELD and now >= self._deadline:
+            self._declare_lost(self.expired_reason)
         if outcome is None:
             outcome = "lost" if self._state == LOST else "ok"
-        record = self._finished_record(self._clock() - self._started_at, reason or self.lost_reason)
+        record = self._finished_record(now - self._started_at, reason or self._lost_reason)
         return self._end_hold(), outcome, record
 
     def _release_give_up(self, before: str) -> float:
@@ -885,7 +929,7 @@ class Claim(ClaimState):
             raise self._refused(exc, self._store.find_corrupt_key()) from exc
         except UnicodeDecodeError:  # a client that decodes replies: only a holder is text
             return self._held_unreadably()
-        acked = self._unreplicated(res)
+        acked = self._unreplicated(res) if self.replicas else None
         if acked is not None:
             self._give_back(token, res, _UNREPLICATED, self._clock() - sent)
             raise self._unreplicated_error(acked)

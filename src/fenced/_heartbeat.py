@@ -116,6 +116,10 @@ class Renewable(Protocol):
     def renewal(self) -> Renewal | None:
         """The lease to renew, or None when this process does not hold it now."""
 
+    def schedule(self) -> tuple[float, float] | None:
+        """(its refresh interval, when it is next due) of the lease held now, or None
+        when this process does not hold it: all that starting to renew it needs."""
+
     def renewed(self, sent: float, token: str) -> None:
         """Redis extended the lease of ``token`` by a request sent at ``sent``."""
 
@@ -384,7 +388,10 @@ class Heartbeat:
     ) -> None:
         self._clock = clock
         self._wait = wait
-        self._cond = threading.Condition(threading.Lock())
+        # The condition's own lock: add() and discard(), on every acquire and release,
+        # take it directly (a Condition's ``with`` is two more Python calls).
+        self._mutex = threading.Lock()
+        self._cond = threading.Condition(self._mutex)
         # Weak: a claim nobody references stops being renewed (see the module docstring).
         self._claims: dict[int, weakref.ref[Renewable]] = {}
         self._thread: threading.Thread | None = None
@@ -416,30 +423,37 @@ class Heartbeat:
     # -- registry ---------------------------------------------------------------------
 
     def add(self, claim: Renewable) -> None:
-        """Start renewing a claim (starts the thread on first use)."""
-        lease = claim.renewal()
-        if lease is None:
+        """Start renewing a claim (starts the thread on first use).
+
+        Every acquire comes here: it reads two numbers of the claim, not its whole
+        :class:`Renewal` (the thread asks for that when the claim is due)."""
+        schedule = claim.schedule()
+        if schedule is None:
             return
-        with self._cond:
-            self._claims[id(claim)] = weakref.ref(claim)
-            if lease.refresh_every < self._nap:
-                self._nap = max(MIN_NAP, lease.refresh_every)
-            if self._thread is None or not self._thread.is_alive():
+        refresh_every, next_refresh = schedule
+        ref = weakref.ref(claim)
+        with self._mutex:
+            self._claims[id(claim)] = ref
+            if refresh_every < self._nap:
+                self._nap = max(MIN_NAP, refresh_every)
+            thread = self._thread
+            if thread is None or not thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="fenced-heartbeat", daemon=True
                 )
                 self._thread.start()
-            elif lease.next_refresh < self._wake_at:
+            elif next_refresh < self._wake_at:
                 # Only wake the thread when this claim is due before its next wake.
                 self._added = True
                 self._cond.notify()
 
     def discard(self, claim: Renewable) -> None:
         """Stop renewing a claim."""
-        with self._cond:
-            ref = self._claims.get(id(claim))
+        key = id(claim)
+        with self._mutex:
+            ref = self._claims.get(key)
             if ref is not None and ref() in (claim, None):
-                del self._claims[id(claim)]
+                del self._claims[key]
 
     def claims(self) -> list[Renewable]:
         """The claims being renewed now."""

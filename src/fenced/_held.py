@@ -120,6 +120,13 @@ class LeaseState:
             return 0.0
         return max(0.0, self._deadline - self._clock())
 
+    def schedule(self) -> tuple[float, float] | None:
+        """(the refresh interval, when the next renewal is due) while this process holds
+        the lease, else None: what the heartbeat reads as it starts renewing it."""
+        if self._state != HELD or self._pid != current_pid() or self.token is None:
+            return None
+        return self.refresh_every, self._next_refresh
+
     # -- what the heartbeat tells (fenced._heartbeat.Renewable) ------------------------
 
     def renewed(self, sent: float, token: str) -> None:

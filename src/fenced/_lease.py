@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import re
-import secrets
 import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -130,7 +129,8 @@ LAST_FENCE = 2**63 - 2
 
 def new_token(task_id: str | None = None) -> str:
     """A fresh owner token: 128 random bits, then host, pid and task id for humans."""
-    return f"{secrets.token_hex(16)}:{HOST}:{_pid}:{task_id or ''}"
+    # secrets.token_hex(16), without its three Python calls: every acquire makes one.
+    return f"{os.urandom(16).hex()}:{HOST}:{_pid}:{task_id or ''}"
 
 
 def holder_filter(host: str | None, pid: int | None) -> str:
@@ -657,7 +657,8 @@ class LeaseCalls:
         # Built once: every acquire and release sends them.
         self._acquire_keys = acquire = tuple(keys.all())
         self._plain_keys = acquire[:5]
-        self._lasting = keys.lasting(limit)
+        # ACQUIRE's fence, records, skips and rerun keys are a single holder's lasting ones.
+        self._lasting = acquire[1:5] if limit == 1 else keys.lasting(limit)
         if limit > 1:
             self._acquire_keys += (keys.slots, *(keys.slot(i) for i in range(1, limit)))
         self._release_keys = (acquire[0], *acquire[2:5])

@@ -54,7 +54,9 @@ __all__ = [
 #: Version tag of the digest scheme; a new scheme gets a new prefix, never reuses one.
 HASH_PREFIX = "h1-"
 _SAFE_VALUE = re.compile(r"[A-Za-z0-9_.\-/@]{1,64}")
-_SAFE_NAME = re.compile(r"[A-Za-z0-9_.\-/@:=+]{1,200}")
+#: The longest name validate_name keeps as it is (a longer one is hashed).
+NAME_MAX = 200
+_SAFE_NAME = re.compile(rf"[A-Za-z0-9_.\-/@:=+]{{1,{NAME_MAX}}}")
 # What validate_name makes of an unsafe name: a readable head, "~", and the digest.
 _HASHED_NAME = re.compile(r"[A-Za-z0-9_.\-/@:=+]{0,40}~" + HASH_PREFIX + r"[0-9a-f]{40}")
 _FIELD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -192,7 +194,10 @@ def _text(value: Any, field: str | None) -> str | bytes:
 
 def render_value(value: Any, field: str | None = None) -> str:
     """Canonical text of one template value; hashed when long or unsafe."""
-    # A plain str inline (the common case, on every call), the rest by _text.
+    # A plain str or int inline (the common cases, on every call), the rest by _text.
+    if type(value) is int:
+        digits = str(value)  # digits and a sign: safe, unless too long to show
+        return digits if len(digits) <= 64 else hash_value(digits)
     text = value if type(value) is str else _text(value, field)
     if isinstance(text, bytes):
         return hash_value(text)
@@ -452,6 +457,10 @@ class Namer:
             check_fields(source, named, where)
         self.template, self.func, self.fields, self.label = source, None, tuple(fields), source
         self.plain, self.secret = plain, tuple(secret)
+        # Text between the fields that validate_name keeps as it is: a name made of it and
+        # of rendered values (safe text or digests) is then safe whenever it is short enough.
+        between = "".join(literal for literal, *_ in _formatter.parse(plain))
+        self._safe_between = not between or bool(_SAFE_NAME.fullmatch(between))
         # Where each field sits in a call (position or -1, default), for a signature with
         # no *args, **kwargs or positional-only parameters: a call that fits it is bound
         # without Signature.bind_partial (every run names its claim).
@@ -495,7 +504,12 @@ class Namer:
             return validate_name(name), None
         assert self.plain is not None
         if not self.secret:
-            return render(self.plain, self.values(args, kwargs))
+            # As render() does, in one call: every run of a task names its claim here.
+            rendered = {f: render_value(v, f) for f, v in self.values(args, kwargs).items()}
+            name = self.plain.format(**rendered)
+            if self._safe_between and 0 < len(name) <= NAME_MAX:
+                return name, rendered  # what validate_name would return unchanged
+            return validate_name(name), rendered
         return render(self.plain, self.values(args, kwargs), self.secret, self.key(secret_key))
 
     def readable(

@@ -91,15 +91,24 @@ _PACKABLE_POOLS = (redis.ConnectionPool, redis.BlockingConnectionPool, SentinelC
 def _packable(client: Any) -> bool:
     """A plain client over a standard pool, speaking RESP2 in UTF-8: its commands are
     packed here (hiredis encodes text as UTF-8, as redis-py does by default)."""
-    pool: Any = getattr(client, "connection_pool", None)
-    return (
-        type(client) is redis.Redis
-        and type(pool) in _PACKABLE_POOLS
-        # A single-connection client keeps its one connection: it goes through redis-py.
-        and client.connection is None
-        and pool.connection_kwargs.get("protocol") in (None, 2, "2")
-        and str(pool.connection_kwargs.get("encoding", "utf-8")).lower() in ("utf-8", "utf8")
-    )
+    # A single-connection client keeps its one connection: it goes through redis-py.
+    if type(client) is not redis.Redis or client.connection is not None:
+        return False
+    pool: Any = client.connection_pool
+    # What the pool says is read once per pool: every script call of a claim asks.
+    known: bool | None = getattr(pool, "_fenced_packable", None)
+    if known is None:
+        kwargs = pool.connection_kwargs
+        known = (
+            type(pool) in _PACKABLE_POOLS
+            and kwargs.get("protocol") in (None, 2, "2")
+            and str(kwargs.get("encoding", "utf-8")).lower() in ("utf-8", "utf8")
+        )
+        try:
+            pool._fenced_packable = known
+        except AttributeError:  # a pool that takes no attributes: asked every time
+            pass
+    return known
 
 
 def _send_one(client: Any, packed: bytes) -> Any:

@@ -521,15 +521,9 @@ class ClaimedTask(Task[Any, Any]):
         interrupter = (
             _interrupt.Interrupter() if opts.interrupt and _interrupt.available() else None
         )
-        claim = Claim(
-            client,
-            name,
-            options=opts.claim,
-            on_lost=interrupter.on_lost if interrupter is not None else None,
-            task_id=request.id,
-            record_extra=extra,
+        claim = self._claim_template(client, opts, name).for_call(
+            name, request.id, extra, interrupter.on_lost if interrupter is not None else None
         )
-        claim._front_end("task", self)
         rate_s = opts.claim.rate_us / 1e6
         if rate_s and opts.values["claim_rate_policy"] == "delay" and _delivered(request):
             # Over the rate, the call's start is booked: its message comes back for it.
@@ -590,6 +584,19 @@ class ClaimedTask(Task[Any, Any]):
                 self._end(claim, None, args, kwargs, exception_text(exc), "failed")
                 raise
         return self._run(claim, interrupter, request, args, kwargs)
+
+    _fenced_template: tuple[Any, TaskOptions, Claim] | None = None
+
+    def _claim_template(self, client: Any, opts: TaskOptions, name: str) -> Claim:
+        """The claim (never acquired) each run's own is copied from (``Claim.for_call``):
+        made once per task, client and options, not once per run."""
+        kept = self._fenced_template
+        if kept is not None and kept[0] is client and kept[1] is opts:
+            return kept[2]
+        template = Claim(client, name, options=opts.claim)
+        template._front_end("task", self)
+        self._fenced_template = (client, opts, template)
+        return template
 
     def _run_unclaimed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """fenced switched off (tests without Redis): the body runs under a LocalClaim."""
