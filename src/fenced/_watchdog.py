@@ -332,16 +332,15 @@ class _Watch:
         return None
 
     def _handle(self, words: list[str]) -> None:
-        if not words:
-            return
-        if words[0] == "g" and len(words) == 2:
-            self.group = int(words[1])
-        elif words[0] == "d" and len(words) == 2:
-            self.deadline = float(words[1])
-        elif words[0] == "s":
-            self._end(ENDED_WHEN_ASKED)
-        elif words[0] == "x":
-            self.ended = True
+        match words:
+            case ["g", group]:
+                self.group = int(group)
+            case ["d", deadline]:
+                self.deadline = float(deadline)
+            case ["s", *_]:
+                self._end(ENDED_WHEN_ASKED)
+            case ["x", *_]:
+                self.ended = True
 
     def _act(self, now: float) -> None:
         if self.kill_at is None:
@@ -350,7 +349,7 @@ class _Watch:
             return
         if self.done:
             return
-        if not self._group_alive():
+        if not self._signal(0):
             self.done = True
         elif now >= self.kill_at:
             self._signal(signal.SIGKILL)
@@ -377,20 +376,14 @@ class _Watch:
                 time.sleep(LOOK_EVERY)
         return self.status
 
-    def _group_alive(self) -> bool:
-        assert self.group is not None
-        try:
-            os.killpg(self.group, 0)
-        except (ProcessLookupError, PermissionError):  # gone, or the id is somebody else's
-            return False
-        return True
-
-    def _signal(self, signum: int) -> None:
+    def _signal(self, signum: int) -> bool:
+        """Send ``signum`` to the group (0: none); False when the group is gone."""
         assert self.group is not None
         try:
             os.killpg(self.group, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
+        except (ProcessLookupError, PermissionError):  # gone, or the id is somebody else's
+            return False
+        return True
 
 
 def _say(line: str) -> None:
