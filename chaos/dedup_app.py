@@ -25,8 +25,9 @@ schedule: a peer, reported beside fenced, not held to fenced's invariants.
 
 ``CHAOS_BROKEN`` (``--broken``) switches on deliberate faults the checker must catch:
 ``limit`` and ``cooldown`` add unclaimed tasks that log as ``dd:limit`` and
-``dd:cooldown`` (the feeder sends them now and then); ``rerun`` makes every other run
-of ``dd:rerun`` delete the triggers left for it, as a release that loses them would.
+``dd:cooldown`` (the feeder sends them now and then); ``rerun`` makes every run of
+``dd:rerun`` delete the triggers left for it, as a release that loses them would (so a
+run with any rerun trigger must fail the checker).
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ def retry(self: ClaimedTask, k: int) -> str:
 @app.task(base=ClaimedTask, bind=True, name="dd.rerun", claim="dd:rerun", claim_on_busy="rerun")
 def rerun(self: ClaimedTask, g: int) -> str:
     _hold(self, "dd:rerun", (g,), 0.3, 0.6)
-    if "rerun" in BROKEN and (self.claim.fence or 0) % 2 == 0:
+    if "rerun" in BROKEN:
         # Deliberately broken: the triggers left during this run are lost.
         self.claim.redis.delete(ClaimKeys.of("dd:rerun").rerun)
     return "done"

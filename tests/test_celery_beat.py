@@ -235,6 +235,38 @@ def test_a_new_leader_continues_the_cadence(server: RedisServer, sent: list[str]
     assert "  latest: " in shown.stdout
 
 
+def test_a_tick_that_fails_to_send_is_sent_again_even_when_an_older_one_was_resent(
+    server: RedisServer, sent: list[str]
+) -> None:
+    wall = Wall(T0)
+    sched = _scheduler(_app(server, a={}), wall)
+    tried: set[str] = set()
+    send_task = sched.send_task
+
+    def first_try_fails(*args: Any, **options: Any) -> Any:
+        # A broker that refuses each task id's first publish (and takes the second).
+        if options["task_id"] not in tried:
+            tried.add(options["task_id"])
+            raise ConnectionError("broker down")
+        return send_task(*args, **options)
+
+    sched.send_task = first_try_fails  # type: ignore[method-assign]
+    due = [task_id("unit", "a", T0 + k * 60_000) for k in (1, 2)]
+    sched.tick()  # leads; the cadence starts now
+    wall.ms = T0 + 60_010
+    sched.tick()  # the due at +60 s is granted, its publish fails
+    assert sent == []
+    wall.ms = T0 + 120_010
+    sched.tick()  # +60 s sent again (and taken); +120 s granted, its publish fails
+    assert sent == [due[0]]
+    wall.ms = T0 + 125_000
+    sched.tick()  # +120 s sent again
+    assert sent == due
+    entries = status(server.client(), "unit").entries
+    assert (entries["a"].due_ms, entries["a"].state) == (T0 + 120_000, "sent")
+    sched.close()
+
+
 def test_a_cut_off_leader_sends_nothing_and_stands_by(server: RedisServer, sent: list[str]) -> None:
     wall = Wall(T0)
     leader, other = _two(server, wall)

@@ -265,6 +265,27 @@ def test_a_command_ignoring_sigterm_is_killed_after_the_grace_when_its_runner_di
     assert took >= GRACE * 0.8  # it was given its grace first
 
 
+def test_a_command_ignoring_sigterm_is_killed_when_its_runner_dies_before_naming_its_group(
+    runs: Runs,
+) -> None:
+    # The runner is killed while its Popen has not returned: the command runs, but the
+    # runner never told the watchdog its process group, and the death signal is ignored.
+    script = "trap '' TERM; echo $$ > pid.tmp && mv pid.tmp pid; while :; do sleep 0.1; done"
+    args = ["run", "--grace", str(GRACE), "job:stubborn-start", "--", "sh", "-c", script]
+    with open(runs.dir / "run.err", "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SLOW_START, *args], stderr=err, cwd=runs.dir, env=runs.env()
+        )
+    runs.procs.append(proc)
+    wait_for("Popen to hold", lambda: (runs.dir / "in-popen").exists(), proc=proc)
+    pid = wait_for("the command's pid", lambda: read_pid(runs.dir / "pid"), proc=proc)
+    runs.groups.append(pid)
+    proc.kill()
+    proc.wait()
+    took = gone_within([pid], GRACE + SLACK, "the command to be killed")
+    assert took >= GRACE * 0.8  # it was given its grace first
+
+
 # -- the runner stopped ---------------------------------------------------------------------
 
 

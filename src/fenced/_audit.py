@@ -92,16 +92,10 @@ def claim_fields(
     event: str | None = None,
 ) -> dict[str, Any]:
     """The ``extra`` of a log line about claim ``name`` (see :data:`CLAIM_FIELDS`)."""
-    extra: dict[str, Any] = {
-        "fenced_claim": name,
-        "fenced_fence": fence,
-        "fenced_holder": holder,
-        "fenced_outcome": outcome,
-    }
-    if label is not None:
-        extra["fenced_label"] = label
-    if event is not None:
-        extra["fenced_event"] = event
+    extra: dict[str, Any] = dict(zip(CLAIM_FIELDS, (name, fence, holder, outcome)))
+    for key, value in (("fenced_label", label), ("fenced_event", event)):
+        if value is not None:
+            extra[key] = value
     return extra
 
 
@@ -113,26 +107,40 @@ def claimed_user() -> str:
         return str(os.getuid())
 
 
-def _act(
-    action: str,
-    name: str,
-    token_prefix: str | None,
-    fence: int | None,
-    by: str | None,
-    reason: str | None,
-    outcome: str,
-) -> dict[str, Any]:
-    """The FIELDS of one audit line: the act, and who did it from where."""
-    who = (by or claimed_user(), os.getuid(), socket.gethostname(), os.getpid())
-    return dict(
-        zip(FIELDS, (action, name, token_prefix, fence, *who, reason, outcome), strict=True)
-    )
-
-
 def _shown(value: Any) -> str:
     """A field as the line prints it: control characters as visible escapes, so a
     newline in a reason cannot start a forged line, nor an ESC reach a terminal."""
     return "-" if value is None else printable(value)
+
+
+def _log(
+    act: tuple[str, str, str],
+    name: str,
+    subject: str | None,
+    *held: Any,
+    fence: int | None,
+    by: str | None,
+    reason: str | None,
+    outcome: str,
+) -> None:
+    """Log one act on ``fenced.audit`` at INFO, with the FIELDS as extra: ``act`` is the
+    action, the line's words for it and for what it cleared (``subject``, then ``held``)."""
+    action, what, cleared = act
+    who = (by or claimed_user(), os.getuid(), socket.gethostname(), os.getpid())
+    values = (action, name, subject, fence, *who, reason, outcome)
+    log.info(
+        f"fenced: {what} of %r: %s ({cleared}; by %s, uid %d, on %s pid %d; reason: %s)",
+        name,
+        outcome,
+        _shown(subject or None),
+        *held,
+        _shown(who[0]),
+        who[1],
+        _shown(who[2]),
+        who[3],
+        _shown(reason),
+        extra=dict(zip(FIELDS, values, strict=True)),
+    )
 
 
 def force_released(
@@ -145,21 +153,9 @@ def force_released(
     outcome: str,
 ) -> None:
     """Log one force release on ``fenced.audit`` (at INFO, with the FIELDS as extra)."""
-    extra = _act("force_release", name, token_prefix, fence, by, reason, outcome)
-    log.info(
-        "fenced: force release of %r: %s (holder %s, fence %s; by %s, uid %d, on %s "
-        "pid %d; reason: %s)",
-        name,
-        outcome,
-        _shown(token_prefix or None),
-        "-" if fence is None else fence,
-        _shown(extra["fenced_by"]),
-        extra["fenced_uid"],
-        _shown(extra["fenced_host"]),
-        extra["fenced_pid"],
-        _shown(reason),
-        extra=extra,
-    )
+    act = ("force_release", "force release", "holder %s, fence %s")
+    shown_fence = "-" if fence is None else fence
+    _log(act, name, token_prefix, shown_fence, fence=fence, by=by, reason=reason, outcome=outcome)
 
 
 def unqueued(
@@ -167,19 +163,8 @@ def unqueued(
 ) -> None:
     """Log one enqueue marker cleared by hand on ``fenced.audit`` (the FIELDS as extra;
     the marker's task id where a lease's token prefix would be)."""
-    extra = _act("unqueue", name, task_id, None, by, reason, outcome)
-    log.info(
-        "fenced: enqueue marker of %r: %s (task %s; by %s, uid %d, on %s pid %d; reason: %s)",
-        name,
-        outcome,
-        _shown(task_id or None),
-        _shown(extra["fenced_by"]),
-        extra["fenced_uid"],
-        _shown(extra["fenced_host"]),
-        extra["fenced_pid"],
-        _shown(reason),
-        extra=extra,
-    )
+    act = ("unqueue", "enqueue marker", "task %s")
+    _log(act, name, task_id, fence=None, by=by, reason=reason, outcome=outcome)
 
 
 def echo_to_stderr() -> None:

@@ -342,7 +342,7 @@ class _Runner:
         try:
             self.proc = subprocess.Popen(
                 list(opts.argv),
-                preexec_fn=dies_with_runner(),
+                preexec_fn=dies_with_runner(tell=self.watch.pipe),
                 env=None if opts.pass_fenced_env else child_env(),
                 **OWN_GROUP,
             )

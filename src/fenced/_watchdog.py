@@ -231,7 +231,9 @@ class Watchdog:
             self.pipe = None
 
 
-def dies_with_runner(runner: int | None = None) -> Callable[[], None] | None:
+def dies_with_runner(
+    runner: int | None = None, tell: int | None = None
+) -> Callable[[], None] | None:
     """A ``preexec_fn`` giving the command SIGTERM when its runner dies (Linux), or None.
 
     ``runner`` is the pid the command's parent must be (default: this process). A runner
@@ -240,18 +242,24 @@ def dies_with_runner(runner: int | None = None) -> Callable[[], None] | None:
     later: the child sets SIGTERM's default action first (the exec would reset a caught
     signal to it anyway), so that the death signal, arriving between the two, ends it.
 
+    ``tell`` is the write end of the watchdog's pipe: the child, the leader of its own
+    process group, tells the watchdog that group itself before the exec, so a runner
+    that dies before it could say it (a command that ignores SIGTERM outlives the
+    death signal) still leaves a watchdog that knows what to end.
+
     Everything is looked up before the fork: the child of a process with threads must
     not load libraries or take locks between fork and exec.
     """
+    greet = None if tell is None else _greeter(tell)
     if not sys.platform.startswith("linux"):
-        return None
+        return greet
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
         prctl, set_action = libc.prctl, libc.signal
     except (ImportError, OSError, AttributeError):  # pragma: no cover - a libc without it
-        return None
+        return greet
     prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
     prctl.restype = ctypes.c_int
     set_action.argtypes = [ctypes.c_int, ctypes.c_void_p]
@@ -266,10 +274,25 @@ def dies_with_runner(runner: int | None = None) -> Callable[[], None] | None:
         if caught:
             set_action(term, None)  # SIG_DFL
         prctl(PR_SET_PDEATHSIG, term, 0, 0, 0)
+        if greet is not None:
+            greet()
         if os.getppid() != parent:  # the runner died before the signal was set
             os._exit(128 + term)
 
     return set_parent_death_signal
+
+
+def _greeter(pipe: int) -> Callable[[], None]:
+    """The child's part of a ``preexec_fn``: ``g PID`` on the watchdog's pipe (the child
+    leads its own group; the pipe's end is closed by the exec)."""
+
+    def greet() -> None:
+        try:
+            os.write(pipe, b"g %d\n" % os.getpid())
+        except OSError:  # a watchdog gone: the runner's own greeting is all there is
+            pass
+
+    return greet
 
 
 def signame(signum: int) -> str:
@@ -364,7 +387,9 @@ class _Watch:
         self._signal(signal.SIGCONT)
 
     def _runner_gone(self) -> int:
-        if self.group is not None and not self.ended and self.kill_at is None:
+        # A group the command's child named before an exec that failed is no one's.
+        guarding = self.group is not None and not self.ended and self.kill_at is None
+        if guarding and self._group_alive():
             self._end(ENDED_RUNNER_GONE)
             _say(
                 f"fenced: fenced run of {self.name!r} is gone and left its command "

@@ -124,10 +124,8 @@ def unsubscribe(fn: Subscriber) -> None:
     global _subscribers
     with _lock:
         subs = list(_subscribers)
-        for i, sub in enumerate(subs):
-            if sub is fn or sub == fn:
-                del subs[i]
-                break
+        if fn in subs:  # the first one that is fn, or equal to it
+            subs.remove(fn)
         _subscribers = tuple(subs)
         _last_error_log.pop(id(fn), None)
 
@@ -139,10 +137,7 @@ def enabled() -> bool:
 
 def emit(event: ClaimEvent) -> None:
     """Hand ``event`` to every subscriber; never raises."""
-    subs = _subscribers
-    if not subs:
-        return
-    for fn in subs:
+    for fn in _subscribers:  # the tuple as it is now: a subscribe meanwhile replaces it
         try:
             fn(event)
         except Exception:

@@ -36,6 +36,7 @@ import weakref
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Iterator
+from itertools import accumulate
 from typing import Any
 
 try:
@@ -213,6 +214,20 @@ class _Counts:
         self.run = [0.0] * (len(RUN_BUCKETS) + 2)
         self.renewal = [0.0] * (len(RENEWAL_BUCKETS) + 2)
 
+    def series(self) -> Iterator[tuple[str, str, Any]]:
+        """(metric, word, value) of every series with something counted: a worded
+        counter's one per word, a histogram's value its list; ``claims_held`` from the
+        label's first acquire on, at 0 too."""
+        for metric, (_kind, field, more, bounds) in METRICS.items():
+            value = getattr(self, field)
+            if bounds:
+                if any(value[:-1]):
+                    yield metric, "", value
+            elif more:
+                yield from ((metric, word, n) for word, n in list(value.items()) if n)
+            elif value or (field == "held" and self.acquired):
+                yield metric, "", value
+
 
 class _Tally:
     """The values kept in this process, one :class:`_Counts` per label; a registry reads
@@ -249,24 +264,13 @@ class _Tally:
             labels = list(self.labels.items())
         families = self._families()
         for label, counts in labels:
-            for metric, (_kind, field, more, bounds) in METRICS.items():
-                value, family = getattr(counts, field), families[metric]
-                if bounds:
-                    spread, cumulative, total = list(value), [], 0.0
-                    for bound, n in zip((*bounds, float("inf")), spread[:-1]):
-                        total += n
-                        cumulative.append((floatToGoString(bound), total))  # type: ignore[no-untyped-call]
-                    if total:
-                        family.add_metric([label], cumulative, spread[-1])
-                elif more:
-                    for word, n in list(value.items()):
-                        if n:
-                            family.add_metric([label, word], n)
-                elif field == "held":  # shown from the label's first acquire, at 0 too
-                    if counts.acquired:
-                        family.add_metric([label], value)
-                elif value:
-                    family.add_metric([label], value)
+            for metric, word, value in counts.series():
+                if isinstance(value, list):  # per bucket, then the sum: cumulative here
+                    spread, bounds = list(value), (*METRICS[metric][3], float("inf"))
+                    cumulative = zip(map(floatToGoString, bounds), accumulate(spread[:-1]))
+                    families[metric].add_metric([label], list(cumulative), spread[-1])
+                else:
+                    families[metric].add_metric([label, word] if word else [label], value)
         return iter(families.values())
 
 
@@ -294,31 +298,19 @@ class _Children:
     def write(self) -> None:
         """Add the counts to the metrics (a write to a file each, in multiprocess mode),
         and start them again from zero. The caller holds the lock of the counts."""
-        counts = self.counts
-        if counts.acquired:
-            self.child("claims_held")  # the series shows, at 0 too
-        for metric, (_kind, field, more, bounds) in METRICS.items():
-            value = getattr(counts, field)
-            if bounds:
-                if any(value[:-1]):
-                    # A histogram child keeps a value per bucket (not cumulative, as here)
-                    # and the sum: prometheus_client's _buckets and _sum, the values
-                    # observe() adds to (tests/test_metrics.py checks the two ways agree).
-                    histogram = self.child(metric)
-                    for i, n in enumerate(value[:-1]):
-                        if n:
-                            histogram._buckets[i].inc(n)
-                            value[i] = 0.0
-                    histogram._sum.inc(value[-1])
-                    value[-1] = 0.0
-            elif more:
-                for word, n in value.items():
+        for metric, word, value in self.counts.series():
+            if isinstance(value, list):
+                # A histogram child keeps a value per bucket (not cumulative, as here)
+                # and the sum: prometheus_client's _buckets and _sum, the values
+                # observe() adds to (tests/test_metrics.py checks the two ways agree).
+                histogram = self.child(metric)
+                for i, n in enumerate(value[:-1]):
                     if n:
-                        self.child(metric, word).inc(n)
-                        value[word] = 0.0
-            elif value:
-                self.child(metric).inc(value)
-                setattr(counts, field, 0.0)
+                        histogram._buckets[i].inc(n)
+                histogram._sum.inc(value[-1])
+            else:
+                self.child(metric, word).inc(value)
+        self.counts.reset()
 
 
 class _Shared:
@@ -326,16 +318,12 @@ class _Shared:
     to a file of its own in ``PROMETHEUS_MULTIPROC_DIR``, and a scrape adds them up."""
 
     def __init__(self, registry: CollectorRegistry, namespace: str) -> None:
-        self.metrics: dict[str, Any] = {}
+        options = {"namespace": namespace, "registry": registry}
+        self.metrics = {
+            metric: _metric(kind, metric, HELP[metric], ("label", *more), **options, buckets=b)
+            for metric, (kind, _field, more, b) in METRICS.items()
+        }
         self.labels: list[_Children] = []
-        for metric, (kind, _field, more, buckets) in METRICS.items():
-            options: dict[str, Any] = {"namespace": namespace, "registry": registry}
-            if kind == "histogram":
-                options["buckets"] = buckets
-            elif kind == "gauge":  # livesum: a child that exits takes its claims out of the sum
-                options["multiprocess_mode"] = "livesum"
-            made = _CLASSES[kind][0](metric, HELP[metric], ("label", *more), **options)
-            self.metrics[metric] = made
 
     def cells(self, label: str) -> _Counts:
         """A new label's counts (the caller keeps them, to update; :meth:`write` adds them
@@ -353,6 +341,16 @@ class _Shared:
         """A forked child: the counts it inherited are its parent's, to be written there."""
         for children in list(self.labels):
             children.counts.reset()
+
+
+def _metric(kind: str, *spec: Any, buckets: tuple[float, ...] = (), **options: Any) -> Any:
+    """One of prometheus_client's own metrics, of ``kind``, from its name, help and label
+    names (its values in files in multiprocess mode)."""
+    if buckets:
+        options["buckets"] = buckets
+    elif kind == "gauge":  # livesum: a process that exits takes its value out of the sum
+        options["multiprocess_mode"] = "livesum"
+    return _CLASSES[kind][0](*spec, **options)
 
 
 def _in_files() -> bool:
@@ -392,12 +390,10 @@ class BeatMetrics:
     ``"other"``."""
 
     def __init__(self, registry: CollectorRegistry, namespace: str) -> None:
-        self.metrics: dict[str, Any] = {}
-        for metric, (kind, labels, text) in BEAT_METRICS.items():
-            options: dict[str, Any] = {"namespace": namespace, "registry": registry}
-            if kind == "gauge":  # livesum: a beat that exits leaves the sum
-                options["multiprocess_mode"] = "livesum"
-            self.metrics[metric] = _CLASSES[kind][0](metric, text, labels, **options)
+        self.metrics = {
+            metric: _metric(kind, metric, text, labels, namespace=namespace, registry=registry)
+            for metric, (kind, labels, text) in BEAT_METRICS.items()
+        }
         self._entries: set[tuple[str, str]] = set()
 
     def _entry(self, beat: str, entry: str) -> str:

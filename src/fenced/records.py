@@ -185,10 +185,9 @@ class _Entry:
         return cls(eid, _entry_time(eid), fields, _data(fields.get("r"), problems), problems)
 
     @classmethod
-    def listed(cls, item: Any) -> _Entry:
+    def listed(cls, raw: bytes | str) -> _Entry:
         """A list entry: its fields' JSON object, a newline, the record's JSON."""
         problems: list[str] = []
-        raw = item if isinstance(item, (bytes, str)) else readable(item)
         newline = b"\n" if isinstance(raw, bytes) else "\n"
         head_raw, sep, record_raw = raw.partition(newline)  # type: ignore[arg-type]
         head = _part(head_raw, "fields", problems)
@@ -261,9 +260,14 @@ class _Entry:
     def unreadable(self) -> str | None:
         return "; ".join(dict.fromkeys(self.problems)) or None
 
+    def reason(self) -> str | None:
+        """The reason a run ended: the record's, else the note of the script that ended it."""
+        return self.text("reason") or self.fields.get("note")
+
     def run(self, name: str, outcome: str, **fields: Any) -> RunRecord:
-        """A run read from this entry: ``fields``, who ran it, its extra data, and what
-        could not be read (so far)."""
+        """A run read from this entry: ``fields`` (the record's task id unless given), who
+        ran it, its extra data, and what could not be read (so far)."""
+        fields.setdefault("task_id", self.text("task_id"))
         rec = RunRecord(name, outcome, worker=self.worker(), extra=self.extra(), **fields)
         rec.unreadable = self.unreadable()
         return rec
@@ -333,15 +337,13 @@ def queue_read(pipe: Any, keys: ClaimKeys, limit: int) -> Any:
 def from_replies(keys: ClaimKeys, listed: Any, streamed: Any, limit: int = 20) -> list[RunRecord]:
     """The runs :func:`queue_read`'s replies hold, newest first; a key of another type
     (an error in place of its reply) is one unreadable run naming it."""
+    replies = ((keys.records, listed), (keys.runs, streamed))
     bad = [
         RunRecord(name=keys.name, outcome=UNREADABLE, unreadable=f"{key}: {reply}")
-        for key, reply in ((keys.records, listed), (keys.runs, streamed))
+        for key, reply in replies
         if isinstance(reply, Exception)
     ]
-    if isinstance(listed, Exception):
-        listed = []
-    if isinstance(streamed, Exception):
-        streamed = []
+    listed, streamed = ([] if isinstance(reply, Exception) else reply for _key, reply in replies)
     return bad + from_entries(keys.name, listed, limit, streamed=streamed)
 
 
@@ -374,38 +376,27 @@ def from_entries(
     for e in _entries(entries, streamed):
         f, at = e.fields, e.at
         event = f.get("event")
+        # Runs pair by their tokens' start: the whole token would release a live lease.
+        token = short_token(f.get("token"))
         if event in ("finished", "released"):
             # Newest first: a run cleared by an operator and then finished by its holder
             # (as lost) ends with the holder's own record, not the release; a run a
             # newer one replaced ends with what REPLACE wrote (it names that run).
-            ended = short_token(f.get("token", ""))
-            if f.get("replaced") or ended not in finished:
-                finished[ended] = e
+            if f.get("replaced") or token not in finished:
+                finished[token] = e
             if event == "released":
-                act = (at, _released(name, e))
-                releases.setdefault(short_token(f.get("token", "")), act)
-                runs.append(act)
+                rec = e.run(name, "released", task_id=None, token=token or None, finished=at)
+                rec.reason, rec.holder = e.text("reason"), e.holder("token")
+                runs.append((at, rec))
+                releases.setdefault(token, runs[-1])
             continue
         if event == "skipped":
-            rec = e.run(
-                name,
-                "skipped",
-                task_id=e.text("task_id"),
-                started=at,
-                finished=at,
-                duration=0.0,
-                reason=f.get("reason") or e.text("reason") or "already running",
-                holder=e.holder("holder"),
-            )
-            runs.append((at, rec))
-            continue
-        if event == "started":
-            # Runs pair by their tokens' start: the whole token would release a live lease.
-            token = short_token(f.get("token", ""))
+            rec = e.run(name, "skipped", started=at, finished=at, duration=0.0)
+            rec.reason = f.get("reason") or e.text("reason") or "already running"
+            rec.holder = e.holder("holder")
+        elif event == "started":
+            rec = e.run(name, "running", token=token, fence=e.fence(), started=at)
             end = finished.pop(token, None)
-            rec = e.run(
-                name, "running", task_id=e.text("task_id"), token=token, fence=e.fence(), started=at
-            )
             if end is not None:
                 rec.outcome = _outcome(end)
                 duration = end.number("duration")
@@ -416,7 +407,7 @@ def from_entries(
                     if end.before is not None:
                         rec.finished = min(rec.finished, end.before)
                 rec.duration = duration if duration is not None else rec.finished - at
-                rec.reason = end.text("reason") or end.fields.get("note")
+                rec.reason = end.reason()
                 rec.extra.update(end.extra())
                 e.problems += end.problems
                 if end.fields.get("event") == "released":
@@ -424,24 +415,16 @@ def from_entries(
                     if cleared is not None and cleared in runs:
                         runs.remove(cleared)
                 rec.unreadable = e.unreadable()
-            runs.append((at, rec))
-            continue
-        runs.append((at, _unknown(name, e, event)))
+        else:
+            rec = _unknown(name, e, event)
+        runs.append((at, rec))
     # Finished entries whose start fell outside the window still tell an outcome.
     for token, e in finished.items():
-        if e.fields.get("event") != "finished":
-            continue
-        rec = e.run(
-            name,
-            _outcome(e),
-            task_id=e.text("task_id"),
-            token=token,
-            fence=e.fence(),
-            finished=e.at,
-            duration=e.number("duration"),
-            reason=e.text("reason") or e.fields.get("note"),
-        )
-        runs.append((e.at, rec))
+        if e.fields.get("event") == "finished":
+            outcome, fence, duration = _outcome(e), e.fence(), e.number("duration")
+            rec = e.run(name, outcome, token=token, fence=fence, finished=e.at, duration=duration)
+            rec.reason = e.reason()
+            runs.append((e.at, rec))
     runs.sort(key=lambda pair: pair[0], reverse=True)
     return [rec for _at, rec in runs[:limit]]
 
@@ -488,17 +471,6 @@ def _outcome(end: _Entry) -> str:
         return outcome
     end.problems.append(f"outcome {outcome[:40]!r} is not one fenced writes")
     return UNREADABLE
-
-
-def _released(name: str, e: _Entry) -> RunRecord:
-    return e.run(
-        name,
-        "released",
-        token=short_token(e.fields.get("token")) or None,
-        finished=e.at,
-        reason=e.text("reason"),
-        holder=e.holder("token"),
-    )
 
 
 def _unknown(name: str, e: _Entry, event: str | None) -> RunRecord:

@@ -95,6 +95,21 @@ def _alive(proc: subprocess.Popen[bytes] | None) -> TypeGuard[subprocess.Popen[b
     return proc is not None and proc.poll() is None
 
 
+def _end(
+    proc: subprocess.Popen[bytes] | None, send: Callable[[int], None], timeout: float | None
+) -> None:
+    """Wake ``proc`` (SIGCONT) and stop it with the signals ``send`` sends: SIGTERM and
+    SIGKILL after ``timeout`` seconds, or SIGKILL at once without one."""
+    if _alive(proc):
+        send(signal.SIGCONT)
+        send(signal.SIGKILL if timeout is None else signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            send(signal.SIGKILL)
+            proc.wait()
+
+
 class RedisServer:
     """A redis-server process this object starts, stops, pauses and restarts."""
 
@@ -190,22 +205,21 @@ class RedisServer:
         except OSError:
             return "(no log)"
 
+    def _send(self, sig: int) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
+
     def pause(self) -> None:
         """SIGSTOP: the server holds its sockets open and answers nothing."""
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        self._send(signal.SIGSTOP)
 
     def resume(self) -> None:
         """SIGCONT after pause()."""
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGCONT)
+        self._send(signal.SIGCONT)
 
     def kill(self) -> None:
         """kill -9: everything in memory is gone (nothing is persisted)."""
-        if _alive(self.proc):
-            self.resume()
-            self.proc.kill()
-            self.proc.wait()
+        _end(self.proc, self._send, None)
 
     def restart(self) -> RedisServer:
         """Kill -9 and start again on the same address, empty."""
@@ -216,13 +230,7 @@ class RedisServer:
 
     def stop(self) -> None:
         """Stop the server and remove its directory."""
-        if _alive(self.proc):
-            self.resume()
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        _end(self.proc, self._send, 5)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> RedisServer:
@@ -879,17 +887,8 @@ class CeleryWorker:
 
     def kill(self) -> None:
         """SIGKILL the worker and its pool, as a deploy's hard restart does."""
-        if _alive(self.proc):
-            self.signal(signal.SIGCONT)
-            self.signal(signal.SIGKILL)
-            self.proc.wait()
+        _end(self.proc, self.signal, None)
 
     def stop(self, timeout: float = 20.0) -> None:
         """Warm shutdown; kill the process group if it does not finish in time."""
-        if _alive(self.proc):
-            self.signal(signal.SIGCONT)
-            self.signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        _end(self.proc, self.signal, timeout)

@@ -149,7 +149,7 @@ return redis.call('DEL', KEYS[1])
 )
 
 
-def seconds(value: Any, option: str, where: str) -> float:
+def seconds(value: Any, option: str) -> float:
     """A duration option: seconds (> 0), or text such as ``"300ms"``, ``"5s"``, ``"1m"``."""
     number: float | None = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -160,28 +160,26 @@ def seconds(value: Any, option: str, where: str) -> float:
             number = float(found.group(1)) * _UNITS[found.group(2)]
     if number is None or not 0 < number < float("inf"):
         raise ConfigError(
-            f"{where}: {option}={value!r} is not a duration > 0: give seconds or a number "
+            f"{option}={value!r} is not a duration > 0: give seconds or a number "
             "with ms, s, m or h, e.g. 0.5, '300ms', '5s', '1m'"
         )
     return number
 
 
-def check(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+def check(values: Mapping[str, Any]) -> dict[str, Any]:
     """The debounce options cleaned; ConfigError for a bad one or a contradiction among
     ``values`` (the options given so far: a task's own, or all of them resolved)."""
     out: dict[str, Any] = {}
     debounce, most = values.get("claim_debounce"), values.get("claim_debounce_max")
     if debounce is not None:
-        out["claim_debounce"] = debounce = seconds(debounce, "claim_debounce", where)
+        out["claim_debounce"] = debounce = seconds(debounce, "claim_debounce")
     if most is not None:
-        out["claim_debounce_max"] = most = seconds(most, "claim_debounce_max", where)
+        out["claim_debounce_max"] = most = seconds(most, "claim_debounce_max")
         if debounce is None:
-            raise ConfigError(
-                f"{where}: claim_debounce_max caps a debounce: give claim_debounce too"
-            )
+            raise ConfigError("claim_debounce_max caps a debounce: give claim_debounce too")
         if most < debounce:
             raise ConfigError(
-                f"{where}: claim_debounce_max={most:g}s is shorter than claim_debounce="
+                f"claim_debounce_max={most:g}s is shorter than claim_debounce="
                 f"{debounce:g}s: a burst runs at most claim_debounce_max after its first call, "
                 "so it must be at least the debounce"
             )
@@ -189,31 +187,21 @@ def check(values: Mapping[str, Any], where: str) -> dict[str, Any]:
         return out
     for option, why in _CONTRADICTS.items():
         if values.get(option):
-            raise ConfigError(f"{where}: claim_debounce with {option}: {why}")
+            raise ConfigError(f"claim_debounce with {option}: {why}")
     on_busy = values.get("claim_on_busy")
     if on_busy is not None and on_busy != "retry":
         raise ConfigError(
-            f"{where}: claim_debounce with claim_on_busy={on_busy!r}: a debounced run that "
+            f"claim_debounce with claim_on_busy={on_busy!r}: a debounced run that "
             "finds its name busy waits for it (claim_on_busy='retry', the default with a "
             "debounce); any other policy would lose the burst's calls"
         )
     limit = values.get("claim_limit")
     if limit is not None and limit != 1:
         raise ConfigError(
-            f"{where}: claim_debounce with claim_limit={limit!r}: a burst is one run at a "
+            f"claim_debounce with claim_limit={limit!r}: a burst is one run at a "
             "time of its name; give claim_limit=1"
         )
     return out
-
-
-def burst_key(keys: ClaimKeys) -> str:
-    """The name's open burst."""
-    return keys.debounce
-
-
-def taken_key(keys: ClaimKeys, task_id: str) -> str:
-    """The call a burst's run took, kept for a redelivery of its message."""
-    return f"{burst_key(keys)}:{task_id}"
 
 
 def join(
@@ -228,7 +216,7 @@ def join(
     """Add a call to the name's burst: (the burst's task id, whether this call opened it)."""
     found = JOIN(
         client,
-        [burst_key(keys)],
+        [keys.debounce],
         [task_id, call, max(1, int(expiry * 1000)), int(debounce * 1000), int((most or 0) * 1000)],
     )
     return as_text(found[0]), bool(int(found[1]))
@@ -246,7 +234,8 @@ def take(
     ("own", None): run with the message's own arguments."""
     found = TAKE(
         client,
-        [burst_key(keys), taken_key(keys, task_id), keys.lock],
+        # the name's open burst, the call this task id's run took (for a redelivery)
+        [keys.debounce, f"{keys.debounce}:{task_id}", keys.lock],
         [
             task_id,
             int(debounce * 1000),
@@ -261,19 +250,6 @@ def take(
     if what == "run":
         return what, as_text(found[1])
     return "own", None
-
-
-def call_of(
-    text: str, name: str, key: bytes | None, names: Callable[[Any, Any], str]
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The call a taken burst stored, checked as a rerun trigger is; :class:`_rerun.Refused`
-    for one unsigned, forged, malformed, or naming another claim."""
-    call = _rerun.decode(text, name, key)
-    if isinstance(call, str):
-        raise _rerun.Refused("a call fenced does not store")
-    if names(*call) != name:
-        raise _rerun.Refused("a call that names another claim")
-    return call
 
 
 def defer(task: Any, seconds: float, exc: BaseException | None = None) -> Retry:
@@ -346,7 +322,7 @@ def send(
         return publish(args, kwargs, burst, countdown=debounce, **options)
     except BaseException:
         try:  # the calls that join it would wait for a message that never comes
-            ABANDON(client, [burst_key(keys)], [burst])
+            ABANDON(client, [keys.debounce], [burst])
         except Exception:
             log.warning(
                 "fenced: could not abandon the burst of %r; it expires", name, exc_info=True
@@ -386,9 +362,9 @@ def delivered(
         return args, kwargs
     key = task._rerun_key()
     try:
-        args, kwargs = call_of(value, name, key, task.claim_name_for)
+        args, kwargs = _rerun.checked(value, name, key, task.claim_name_for)
     except Exception as exc:
-        why = str(exc) if isinstance(exc, _rerun.Refused) else type(exc).__name__
+        why = _rerun.why(exc)
         count("debounce_dropped")
         # Its text is not logged: a genuine call's arguments may be secret.
         log.warning(

@@ -11,7 +11,6 @@ that has it off (``celery.fenced-disabled``), and so does a worker when it start
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any
@@ -21,7 +20,7 @@ from celery import signals as celery_signals
 from .._claim import Claim
 from .._errors import ConfigError
 from .._held import HELD, RELEASED
-from ._options import PerApp
+from ._options import PerApp, switch
 
 __all__ = ["SETTING", "LocalClaim", "enabled"]
 
@@ -29,8 +28,6 @@ log = logging.getLogger("fenced.celery")
 
 #: The Celery setting; ``FENCED_ENABLED`` is read when it is not given.
 SETTING = "fenced_enabled"
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 
 
 # Each app's answer, read again when its settings change: every run asks.
@@ -43,26 +40,14 @@ def enabled(app: Any) -> bool:
 
 
 def _enabled(app: Any) -> bool:
-    value = app.conf.get(SETTING)
-    if value is None:
-        text = os.environ.get("FENCED_ENABLED")
-        if text is None or not text.strip():
-            return True
-        word = text.strip().lower()
-        if word in _TRUE:
-            return True
-        if word in _FALSE:
-            return False
-        raise ConfigError(
-            f"FENCED_ENABLED={text!r} is not a switch: use 0 (claims off, for tests "
-            "without Redis) or 1 (the default)"
-        )
-    if not isinstance(value, bool):
-        raise ConfigError(
-            f"{SETTING}={value!r} must be True or False (False: claims off, for tests "
-            "without Redis)"
-        )
-    return value
+    return switch(
+        app,
+        SETTING,
+        "FENCED_ENABLED",
+        True,
+        "0 (claims off, for tests without Redis) or 1 (the default)",
+        " (False: claims off, for tests without Redis)",
+    )
 
 
 _fence_lock = threading.Lock()
@@ -110,9 +95,7 @@ class LocalClaim(Claim):
             self._deadline = float("inf")
         return True
 
-    def take_over(self) -> bool:
-        """As :meth:`acquire`."""
-        return self.acquire()
+    take_over = acquire  # nothing was kept: a new local claim
 
     def refresh(self) -> bool:
         """Nothing to renew: True while held."""

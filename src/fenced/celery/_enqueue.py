@@ -80,21 +80,21 @@ return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 )
 
 
-def check_mode(value: Any, where: str) -> str | None:
+def check_mode(value: Any) -> str | None:
     """A ``claim_enqueue`` value: one of MODES, or None (no deduplication at enqueue)."""
     if value is None or value in MODES:
         return value  # type: ignore[no-any-return]
     raise ConfigError(
-        f"{where}: claim_enqueue={value!r} is not a mode: use 'until_started' (a message "
+        f"claim_enqueue={value!r} is not a mode: use 'until_started' (a message "
         "per name while one is queued) or 'until_finished' (also while it runs), or None"
     )
 
 
-def check_ttl(value: Any, where: str) -> float:
+def check_ttl(value: Any) -> float:
     """A ``claim_enqueue_ttl``: seconds, more than zero."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ConfigError(
-            f"{where}: claim_enqueue_ttl={value!r} must be a number of seconds > 0 (how long "
+            f"claim_enqueue_ttl={value!r} must be a number of seconds > 0 (how long "
             "a lost message may block its name), e.g. 3600"
         )
     return float(value)

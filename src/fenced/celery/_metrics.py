@@ -31,7 +31,7 @@ from typing import Any
 from celery import signals as celery_signals
 
 from .._errors import ConfigError
-from ._options import PerApp
+from ._options import PerApp, switch
 
 __all__ = ["ADDRESS_SETTING", "DEFAULT_ADDRESS", "PORT_SETTING", "SETTING", "address", "settings"]
 
@@ -46,8 +46,6 @@ ADDRESS_SETTING = "fenced_metrics_address"
 #: Loopback: another host sees the metrics only when an address says so.
 DEFAULT_ADDRESS = "127.0.0.1"
 _HOSTNAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252}[A-Za-z0-9])?")
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off", "")
 #: The pools that run tasks in child processes.
 _PROCESS_POOLS = ("prefork", "processes")
 
@@ -62,17 +60,13 @@ def settings(app: Any) -> tuple[bool, int | None]:
 
 
 def _settings(app: Any) -> tuple[bool, int | None]:
-    on = app.conf.get(SETTING)
-    if on is None:
-        text = os.environ.get("FENCED_METRICS", "").strip().lower()
-        if text not in _TRUE + _FALSE:
-            raise ConfigError(
-                f"FENCED_METRICS={os.environ['FENCED_METRICS']!r} is not a switch: use 1 "
-                "(claim metrics, pip install 'fenced[metrics]') or 0"
-            )
-        on = text in _TRUE
-    elif not isinstance(on, bool):
-        raise ConfigError(f"{SETTING}={on!r} must be True or False")
+    on = switch(
+        app,
+        SETTING,
+        "FENCED_METRICS",
+        False,
+        "1 (claim metrics, pip install 'fenced[metrics]') or 0",
+    )
     port = app.conf.get(PORT_SETTING)
     where = PORT_SETTING
     if port is None and os.environ.get("FENCED_METRICS_PORT", "").strip():
@@ -80,14 +74,19 @@ def _settings(app: Any) -> tuple[bool, int | None]:
         if port.isdigit():
             port = int(port)
     if port is not None:
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-            raise ConfigError(f"{where}={port!r} must be a TCP port number (1-65535), e.g. 9808")
+        check_port(port, where, 9808)
         if not on:
             raise ConfigError(
                 f"{where}={port!r} serves claim metrics, which are off: set {SETTING} = True "
                 "(or FENCED_METRICS=1) as well"
             )
     return on, port
+
+
+def check_port(port: Any, where: str, example: int) -> None:
+    """ConfigError unless ``port`` (the setting ``where``) is a TCP port number."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ConfigError(f"{where}={port!r} must be a TCP port number (1-65535), e.g. {example}")
 
 
 def address(app: Any) -> str:
@@ -123,7 +122,7 @@ def _process_pool(worker: Any) -> bool:
     return getattr(pool, "__module__", "").endswith(".prefork")
 
 
-def _installed() -> Any:
+def installed() -> Any:
     """The metrics installed in this process, or None (never imports fenced.metrics)."""
     metrics = sys.modules.get("fenced.metrics")
     return None if metrics is None else metrics.installed()
@@ -162,7 +161,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     """The main process, its pool started: serve ``/metrics`` when a port is set."""
     app = getattr(sender, "app", None)
-    port = settings(app)[1] if app is not None and _installed() is not None else None
+    port = settings(app)[1] if app is not None and installed() is not None else None
     if port is None:
         return
     from .. import metrics
@@ -179,7 +178,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
 @celery_signals.worker_process_init.connect(weak=False)
 def _on_child_init(**_: Any) -> None:
     """A pool child: the metrics its parent installed, or installed here when not inherited."""
-    if _installed() is not None:
+    if installed() is not None:
         return
     from celery import current_app
 
@@ -198,9 +197,9 @@ def _on_child_init(**_: Any) -> None:
 def _on_child_exit(pid: int | None = None, **_: Any) -> None:
     """A pool child that exits writes what it counted last, and leaves ``claims_held``
     (multiprocess mode)."""
-    installed = _installed()
-    if installed is not None:
+    kept = installed()
+    if kept is not None:
         from .. import metrics
 
-        installed.flush()  # what the last FLUSH_SECONDS counted
+        kept.flush()  # what the last FLUSH_SECONDS counted
         metrics.mark_process_dead(pid if pid is not None else os.getpid())

@@ -17,9 +17,9 @@ triggers' signatures).
 from __future__ import annotations
 
 import inspect
+import math
 import os
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -115,147 +115,34 @@ KNOWN_SETTINGS = frozenset(
 )
 
 
-def renamed(values: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """``values`` with earlier option names moved to their current ones."""
-    out = dict(values)
-    for old, new in RENAMED.items():
-        if old in out:
-            value = out.pop(old)
-            if value is None:
-                continue
-            warnings.warn(
-                f"{where}: {old} is now {new}; rename it (the values are the same)",
-                DeprecationWarning,
-                stacklevel=4,
-            )
-            out.setdefault(new, value)
-    return out
-
-
-def _check_alert(value: Any, where: str) -> int:
-    if value is None:
-        return 0
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(
-            f"{where}: claim_alert_after_skips={value!r} must be a whole number of skips "
-            "(0 never alerts), e.g. 5"
-        )
-    return value
-
-
-def _check_callback(value: Any, where: str) -> Callable[..., Any] | None:
-    if value is not None and not callable(value):
-        raise ConfigError(
-            f"{where}: claim_on_skips_exceeded={value!r} is not callable; pass a function "
-            "taking (sender, name, skips, holder) as keywords, or None"
-        )
-    callback: Callable[..., Any] | None = value
-    return callback
-
-
-def _check_bool(value: Any, option: str, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{where}: {option}={value!r} must be True or False")
-    return value
-
-
-def _check_positive(value: Any, option: str, where: str, integer: bool = False) -> Any:
+def _number(value: Any, option: str, integer: bool = False) -> Any:
     kinds = (int,) if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kinds) or value < 0:
-        raise ConfigError(f"{where}: {option}={value!r} must be a number >= 0")
+        raise ConfigError(f"{option}={value!r} must be a number >= 0")
     return value
 
 
-def validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """Check every option given (None means: from settings) and return them cleaned."""
-    out: dict[str, Any] = {}
-    ttl, refresh = values.get("claim_ttl"), values.get("claim_refresh_every")
-    try:
-        if ttl is not None:
-            out["claim_ttl"], _ = check_timing(ttl, None, names=("claim_ttl", ""))
-        if refresh is not None:
-            # Without a ttl here (it comes from settings) only the interval is checked.
-            _, out["claim_refresh_every"] = check_timing(
-                ttl if ttl is not None else float("inf"),
-                refresh,
-                names=("claim_ttl", "claim_refresh_every"),
-            )
-        if values.get("claim_namespace") is not None:
-            out["claim_namespace"] = check_namespace(values["claim_namespace"])
-        if values.get("claim_on_busy") is not None:
-            out["claim_on_busy"] = busy_policy(
-                values["claim_on_busy"], REFUSES, option="claim_on_busy"
-            ).name
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc.message}") from None
-    if "claim_alert_after_skips" in values and values["claim_alert_after_skips"] is not None:
-        out["claim_alert_after_skips"] = _check_alert(values["claim_alert_after_skips"], where)
-    if values.get("claim_on_skips_exceeded") is not None:
-        out["claim_on_skips_exceeded"] = _check_callback(values["claim_on_skips_exceeded"], where)
-    if values.get("claim_interrupt") is not None:
-        out["claim_interrupt"] = _check_bool(values["claim_interrupt"], "claim_interrupt", where)
-    if values.get("claim_unavailable_backoff") is not None:
-        out["claim_unavailable_backoff"] = _check_positive(
-            values["claim_unavailable_backoff"], "claim_unavailable_backoff", where
+def _alert(value: Any, option: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(
+            f"{option}={value!r} must be a whole number of skips (0 never alerts), e.g. 5"
         )
-    if values.get("claim_redelivery_window") is not None:
-        out["claim_redelivery_window"] = float(
-            _check_positive(values["claim_redelivery_window"], "claim_redelivery_window", where)
+    return value
+
+
+def _callback(value: Any, option: str) -> Callable[..., Any]:
+    if not callable(value):
+        raise ConfigError(
+            f"{option}={value!r} is not callable; pass a function taking (sender, name, "
+            "skips, holder) as keywords, or None"
         )
-    if values.get("claim_idle_ttl") is not None:
-        try:
-            check_idle_ttl(values["claim_idle_ttl"], ttl or 0.0, "claim_idle_ttl")
-        except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc.message}") from None
-        out["claim_idle_ttl"] = float(values["claim_idle_ttl"])
-    if values.get("claim_replicas") is not None or values.get("claim_replica_timeout") is not None:
-        try:
-            replicas, timeout_ms = check_replicas(
-                DEFAULTS["claim_replicas"]
-                if values.get("claim_replicas") is None
-                else values["claim_replicas"],
-                DEFAULTS["claim_replica_timeout"]
-                if values.get("claim_replica_timeout") is None
-                else values["claim_replica_timeout"],
-                ttl if ttl is not None else float("inf"),
-                names=("claim_replicas", "claim_replica_timeout"),
-            )
-        except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc.message}") from None
-        if values.get("claim_replicas") is not None:
-            out["claim_replicas"] = replicas
-        if values.get("claim_replica_timeout") is not None:
-            out["claim_replica_timeout"] = timeout_ms / 1000
-    if values.get("claim_enqueue") is not None:
-        out["claim_enqueue"] = _enqueue.check_mode(values["claim_enqueue"], where)
-    if values.get("claim_enqueue_ttl") is not None:
-        out["claim_enqueue_ttl"] = _enqueue.check_ttl(values["claim_enqueue_ttl"], where)
-    if values.get("claim_unavailable_retries") is not None:
-        out["claim_unavailable_retries"] = _check_positive(
-            values["claim_unavailable_retries"], "claim_unavailable_retries", where, True
-        )
-    if values.get("claim_cooldown") is not None:
-        out["claim_cooldown"] = _check_cooldown(values, where)
-    if values.get("claim_limit") is not None:
-        try:
-            out["claim_limit"] = check_limit(values["claim_limit"], "claim_limit")
-        except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc.message}") from None
-    if values.get("claim_rate") is not None:
-        try:
-            check_rate(values["claim_rate"], "claim_rate")
-        except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc.message}") from None
-        out["claim_rate"] = values["claim_rate"]
-    if values.get("claim_rate_policy") is not None:
-        out["claim_rate_policy"] = _check_rate_policy(values["claim_rate_policy"], where)
-    if values.get("claim_label") is not None:
-        try:
-            out["claim_label"] = check_label(values["claim_label"], "claim_label")
-        except ConfigError as exc:
-            raise ConfigError(f"{where}: {exc.message}") from None
-    out.update(_debounce.check(values, where))
-    return out
+    return value  # type: ignore[no-any-return]
+
+
+def _switch(value: Any, option: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{option}={value!r} must be True or False")
+    return value
 
 
 #: What a call over ``claim_rate`` does: each policy and its help.
@@ -266,27 +153,84 @@ RATE_POLICIES = {
 }
 
 
-def _check_rate_policy(value: Any, where: str) -> str:
+def _rate_policy(value: Any, option: str) -> str:
     if value not in RATE_POLICIES:
         choices = ", ".join(f"{k!r} ({v})" for k, v in RATE_POLICIES.items())
-        raise ConfigError(f"{where}: claim_rate_policy={value!r} is not one of: {choices}")
+        raise ConfigError(f"{option}={value!r} is not one of: {choices}")
     return str(value)
 
 
-def _check_cooldown(values: Mapping[str, Any], where: str) -> float | None:
-    idle = values.get("claim_idle_ttl")
+def _cooldown(value: Any, given: Mapping[str, Any]) -> float | None:
+    idle = given.get("claim_idle_ttl")
     idle_ms = int(idle * 1000) if isinstance(idle, (int, float)) and idle > 0 else 0
-    try:
-        ms = check_cooldown(values["claim_cooldown"], idle_ms, "claim_cooldown")
-    except ConfigError as exc:
-        raise ConfigError(f"{where}: {exc.message}") from None
-    if ms and values.get("claim_on_busy") == "rerun":
+    ms = check_cooldown(value, idle_ms, "claim_cooldown")
+    if ms and given.get("claim_on_busy") == "rerun":
         # The rerun would be sent when the run ends ok: inside the window it just opened.
         raise ConfigError(
-            f"{where}: claim_on_busy='rerun' asks for a run right after the holder's, which "
+            "claim_on_busy='rerun' asks for a run right after the holder's, which "
             "claim_cooldown then skips: use claim_on_busy='skip' with a cooldown"
         )
     return ms / 1000 if ms else None
+
+
+def _replicas(given: Mapping[str, Any], span: float) -> tuple[int, int]:
+    def of(option: str) -> Any:
+        return given.get(option, DEFAULTS[option])
+
+    names = ("claim_replicas", "claim_replica_timeout")
+    return check_replicas(of(names[0]), of(names[1]), span, names=names)
+
+
+def _idle(value: Any, given: Mapping[str, Any], span: float) -> float:
+    check_idle_ttl(value, given.get("claim_ttl") or 0.0, "claim_idle_ttl")
+    return float(value)
+
+
+def _rate(value: Any, given: Mapping[str, Any], span: float) -> str:
+    check_rate(value, "claim_rate")
+    return str(value)
+
+
+# Each option's check, in the order they are checked: (value, the options given, the
+# ttl given or infinity) -> the value cleaned. Without a ttl here (it comes from
+# settings) only what does not hang on it is checked.
+_Check = Callable[[Any, Mapping[str, Any], float], Any]
+_CHECKS: dict[str, _Check] = {
+    "claim_ttl": lambda v, g, span: check_timing(v, None, names=("claim_ttl", ""))[0],
+    "claim_refresh_every": lambda v, g, span: check_timing(
+        span, v, names=("claim_ttl", "claim_refresh_every")
+    )[1],
+    "claim_namespace": lambda v, g, span: check_namespace(v),
+    "claim_on_busy": lambda v, g, span: busy_policy(v, REFUSES, option="claim_on_busy").name,
+    "claim_alert_after_skips": lambda v, g, span: _alert(v, "claim_alert_after_skips"),
+    "claim_on_skips_exceeded": lambda v, g, span: _callback(v, "claim_on_skips_exceeded"),
+    "claim_interrupt": lambda v, g, span: _switch(v, "claim_interrupt"),
+    "claim_unavailable_backoff": lambda v, g, span: _number(v, "claim_unavailable_backoff"),
+    "claim_redelivery_window": lambda v, g, span: float(_number(v, "claim_redelivery_window")),
+    "claim_idle_ttl": _idle,
+    "claim_replicas": lambda v, g, span: _replicas(g, span)[0],
+    "claim_replica_timeout": lambda v, g, span: _replicas(g, span)[1] / 1000,
+    "claim_enqueue": lambda v, g, span: _enqueue.check_mode(v),
+    "claim_enqueue_ttl": lambda v, g, span: _enqueue.check_ttl(v),
+    "claim_unavailable_retries": lambda v, g, span: _number(v, "claim_unavailable_retries", True),
+    "claim_cooldown": lambda v, g, span: _cooldown(v, g),
+    "claim_limit": lambda v, g, span: check_limit(v, "claim_limit"),
+    "claim_rate": _rate,
+    "claim_rate_policy": lambda v, g, span: _rate_policy(v, "claim_rate_policy"),
+    "claim_label": lambda v, g, span: check_label(v, "claim_label"),
+}
+
+
+def validate(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Check every option given (None means: from settings) and return them cleaned."""
+    given = {k: v for k, v in values.items() if v is not None}
+    span = given.get("claim_ttl", math.inf)
+    try:
+        out = {k: check(given[k], given, span) for k, check in _CHECKS.items() if k in given}
+        out.update(_debounce.check(given))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc.message}") from None
+    return out
 
 
 @dataclass(frozen=True)
@@ -437,6 +381,28 @@ def _environment(names: tuple[str, ...]) -> tuple[Any, ...]:
     return tuple(map(data.get, keys))
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def switch(app: Any, setting: str, env: str, default: bool, use: str, means: str = "") -> bool:
+    """An on/off setting: True or False, else the environment variable ``env`` (1/0,
+    true/false, yes/no, on/off; empty or unset: ``default``). ``use`` is what the
+    variable's error suggests, ``means`` what the setting's adds."""
+    value = app.conf.get(setting)
+    if value is None:
+        text = os.environ.get(env, "")
+        word = text.strip().lower()
+        if not word:
+            return default
+        if word not in _TRUE + _FALSE:
+            raise ConfigError(f"{env}={text!r} is not a switch: use {use}")
+        return word in _TRUE
+    if not isinstance(value, bool):
+        raise ConfigError(f"{setting}={value!r} must be True or False{means}")
+    return value
+
+
 def lock_url(app: Any) -> str | None:
     """The URL of the Redis that holds an app's claims, or None when none is set."""
     url = app.conf.get("fenced_redis_url") or os.environ.get("FENCED_REDIS_URL")
@@ -456,32 +422,28 @@ def lock_redis(app: Any) -> Any:
 def _lock_redis(app: Any) -> Any:
     factory = app.conf.get("fenced_redis_client") or os.environ.get("FENCED_REDIS_CLIENT")
     if factory:
-        with _clients_lock:
-            cached = _clients.get(app)
-            if cached is not None and cached[0] == ("client", factory):
-                return cached[1]
-            client = client_from_setting(factory)
-            _clients[app] = (("client", factory), client)
-            return client
-    url = lock_url(app)
-    if not url:
-        raise ConfigError(
-            "fenced has no Redis for claims: set app.conf.fenced_redis_url = "
-            "'redis://host:6379/1' or the environment variable FENCED_REDIS_URL "
-            "(the broker's Redis is not used by default: claims need a database with "
-            "maxmemory-policy noeviction)"
-        )
-    # A paused Redis must not hold a task forever: acquire fails closed instead.
-    options: dict[str, Any] = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0}
-    options.update(app.conf.get("fenced_redis_options") or {})
-    # Changed options for the same URL (a longer timeout, TLS files) are a new client.
-    key = ("url", url, options)
+        key: tuple[Any, ...] = ("client", factory)
+    else:
+        url = lock_url(app)
+        if not url:
+            raise ConfigError(
+                "fenced has no Redis for claims: set app.conf.fenced_redis_url = "
+                "'redis://host:6379/1' or the environment variable FENCED_REDIS_URL "
+                "(the broker's Redis is not used by default: claims need a database with "
+                "maxmemory-policy noeviction)"
+            )
+        # A paused Redis must not hold a task forever: acquire fails closed instead.
+        options: dict[str, Any] = {"socket_timeout": 5.0, "socket_connect_timeout": 5.0}
+        options.update(app.conf.get("fenced_redis_options") or {})
+        # Changed options for the same URL (a longer timeout, TLS files) are a new client.
+        key = ("url", url, options)
     with _clients_lock:
         cached = _clients.get(app)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        # redis-py pools notice a fork and reconnect, so one client serves the main
-        # process and every pool child.
-        client = connect(url, what="claims", **options)
-        _clients[app] = (key, client)
-        return client
+        if cached is None or cached[0] != key:
+            # redis-py pools notice a fork and reconnect, so one client serves the main
+            # process and every pool child.
+            made = (
+                client_from_setting(factory) if factory else connect(url, what="claims", **options)
+            )
+            cached = _clients[app] = (key, made)
+        return cached[1]

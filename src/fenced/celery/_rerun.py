@@ -32,7 +32,7 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._naming import SECRET_KEY_ENV, check_secret_key
@@ -43,10 +43,12 @@ __all__ = [
     "MAX_DEPTH",
     "OWN",
     "Refused",
+    "checked",
     "decode",
     "encode",
     "rerun_key",
     "task_id",
+    "why",
 ]
 
 #: Longest trigger accepted, in bytes of its text; a longer call is sent as OWN.
@@ -136,6 +138,33 @@ def decode(
     if not isinstance(args, list) or not isinstance(kwargs, dict):
         raise Refused("not a call ([args, kwargs] in JSON)")
     return tuple(args), kwargs
+
+
+def checked(
+    text: str,
+    name: str,
+    key: bytes | None,
+    names: Callable[..., str],
+    own: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call a trigger (or a burst's stored call) asks for on claim ``name``;
+    ``own``: the call OWN stands for (None: refused). :class:`Refused` for one that
+    :func:`decode` refuses, or whose arguments (``names(args, kwargs)``) name another claim.
+    """
+    call = decode(text, name, key)
+    if isinstance(call, str):
+        if own is None:
+            raise Refused("a call fenced does not store")
+        return own
+    if names(*call) != name:
+        raise Refused("a call that names another claim")
+    return call
+
+
+def why(exc: Exception) -> str:
+    """What a dropped call's log line says of it: never its text (its arguments may be
+    secret)."""
+    return str(exc) if isinstance(exc, Refused) else type(exc).__name__
 
 
 def task_id(field: str) -> str:

@@ -59,6 +59,7 @@ import logging
 import random
 import threading
 import time
+import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
@@ -99,7 +100,6 @@ from ._options import (
     TaskOptions,
     as_attribute,
     lock_redis,
-    renamed,
     resolve,
     validate,
 )
@@ -244,8 +244,14 @@ class ClaimedTask(Task[Any, Any]):
         where = f"task {ns.get('name') or cls.__module__ + '.' + cls.__qualname__}"
         for old, new in RENAMED.items():
             if old in ns:
-                value = renamed({old: ns[old]}, where).get(new)
+                value = ns[old]
                 delattr(cls, old)
+                if value is not None:
+                    warnings.warn(
+                        f"{where}: {old} is now {new}; rename it (the values are the same)",
+                        DeprecationWarning,
+                        stacklevel=3,
+                    )
                 if new not in ns:
                     setattr(cls, new, value)
         refuse_unknown(
@@ -270,14 +276,10 @@ class ClaimedTask(Task[Any, Any]):
         if "run" in ns or "claim_template" in ns:
             run = _raw_run(cls)
             if run is not None:  # a concrete task, not an abstract base
-                source = cls.claim_template
-                if source is None:
-                    raise ConfigError(
-                        f"{where} uses ClaimedTask but has no claim: name the resource two "
-                        "runs would collide on, e.g. claim='rebuild:{tenant}:{layer}'"
-                    )
+                if cls.claim_template is None:
+                    raise _no_claim(where)
                 cls._fenced_namer = Namer(
-                    source,
+                    cls.claim_template,
                     _signature_of(run),
                     where,
                     style="pair",
@@ -328,10 +330,7 @@ class ClaimedTask(Task[Any, Any]):
     def _namer(self) -> Namer:
         namer = type(self)._fenced_namer
         if namer is None:
-            raise ConfigError(
-                f"task {self.name} uses ClaimedTask but has no claim: name the resource two "
-                "runs would collide on, e.g. claim='rebuild:{tenant}:{layer}'"
-            )
+            raise _no_claim(f"task {self.name}")
         return namer
 
     @classmethod
@@ -417,11 +416,10 @@ class ClaimedTask(Task[Any, Any]):
 
     def _started_queued(self, opts: TaskOptions, task_id: str, args: Any, kwargs: Any) -> None:
         keys = ClaimKeys(opts.claim.namespace, self.claim_name_for(args, kwargs))
-        if opts.enqueue == "until_started":
-            self._clear_queued(keys, task_id, "as its run starts")
-        else:  # the marker's expiry counts from the start of the run it now covers
-            expiry = _enqueue.expiry_ms(opts.enqueue_ttl, {})
-            self._clear_queued(keys, task_id, "as its run starts", expiry)
+        # until_finished: the marker's expiry counts from the start of the run it covers
+        until_started = opts.enqueue == "until_started"
+        expiry = None if until_started else _enqueue.expiry_ms(opts.enqueue_ttl, {})
+        self._clear_queued(keys, task_id, "as its run starts", expiry)
 
     def _enqueue_marker(self, claim: Claim, opts: TaskOptions) -> None:
         """With ``claim_enqueue``: the run's ACQUIRE handles the marker as its message
@@ -470,15 +468,29 @@ class ClaimedTask(Task[Any, Any]):
         self._clear_queued(keys, task_id, "as its run ends")
 
     def _clear_queued(
-        self, keys: ClaimKeys, task_id: str, when: str, expiry: int | None = None
+        self,
+        keys: ClaimKeys,
+        task_id: str,
+        when: str,
+        expiry: int | None = None,
+        mark_for: int | None = None,
     ) -> None:
+        """Clear the name's queued mark while it holds ``task_id`` (or give it ``expiry``
+        ms); ``mark_for``: mark the name for ``task_id`` again for that many ms instead,
+        unless another message's marker took its place. A failure is logged: the mark
+        expires by itself, and the claim still keeps a second run out."""
+        mark = mark_for is not None
         try:
-            _enqueue.clear(lock_redis(self.app), keys, task_id, expiry)
-        except Exception:  # it expires by itself; the run goes on
+            if mark_for is not None:
+                _enqueue.mark(lock_redis(self.app), keys, task_id, mark_for, None)
+            else:
+                _enqueue.clear(lock_redis(self.app), keys, task_id, expiry)
+        except Exception:
             log.warning(
-                "fenced: could not clear the queued mark of %r %s",
+                "fenced: could not %s %r %s",
+                "mark" if mark else "clear the queued mark of",
                 keys.name,
-                when,
+                f"as queued again {when}" if mark else when,
                 exc_info=True,
                 extra=claim_fields(keys.name),
             )
@@ -575,7 +587,7 @@ class ClaimedTask(Task[Any, Any]):
             except Ignore:
                 raise
             except BaseException as exc:
-                self._finish(claim, "failed", exception_text(exc), args, kwargs)
+                self._end(claim, None, args, kwargs, exception_text(exc), "failed")
                 raise
         return self._run(claim, interrupter, request, args, kwargs)
 
@@ -638,7 +650,7 @@ class ClaimedTask(Task[Any, Any]):
             return
         if not done:
             return
-        self._finish(claim, "skipped", DUPLICATE, args, kwargs)
+        self._end(claim, None, args, kwargs, DUPLICATE, "skipped")
         self._duplicate(claim, task_id)
 
     def _duplicate(self, claim: Claim, task_id: str) -> NoReturn:
@@ -696,32 +708,24 @@ class ClaimedTask(Task[Any, Any]):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         reason: str | None = None,
+        outcome: str | None = None,
     ) -> str:
-        """Release with the run's outcome, send the reruns asked for; the outcome."""
+        """Release with the run's outcome, send the reruns asked for; the outcome.
+
+        ``outcome``: one decided before the body ran (a duplicate, a failure), not
+        counted as a run's."""
         if isinstance(exc, Retry):
             kept = self._keep_for_retry(claim, exc)
             if kept:
                 return kept
             claim.handle_enqueue_marker("", False)  # its message is queued again
-        outcome = claim.end(exc, "the task", reason=reason, raise_lost=False)
-        count(outcome)
-        self._unqueue_after(claim, exc)
+        ended = claim.end(exc, "the task", outcome=outcome, reason=reason, raise_lost=False)
+        if outcome is None:
+            count(ended)
+            self._unqueue_after(claim, exc)
         if claim.rerun_triggers:
             self._send_reruns(claim, args, kwargs)
-        return outcome
-
-    def _finish(
-        self,
-        claim: Claim,
-        outcome: str,
-        reason: str | None,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> None:
-        """Release with an outcome decided before the body ran (a duplicate, a failure)."""
-        claim.end(None, "the task", outcome=outcome, reason=reason, raise_lost=False)
-        if claim.rerun_triggers:
-            self._send_reruns(claim, args, kwargs)
+        return ended
 
     def _rerun_key(self) -> bytes | None:
         """The MAC key of this app's rerun triggers (None: no secret key is set)."""
@@ -740,20 +744,15 @@ class ClaimedTask(Task[Any, Any]):
         kwargs: dict[str, Any],
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """The call one trigger asks for, or None for one dropped (logged, counted)."""
-        try:
-            call = _rerun.decode(trigger, claim.name, key)
-            if isinstance(call, str):  # the holder's own call
-                call = (args, kwargs)
-            elif self.claim_name_for(*call) != claim.name:
-                raise _rerun.Refused("a call that names another claim")
+        try:  # OWN: the holder's own call
+            call = _rerun.checked(trigger, claim.name, key, self.claim_name_for, (args, kwargs))
         except Exception as exc:  # this trigger alone: the run's outcome stands
-            why = str(exc) if isinstance(exc, _rerun.Refused) else type(exc).__name__
             count("reruns_dropped")
             # Its text is not logged: a genuine call's arguments may be secret.
             log.warning(
                 "fenced: dropped a rerun trigger of claim %r (%s; %d characters)",
                 claim.name,
-                why,
+                _rerun.why(exc),
                 len(trigger),
                 extra=claim.log_fields(),
             )
@@ -907,37 +906,32 @@ class ClaimedTask(Task[Any, Any]):
         if claim.throttled is not None:
             return self._throttled(claim, opts)
         holder = claim.holder
-        if isinstance(action, RetryAfter):
-            if action.redelivered:
-                # An earlier attempt of this very task died holding the claim and its
-                # message came back: not a duplicate. Run once that lease has ended.
-                count("redelivery_retries")
-                log.info(
-                    "fenced: %s[%s] was redelivered while an earlier attempt's lease on %r "
-                    "runs (%.1fs left): retrying after it",
-                    self.name,
-                    claim.task_id,
-                    claim.name,
-                    holder.expires_in if holder and holder.expires_in else 0.0,
-                    extra=claim.log_fields(),
-                )
-                raise self.retry(
-                    countdown=action.seconds,
-                    max_retries=REDELIVERY_MAX_RETRIES,
-                    exc=action.error,
-                )
+        if isinstance(action, RetryAfter) and action.redelivered:
+            # An earlier attempt of this very task died holding the claim and its
+            # message came back: not a duplicate. Run once that lease has ended.
+            count("redelivery_retries")
+            log.info(
+                "fenced: %s[%s] was redelivered while an earlier attempt's lease on %r "
+                "runs (%.1fs left): retrying after it",
+                self.name,
+                claim.task_id,
+                claim.name,
+                holder.expires_in if holder and holder.expires_in else 0.0,
+                extra=claim.log_fields(),
+            )
+            raise self.retry(
+                countdown=action.seconds, max_retries=REDELIVERY_MAX_RETRIES, exc=action.error
+            )
+        # A window's skips are expected: they raise no alert.
+        if claim.ran_recently is None:
             self._after_skip(claim, opts)
+        if isinstance(action, RetryAfter):
             count("conflict_retries")
             if opts.values["claim_debounce"] is not None and _delivered(self.request):
                 raise _debounce.defer(self, action.seconds)  # its burst is taken: wait
             raise self.retry(countdown=action.seconds, exc=action.error)
         if not isinstance(action, Skip):
-            if claim.ran_recently is None:
-                self._after_skip(claim, opts)
             raise action.error
-        # A window's skips are expected: they raise no alert.
-        if claim.ran_recently is None:
-            self._after_skip(claim, opts)
         count("skipped")
         skipped = action.skipped
         log.info(
@@ -1070,27 +1064,12 @@ class ClaimedTask(Task[Any, Any]):
                 extra=claim_fields(name, holder.fence, holder.text, "aborted", event="released"),
             )
         if opts.enqueue == "until_finished":
+            # A requeued message's name is marked for it again, for claim_enqueue_ttl (the
+            # run kept the marker one lease ttl only, so it may be gone by now).
+            again = _enqueue.expiry_ms(opts.enqueue_ttl, {}) if requeued else None
             keys = ClaimKeys(opts.claim.namespace, name)
-            if requeued:
-                self._mark_requeued(keys, task_id, opts)
-            else:
-                self._clear_queued(keys, task_id, "as its process died")
+            self._clear_queued(keys, task_id, "as its process died", mark_for=again)
         return holder
-
-    def _mark_requeued(self, keys: ClaimKeys, task_id: str, opts: TaskOptions) -> None:
-        """The dead run's message is queued again: its name is marked for it again,
-        for claim_enqueue_ttl (the run kept the marker one lease ttl only, so it may be
-        gone by now), unless another message's marker took its place."""
-        try:
-            expiry = _enqueue.expiry_ms(opts.enqueue_ttl, {})
-            _enqueue.mark(lock_redis(self.app), keys, task_id, expiry, None)
-        except Exception:  # the run's claim still keeps a second run out
-            log.warning(
-                "fenced: could not mark %r as queued again as its process died",
-                keys.name,
-                exc_info=True,
-                extra=claim_fields(keys.name),
-            )
 
 
 #: The reason recorded for a delivery of a task id that already ran to the end.
@@ -1164,6 +1143,13 @@ def _traced(task: ClaimedTask, request: Any, args: tuple[Any, ...], kwargs: dict
         return not pushed_kwargs
     return pushed_kwargs.keys() == kwargs.keys() and all(
         pushed_kwargs[k] is v for k, v in kwargs.items()
+    )
+
+
+def _no_claim(where: str) -> ConfigError:
+    return ConfigError(
+        f"{where} uses ClaimedTask but has no claim: name the resource two runs would "
+        "collide on, e.g. claim='rebuild:{tenant}:{layer}'"
     )
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -93,13 +92,11 @@ class BeatOptions:
     def of(cls, app: Any) -> BeatOptions:
         """The ``fenced_beat_*`` settings of an app (and its ``fenced_namespace``)."""
         conf = app.conf
-        name = conf.get("fenced_beat_name") or app.main or "celery"
         ttl = conf.get("fenced_beat_ttl")
-        alarm = conf.get("fenced_beat_alarm_after")
         opts = cls(
-            name=str(name),
+            name=str(conf.get("fenced_beat_name") or app.main or "celery"),
             ttl=10.0 if ttl is None else ttl,
-            alarm_after=alarm,
+            alarm_after=conf.get("fenced_beat_alarm_after"),
             namespace=conf.get("fenced_namespace") or "fenced",
             metrics_port=conf.get(METRICS_PORT),
         )
@@ -122,13 +119,8 @@ class BeatOptions:
             isinstance(alarm, bool) or not isinstance(alarm, (int, float)) or alarm <= 0
         ):
             raise ConfigError(f"fenced_beat_alarm_after={alarm!r} must be seconds > 0")
-        port = self.metrics_port
-        if port is not None and (
-            isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
-        ):
-            raise ConfigError(
-                f"{METRICS_PORT}={port!r} must be a TCP port number (1-65535), e.g. 9809"
-            )
+        if self.metrics_port is not None:
+            _metrics.check_port(self.metrics_port, METRICS_PORT, 9809)
 
     @property
     def claim(self) -> str:
@@ -279,17 +271,15 @@ class Scheduler(beat.Scheduler):
         self._shown: dict[str, int] = {}
         _start_metrics(app, self.fenced)
         super().__init__(app, *args, **kwargs)
-        self._leading_is(False)
+        self._count("leading", False)
 
     # -- Celery's Scheduler interface ---------------------------------------------------
 
     def setup_schedule(self) -> None:
         """Celery's entries (``beat_schedule``), each entry's catch-up checked now."""
         super().setup_schedule()
-        for name, entry in self.schedule.items():
-            self._catch_up[name] = CatchUp.of(
-                entry.options or {}, self.fenced.ttl, f"beat_schedule[{name!r}]"
-            )
+        for name in self.schedule:
+            self._catch_up_of(name)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         """Lead or stand by; as the leader, send what is due. Seconds until the next tick."""
@@ -328,10 +318,7 @@ class Scheduler(beat.Scheduler):
         super().close()
 
     def _give_up_lead(self) -> None:
-        claim, self._claim = self._claim, None
-        self._unsent.clear()
-        self._shown.clear()
-        self._leading_is(False)
+        claim = self._lose_lead()
         if claim is not None:
             try:
                 if claim.release():
@@ -379,15 +366,20 @@ class Scheduler(beat.Scheduler):
                 self._alarmed_at = None
             return False
         self._claim = claim
-        self._leading_is(True)
+        self._count("leading", True)
         log.info("fenced beat %s: leading, fence %s", self.fenced.name, claim.fence)
         return True
 
-    def _step_down(self, why: str) -> None:
+    def _lose_lead(self) -> Claim | None:
+        """Forget the lead (what it was granted and showed); the claim it held."""
         claim, self._claim = self._claim, None
         self._unsent.clear()
         self._shown.clear()
-        self._leading_is(False)
+        self._count("leading", False)
+        return claim
+
+    def _step_down(self, why: str) -> None:
+        claim = self._lose_lead()
         if claim is not None:
             log.warning(
                 "fenced beat %s: no longer leading (fence %s): %s; standing by",
@@ -413,16 +405,12 @@ class Scheduler(beat.Scheduler):
 
     # -- metrics -----------------------------------------------------------------------
 
-    def _count(self, what: str, *entry: str) -> None:
-        """Count on the beat metrics, when fenced.metrics is installed in this process."""
-        metrics = _beat_metrics()
-        if metrics is not None:
-            getattr(metrics, what)(self.fenced.name, *entry)
-
-    def _leading_is(self, leads: bool) -> None:
-        metrics = _beat_metrics()
-        if metrics is not None:
-            metrics.leading(self.fenced.name, leads)
+    def _count(self, what: str, *more: Any) -> None:
+        """Count on the beat metrics (``leading``: set whether it leads), when
+        fenced.metrics is installed in this process (never imports it)."""
+        installed = _metrics.installed()
+        if installed is not None:
+            getattr(installed.beat, what)(self.fenced.name, *more)
 
     # -- the leader's tick -------------------------------------------------------------
 
@@ -484,16 +472,27 @@ class Scheduler(beat.Scheduler):
                     sent[name] = value
                 else:
                     self._unsent[name] = value
-        for name in sent:
-            self._unsent.pop(name, None)
+        for name, value in sent.items():
+            # A resent tick leaves alone a newer one of the entry that failed to send.
+            if self._unsent.get(name) == value:
+                del self._unsent[name]
         if sent:
             BEAT_SENT(client, [self._keys.beat], [x for pair in sent.items() for x in pair])
+        # Each entry's last due time as stored now; the next wake counts every due time
+        # asked for, granted or not.
         last = {name: state.due_ms for name, state in stored.items()}
+        asked = dict(last)
         for (name, due, gap), ok in zip(triples, granted, strict=True):
+            asked[name] = max(due, asked.get(name, due))
             if ok or gap == "skip":
                 last[name] = max(due, last.get(name, due))
         self._show_next(client, claim, last)
-        return self._next_wake(triples, stored, now_ms)
+        waits = [
+            (next_due(e.schedule, asked[n]) - now_ms) / 1000
+            for n, e in self.schedule.items()
+            if n in asked
+        ]
+        return max(self._capped(min([self.fenced.poll, *waits])), 0.01)
 
     def _show_next(self, client: Any, claim: Claim, last: Mapping[str, int]) -> None:
         """Write each entry's next due time where ``fenced beat`` reads it, when it
@@ -562,18 +561,6 @@ class Scheduler(beat.Scheduler):
         self._count("dispatched", name)
         return True
 
-    def _next_wake(
-        self, triples: Sequence[tuple[str, int, str]], stored: Mapping[str, EntryState], now_ms: int
-    ) -> float:
-        last = {name: state.due_ms for name, state in stored.items()}
-        for name, due, _gap in triples:
-            last[name] = max(due, last.get(name, due))
-        wait = self.fenced.poll
-        for name, entry in self.schedule.items():
-            if name in last:
-                wait = min(wait, (next_due(entry.schedule, last[name]) - now_ms) / 1000)
-        return max(self._capped(wait), 0.01)
-
 
 _UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
 
@@ -605,14 +592,6 @@ def _start_metrics(app: Any, opts: BeatOptions) -> None:
             return
         _serving.add(port)
     log.info("fenced beat %s: metrics served on port %d (address %s)", opts.name, port, where)
-
-
-def _beat_metrics() -> Any:
-    """The beat metrics of the fenced.metrics installed here, or None (never imports
-    fenced.metrics, nor prometheus_client)."""
-    module = sys.modules.get("fenced.metrics")
-    installed = None if module is None else module.installed()
-    return None if installed is None else installed.beat
 
 
 def _evaluated(value: Any) -> Any:

@@ -91,6 +91,10 @@ _BY_KIND: dict[str, Signal] = {
 }
 
 
+#: The event's fields each lifecycle signal carries as keywords (and ``event`` itself).
+_FIELDS = ("name", "label", "fence", "holder", "outcome", "reason", "duration", "slot")
+
+
 def _send(event: events.ClaimEvent) -> None:
     """Send the signal of one of a ClaimedTask's events (other front ends' are left)."""
     if event.task is None or event.source != "task":
@@ -99,18 +103,7 @@ def _send(event: events.ClaimEvent) -> None:
     if signal is None or not signal.receivers:
         return
     # Signal.send logs what a receiver raises and goes on: the claim is never broken.
-    signal.send(
-        sender=event.task,
-        name=event.name,
-        label=event.label,
-        fence=event.fence,
-        holder=event.holder,
-        outcome=event.outcome,
-        reason=event.reason,
-        duration=event.duration,
-        slot=event.slot,
-        event=event,
-    )
+    signal.send(sender=event.task, event=event, **{f: getattr(event, f) for f in _FIELDS})
 
 
 def _subscribe_bridge() -> None:

@@ -6,24 +6,18 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from logging.handlers import BufferingHandler
 
 from .. import Claim, ClaimLost
 from ..testing import RedisServer, available_binaries
 
 
-class _Records(logging.Handler):
+class _Records(BufferingHandler):
     """Keeps what fenced logs, so the tour can say it in its own words."""
 
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
     def take(self) -> list[str]:
-        taken = [f"{r.levelname} {r.getMessage()}" for r in self.records]
-        self.records.clear()
+        taken = [f"{r.levelname} {r.getMessage()}" for r in self.buffer]
+        self.buffer.clear()
         return taken
 
 
@@ -32,7 +26,7 @@ def _fenced_log() -> Iterator[_Records]:
     """Route the ``fenced`` logger here for the tour (not to stderr, where a loss the
     tour provokes on purpose would read as a stray warning)."""
     logger = logging.getLogger("fenced")
-    handler = _Records()
+    handler = _Records(capacity=1_000_000)  # never flushed: the tour takes what it kept
     saved = logger.propagate
     logger.addHandler(handler)
     logger.propagate = False

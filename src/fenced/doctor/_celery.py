@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from .._client import redact
-from ._finding import Finding, Severity
+from ._finding import Finding, Severity, listed
 
 __all__ = ["DEFAULT_VISIBILITY_TIMEOUT", "check_celery", "lock_store_url"]
 
@@ -144,12 +144,13 @@ def _registered(app: Any) -> tuple[Mapping[str, Any], list[Finding]]:
     return app._tasks, list(refused.values())
 
 
+@listed
 def check_celery(
     app: Any,
     claim_ttls: Mapping[str, float] | None = None,
     *,
     longest_eta: float | None = None,
-) -> list[Finding]:
+) -> Iterator[Finding]:
     """Check a Celery app's settings and registered tasks against claim-safe settings.
 
     A task is *claimed* when it is a :class:`fenced.celery.ClaimedTask` with a
@@ -162,7 +163,8 @@ def check_celery(
 
     conf = app.conf
     ttls = dict(claim_ttls or {})
-    registered, found = _registered(app)
+    registered, refused = _registered(app)
+    yield from refused
     tasks = [t for name, t in sorted(registered.items()) if not name.startswith("celery.")]
     # A ClaimedTask with a claim template (or callable) takes a claim.
     claimed = [t for t in tasks if getattr(t, "claim_template", None) is not None]
@@ -170,28 +172,23 @@ def check_celery(
     broker = _first_url(conf.broker_url)
 
     if claimed:
-        found.append(
-            Finding(
-                "info",
-                "celery.claimed-tasks",
-                f"{len(claimed)} of the {len(tasks)} registered tasks take a claim: "
-                f"{_names(claimed)}",
-                "These are the tasks whose settings were checked against their claims.",
-                "A claimed task missing here is not registered when the app is imported: "
-                "list its module in `imports`/`include`, or call `app.autodiscover_tasks()`.",
-                subject=_names(claimed),
-            )
+        yield Finding(
+            "info",
+            "celery.claimed-tasks",
+            f"{len(claimed)} of the {len(tasks)} registered tasks take a claim: {_names(claimed)}",
+            "These are the tasks whose settings were checked against their claims.",
+            "A claimed task missing here is not registered when the app is imported: "
+            "list its module in `imports`/`include`, or call `app.autodiscover_tasks()`.",
+            subject=_names(claimed),
         )
     else:
-        found.append(
-            Finding(
-                "info",
-                "celery.no-claimed-tasks",
-                f"None of the {len(tasks)} registered tasks has a claim",
-                "Task-level checks (acks_late, time limits versus claim TTL) had nothing to check.",
-                "Give a task a claim, e.g. "
-                '`@app.task(base=ClaimedTask, claim="rebuild:{layer}", acks_late=True)`.',
-            )
+        yield Finding(
+            "info",
+            "celery.no-claimed-tasks",
+            f"None of the {len(tasks)} registered tasks has a claim",
+            "Task-level checks (acks_late, time limits versus claim TTL) had nothing to check.",
+            "Give a task a claim, e.g. "
+            '`@app.task(base=ClaimedTask, claim="rebuild:{layer}", acks_late=True)`.',
         )
 
     for task in tasks:
@@ -200,21 +197,19 @@ def check_celery(
         if isinstance(task, ClaimedTask) or getattr(task, "claim", None) is None:
             continue
         option = repr(task.claim) if isinstance(task.claim, str) else "..."
-        found.append(
-            Finding(
-                "error",
-                "celery.claim-not-applied",
-                f"Task {task.name} is given claim={option} but is not a ClaimedTask",
-                "Celery keeps an option it does not know as a plain attribute: nothing "
-                "takes the claim, so every run of this task proceeds unprotected, "
-                "alongside any other run on the same resource.",
-                f"`@app.task(base=ClaimedTask, claim={option})`, with "
-                "`from fenced.celery import ClaimedTask`.",
-                subject=task.name,
-            )
+        yield Finding(
+            "error",
+            "celery.claim-not-applied",
+            f"Task {task.name} is given claim={option} but is not a ClaimedTask",
+            "Celery keeps an option it does not know as a plain attribute: nothing "
+            "takes the claim, so every run of this task proceeds unprotected, "
+            "alongside any other run on the same resource.",
+            f"`@app.task(base=ClaimedTask, claim={option})`, with "
+            "`from fenced.celery import ClaimedTask`.",
+            subject=task.name,
         )
 
-    found += _about(
+    yield from _about(
         [t for t in claimed if not getattr(t, "acks_late", False)],
         "warning",
         "celery.acks-late",
@@ -231,42 +226,38 @@ def check_celery(
         ttl = _claim_ttl(task, ttls)
         limit = _hard_limit(task, conf)
         if limit is not None and limit <= ttl:
-            found.append(
-                Finding(
-                    "error",
-                    "celery.time-limit",
-                    f"Task {task.name}: time_limit {_seconds(limit)} is not longer than "
-                    f"its claim TTL {_seconds(ttl)}",
-                    "Task time limits must be longer than the lock TTL: the hard limit kills "
-                    "the process holding the claim, which then cannot release it, so the "
-                    "resource stays blocked for up to the TTL. A limit within one lease "
-                    "means the TTL (sized to outlive a run) and the limit disagree about "
-                    "how long a run takes.",
-                    f"Raise the limit above the TTL, e.g. `@app.task(time_limit="
-                    f"{math.ceil(ttl * 2)})`, or shorten `claim_ttl` (the heartbeat renews the "
-                    "lease, so it needs only to cover a few missed renewals).",
-                    subject=task.name,
-                )
+            yield Finding(
+                "error",
+                "celery.time-limit",
+                f"Task {task.name}: time_limit {_seconds(limit)} is not longer than "
+                f"its claim TTL {_seconds(ttl)}",
+                "Task time limits must be longer than the lock TTL: the hard limit kills "
+                "the process holding the claim, which then cannot release it, so the "
+                "resource stays blocked for up to the TTL. A limit within one lease "
+                "means the TTL (sized to outlive a run) and the limit disagree about "
+                "how long a run takes.",
+                f"Raise the limit above the TTL, e.g. `@app.task(time_limit="
+                f"{math.ceil(ttl * 2)})`, or shorten `claim_ttl` (the heartbeat renews the "
+                "lease, so it needs only to cover a few missed renewals).",
+                subject=task.name,
             )
 
     if _is_redis(broker):
-        found += _visibility_findings(app, tasks, claimed, ttls, longest_eta)
+        yield from _visibility_findings(app, tasks, claimed, ttls, longest_eta)
 
     multiplier = int(conf.get("worker_prefetch_multiplier") or 0)
     if late and multiplier > 1:
-        found.append(
-            Finding(
-                "warning",
-                "celery.prefetch-multiplier",
-                f"worker_prefetch_multiplier is {multiplier} with acks_late claimed tasks",
-                "Each worker process reserves extra messages behind a long run: they wait "
-                "there unacknowledged while other workers sit idle, and on a Redis broker "
-                "their visibility timeout runs down while they wait.",
-                "`worker_prefetch_multiplier = 1`.",
-            )
+        yield Finding(
+            "warning",
+            "celery.prefetch-multiplier",
+            f"worker_prefetch_multiplier is {multiplier} with acks_late claimed tasks",
+            "Each worker process reserves extra messages behind a long run: they wait "
+            "there unacknowledged while other workers sit idle, and on a Redis broker "
+            "their visibility timeout runs down while they wait.",
+            "`worker_prefetch_multiplier = 1`.",
         )
 
-    found += _about(
+    yield from _about(
         [
             t
             for t in late
@@ -285,7 +276,7 @@ def check_celery(
     )
 
     if not (conf.get("fenced_secret_key") or os.environ.get("FENCED_SECRET_KEY")):
-        found += _about(
+        yield from _about(
             [t for t in claimed if _asks_rerun(t)],
             "warning",
             "celery.rerun-unsigned",
@@ -301,25 +292,22 @@ def check_celery(
 
     setting = "worker_cancel_long_running_tasks_on_connection_loss"
     if late and setting in conf and not conf.get(setting):
-        found.append(
-            Finding(
-                "warning",
-                "celery.cancel-on-connection-loss",
-                f"{setting} is False with acks_late claimed tasks",
-                "After a broker connection loss the running task can no longer acknowledge "
-                "its message, which is redelivered while the task keeps running: the copy "
-                "finds the claim held under its own task id, waits out the lease the "
-                "original keeps renewing, then runs the whole task a second time.",
-                f"`{setting} = True`.",
-            )
+        yield Finding(
+            "warning",
+            "celery.cancel-on-connection-loss",
+            f"{setting} is False with acks_late claimed tasks",
+            "After a broker connection loss the running task can no longer acknowledge "
+            "its message, which is redelivered while the task keeps running: the copy "
+            "finds the claim held under its own task id, waits out the lease the "
+            "original keeps renewing, then runs the whole task a second time.",
+            f"`{setting} = True`.",
         )
 
     switched_off = _switched_off(app, claimed)
     if switched_off is not None:
-        found.append(switched_off)
+        yield switched_off
     else:
-        found += _lock_store_findings(app, claimed, broker)
-    return found
+        yield from _lock_store_findings(app, claimed, broker)
 
 
 def _switched_off(app: Any, claimed: list[Any]) -> Finding | None:
@@ -359,11 +347,10 @@ def _visibility_findings(
     claimed: list[Any],
     ttls: Mapping[str, float],
     longest_eta: float | None,
-) -> list[Finding]:
+) -> Iterator[Finding]:
     conf = app.conf
     options = conf.get("broker_transport_options") or {}
     visibility = float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT))
-    found: list[Finding] = []
     late = [t for t in tasks if getattr(t, "acks_late", False)]
     needs: list[tuple[float, str]] = []
     for task in late:
@@ -382,40 +369,36 @@ def _visibility_findings(
     need, source = max(needs, default=(0.0, ""))
     if needs and need >= visibility:
         suggested = math.ceil(need * 1.25 / 60) * 60
-        found.append(
-            Finding(
-                "error",
-                "celery.visibility-timeout",
-                f"The Redis broker's visibility_timeout ({_seconds(visibility)}) is not "
-                f"longer than the {source} ({_seconds(need)})",
-                "A Redis broker redelivers any message unacknowledged for longer than "
-                "visibility_timeout, to another worker, while the first still runs it "
-                "(acks_late) or still waits for its ETA: the same task runs twice, and "
-                "the copy queues behind, or collides with, the original's claim.",
-                f'`broker_transport_options = {{"visibility_timeout": {suggested}}}` '
-                "(longer than the longest time limit and ETA).",
-            )
+        yield Finding(
+            "error",
+            "celery.visibility-timeout",
+            f"The Redis broker's visibility_timeout ({_seconds(visibility)}) is not "
+            f"longer than the {source} ({_seconds(need)})",
+            "A Redis broker redelivers any message unacknowledged for longer than "
+            "visibility_timeout, to another worker, while the first still runs it "
+            "(acks_late) or still waits for its ETA: the same task runs twice, and "
+            "the copy queues behind, or collides with, the original's claim.",
+            f'`broker_transport_options = {{"visibility_timeout": {suggested}}}` '
+            "(longer than the longest time limit and ETA).",
         )
     windows = {t.name: _claim_option(t, "claim_redelivery_window") for t in claimed}
     short = [t for t in claimed if windows[t.name] < visibility]
     if short:
         window = min(windows[t.name] for t in short)
         names = _names(short)
-        found.append(
-            Finding(
-                "error",
-                "celery.redelivery-window",
-                f"claim_redelivery_window ({_seconds(window)}) of {names} is shorter than the "
-                f"Redis broker's visibility_timeout ({_seconds(visibility)})",
-                "A task id that finished ok is remembered for claim_redelivery_window, so a "
-                "message delivered again is not run twice; a broker that redelivers after "
-                "the window has passed gets a second run of a finished task.",
-                f"`fenced_claim_redelivery_window = {math.ceil(visibility * 2)}` (or the "
-                "task option claim_redelivery_window), above the visibility timeout.",
-                subject=names,
-            )
+        yield Finding(
+            "error",
+            "celery.redelivery-window",
+            f"claim_redelivery_window ({_seconds(window)}) of {names} is shorter than the "
+            f"Redis broker's visibility_timeout ({_seconds(visibility)})",
+            "A task id that finished ok is remembered for claim_redelivery_window, so a "
+            "message delivered again is not run twice; a broker that redelivers after "
+            "the window has passed gets a second run of a finished task.",
+            f"`fenced_claim_redelivery_window = {math.ceil(visibility * 2)}` (or the "
+            "task option claim_redelivery_window), above the visibility timeout.",
+            subject=names,
         )
-    return found + _about(
+    yield from _about(
         [t for t in late if _hard_limit(t, conf) is None],
         "warning",
         "celery.unbounded-task",
@@ -428,14 +411,12 @@ def _visibility_findings(
     )
 
 
-def _lock_store_findings(app: Any, claimed: list[Any], broker: str | None) -> list[Finding]:
+def _lock_store_findings(app: Any, claimed: list[Any], broker: str | None) -> Iterator[Finding]:
     conf = app.conf
     store = lock_store_url(app)
     if store is None:
-        if not claimed or conf.get("fenced_redis_client"):
-            return []
-        return [
-            Finding(
+        if claimed and not conf.get("fenced_redis_client"):
+            yield Finding(
                 "error",
                 "fenced.lock-store-missing",
                 "Neither the Celery setting fenced_redis_url nor the environment variable "
@@ -449,19 +430,17 @@ def _lock_store_findings(app: Any, claimed: list[Any], broker: str | None) -> li
                 "or `FENCED_REDIS_URL=redis://host:6379/1` in every worker's environment "
                 "(and in the doctor's, to check it).",
             )
-        ]
-    return [
-        Finding(
-            "warning",
-            "fenced.lock-store-shared",
-            f"The lock store is the same Redis database as the {role} ({redact(url)})",
-            f"Locks share a database with the {role}'s keys: flushing or "
-            "reconfiguring it (eviction, a cache TTL policy) removes live claims.",
-            "Give claims a database of their own, e.g. "
-            '`fenced_redis_url = "redis://host:6379/1"`, separate from broker and '
-            "result backend.",
-            subject=role,
-        )
-        for role, url in (("broker", broker), ("result backend", conf.get("result_backend")))
-        if isinstance(url, str) and _same_database(store, url)
-    ]
+        return
+    for role, url in (("broker", broker), ("result backend", conf.get("result_backend"))):
+        if isinstance(url, str) and _same_database(store, url):
+            yield Finding(
+                "warning",
+                "fenced.lock-store-shared",
+                f"The lock store is the same Redis database as the {role} ({redact(url)})",
+                f"Locks share a database with the {role}'s keys: flushing or "
+                "reconfiguring it (eviction, a cache TTL policy) removes live claims.",
+                "Give claims a database of their own, e.g. "
+                '`fenced_redis_url = "redis://host:6379/1"`, separate from broker and '
+                "result backend.",
+                subject=role,
+            )

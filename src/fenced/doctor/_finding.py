@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec
 
 from .._printable import printable
 
@@ -12,6 +14,17 @@ __all__ = ["Finding", "Report", "Severity", "format_text", "render"]
 
 Severity = Literal["error", "warning", "info"]
 _ORDER = {"error": 0, "warning": 1, "info": 2}
+_P = ParamSpec("_P")
+
+
+def listed(check: Callable[_P, Iterator[Finding]]) -> Callable[_P, list[Finding]]:
+    """A check written as a generator of findings, returning them as a list."""
+
+    @functools.wraps(check)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> list[Finding]:
+        return list(check(*args, **kwargs))
+
+    return run
 
 
 @dataclass(frozen=True)
@@ -58,10 +71,6 @@ class Report:
     def codes(self, severity: Severity | None = None) -> set[str]:
         """The codes found, optionally of one severity."""
         return {f.code for f in self.findings if severity is None or f.severity == severity}
-
-    def by_code(self, code: str) -> list[Finding]:
-        """The findings with one code."""
-        return [f for f in self.findings if f.code == code]
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form with a count per severity."""

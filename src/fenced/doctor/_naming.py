@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from .._errors import ConfigError
@@ -13,7 +13,7 @@ from .._lease import ClaimKeys
 from .._naming import template_fields
 from .._nodes import scan_keys
 from ..records import OUTCOMES, history
-from ._finding import Finding
+from ._finding import Finding, listed
 
 __all__ = ["CONTENDED_OUTCOMES", "check_naming", "load_records", "name_shape"]
 
@@ -47,13 +47,14 @@ def _unique_share(values: list[str]) -> float:
     return len(set(values)) / len(values) if values else 0.0
 
 
+@listed
 def check_naming(
     records: Iterable[Record],
     *,
     min_runs: int = 20,
     unique_ratio: float = 0.9,
     min_arg_sets: int = 5,
-) -> list[Finding]:
+) -> Iterator[Finding]:
     """Flag claim names too fine to protect anything, and too coarse to run in parallel.
 
     Each record has ``name``, ``template`` (or None), ``args`` (a dict of argument
@@ -80,23 +81,21 @@ def check_naming(
                 by_shape[shape].append(rec)
         if rec.get("name"):
             by_name[str(rec["name"])].append(rec)
-    found: list[Finding] = []
     for template, runs in sorted(by_template.items()):
-        found += _too_fine(template, runs, min_runs, unique_ratio, shape=False)
+        yield from _too_fine(template, runs, min_runs, unique_ratio, shape=False)
     for shape, runs in sorted(by_shape.items()):
-        found += _too_fine(shape, runs, min_runs, unique_ratio, shape=True)
+        yield from _too_fine(shape, runs, min_runs, unique_ratio, shape=True)
     for name, runs in sorted(by_name.items()):
-        found += _too_coarse(name, runs, min_runs, unique_ratio, min_arg_sets)
-    return found
+        yield from _too_coarse(name, runs, min_runs, unique_ratio, min_arg_sets)
 
 
 def _too_fine(
     key: str, runs: list[Record], min_runs: int, ratio: float, *, shape: bool
-) -> list[Finding]:
+) -> Iterator[Finding]:
     """A finding for a template (or, with ``shape``, a name shape) whose runs all differ."""
     names = [str(r.get("name")) for r in runs]
     if len(runs) < min_runs or _unique_share(names) <= ratio:
-        return []
+        return
     gave = f"gave {len(set(names))} different names in {len(runs)} runs"
     if shape:
         # Every field of a shape is a timestamp or an id: they all vary.
@@ -126,7 +125,7 @@ def _too_fine(
         "of its own, never contends with anything, and two runs on the same resource "
         "proceed together while it looks like locking works."
     )
-    return [Finding("warning", "naming.too-fine", what, why, fix + ".", subject=key)]
+    yield Finding("warning", "naming.too-fine", what, why, fix + ".", subject=key)
 
 
 # A digest in a name (h1-..., a hashed value) is a value, not a time: left as it is.
@@ -163,10 +162,10 @@ def name_shape(name: str) -> str | None:
 
 def _too_coarse(
     name: str, runs: list[Record], min_runs: int, ratio: float, min_arg_sets: int
-) -> list[Finding]:
+) -> Iterator[Finding]:
     contended = [r for r in runs if r.get("outcome") in CONTENDED_OUTCOMES]
     if len(contended) < min_arg_sets:
-        return []
+        return
     in_key = {f for r in runs if r.get("template") for f in _fields_of(str(r["template"]))}
     values: dict[str, list[str]] = defaultdict(list)
     for r in runs:
@@ -186,7 +185,7 @@ def _too_coarse(
         elif args is not None:
             sets.add(str(args))
     if len(sets) < min_arg_sets:
-        return []
+        return
     counts = {k: len(set(values[k])) for k in sorted(keep)}
     differing = [k for k, n in counts.items() if n > 1]
     listed = ", ".join(f"{k} ({counts[k]} values)" for k in differing)
@@ -196,21 +195,18 @@ def _too_coarse(
     better = base + "".join(":{" + k + "}" for k in differing)
     example = f": e.g. claim={better!r}" if differing else " (e.g. 'rebuild:{tenant}:{layer}')"
     fix = "Put the argument that names what a run writes in the claim template" + example
-    return [
-        Finding(
-            "warning",
-            "naming.too-coarse",
-            f"{len(sets)} different argument sets were skipped behind the one claim "
-            f"{name!r}{detail}",
-            "The claim name leaves out what tells the resources apart (a tenant, a "
-            "layer): runs that write different outputs contend for one lock, so a "
-            "pipeline meant to run in parallel runs one at a time, and skipped runs do "
-            "not happen at all.",
-            fix + ", so runs on different resources do not contend; leave out "
-            "arguments that only parametrise a run (dates, request ids).",
-            subject=name,
-        )
-    ]
+    yield Finding(
+        "warning",
+        "naming.too-coarse",
+        f"{len(sets)} different argument sets were skipped behind the one claim {name!r}{detail}",
+        "The claim name leaves out what tells the resources apart (a tenant, a "
+        "layer): runs that write different outputs contend for one lock, so a "
+        "pipeline meant to run in parallel runs one at a time, and skipped runs do "
+        "not happen at all.",
+        fix + ", so runs on different resources do not contend; leave out "
+        "arguments that only parametrise a run (dates, request ids).",
+        subject=name,
+    )
 
 
 def _escape_glob(text: str) -> str:

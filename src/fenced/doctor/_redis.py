@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
 from .._nodes import is_cluster, primaries
 from .._scripts import as_text
-from ._finding import Finding
+from ._finding import Finding, listed
 
 __all__ = ["MIN_REDIS", "check_redis", "version_findings"]
 
@@ -23,12 +23,11 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(int("0" + re.sub(r"\D.*", "", part)) for part in text.split("."))
 
 
-def version_findings(version: str) -> list[Finding]:
+@listed
+def version_findings(version: str) -> Iterator[Finding]:
     """The finding for a Redis server version, if it is too old for the claim scripts."""
-    if _version(version) >= MIN_REDIS:
-        return []
-    return [
-        Finding(
+    if _version(version) < MIN_REDIS:
+        yield Finding(
             "error",
             "redis.version",
             f"Redis {version} is older than 5.0",
@@ -38,7 +37,6 @@ def version_findings(version: str) -> list[Finding]:
             "log with XADD: streams arrived in 5.0).",
             "Upgrade the lock Redis to 6.2 or later (5.0 at the very least).",
         )
-    ]
 
 
 def _config(client: Any, name: str) -> str | None:
@@ -57,20 +55,17 @@ def _policy(info: Mapping[str, Any], client: Any) -> str | None:
     return as_text(policy) if policy is not None else _config(client, "maxmemory-policy")
 
 
-def _policy_findings(info: Mapping[str, Any], client: Any) -> list[Finding]:
+def _policy_findings(info: Mapping[str, Any], client: Any) -> Iterator[Finding]:
     policy = _policy(info, client)
-    found: list[Finding] = []
     if policy is None:
-        found.append(
-            Finding(
-                "warning",
-                "redis.maxmemory-policy-unknown",
-                "Could not read maxmemory-policy (neither INFO memory nor CONFIG GET answered)",
-                "Any policy other than noeviction can delete claim keys under memory "
-                "pressure, and the doctor cannot tell which one this server uses.",
-                "Check it on the server: `redis-cli CONFIG GET maxmemory-policy` must say "
-                "noeviction (managed Redis: the parameter group's maxmemory-policy).",
-            )
+        yield Finding(
+            "warning",
+            "redis.maxmemory-policy-unknown",
+            "Could not read maxmemory-policy (neither INFO memory nor CONFIG GET answered)",
+            "Any policy other than noeviction can delete claim keys under memory "
+            "pressure, and the doctor cannot tell which one this server uses.",
+            "Check it on the server: `redis-cli CONFIG GET maxmemory-policy` must say "
+            "noeviction (managed Redis: the parameter group's maxmemory-policy).",
         )
     elif policy != "noeviction":
         if policy.startswith("volatile"):
@@ -80,31 +75,26 @@ def _policy_findings(info: Mapping[str, Any], client: Any) -> list[Finding]:
             )
         else:
             scope = "allkeys-* policies evict any key, locks included, under memory pressure"
-        found.append(
-            Finding(
-                "error",
-                "redis.maxmemory-policy",
-                f"maxmemory-policy is {policy}, not noeviction",
-                f"An evicted lock is a claim that silently ends while its holder works: "
-                f"the next worker acquires it and two runs write the same output. {scope}.",
-                "`CONFIG SET maxmemory-policy noeviction` now, and `maxmemory-policy "
-                "noeviction` in redis.conf (or `CONFIG REWRITE`) so it survives a restart; "
-                "or give claims their own Redis, separate from any cache.",
-            )
+        yield Finding(
+            "error",
+            "redis.maxmemory-policy",
+            f"maxmemory-policy is {policy}, not noeviction",
+            f"An evicted lock is a claim that silently ends while its holder works: "
+            f"the next worker acquires it and two runs write the same output. {scope}.",
+            "`CONFIG SET maxmemory-policy noeviction` now, and `maxmemory-policy "
+            "noeviction` in redis.conf (or `CONFIG REWRITE`) so it survives a restart; "
+            "or give claims their own Redis, separate from any cache.",
         )
     maxmemory = int(info.get("maxmemory", 0) or 0)
     if policy == "noeviction" and maxmemory > 0:
-        found.append(
-            Finding(
-                "info",
-                "redis.maxmemory",
-                f"maxmemory is {maxmemory} bytes with noeviction",
-                "When this server is full it refuses writes (OOM) rather than evicting: "
-                "acquiring a claim then raises and the work does not start (fail closed).",
-                "Nothing to change; keep memory headroom, or raise `maxmemory`.",
-            )
+        yield Finding(
+            "info",
+            "redis.maxmemory",
+            f"maxmemory is {maxmemory} bytes with noeviction",
+            "When this server is full it refuses writes (OOM) rather than evicting: "
+            "acquiring a claim then raises and the work does not start (fail closed).",
+            "Nothing to change; keep memory headroom, or raise `maxmemory`.",
         )
-    return found
 
 
 def _persistence_finding(info: Mapping[str, Any], client: Any) -> Finding:
@@ -132,60 +122,51 @@ def _persistence_finding(info: Mapping[str, Any], client: Any) -> Finding:
     )
 
 
-def _replication_findings(info: Mapping[str, Any]) -> list[Finding]:
+def _replication_findings(info: Mapping[str, Any]) -> Iterator[Finding]:
     role = as_text(info.get("role", "master"))
     if role in ("slave", "replica"):
         host = info.get("master_host", "?")
         port = info.get("master_port", "?")
-        return [
-            Finding(
-                "error",
-                "redis.replica",
-                f"This server is a replica of {host}:{port}",
-                "Claims must be taken on the master: a read-only replica refuses the "
-                "acquire script, and a writable one keeps a lease that no other worker "
-                "sees and the next sync from the master erases.",
-                f"Point the lock store at the master: redis://{host}:{port}/<db> "
-                "(Celery setting `fenced_redis_url`, or FENCED_REDIS_URL).",
-            )
-        ]
-    replicas = int(info.get("connected_slaves", 0) or 0)
-    if replicas > 0:
-        return [
-            Finding(
-                "info",
-                "redis.replication",
-                f"This master has {replicas} connected replica(s)",
-                "Replication is asynchronous: a failover right after an acquire can promote "
-                "a replica that never saw the lease, and a second worker then acquires the "
-                "same claim. The fence still protects writes: the new master mints fences "
-                "no lower than its TIME, so the stale holder's publish is rejected.",
-                "Write through fenced pointers/upserts so a second holder is harmless; to "
-                "narrow the window, send `WAIT 1 100` after acquiring (redis-py: "
-                "client.wait(1, 100)).",
-            )
-        ]
-    return []
+        yield Finding(
+            "error",
+            "redis.replica",
+            f"This server is a replica of {host}:{port}",
+            "Claims must be taken on the master: a read-only replica refuses the "
+            "acquire script, and a writable one keeps a lease that no other worker "
+            "sees and the next sync from the master erases.",
+            f"Point the lock store at the master: redis://{host}:{port}/<db> "
+            "(Celery setting `fenced_redis_url`, or FENCED_REDIS_URL).",
+        )
+    elif (replicas := int(info.get("connected_slaves", 0) or 0)) > 0:
+        yield Finding(
+            "info",
+            "redis.replication",
+            f"This master has {replicas} connected replica(s)",
+            "Replication is asynchronous: a failover right after an acquire can promote "
+            "a replica that never saw the lease, and a second worker then acquires the "
+            "same claim. The fence still protects writes: the new master mints fences "
+            "no lower than its TIME, so the stale holder's publish is rejected.",
+            "Write through fenced pointers/upserts so a second holder is harmless; to "
+            "narrow the window, send `WAIT 1 100` after acquiring (redis-py: "
+            "client.wait(1, 100)).",
+        )
 
 
-def _cluster_finding(info: Mapping[str, Any]) -> list[Finding]:
+def _cluster_finding(info: Mapping[str, Any]) -> Iterator[Finding]:
     if int(info.get("cluster_enabled", 0) or 0) or as_text(info.get("redis_mode")) == "cluster":
-        return [
-            Finding(
-                "info",
-                "redis.cluster",
-                "This server runs in cluster mode",
-                "Every key of one claim shares the hash tag {name}, so each claim script "
-                "touches a single slot; claims on different names spread over the shards. "
-                "Each shard replicates asynchronously, as a single master does.",
-                "Nothing to change; connect with a cluster client "
-                "(redis.cluster.RedisCluster.from_url(...)).",
-            )
-        ]
-    return []
+        yield Finding(
+            "info",
+            "redis.cluster",
+            "This server runs in cluster mode",
+            "Every key of one claim shares the hash tag {name}, so each claim script "
+            "touches a single slot; claims on different names spread over the shards. "
+            "Each shard replicates asynchronously, as a single master does.",
+            "Nothing to change; connect with a cluster client "
+            "(redis.cluster.RedisCluster.from_url(...)).",
+        )
 
 
-def _skew_finding(client: Any, clock: Callable[[], float], max_skew: float) -> list[Finding]:
+def _skew_finding(client: Any, clock: Callable[[], float], max_skew: float) -> Iterator[Finding]:
     before = clock()
     seconds, micros = client.time()
     after = clock()
@@ -194,28 +175,27 @@ def _skew_finding(client: Any, clock: Callable[[], float], max_skew: float) -> l
     # The reply could have been read anywhere within the round trip.
     uncertainty = (after - before) / 2
     if abs(skew) - uncertainty <= max_skew:
-        return []
+        return
     ahead = "ahead of" if skew > 0 else "behind"
-    return [
-        Finding(
-            "warning",
-            "redis.clock-skew",
-            f"Redis TIME is {abs(skew):.3f} s {ahead} this host's clock (more than {max_skew:g} s)",
-            "Leases themselves do not depend on it (Redis counts TTLs on its own clock, "
-            "fenced's deadlines run on this host's monotonic clock), but run records mix "
-            "both clocks, so ages and durations shown are off by the skew; a clock this "
-            "far off is not synchronised, and its rate can drift beyond the claim's drift "
-            "margin (1 % of the TTL); a Redis clock stepped backwards before a restart "
-            "without persistence weakens the fence floor (Redis TIME in microseconds).",
-            "Synchronise both clocks with NTP (chrony or systemd-timesyncd); check with "
-            "`chronyc tracking` or `timedatectl status`.",
-        )
-    ]
+    yield Finding(
+        "warning",
+        "redis.clock-skew",
+        f"Redis TIME is {abs(skew):.3f} s {ahead} this host's clock (more than {max_skew:g} s)",
+        "Leases themselves do not depend on it (Redis counts TTLs on its own clock, "
+        "fenced's deadlines run on this host's monotonic clock), but run records mix "
+        "both clocks, so ages and durations shown are off by the skew; a clock this "
+        "far off is not synchronised, and its rate can drift beyond the claim's drift "
+        "margin (1 % of the TTL); a Redis clock stepped backwards before a restart "
+        "without persistence weakens the fence floor (Redis TIME in microseconds).",
+        "Synchronise both clocks with NTP (chrony or systemd-timesyncd); check with "
+        "`chronyc tracking` or `timedatectl status`.",
+    )
 
 
+@listed
 def check_redis(
     client: Any, *, max_skew: float = 0.5, clock: Callable[[], float] = time.time
-) -> list[Finding]:
+) -> Iterator[Finding]:
     """Check the lock Redis: eviction, persistence, role, cluster, clock skew, version.
 
     A cluster client has every primary checked, and the nodes compared: a claim gets
@@ -237,73 +217,67 @@ def _unreachable(exc: BaseException, where: str = "the lock Redis") -> Finding:
     )
 
 
-def _check_server(client: Any, max_skew: float, clock: Callable[[], float]) -> list[Finding]:
+def _check_server(client: Any, max_skew: float, clock: Callable[[], float]) -> Iterator[Finding]:
     try:
         info: Mapping[str, Any] = client.info()
     except Exception as exc:
-        return [_unreachable(exc)]
-    found = version_findings(as_text(info.get("redis_version", "0")))
-    found += _policy_findings(info, client)
+        yield _unreachable(exc)
+        return
+    yield from version_findings(as_text(info.get("redis_version", "0")))
+    yield from _policy_findings(info, client)
     evicted = int(info.get("evicted_keys", 0) or 0)
     if evicted > 0:
-        found.append(
-            Finding(
-                "warning",
-                "redis.evicted-keys",
-                f"{evicted} keys were evicted since the server started (or stats were reset)",
-                "Evictions mean this server ran out of memory under an evicting policy; "
-                "any lock among the evicted keys ended while its holder still worked.",
-                "Set `maxmemory-policy noeviction` (or give claims their own Redis), then "
-                "`CONFIG RESETSTAT` so new evictions stand out.",
-            )
+        yield Finding(
+            "warning",
+            "redis.evicted-keys",
+            f"{evicted} keys were evicted since the server started (or stats were reset)",
+            "Evictions mean this server ran out of memory under an evicting policy; "
+            "any lock among the evicted keys ended while its holder still worked.",
+            "Set `maxmemory-policy noeviction` (or give claims their own Redis), then "
+            "`CONFIG RESETSTAT` so new evictions stand out.",
         )
-    found.append(_persistence_finding(info, client))
-    found += _replication_findings(info)
-    found += _cluster_finding(info)
+    yield _persistence_finding(info, client)
+    yield from _replication_findings(info)
+    yield from _cluster_finding(info)
     try:
-        found += _skew_finding(client, clock, max_skew)
+        yield from _skew_finding(client, clock, max_skew)
     except Exception as exc:  # TIME denied by an ACL: report, do not abort the other checks
-        found.append(
-            Finding(
-                "info",
-                "redis.clock-unknown",
-                f"Could not read Redis TIME ({exc})",
-                "Clock skew between this host and Redis could not be measured.",
-                "Allow the TIME command for this user, or compare clocks by hand.",
-            )
+        yield Finding(
+            "info",
+            "redis.clock-unknown",
+            f"Could not read Redis TIME ({exc})",
+            "Clock skew between this host and Redis could not be measured.",
+            "Allow the TIME command for this user, or compare clocks by hand.",
         )
-    return found
 
 
-def _check_cluster(client: Any, max_skew: float, clock: Callable[[], float]) -> list[Finding]:
+def _check_cluster(client: Any, max_skew: float, clock: Callable[[], float]) -> Iterator[Finding]:
     try:
         nodes = primaries(client)
     except Exception as exc:
-        return [_unreachable(exc, "the lock Redis Cluster")]
+        yield _unreachable(exc, "the lock Redis Cluster")
+        return
     per_node: dict[str, list[Finding]] = {}
     settings: dict[str, dict[str, str]] = {}
     for name, node in nodes:
         # One note for the whole cluster, below, instead of one per node.
-        checked = _check_server(node, max_skew, clock)
+        checked = list(_check_server(node, max_skew, clock))
         per_node[name] = [f for f in checked if f.code != "redis.cluster"]
         if "redis.unreachable" not in {f.code for f in checked}:
             settings[name] = _settings(node)
     names = sorted(per_node)
-    found = _merged(per_node)
-    found.append(
-        Finding(
-            "info",
-            "redis.cluster",
-            f"A Redis Cluster of {len(names)} primaries ({', '.join(names)}); each was checked",
-            "Every key of one claim shares the hash tag {name}, so each claim script "
-            "touches a single slot, on the primary that serves it; claims on different "
-            "names spread over the primaries. Each replicates asynchronously, as a single "
-            "master does.",
-            "Nothing to change.",
-        )
+    yield from _merged(per_node)
+    yield Finding(
+        "info",
+        "redis.cluster",
+        f"A Redis Cluster of {len(names)} primaries ({', '.join(names)}); each was checked",
+        "Every key of one claim shares the hash tag {name}, so each claim script "
+        "touches a single slot, on the primary that serves it; claims on different "
+        "names spread over the primaries. Each replicates asynchronously, as a single "
+        "master does.",
+        "Nothing to change.",
     )
-    found += _differences(settings)
-    return found
+    yield from _differences(settings)
 
 
 def _merged(per_node: Mapping[str, list[Finding]]) -> list[Finding]:
@@ -337,18 +311,16 @@ def _settings(client: Any) -> dict[str, str]:
     return {k: "?" if v is None else v for k, v in found.items()}
 
 
-def _differences(settings: Mapping[str, Mapping[str, str]]) -> list[Finding]:
+def _differences(settings: Mapping[str, Mapping[str, str]]) -> Iterator[Finding]:
     """A warning when the primaries differ in eviction policy or persistence."""
     differing = []
     for setting in ("maxmemory-policy", "save", "appendonly"):
         values = {name: s[setting] for name, s in sorted(settings.items())}
         if len(set(values.values())) > 1:
-            listed = ", ".join(f"{name} {value!r}" for name, value in values.items())
-            differing.append(f"{setting}: {listed}")
-    if not differing:
-        return []
-    return [
-        Finding(
+            shown = ", ".join(f"{name} {value!r}" for name, value in values.items())
+            differing.append(f"{setting}: {shown}")
+    if differing:
+        yield Finding(
             "warning",
             "redis.cluster-nodes-differ",
             "The cluster's primaries are configured differently: " + "; ".join(differing),
@@ -361,4 +333,3 @@ def _differences(settings: Mapping[str, Mapping[str, str]]) -> list[Finding]:
             "maxmemory-policy noeviction` (and the same `save` and `appendonly`) on each, "
             "and the same lines in each node's redis.conf (or `CONFIG REWRITE`).",
         )
-    ]

@@ -28,9 +28,9 @@ import os
 import re
 import stat
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Union
+from typing import IO, Any, BinaryIO, TypeVar, Union
 
 from .._errors import ConfigError, CorruptObject, StoreError
 from . import _durable
@@ -49,9 +49,12 @@ TMP_DIR = ".tmp"
 DEFAULT_GRACE = 24 * 3600.0
 
 
+_T = TypeVar("_T")
 Source = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]", IO[bytes]]
 #: What gc keeps: objects by Ref, digest or path, and what pointers publish.
 Keep = Union[Ref, Published, Pointer, str, "os.PathLike[str]"]
+#: The store's objects: each fan-out directory's name, and its objects' names and metadata.
+_Listing = list[tuple[str, list[tuple[str, os.stat_result]]]]
 
 
 class _Verifying(io.RawIOBase):
@@ -171,57 +174,44 @@ class ContentStore:
 
     # -- the fan-out directories, never through a link ----------------------------------
 
-    @contextlib.contextmanager
-    def _fan(self, digest: str, *, create: bool = False) -> Iterator[int | None]:
-        """The open fan-out directory of an object, None when it is missing."""
+    def _at(self, digest: str, call: Callable[[int], _T]) -> _T | None:
+        """``call`` with the object's fan-out directory open (never through a link); None
+        when the store, that directory or the object is missing."""
         try:
             root = _durable.open_root(self.root)
         except FileNotFoundError:
-            if create:
-                raise
-            yield None  # the store was removed: no object is in it
-            return
+            return None  # the store was removed: no object is in it
         try:
-            fan = _durable.open_dir(root, self.root / digest[:2], create=create)
+            fan = _durable.open_dir(root, self.root / digest[:2], create=False)
         finally:
             os.close(root)
+        if fan is None:
+            return None
         try:
-            yield fan
+            return call(fan)
+        except FileNotFoundError:
+            return None
         finally:
-            if fan is not None:
-                os.close(fan)
+            os.close(fan)
 
     def _stat(self, digest: str) -> os.stat_result | None:
         """An object's metadata, None when it is missing; a link or device is refused."""
-        with self._fan(digest) as fan:
-            if fan is None:
-                return None
-            try:
-                st = os.stat(digest[2:], dir_fd=fan, follow_symlinks=False)
-            except FileNotFoundError:
-                return None
-        if not stat.S_ISREG(st.st_mode):
+        st = self._at(digest, lambda fan: os.stat(digest[2:], dir_fd=fan, follow_symlinks=False))
+        if st is not None and not stat.S_ISREG(st.st_mode):
             raise _durable.not_followed(self.path_of(digest), "regular file")
         return st
 
     def _open_fd(self, digest: str) -> int | None:
         """An object opened for reading, None when it is missing."""
-        with self._fan(digest) as fan:
-            if fan is None:
-                return None
-            try:
-                return _durable.open_regular(self.path_of(digest), os.O_RDONLY, dir_fd=fan)
-            except FileNotFoundError:
-                return None
+        path = self.path_of(digest)
+        return self._at(digest, lambda fan: _durable.open_regular(path, os.O_RDONLY, dir_fd=fan))
 
     # -- writing ----------------------------------------------------------------------
 
     def put(self, source: Source) -> Ref:
         """Store bytes, a binary file object or the file at a path; same bytes, same Ref."""
         if isinstance(source, (bytes, bytearray, memoryview)):
-            data = bytes(source)
-            digest = hashlib.sha256(data).hexdigest()
-            return self._existing(digest, len(data)) or self._write(digest, [data])
+            return self._put_file(io.BytesIO(bytes(source)))
         if isinstance(source, (str, os.PathLike)):
             path = Path(source)
             if not path.is_file():
@@ -264,9 +254,8 @@ class ContentStore:
             return None  # a damaged copy: the caller writes the good bytes over it
         # Refresh the age gc judges by, so an old object reused by a build in progress
         # survives until that build publishes. Only metadata changes; no bytes are written.
-        with contextlib.suppress(OSError), self._fan(digest) as fan:
-            if fan is not None:
-                os.utime(digest[2:], dir_fd=fan, follow_symlinks=False)
+        with contextlib.suppress(OSError):
+            self._at(digest, lambda fan: os.utime(digest[2:], dir_fd=fan, follow_symlinks=False))
         return Ref(digest, self.path_of(digest), size)
 
     def _write(self, digest: str | None, chunks: Iterable[bytes]) -> Ref:
@@ -279,56 +268,35 @@ class ContentStore:
             tmp_dir = _durable.open_dir(root, self._tmp, create=True)
             assert tmp_dir is not None
             opened.callback(os.close, tmp_dir)
-            return self._write_in(root, tmp_dir, digest, chunks)
-
-    def _write_in(
-        self, root: int, tmp_dir: int, digest: str | None, chunks: Iterable[bytes]
-    ) -> Ref:
-        name = _durable.temp_name(self._tmp, (digest or "stream")[:16]).name
-        hasher, size = hashlib.sha256(), 0
-        try:
-            fd = os.open(
-                name,
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | _durable.NOFOLLOW,
-                _durable.FILE_MODE,
-                dir_fd=tmp_dir,
-            )
-            try:
-                for chunk in chunks:
-                    hasher.update(chunk)
-                    size += len(chunk)
-                    _durable.write_all(fd, chunk)
-                _durable.checkpoint("put:written")
-                os.fsync(fd)
-                # Objects are immutable: read-only makes an accidental in-place edit fail loudly.
-                _durable.read_only(fd)
-            finally:
-                os.close(fd)
+            stem = (digest or "stream")[:16]
+            name, fd = opened.enter_context(_durable.temp_file(tmp_dir, stem))
+            hasher, size = hashlib.sha256(), 0
+            for chunk in chunks:
+                hasher.update(chunk)
+                size += len(chunk)
+                _durable.write_all(fd, chunk)
+            _durable.checkpoint("put:written")
+            os.fsync(fd)
+            # Objects are immutable: read-only makes an accidental in-place edit fail loudly.
+            _durable.read_only(fd)
             actual = hasher.hexdigest()
             if digest is not None and actual != digest:
                 raise StoreError(
                     "the source changed while it was being stored (its bytes no longer hash "
                     f"to {digest}): put it again once it is complete"
                 )
-            if digest is None:
-                existing = self._existing(actual, size)
-                if existing:
-                    os.unlink(name, dir_fd=tmp_dir)
-                    return existing
+            existing = None if digest is not None else self._existing(actual, size)
+            if existing:
+                os.unlink(name, dir_fd=tmp_dir)
+                return existing
             _durable.checkpoint("put:synced")
             final = self.path_of(actual)
             fan = _durable.open_dir(root, final.parent, create=True)
             assert fan is not None
-            try:
-                os.replace(name, final.name, src_dir_fd=tmp_dir, dst_dir_fd=fan)
-                _durable.checkpoint("put:renamed")
-                os.fsync(fan)
-            finally:
-                os.close(fan)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=tmp_dir)
-            raise
+            opened.callback(os.close, fan)
+            os.replace(name, final.name, src_dir_fd=tmp_dir, dst_dir_fd=fan)
+            _durable.checkpoint("put:renamed")
+            os.fsync(fan)
         return Ref(actual, final, size)
 
     def put_manifest(self, entries: Mapping[str, Ref | str]) -> Ref:
@@ -404,7 +372,7 @@ class ContentStore:
         finally:
             os.close(root)
 
-    def _listing(self, root: int) -> list[tuple[str, list[tuple[str, os.stat_result]]]]:
+    def _listing(self, root: int) -> _Listing:
         """Each fan-out directory's objects with their metadata, in full: a link where a
         fan-out directory belongs is refused before anything is returned."""
         found = []
@@ -484,12 +452,7 @@ class ContentStore:
         return removed
 
     def _remove_objects(
-        self,
-        root: int,
-        listing: list[tuple[str, list[tuple[str, os.stat_result]]]],
-        live: set[str],
-        cutoff: float,
-        dry_run: bool,
+        self, root: int, listing: _Listing, live: set[str], cutoff: float, dry_run: bool
     ) -> list[Ref]:
         removed: list[Ref] = []
         for fan, listed in listing:

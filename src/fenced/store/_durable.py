@@ -35,7 +35,7 @@ __all__ = [
     "open_regular",
     "open_root",
     "read_only",
-    "temp_name",
+    "temp_file",
     "writable_fix",
     "write_all",
     "write_atomic",
@@ -152,13 +152,11 @@ def open_dir(parent: int, path: Path, *, create: bool) -> int | None:
         raise
 
 
-def open_regular(
-    path: Path, flags: int, *, mode: int = FILE_MODE, dir_fd: int | None = None
-) -> int:
-    """Open a regular file without following a link (a FIFO or device is refused too)."""
-    name: str | Path = path.name if dir_fd is not None else path
+def open_regular(path: Path, flags: int, *, dir_fd: int) -> int:
+    """Open a regular file, ``path``'s name in the open directory ``dir_fd``, without
+    following a link (a FIFO or device is refused too); a new one gets FILE_MODE."""
     try:
-        fd = os.open(name, flags | NOFOLLOW | os.O_NONBLOCK, mode, dir_fd=dir_fd)
+        fd = os.open(path.name, flags | NOFOLLOW | os.O_NONBLOCK, FILE_MODE, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise not_followed(path, "regular file") from None
@@ -181,11 +179,6 @@ def read_only(fd: int) -> None:
     os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) & ~0o222)
 
 
-def temp_name(directory: Path, stem: str) -> Path:
-    """A fresh hidden name in ``directory`` that no other writer will choose."""
-    return directory / f".{stem}.{secrets.token_hex(6)}.tmp"
-
-
 def write_all(fd: int, data: bytes) -> None:
     """Write all of ``data`` (os.write may write part of it)."""
     view = memoryview(data)
@@ -193,40 +186,38 @@ def write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def write_atomic(
-    path: Path, data: bytes, *, point: str = "write", dir_fd: int | None = None
-) -> None:
-    """Replace ``path`` with ``data`` in one step: temp file, fsync, os.replace, dir fsync.
-
-    ``dir_fd``: the directory of ``path``, already open (else it is opened here).
-    """
-    # The directory is opened once and every step names files beside it (dir_fd): the
-    # temporary file, the replace and a failed write's clean-up all happen in it, even
-    # when the path to it is changed meanwhile.
-    directory = open_root(path.parent) if dir_fd is None else dir_fd
+@contextmanager
+def temp_file(directory: int, stem: str) -> Iterator[tuple[str, int]]:
+    """A new file with a fresh hidden name no other writer will choose, in the open
+    ``directory``: its name and a descriptor to write it (closed on leaving the block).
+    When the block raises, the file is removed."""
+    name = f".{stem}.{secrets.token_hex(6)}.tmp"
+    # O_EXCL: a name that exists, a link included, is never opened.
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, FILE_MODE, dir_fd=directory)
     try:
-        tmp = temp_name(path.parent, path.name).name
-        # O_EXCL: a name that exists, a link included, is never opened.
-        fd = os.open(
-            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW, FILE_MODE, dir_fd=directory
-        )
         try:
-            try:
-                write_all(fd, data)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            checkpoint(f"{point}:written")
-            os.replace(tmp, path.name, src_dir_fd=directory, dst_dir_fd=directory)
-        except BaseException:
-            with suppress(FileNotFoundError):
-                os.unlink(tmp, dir_fd=directory)
-            raise
-        checkpoint(f"{point}:replaced")
-        os.fsync(directory)
-    finally:
-        if dir_fd is None:
-            os.close(directory)
+            yield name, fd
+        finally:
+            os.close(fd)
+    except BaseException:
+        with suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=directory)
+        raise
+
+
+def write_atomic(path: Path, data: bytes, *, point: str, dir_fd: int) -> None:
+    """Replace ``path``, a name in the open directory ``dir_fd``, with ``data`` in one
+    step: temp file, fsync, os.replace, directory fsync."""
+    # Every step names files beside the directory (dir_fd): the temporary file, the
+    # replace and a failed write's clean-up all happen in it, even when the path to it
+    # is changed meanwhile.
+    with temp_file(dir_fd, path.name) as (tmp, fd):
+        write_all(fd, data)
+        os.fsync(fd)
+        checkpoint(f"{point}:written")
+        os.replace(tmp, path.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    checkpoint(f"{point}:replaced")
+    os.fsync(dir_fd)
 
 
 def writable_fix(path: Path, err: int | None) -> str:
@@ -266,15 +257,10 @@ def writing(what: str, directory: Path) -> Iterator[None]:
 
 def check_writable(directory: Path, what: str) -> None:
     """StoreError naming the fix when files cannot be made in ``directory``."""
-    read_only = False
-    try:
-        read_only = bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
-    except OSError:
-        pass
-    if read_only:
-        err: int | None = errno.EROFS
-    elif not os.access(directory, os.W_OK | os.X_OK):
+    err = None
+    with suppress(OSError):
+        err = errno.EROFS if os.statvfs(directory).f_flag & os.ST_RDONLY else None
+    if err is None and not os.access(directory, os.W_OK | os.X_OK):
         err = errno.EACCES
-    else:
-        return
-    raise StoreError(f"{what} is not writable: {writable_fix(directory, err)}")
+    if err is not None:
+        raise StoreError(f"{what} is not writable: {writable_fix(directory, err)}")

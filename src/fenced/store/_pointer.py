@@ -140,7 +140,7 @@ class FilePointer:
         real = path.resolve() if follow else path.parent.resolve() / path.name
         return real == self.root or real.is_relative_to(self.root)
 
-    def _entry(self, target: Target) -> dict[str, Any]:
+    def _entry(self, target: Target, fence: int) -> dict[str, Any]:
         where, digest, size = _parts(target)
         path = Path(where).absolute()
         if not path.exists():
@@ -156,7 +156,7 @@ class FilePointer:
                 )
             # Relative to the root, so the whole tree can be moved or mounted elsewhere.
             stored = (path.parent.resolve() / path.name).relative_to(self.root).as_posix()
-        return {"target": stored, "fence": 0, "digest": digest, "size": size}
+        return {"target": stored, "fence": fence, "digest": digest, "size": size}
 
     def _published(self, entry: dict[str, Any]) -> Published:
         target = str(entry["target"])
@@ -244,58 +244,53 @@ class FilePointer:
         return None if entry is None else self._published(entry)
 
     @contextmanager
-    def _locked(self, directory: int) -> Iterator[None]:
-        # Never through a link: a planted one would lock, or create, a file elsewhere.
-        fd = _durable.open_regular(self.lock_path, os.O_RDWR | os.O_CREAT, dir_fd=directory)
-        try:
-            deadline = time.monotonic() + self.lock_timeout
-            wait = 0.0005
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise StoreError(
-                            f"pointer {self.path}: another process has held "
-                            f"{self.lock_path} for {self.lock_timeout}s; find it "
-                            "(fuser, lsof) or raise lock_timeout"
-                        ) from None
-                    time.sleep(wait)
-                    wait = min(wait * 2, 0.02)
-            yield
-        finally:
-            os.close(fd)  # closing the descriptor releases the flock
+    def _locked(self) -> Iterator[int]:
+        """The pointer's directory (made if missing), open, while this process holds the
+        pointer's lock."""
+        with self._directory(create=True) as directory:
+            assert directory is not None  # made if missing
+            # Never through a link: a planted one would lock, or create, a file elsewhere.
+            fd = _durable.open_regular(self.lock_path, os.O_RDWR | os.O_CREAT, dir_fd=directory)
+            try:
+                deadline = time.monotonic() + self.lock_timeout
+                wait = 0.0005
+                while True:
+                    try:
+                        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() >= deadline:
+                            raise StoreError(
+                                f"pointer {self.path}: another process has held "
+                                f"{self.lock_path} for {self.lock_timeout}s; find it "
+                                "(fuser, lsof) or raise lock_timeout"
+                            ) from None
+                        time.sleep(wait)
+                        wait = min(wait * 2, 0.02)
+                yield directory
+            finally:
+                os.close(fd)  # closing the descriptor releases the flock
 
     def swap(self, target: Target, *, fence: int) -> Published:
         """Publish ``target`` under ``fence``; StaleFence if a higher fence was accepted."""
         fence = _durable.check_fence(fence)
-        entry = self._entry(target)
-        entry["fence"] = fence
-        with _durable.writing(f"cannot swap pointer {self.path}", self.path.parent):
-            return self._swap(entry, fence)
-
-    def _swap(self, entry: dict[str, Any], fence: int) -> Published:
-        with self._directory(create=True) as opened:
-            assert opened is not None  # made if missing
-            return self._swap_in(opened, entry, fence)
-
-    def _swap_in(self, directory: int, entry: dict[str, Any], fence: int) -> Published:
-        with self._locked(directory):
+        entry = self._entry(target, fence)
+        path = self.path
+        with _durable.writing(f"cannot swap pointer {path}", path.parent), self._locked() as dir_fd:
             _durable.checkpoint("swap:locked")
-            current = self._load(directory)
+            current = self._load(dir_fd)
             if current is not None:
                 if fence < current["fence"]:
-                    raise _stale(str(self.path), fence, current["fence"])
+                    raise _stale(str(path), fence, current["fence"])
                 if {k: current.get(k) for k in entry} == entry:
                     return self._published(current)  # already published: write nothing
             body = json.dumps(entry, sort_keys=True, separators=(",", ":")).encode() + b"\n"
             if len(body) > MAX_POINTER_SIZE:
                 raise ConfigError(
-                    f"pointer {self.path}: the target's path is too long to publish (the "
+                    f"pointer {path}: the target's path is too long to publish (the "
                     f"pointer file would exceed {MAX_POINTER_SIZE} bytes); use a shorter path"
                 )
-            _durable.write_atomic(self.path, body, point="swap", dir_fd=directory)
+            _durable.write_atomic(path, body, point="swap", dir_fd=dir_fd)
         return self._published(entry)
 
 
@@ -317,14 +312,11 @@ local function below(a, b)
   if #a ~= #b then return #a < #b end
   return a < b
 end
-local kind = redis.call('TYPE', KEYS[1]).ok
-if kind ~= 'hash' and kind ~= 'none' then
-  return {2, KEYS[1], 'is a ' .. kind .. ', not a hash'}
-end
-if ARGV[5] ~= '0' then
-  kind = redis.call('TYPE', KEYS[2]).ok
-  if kind ~= 'stream' and kind ~= 'none' then
-    return {2, KEYS[2], 'is a ' .. kind .. ', not a stream'}
+local types = {'hash', 'stream'}
+for i = 1, (ARGV[5] == '0') and 1 or 2 do
+  local kind = redis.call('TYPE', KEYS[i]).ok
+  if kind ~= types[i] and kind ~= 'none' then
+    return {2, KEYS[i], 'is a ' .. kind .. ', not a ' .. types[i]}
   end
 end
 local current = redis.call('HGET', KEYS[1], 'fence')
@@ -502,9 +494,5 @@ def _from_fields(target: Any, fence: Any, digest: Any, size: Any) -> Published:
             raise ValueError(f"its {field} {printable(text[:40])!r} is not an integer")
     if not texts["fence"]:
         raise ValueError("its fence is empty")
-    return Published(
-        texts["target"],
-        int(texts["fence"]),
-        texts["digest"] or None,
-        int(texts["size"]) if texts["size"] else None,
-    )
+    target, fence, digest, size = texts.values()
+    return Published(target, int(fence), digest or None, int(size) if size else None)

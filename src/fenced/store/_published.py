@@ -9,7 +9,7 @@ The content store and the pointers both use these, so they live apart from eithe
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol, Union, runtime_checkable
 
@@ -49,14 +49,9 @@ class Published:
 
     def as_dict(self) -> dict[str, str | int | None]:
         """JSON-ready form."""
-        out: dict[str, str | int | None] = {
-            "target": self.target,
-            "fence": self.fence,
-            "digest": self.digest,
-            "size": self.size,
-        }
-        if self.unreadable is not None:
-            out["unreadable"] = self.unreadable
+        out = asdict(self)
+        if self.unreadable is None:
+            del out["unreadable"]
         return out
 
 
