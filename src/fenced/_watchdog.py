@@ -389,7 +389,7 @@ class _Watch:
     def _runner_gone(self) -> int:
         # A group the command's child named before an exec that failed is no one's.
         guarding = self.group is not None and not self.ended and self.kill_at is None
-        if guarding and self._group_alive():
+        if guarding and self._signal(0):
             self._end(ENDED_RUNNER_GONE)
             _say(
                 f"fenced: fenced run of {self.name!r} is gone and left its command "
