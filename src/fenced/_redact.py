@@ -62,33 +62,19 @@ _FLAG = re.compile(r"(?<![\w\-])(--?[A-Za-z][\w\-]*)")
 _FLAG_VALUE = re.compile(r"(?:[\"']?,\s*[bBrRuU]{0,2}[\"']|\s+)([^\s'\",;)\]]+)")
 
 
-def _pairs(text: str) -> str:
-    """``text`` with the value of each secret-looking ``key=value`` pair as ``***``."""
+def _values(text: str, keys: re.Pattern[str], values: re.Pattern[str], group: int) -> str:
+    """``text`` with the value after each secret-looking key as ``***``: ``keys`` finds
+    the keys (their group 1), ``values`` the value right after one (its ``group``)."""
     out: list[str] = []
     done = 0
-    for key in _KEY.finditer(text):
+    for key in keys.finditer(text):
         if key.start() < done or not _SECRET_KEY.search(key.group(1)):
             continue
-        value = _VALUE.match(text, key.end())
+        value = values.match(text, key.end())
         if value is None:
             continue
-        out += (text[done : key.end()], "***")
-        done = value.end()
-    return "".join(out) + text[done:] if out else text
-
-
-def _flags(text: str) -> str:
-    """``text`` with the value after each secret-looking option (``--password S``) as ``***``."""
-    out: list[str] = []
-    done = 0
-    for flag in _FLAG.finditer(text):
-        if flag.start() < done or not _SECRET_KEY.search(flag.group(1)):
-            continue
-        value = _FLAG_VALUE.match(text, flag.end())
-        if value is None:
-            continue
-        out += (text[done : value.start(1)], "***")
-        done = value.end(1)
+        out += (text[done : value.start(group)], "***")
+        done = value.end(group)
     return "".join(out) + text[done:] if out else text
 
 
@@ -103,8 +89,8 @@ def redact(text: str) -> str:
     # "Authorization: Bearer X": the scheme's value first, or the pair would take "Bearer".
     text = _SCHEME.sub(_mask, text)
     text = _AUTH_HEADER.sub(_mask, text)
-    text = _flags(text)
-    text = _pairs(text)
+    text = _values(text, _FLAG, _FLAG_VALUE, 1)  # --password S
+    text = _values(text, _KEY, _VALUE, 0)  # password=S
     return _SPACED.sub(_mask, text)
 
 

@@ -203,11 +203,7 @@ class _Runner:
         self.result: dict[str, Any] = {
             "name": opts.name,
             "ran": False,
-            "outcome": None,
-            "reason": None,
-            "exit": None,
-            "fence": None,
-            "holder": None,
+            **dict.fromkeys(("outcome", "reason", "exit", "fence", "holder")),
             "label": opts.options.label or opts.name,
         }
         self.claim = Claim(
@@ -229,16 +225,13 @@ class _Runner:
         self._send(signum, group=signum not in TO_CHILD)
 
     def _on_stop(self, _signum: int, _frame: FrameType | None) -> None:
-        if self.starting and self.proc is None:
-            # The command may be forked already: stop it too, once Popen returns.
-            self.stop_asked = True
-            return
-        if self.proc is None or self.proc.returncode is not None:
+        if not self.starting and (self.proc is None or self.proc.returncode is not None):
             # Nothing runs under the claim: stop at once, as without a handler.
             os.kill(os.getpid(), signal.SIGSTOP)
             return
         # The poll loop stops the group, then the runner: a handler that prints could
-        # interrupt the main thread's own printing.
+        # interrupt the main thread's own printing. A command being started may be forked
+        # already: it is stopped too, once Popen returns.
         self.stop_asked = True
 
     def _stop(self) -> None:
@@ -279,17 +272,13 @@ class _Runner:
 
     # -- the run ----------------------------------------------------------------------
 
-    def run(self) -> int:
-        self.result["exit"] = code = self._run()
-        return code
-
     def _busy(self, outcome: str, reason: str) -> None:
         holder = self.claim.holder
         self.result.update(
             outcome=outcome, reason=reason, holder=holder.as_dict() if holder else None
         )
 
-    def _run(self) -> int:
+    def run(self) -> int:
         opts = self.opts
         try:
             action = self.claim.enter(opts.policy)
@@ -505,7 +494,7 @@ def run_command(
             handler = runner._on_stop if sig == signal.SIGTSTP else runner._on_signal
             previous[sig] = signal.signal(sig, handler)
     try:
-        code = runner.run()
+        code = runner.result["exit"] = runner.run()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -81,7 +81,7 @@ def _short(text: str, keep: int = SHORT_ID) -> str:
 def holder_text(holder: Holder, *, short: bool = False) -> str:
     """host pid N [task T], without the time left; ``short``: the task id's head."""
     if holder.unreadable:
-        return f"(unreadable: {printable(holder.unreadable)})"
+        return _unreadable(holder.unreadable)
     who = f"{printable(holder.host)} pid {holder.pid if holder.pid is not None else '?'}"
     if holder.task_id:
         who += f" task {printable(_short(holder.task_id) if short else holder.task_id)}"

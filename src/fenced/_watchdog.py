@@ -355,16 +355,15 @@ class _Watch:
         return None
 
     def _handle(self, words: list[str]) -> None:
-        if not words:
-            return
-        if words[0] == "g" and len(words) == 2:
-            self.group = int(words[1])
-        elif words[0] == "d" and len(words) == 2:
-            self.deadline = float(words[1])
-        elif words[0] == "s":
-            self._end(ENDED_WHEN_ASKED)
-        elif words[0] == "x":
-            self.ended = True
+        match words:
+            case ["g", group]:
+                self.group = int(group)
+            case ["d", deadline]:
+                self.deadline = float(deadline)
+            case ["s", *_]:
+                self._end(ENDED_WHEN_ASKED)
+            case ["x", *_]:
+                self.ended = True
 
     def _act(self, now: float) -> None:
         if self.kill_at is None:
@@ -373,7 +372,7 @@ class _Watch:
             return
         if self.done:
             return
-        if not self._group_alive():
+        if not self._signal(0):
             self.done = True
         elif now >= self.kill_at:
             self._signal(signal.SIGKILL)
@@ -390,7 +389,7 @@ class _Watch:
     def _runner_gone(self) -> int:
         # A group the command's child named before an exec that failed is no one's.
         guarding = self.group is not None and not self.ended and self.kill_at is None
-        if guarding and self._group_alive():
+        if guarding and self._signal(0):
             self._end(ENDED_RUNNER_GONE)
             _say(
                 f"fenced: fenced run of {self.name!r} is gone and left its command "
@@ -402,20 +401,14 @@ class _Watch:
                 time.sleep(LOOK_EVERY)
         return self.status
 
-    def _group_alive(self) -> bool:
-        assert self.group is not None
-        try:
-            os.killpg(self.group, 0)
-        except (ProcessLookupError, PermissionError):  # gone, or the id is somebody else's
-            return False
-        return True
-
-    def _signal(self, signum: int) -> None:
+    def _signal(self, signum: int) -> bool:
+        """Send ``signum`` to the group (0: none); False when the group is gone."""
         assert self.group is not None
         try:
             os.killpg(self.group, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
+        except (ProcessLookupError, PermissionError):  # gone, or the id is somebody else's
+            return False
+        return True
 
 
 def _say(line: str) -> None:

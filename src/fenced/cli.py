@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import importlib
 import json
 import math
@@ -10,7 +9,8 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
+from functools import lru_cache, partial, wraps
 from typing import Annotated, Any, NoReturn
 
 try:
@@ -18,7 +18,35 @@ try:
 except ImportError:  # pragma: no cover - exercised only without the extra
     typer = None  # type: ignore[assignment]
 
-from ._run import EXIT_UNAVAILABLE, EXIT_USAGE, ON_BUSY, ON_BUSY_ALIASES, RUN_CLAIM_OPTIONS
+import redis
+
+from . import __version__, _beat
+from ._audit import echo_to_stderr
+from ._client import client_from_setting, connect, parse_url, redact
+from ._errors import ClaimUnavailable, ConfigError
+from ._inspect import (
+    clear_queued,
+    force_release,
+    list_claims,
+    list_queued,
+    operator,
+    read_holder,
+    read_slots,
+    release_slot,
+    show_claim,
+)
+from ._lease import UNREACHABLE, check_namespace, describe_client, short_token, why_unreachable
+from ._options import DEFAULT, HELP, ClaimOptions, closest
+from ._printable import printable
+from ._run import (
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    ON_BUSY,
+    ON_BUSY_ALIASES,
+    RUN_CLAIM_OPTIONS,
+    RunOptions,
+    run_command,
+)
 
 app = (
     typer.Typer(
@@ -69,8 +97,6 @@ def parse_duration(text: str | float) -> float:
 
 
 def _err(line: str) -> None:
-    from ._printable import printable
-
     # Messages quote names and holders read from Redis: never a terminal control.
     print(printable(line), file=sys.stderr, flush=True)
 
@@ -81,19 +107,7 @@ def _fail(line: str, code: int = EXIT_USAGE) -> NoReturn:
     raise SystemExit(code)
 
 
-def _redis_url(url: str | None) -> str:
-    url = url or os.environ.get("FENCED_REDIS_URL")
-    if not url:
-        _fail("fenced: no Redis given: pass --redis URL or set FENCED_REDIS_URL")
-    return url
-
-
-def _retry_options() -> dict[str, Any]:
-    """The client options of ``$FENCED_REDIS_RETRIES`` (see :func:`_retry_policy`)."""
-    return _retry_policy(os.environ.get("FENCED_REDIS_RETRIES", "").strip())
-
-
-@functools.lru_cache(maxsize=8)
+@lru_cache(maxsize=8)
 def _retry_policy(text: str) -> dict[str, Any]:
     """Client options for $FENCED_REDIS_RETRIES: how many times a command is tried again
     after a connection error or a timeout (0 fails at the first).
@@ -108,8 +122,6 @@ def _retry_policy(text: str) -> dict[str, Any]:
     from redis.backoff import ExponentialBackoff, NoBackoff, default_backoff
     from redis.exceptions import ConnectionError, TimeoutError
     from redis.retry import Retry
-
-    from ._errors import ConfigError
 
     if not text:
         return {"retry": Retry(ExponentialBackoff(cap=0.5, base=0.1), 2, (ConnectionError,))}
@@ -130,31 +142,24 @@ def _retry_policy(text: str) -> dict[str, Any]:
 
 def _client(url: str | None) -> Any:
     """The client of ``--redis``, else $FENCED_REDIS_CLIENT (a factory), else $FENCED_REDIS_URL."""
-    from ._client import client_from_setting, connect
-    from ._errors import ClaimUnavailable, ConfigError
 
     try:
         if not url and os.environ.get("FENCED_REDIS_CLIENT"):
             return client_from_setting(
                 os.environ["FENCED_REDIS_CLIENT"], setting="FENCED_REDIS_CLIENT"
             )
-        address = _redis_url(url)
-        return connect(address, socket_connect_timeout=5, socket_timeout=10, **_retry_options())
-    except ConfigError as exc:
-        _err(f"fenced: {exc.message}")
-        raise SystemExit(EXIT_USAGE) from None
-    except ClaimUnavailable as exc:
-        _err(f"fenced: {exc.message}")
-        raise SystemExit(EXIT_UNAVAILABLE) from None
+        url = url or os.environ.get("FENCED_REDIS_URL")
+        if not url:
+            _fail("fenced: no Redis given: pass --redis URL or set FENCED_REDIS_URL")
+        retries = _retry_policy(os.environ.get("FENCED_REDIS_RETRIES", "").strip())
+        return connect(url, socket_connect_timeout=5, socket_timeout=10, **retries)
+    except (ClaimUnavailable, ConfigError) as exc:
+        _fail(f"fenced: {exc}", EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_UNAVAILABLE)
 
 
 @contextmanager
 def _talking_to(client: Any) -> Iterator[None]:
     """Turn an unreachable Redis and bad input into one-line messages and exit codes."""
-    import redis
-
-    from . import ClaimUnavailable, ConfigError
-    from ._lease import UNREACHABLE, describe_client, why_unreachable
 
     try:
         yield
@@ -180,7 +185,6 @@ def _metrics_to(path: str | None) -> Iterator[None]:
     if path is None:
         yield
         return
-    from ._errors import ConfigError
 
     try:
         from .metrics import Textfile
@@ -213,7 +217,6 @@ if app is not None:
         """``--on-busy``: a policy ``fenced run`` accepts (or an alias of one)."""
         if value in ON_BUSY or value in ON_BUSY_ALIASES:
             return value
-        from ._options import closest
 
         guess = closest(value, (*ON_BUSY, *ON_BUSY_ALIASES))
         hint = f"; did you mean {guess}?" if guess else ""
@@ -228,8 +231,6 @@ if app is not None:
 
     def _namespace(value: str) -> str:
         """The rule a Claim applies (fenced._lease.check_namespace), as a usage error."""
-        from ._errors import ConfigError
-        from ._lease import check_namespace
 
         try:
             return check_namespace(value)
@@ -262,12 +263,9 @@ if app is not None:
     def _claim_flags(*names: str) -> Callable[[Any], Any]:
         """The command takes these ClaimOptions as flags, typed, explained and defaulted
         by the struct itself, and gets them as ``claim`` (a dict, None left out)."""
-        import functools
         import inspect
         import re
         import typing
-
-        from ._options import DEFAULT, HELP, ClaimOptions
 
         hints = typing.get_type_hints(ClaimOptions)
 
@@ -279,7 +277,7 @@ if app is not None:
             text = spelled.sub(lambda m: "--" + m[1].replace("_", "-"), HELP[name])
             text = text[0].upper() + text[1:] + "."
             if kind is float:  # seconds, given as 30s, 10m, 2h or a number
-                option = typer.Option(metavar="DURATION", parser=parse_duration, help=text)
+                option = _duration(text)
             else:
                 option = typer.Option(metavar="N" if kind is int else "TEXT", help=text)
             return inspect.Parameter(
@@ -294,7 +292,7 @@ if app is not None:
             params = [p for p in own.parameters.values() if p.name != "claim"]
             params += [flag(name) for name in names]
 
-            @functools.wraps(command)
+            @wraps(command)
             def with_flags(**given: Any) -> Any:
                 claim = {n: given.pop(n) for n in names}
                 return command(claim={n: v for n, v in claim.items() if v is not None}, **given)
@@ -307,8 +305,6 @@ if app is not None:
 
     def _print_version(value: bool) -> None:
         if value:
-            from . import __version__
-
             print(__version__)
             raise typer.Exit()
 
@@ -364,7 +360,6 @@ if app is not None:
             from .web.app import listen
         except ImportError:
             _fail("fenced demo --web needs the web extra: pip install 'fenced[web]'")
-        from ._errors import ConfigError
 
         try:  # before the acts: a port in use is said now, not minutes later
             sock = listen("127.0.0.1", web_port, option="--web-port")
@@ -612,7 +607,6 @@ if app is not None:
           2      usage: no --redis and no FENCED_REDIS_URL, bad option
           126    command not executable; 127 command not found
         """
-        from ._run import RunOptions, run_command
 
         client = _client(redis_url)
         opts = RunOptions(
@@ -648,32 +642,50 @@ if app is not None:
         too, with the time left of its window; so is a name marked at enqueue, one
         whose rate holds its next start back, and one with a pending debounce burst.
         """
-        from ._inspect import list_claims
+
+        from rich.live import Live
+        from rich.text import Text
 
         client = _client(redis_url)
+        console = _console(wide)
         if not watch:
             with _talking_to(client):
                 infos = list_claims(client, namespace)
             if as_json:
                 _print_json([i.as_dict() for i in infos])
             else:
-                console = _console(wide)
                 console.print(_ls_view(infos, namespace, console))
             return
-        _watch(lambda: list_claims(client, namespace), namespace, as_json, interval, wide)
+
+        def view() -> Any:
+            try:
+                infos = list_claims(client, namespace)
+            except UNREACHABLE as exc:
+                # Watching outlives a Redis restart: say so and look again.
+                return Text(f"cannot reach Redis: {why_unreachable(exc)}", style="red")
+            return [i.as_dict() for i in infos] if as_json else _ls_view(infos, namespace, console)
+
+        with suppress(KeyboardInterrupt):
+            if as_json:
+                while True:  # one JSON document per line and draw
+                    print(json.dumps(view(), default=str), flush=True)
+                    time.sleep(interval)
+            with Live(view(), console=console, auto_refresh=False) as live:
+                while True:
+                    time.sleep(interval)
+                    live.update(view(), refresh=True)
 
     def _console(wide: bool = False) -> Console:
         from ._views import WIDE
 
         # Names, commands and reasons are data: never read them as markup or emoji codes.
-        console = Console(markup=False, emoji=False, highlight=False)
+        plain = partial(Console, markup=False, emoji=False, highlight=False)
+        console = plain()
         if not console.is_terminal and "COLUMNS" not in os.environ:
             # Piped: a line per row, as long as its values, never a value cut in two
             # (an explicit COLUMNS still rules).
-            return Console(markup=False, emoji=False, highlight=False, width=PIPED_WIDTH)
-        if wide and console.width < WIDE:
-            console = Console(markup=False, emoji=False, highlight=False, width=2 * WIDE)
-        return console
+            return plain(width=PIPED_WIDTH)
+        return plain(width=2 * WIDE) if wide and console.width < WIDE else console
 
     def _ls_view(infos: list[Any], namespace: str, console: Console) -> Any:
         from rich.text import Text
@@ -691,35 +703,6 @@ if app is not None:
             title += f", {len(infos) - held - cooled} not held (queued, rate limited or debounced)"
         return claims_table(infos, title) if console.width >= WIDE else claims_list(infos, title)
 
-    def _watch(
-        read: Callable[[], list[Any]], namespace: str, as_json: bool, every: float, wide: bool
-    ) -> None:
-        from rich.live import Live
-        from rich.text import Text
-
-        from ._lease import UNREACHABLE, why_unreachable
-
-        def view() -> Any:
-            try:
-                infos = read()
-            except UNREACHABLE as exc:
-                # Watching outlives a Redis restart: say so and look again.
-                return Text(f"cannot reach Redis: {why_unreachable(exc)}", style="red")
-            return [i.as_dict() for i in infos] if as_json else _ls_view(infos, namespace, console)
-
-        console = _console(wide)
-        try:
-            if as_json:
-                while True:  # one JSON document per line and draw
-                    print(json.dumps(view(), default=str), flush=True)
-                    time.sleep(every)
-            with Live(view(), console=console, auto_refresh=False) as live:
-                while True:
-                    time.sleep(every)
-                    live.update(view(), refresh=True)
-        except KeyboardInterrupt:
-            return
-
     @app.command("show")
     def show_cmd(
         name: NameArg,
@@ -732,7 +715,6 @@ if app is not None:
         wide: WideOpt = False,
     ) -> None:
         """Show a claim's holder and its run records, newest first."""
-        from ._inspect import show_claim
         from ._views import WIDE, report_list, report_table
 
         client = _client(redis_url)
@@ -744,13 +726,10 @@ if app is not None:
         console = _console(wide)
         console.print(report_table(report) if console.width >= WIDE else report_list(report))
         if report.beat is not None:
-            from ._beat import lines
-            from ._printable import printable
-
             # Its runs are ticks, not records: what the beat did is its status.
             beat = printable(report.beat.name)
             console.print(f"the leader claim of a beat: fenced beat {beat} shows it alone")
-            for line in lines(report.beat):
+            for line in _beat.lines(report.beat):
                 console.print(line, soft_wrap=True)  # a line per entry, as fenced beat
         elif all(run.outcome == "skipped" for run in report.runs):
             # Skips are recorded whatever the claim's options; runs only where asked.
@@ -772,15 +751,13 @@ if app is not None:
     ) -> None:
         """Show who leads a beat (fenced.celery.beat), its fence, and each entry's last
         tick and next one."""
-        from ._beat import as_dict, lines, status
-
         client = _client(redis_url)
         with _talking_to(client):
-            report = status(client, name, namespace=namespace)
+            report = _beat.status(client, name, namespace=namespace)
         if as_json:
-            _print_json(as_dict(report))
+            _print_json(_beat.as_dict(report))
             return
-        for line in lines(report):
+        for line in _beat.lines(report):
             print(line)
 
     @app.command("web")
@@ -855,9 +832,6 @@ if app is not None:
             from .web.app import listen, serve
         except ImportError:
             _fail("fenced web needs its extra: pip install 'fenced[web]'")
-        from ._client import redact
-        from ._errors import ConfigError
-        from ._lease import describe_client
 
         client = _client(redis_url)
         label = redact(redis_url) if redis_url else describe_client(client)
@@ -876,7 +850,6 @@ if app is not None:
                 "the token crosses the network in clear text unless a TLS proxy is in "
                 "front; prefer --host 127.0.0.1 behind such a proxy"
             )
-        from ._audit import echo_to_stderr
 
         echo_to_stderr()  # the fenced.audit line of each release from the page
         try:
@@ -903,7 +876,6 @@ if app is not None:
         serve(web, sock, lambda: _err(serving), forwarded_allow_ips=forwarded_allow_ips)
 
     def _has_password(url: str) -> bool:
-        from ._client import parse_url
 
         parsed = parse_url(url)  # a bad URL was refused before this
         return bool(parsed.password or parsed.options.get("sentinel_password"))
@@ -1022,17 +994,9 @@ if app is not None:
           2   usage: no --reason, no --redis
           69  Redis unreachable
         """
-        from functools import partial
-
-        from ._audit import echo_to_stderr
-        from ._inspect import force_release, operator, read_holder, read_slots, release_slot
-        from ._lease import short_token
-        from ._printable import printable
-
         client = _client(redis_url)
         if not force:
-            held = ""
-            aim = ""
+            held = aim = ""
             try:
                 holder = read_holder(client, name, namespace=namespace)
                 held = f" (held by {holder})" if holder else " (nothing is held under it)"
@@ -1072,11 +1036,10 @@ if app is not None:
             found = [release(by=by, token_prefix="" if every else token, slot=i) for i in targets]
             cleared = [h for h in found if h is not None]
             holder = cleared[0] if cleared else None
-            current = (
-                read_holder(client, name, namespace=namespace) if holder is None and token else None
-            )
-            if current is None and holder is None and token and slots:
-                current = slots[0][1]
+            current = None
+            if holder is None and token:
+                current = read_holder(client, name, namespace=namespace)
+                current = current or (slots[0][1] if slots else None)
         # Refused: the holder named is the one that stays.
         shown = holder or current
         result = {
@@ -1087,7 +1050,6 @@ if app is not None:
             "by": by,
             "reason": reason,
         }
-        code = 0 if current is None else EXIT_REFUSED
         if current is not None:
             msg = f"fenced: {name!r} is held by another token ({current}); not released"
         elif holder is None:
@@ -1099,10 +1061,10 @@ if app is not None:
             _print_json(result)
         else:
             print(printable(msg), flush=True)
-        if code:
+        if current is not None:
             if as_json:
                 _err(msg)
-            raise typer.Exit(code)
+            raise typer.Exit(EXIT_REFUSED)
 
     @app.command("unqueue")
     def unqueue_cmd(
@@ -1135,10 +1097,6 @@ if app is not None:
           2   usage: neither NAME nor --all, or both
           69  Redis unreachable
         """
-        from . import ConfigError
-        from ._audit import echo_to_stderr
-        from ._inspect import clear_queued, list_queued, operator
-        from ._printable import printable
 
         if bool(names) == every:
             _fail(
@@ -1167,9 +1125,7 @@ if app is not None:
         elif not results:
             print(f"fenced: no enqueue markers in namespace {namespace!r}", flush=True)
         else:
-            for result in results:
-                if "error" in result:
-                    continue
+            for result in (r for r in results if "error" not in r):
                 if result["task_id"] is None:
                     line = f"fenced: {result['name']!r} had no enqueue marker"
                 else:
