@@ -125,6 +125,11 @@ class RedisServer:
         self.dir = tempfile.mkdtemp(prefix="fenced-redis-")
         self.unix = unix
         self.port = 0 if unix else (port or free_port())
+        # A port picked here was free a moment ago, not reserved: taken by another process
+        # before the server binds it, it is picked again (at the first start only: a
+        # restart keeps its address). A caller that gave the port, or that names it to
+        # other processes before the start, sets this to None.
+        self._pick: Callable[[], int] | None = free_port if not (unix or port) else None
         self.socket_path = os.path.join(self.dir, "redis.sock") if unix else None
         self.extra = extra or []
         self.proc: subprocess.Popen[bytes] | None = None
@@ -184,12 +189,21 @@ class RedisServer:
         """Wait until the launched server answers PING."""
         assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + timeout
+        picks = 3 if self._pick is not None else 0
         while True:
             if self.proc.poll() is not None:
+                if picks and "Address already in use" in self._log_tail():
+                    picks -= 1
+                    assert self._pick is not None
+                    self.port = self._pick()
+                    self.launch()
+                    continue
                 raise RuntimeError(f"redis-server exited at start: {self._log_tail()}")
             try:
                 with self.client(socket_timeout=0.5) as probe:
-                    if probe.ping():
+                    # Ours, not another server that took the port first.
+                    if probe.info("server").get("process_id") == self.proc.pid:
+                        self._pick = None  # its address now: kept by every later start
                         return self
             except Exception:
                 if time.monotonic() > deadline:
@@ -396,6 +410,8 @@ class RedisCluster(_Group):
         args = [*_CLUSTER_NODE_ARGS, "--cluster-node-timeout", str(node_timeout_ms), *(extra or [])]
         #: Every node, the first ``masters`` of them started as masters.
         self.nodes = [RedisServer(self.binary, port=p, extra=list(args)) for p in sorted(ports)]
+        for node in self.nodes:  # named to each other only once all are up
+            node._pick = cluster_port
         self._masters = masters
         self._ids: dict[int, str] = {}
         super().__init__(self.nodes)
@@ -535,6 +551,7 @@ class _SentinelServer(RedisServer):
 
     def __init__(self, binary: str, lines: list[str]) -> None:
         super().__init__(binary)
+        self._pick = None  # the other sentinels know its port from their config
         self.myid = secrets.token_hex(20)
         self.lines = lines
 
@@ -590,6 +607,8 @@ class SentinelGroup(_Group):
         )
         #: The data servers, the master first (as started; roles change on failover).
         self.servers = [first, second]
+        for server in self.servers:  # the configs below name their ports
+            server._pick = None
         monitor = [
             f"sentinel monitor {service} 127.0.0.1 {first.port} {quorum}",
             f"sentinel down-after-milliseconds {service} {down_after_ms}",
