@@ -25,7 +25,6 @@ __all__ = [
     "lines",
     "of_state",
     "read_state",
-    "status",
     "task_id",
 ]
 
@@ -107,16 +106,6 @@ class BeatStatus:
     #: Each entry's next due time, as the leader last wrote it (an entry not there: not
     #: known; a leader since gone wrote it: it comes when a beat leads again).
     upcoming: Mapping[str, datetime] = field(default_factory=dict)
-
-
-def status(client: Any, name: str, *, namespace: str = "fenced") -> BeatStatus:
-    """The leader of beat ``name`` (its fence), its last tick and each entry's last due."""
-    from ._inspect import read_holder  # it reads a beat's claim as any other
-
-    claim = claim_of(name)
-    keys = ClaimKeys.of(claim, namespace)
-    leader = read_holder(client, claim, namespace=namespace)
-    return of_state(name, leader, *read_state(client, keys))
 
 
 def of_state(

@@ -19,7 +19,7 @@ import redis
 
 from . import _audit, _lease
 from ._audit import claimed_user
-from ._beat import BeatStatus, beat_of, of_state, read_state
+from ._beat import BeatStatus, beat_of, claim_of, of_state, read_state
 from ._beat import as_dict as beat_dict
 from ._errors import ClaimUnavailable, ConfigError
 from ._lease import (
@@ -53,6 +53,7 @@ __all__ = [
     "ClaimInfo",
     "ClaimReport",
     "Flow",
+    "beat_status",
     "clear_queued",
     "force_release",
     "list_claims",
@@ -610,6 +611,14 @@ def _report(
     holder = slots[0][1] if slots else None
     report = ClaimReport(keys.name, keys.namespace, holder, runs, limit=most, slots=slots, **fields)
     return _with_beat(client, keys, report)
+
+
+def beat_status(client: Any, name: str, *, namespace: str = "fenced") -> BeatStatus:
+    """The leader of beat ``name`` (its fence), its last tick and each entry's last due."""
+    claim = claim_of(name)
+    keys = ClaimKeys.of(claim, namespace)
+    leader = read_holder(client, claim, namespace=namespace)
+    return of_state(name, leader, *read_state(client, keys))
 
 
 def read_holder(client: Any, name: str, *, namespace: str = "fenced") -> Holder | None:

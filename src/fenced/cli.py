@@ -25,6 +25,7 @@ from ._audit import echo_to_stderr
 from ._client import client_from_setting, connect, parse_url, redact
 from ._errors import ClaimUnavailable, ConfigError
 from ._inspect import (
+    beat_status,
     clear_queued,
     force_release,
     list_claims,
@@ -753,7 +754,7 @@ if app is not None:
         tick and next one."""
         client = _client(redis_url)
         with _talking_to(client):
-            report = _beat.status(client, name, namespace=namespace)
+            report = beat_status(client, name, namespace=namespace)
         if as_json:
             _print_json(_beat.as_dict(report))
             return

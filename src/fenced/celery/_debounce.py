@@ -267,9 +267,8 @@ def defer(task: Any, seconds: float, exc: BaseException | None = None) -> Retry:
 
 
 def _client(task: Any) -> Any:
-    from ._options import lock_redis  # imports this module
-
-    return lock_redis(task.app)
+    # The task's own (fenced.celery._options, which checks this module's options).
+    return task._lock_client()
 
 
 def send(

@@ -585,6 +585,10 @@ class ClaimedTask(Task[Any, Any]):
                 raise
         return self._run(claim, interrupter, request, args, kwargs)
 
+    def _lock_client(self) -> Any:
+        """The Redis client that holds this task's claims (its app's)."""
+        return lock_redis(self.app)
+
     _fenced_template: tuple[Any, TaskOptions, Claim] | None = None
 
     def _claim_template(self, client: Any, opts: TaskOptions, name: str) -> Claim:

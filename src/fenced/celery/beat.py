@@ -38,10 +38,11 @@ import redis
 from celery import beat
 from celery.schedules import crontab, schedule
 
-from .._beat import BeatStatus, EntryState, claim_of, read_state, status, task_id
+from .._beat import BeatStatus, EntryState, claim_of, read_state, task_id
 from .._beat import at as _at
 from .._claim import Claim
 from .._errors import ClaimUnavailable, ConfigError
+from .._inspect import beat_status as status
 from .._lease import ClaimKeys, check_namespace, check_timing
 from .._scripts import BEAT_DISPATCH, BEAT_SENT, as_text
 from . import _metrics

@@ -39,9 +39,9 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._beat import as_dict as beat_dict
-from .._beat import status as beat_status
 from .._errors import ClaimUnavailable, ConfigError
 from .._inspect import (
+    beat_status,
     force_release,
     list_claims,
     operator,
