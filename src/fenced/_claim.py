@@ -715,8 +715,7 @@ class ClaimState(LeaseState):
         # One look at the clock: a lease whose deadline passed by then is lost (and says
         # why); one held then ends with no loss to tell, whatever the clock says after.
         now = self._clock()
-        if self._state == HELD and now >= self._deadline:
-            self._declare_lost(self.expired_reason)
+        self._expire_if_due(now)
         if outcome is None:
             outcome = "lost" if self._state == LOST else "ok"
         record = self._finished_record(now - self._started_at, reason or self._lost_reason)

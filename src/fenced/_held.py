@@ -181,9 +181,10 @@ class LeaseState:
     def _report_lost(self, reason: str, lease: Snapshot) -> None:
         """The lease was just declared lost: the front end logs it, tells its callbacks."""
 
-    def _expire_if_due(self) -> None:
-        """Declare the lease lost if its local deadline passed while it was held."""
-        if self._state == HELD and self._clock() >= self._deadline:
+    def _expire_if_due(self, now: float | None = None) -> None:
+        """Declare the lease lost if its local deadline passed while it was held (by
+        ``now``, a reading of its clock the caller has; else the clock is read)."""
+        if self._state == HELD and (self._clock() if now is None else now) >= self._deadline:
             self._declare_lost(self.expired_reason)
 
     def _end_hold(self, stay_lost: bool = False) -> str:

@@ -322,11 +322,14 @@ def render(
     values: Mapping[str, Any],
     secret: Collection[str] = (),
     key: bytes | None = None,
+    safe_between: bool = False,
 ) -> tuple[str, dict[str, str]]:
     """The claim name for a template's values, and each value as the name shows it.
 
     ``template`` has no format specs; the ``secret`` fields' values become keyed
-    digests under ``key``.
+    digests under ``key``. ``safe_between``: the template's text between its fields is
+    text :func:`validate_name` keeps, so a name made of it and rendered values (safe
+    text or digests) is kept whenever it is short enough, without checking it again.
     """
     if secret:
         assert key is not None
@@ -336,7 +339,10 @@ def render(
         }
     else:
         rendered = {f: render_value(v, f) for f, v in values.items()}
-    return validate_name(template.format(**rendered)), rendered
+    name = template.format(**rendered)
+    if safe_between and 0 < len(name) <= NAME_MAX:
+        return name, rendered  # what validate_name would return unchanged
+    return validate_name(name), rendered
 
 
 def validate_name(name: str) -> str:
@@ -504,12 +510,7 @@ class Namer:
             return validate_name(name), None
         assert self.plain is not None
         if not self.secret:
-            # As render() does, in one call: every run of a task names its claim here.
-            rendered = {f: render_value(v, f) for f, v in self.values(args, kwargs).items()}
-            name = self.plain.format(**rendered)
-            if self._safe_between and 0 < len(name) <= NAME_MAX:
-                return name, rendered  # what validate_name would return unchanged
-            return validate_name(name), rendered
+            return render(self.plain, self.values(args, kwargs), safe_between=self._safe_between)
         return render(self.plain, self.values(args, kwargs), self.secret, self.key(secret_key))
 
     def readable(

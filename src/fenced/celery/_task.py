@@ -468,29 +468,15 @@ class ClaimedTask(Task[Any, Any]):
         self._clear_queued(keys, task_id, "as its run ends")
 
     def _clear_queued(
-        self,
-        keys: ClaimKeys,
-        task_id: str,
-        when: str,
-        expiry: int | None = None,
-        mark_for: int | None = None,
+        self, keys: ClaimKeys, task_id: str, when: str, expiry: int | None = None
     ) -> None:
-        """Clear the name's queued mark while it holds ``task_id`` (or give it ``expiry``
-        ms); ``mark_for``: mark the name for ``task_id`` again for that many ms instead,
-        unless another message's marker took its place. A failure is logged: the mark
-        expires by itself, and the claim still keeps a second run out."""
-        mark = mark_for is not None
         try:
-            if mark_for is not None:
-                _enqueue.mark(lock_redis(self.app), keys, task_id, mark_for, None)
-            else:
-                _enqueue.clear(lock_redis(self.app), keys, task_id, expiry)
-        except Exception:
+            _enqueue.clear(lock_redis(self.app), keys, task_id, expiry)
+        except Exception:  # it expires by itself; the run goes on
             log.warning(
-                "fenced: could not %s %r %s",
-                "mark" if mark else "clear the queued mark of",
+                "fenced: could not clear the queued mark of %r %s",
                 keys.name,
-                f"as queued again {when}" if mark else when,
+                when,
                 exc_info=True,
                 extra=claim_fields(keys.name),
             )
@@ -1075,12 +1061,27 @@ class ClaimedTask(Task[Any, Any]):
                 extra=claim_fields(name, holder.fence, holder.text, "aborted", event="released"),
             )
         if opts.enqueue == "until_finished":
-            # A requeued message's name is marked for it again, for claim_enqueue_ttl (the
-            # run kept the marker one lease ttl only, so it may be gone by now).
-            again = _enqueue.expiry_ms(opts.enqueue_ttl, {}) if requeued else None
             keys = ClaimKeys(opts.claim.namespace, name)
-            self._clear_queued(keys, task_id, "as its process died", mark_for=again)
+            if requeued:
+                self._mark_requeued(keys, task_id, opts)
+            else:
+                self._clear_queued(keys, task_id, "as its process died")
         return holder
+
+    def _mark_requeued(self, keys: ClaimKeys, task_id: str, opts: TaskOptions) -> None:
+        """The dead run's message is queued again: its name is marked for it again,
+        for claim_enqueue_ttl (the run kept the marker one lease ttl only, so it may be
+        gone by now), unless another message's marker took its place."""
+        try:
+            expiry = _enqueue.expiry_ms(opts.enqueue_ttl, {})
+            _enqueue.mark(lock_redis(self.app), keys, task_id, expiry, None)
+        except Exception:  # the run's claim still keeps a second run out
+            log.warning(
+                "fenced: could not mark %r as queued again as its process died",
+                keys.name,
+                exc_info=True,
+                extra=claim_fields(keys.name),
+            )
 
 
 #: The reason recorded for a delivery of a task id that already ran to the end.
