@@ -1,11 +1,14 @@
 """Redis work per claim lifecycle: fenced's Claim beside redis-py's Lock, from the server.
 
 Starts its own redis-server and runs acquire+release cycles, one single-threaded client,
-in interleaved rounds (each lane in turn, the first lane rotating), for six lanes:
+in interleaved rounds (each lane in turn, the first lane rotating), for eight lanes:
 
 * redis-py ``Lock`` on one reused name, and on a new name per cycle;
 * fenced ``Claim`` (heartbeat off) with run records off and on, each on one reused name
-  and on a new name per cycle (a name built from arguments: one per user, per file).
+  and on a new name per cycle (a name built from arguments: one per user, per file);
+* two floors, for what no script can go under: the Lock with its SET sent by a script,
+  and a script that adds the least a fence takes (``TIME``, and the last fence read and
+  written in one ``SET ... GET``); both release with the Lock's script.
 
 Per lane, from the server's own ``INFO commandstats`` summed over the lane's rounds:
 
@@ -52,6 +55,25 @@ SCRIPT_CALLS = {"eval", "evalsha", "eval_ro", "evalsha_ro", "fcall", "fcall_ro"}
 OWN = {"info", "monitor", "ping", "client", "hello", "config", "script"}
 
 MAX_COMMANDS = 10
+
+# The floors: the fewest a fenced lifecycle could cost with its acquire in a script. The
+# Lock's own SET, sent by a script; then that SET and the least a fence takes (the
+# server's clock and the last fence, read and written in one SET). Both release with the
+# Lock's compare-and-delete script.
+FLOOR_LOCK = "return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])"
+FLOOR_FENCE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  local t = redis.call('TIME')
+  local now = t[1] .. string.rep('0', 6 - #t[2]) .. t[2]
+  redis.call('SET', KEYS[2], now, 'PX', ARGV[3], 'GET')
+  return now
+end
+return 0
+"""
+FLOOR_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
 MAX_RATIO_RECORDS = 3.0
 MAX_RATIO_PLAIN = 2.0
 
@@ -168,9 +190,22 @@ def main() -> int:
 
             return op
 
+        def floor_cycle(acquire: str) -> Callable[[], object]:
+            # the Lock's release script, after an acquire that is a script too
+            take, give = r.script_load(acquire), r.script_load(FLOOR_RELEASE)
+            keys = ("bench:floor:{x}:lock", "bench:floor:{x}:fence")
+
+            def op() -> None:
+                r.evalsha(take, 2, *keys, "token", "30000", "604800000")
+                r.evalsha(give, 1, keys[0], "token")
+
+            return op
+
         lanes: dict[str, tuple[str, Callable[[], object]]] = {
             "redis-py Lock": ("Lock", lock_cycle(r.lock("bench:lock", timeout=30))),
             "redis-py Lock, new names": ("Lock new", new_lock),
+            "floor: the Lock, SET in a script": ("Lock", floor_cycle(FLOOR_LOCK)),
+            "floor: SET and a fence in a script": ("Lock", floor_cycle(FLOOR_FENCE)),
             "fenced, records off": ("Lock", claim_cycle(False, False)),
             "fenced, records off, new names": ("Lock new", claim_cycle(False, True)),
             "fenced, records on": ("Lock", claim_cycle(True, False)),

@@ -16,6 +16,7 @@ import pytest
 from fenced import Claim, records
 from fenced._inspect import force_release, list_claims, show_claim
 from fenced._lease import ClaimKeys
+from fenced._scripts import as_text
 from fenced.doctor._naming import load_records
 from fenced.records import RunRecord
 
@@ -202,3 +203,26 @@ def test_a_release_entry_without_a_time_is_placed_by_its_neighbours() -> None:
     assert by_fence[6].finished == 1000.9 and by_fence[6].duration == 5.0
     # the oldest in the window: the time of the entry above it
     assert by_fence[5].finished == 1000.1 and by_fence[5].unreadable is None
+
+
+@pytest.mark.parametrize(
+    "task_id", ["0b3e5c52-6f6e-4a57-9d51-6b2a4f1f9d0e", 'a "quoted" \\ task/id\nwith é, \x01']
+)
+def test_each_entry_head_is_json_whatever_the_token_holds(r: Any, task_id: str) -> None:
+    # A plain token's entry head is written out by the script; one JSON must escape is
+    # encoded: both read back as the same fields.
+    claim = _one_run(r, f"head:{len(task_id)}", task_id=task_id)
+    finished, started = (
+        json.loads(as_text(raw).split("\n", 1)[0]) for raw in r.lrange(claim.keys.records, 0, -1)
+    )
+    assert set(started) == {"at", "event", "token", "fence"}
+    assert started["event"] == "started" and started["token"] == claim.token
+    assert started["fence"] == str(claim.fence) and started["at"] == started["fence"][:-3]
+    assert finished == {
+        "event": "finished",
+        "token": claim.token[:8],
+        "fence": str(claim.fence),
+        "outcome": "ok",
+    }
+    (run,) = records.history(r, claim.name)
+    assert (run.outcome, run.task_id, run.fence) == ("ok", task_id, claim.fence)

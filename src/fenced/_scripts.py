@@ -395,9 +395,21 @@ end
 # script below, told by ``taken`` whether the lease is set (false: busy), by
 # ``previous`` what the fence key held and by ``written`` what was written in its place.
 _ACQUIRE_FAST = """
-local taken, previous, written
-if (ARGV[9] or '') == '' and (ARGV[10] or '1') == '1' and (ARGV[12] or '') == ''
-    and (ARGV[13] or '') == '' then
+local taken, previous, written, queued_done
+if (ARGV[9] or '') == '' and (ARGV[10] or '1') == '1' and (ARGV[13] or '') == '' then
+  local done_key = #KEYS
+  if (ARGV[12] or '') ~= '' then
+    -- the enqueue marker (the last key), first and whatever the answer
+    queued_done = true
+    done_key = done_key - 1
+    if redis.pcall('GET', KEYS[#KEYS]) == ARGV[7] then
+      if ARGV[12] == '-' then
+        redis.call('DEL', KEYS[#KEYS])
+      else
+        redis.call('PEXPIRE', KEYS[#KEYS], ARGV[12])
+      end
+    end
+  end
   taken = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
   if taken then
     local t = redis.call('TIME')
@@ -411,14 +423,21 @@ if (ARGV[9] or '') == '' and (ARGV[10] or '1') == '1' and (ARGV[12] or '') == ''
     if not previous or (type(previous) == 'string' and #previous <= #now
         and string.find(previous, '^[1-9]%d*$') and (#previous < #now or previous < now)) then
       if (ARGV[4] or '') ~= '' then
-        record_time = t
-        append_record(KEYS[3], ARGV[8] or '1000', ARGV[4],
-                      'event', 'started', 'token', ARGV[1], 'fence', now)
+        local entry
+        if string.find(ARGV[1], '^[%w:._-]*$') then
+          -- a token JSON needs no escape for: the entry's head is written out
+          entry = '{"at":"' .. string.sub(now, 1, -4) .. '","event":"started","token":"' ..
+                  ARGV[1] .. '","fence":"' .. now .. '"}\\n' .. ARGV[4]
+        else
+          record_time = t
+          entry = record_entry(ARGV[4], 'event', 'started', 'token', ARGV[1], 'fence', now)
+        end
+        trim_records(KEYS[3], redis.call('LPUSH', KEYS[3], entry), ARGV[8] or '1000')
         -- the list's idle expiry, renewed as the fence's is: by each grant (and each
         -- renewal of the lease), not by the release of a run that held it
         if ARGV[3] ~= '0' then redis.call('PEXPIRE', KEYS[3], ARGV[3]) end
       end
-      if ARGV[11] == '1' then return {1, now, 0, redis.call('EXISTS', KEYS[#KEYS])} end
+      if ARGV[11] == '1' then return {1, now, 0, redis.call('EXISTS', KEYS[done_key])} end
       return now  -- {1, now} as the bare fence: a table reply costs the server more
     end
   end
@@ -460,7 +479,7 @@ end
 if A[12] and A[12] ~= '' then
   local queued = KEYS[last]
   last = last - 1
-  if redis.pcall('GET', queued) == A[7] then
+  if not queued_done and redis.pcall('GET', queued) == A[7] then
     if A[12] == '-' then
       redis.call('DEL', queued)
     else
@@ -837,13 +856,21 @@ end
 _RELEASE_FAST = """
 record_time = false
 local held
-if ARGV[6] ~= '2' and (ARGV[10] or '') == '' then
+if ARGV[6] ~= '2' then
   held = redis.call('GET', KEYS[1])
   if held == ARGV[1] and (ARGV[6] == '0' or redis.call('EXISTS', KEYS[4]) == 0) then
     local outcome, record, recorded = ARGV[2], ARGV[3] or '', true
     if record ~= '' then
-      local entry = record_entry(record, 'event', 'finished', 'token', run_of(ARGV[1]),
-                                 'fence', ARGV[4], 'outcome', outcome)
+      local run, fence = run_of(ARGV[1]), ARGV[4] or '0'
+      local entry
+      if string.find(run .. fence .. outcome, '^[%w:._-]*$') then
+        -- nothing JSON needs to escape: the entry's head is written out
+        entry = '{"event":"finished","token":"' .. run .. '","fence":"' .. fence ..
+                '","outcome":"' .. outcome .. '"}\\n' .. record
+      else
+        entry = record_entry(record, 'event', 'finished', 'token', run, 'fence', fence,
+                             'outcome', outcome)
+      end
       local added = redis.pcall('LPUSH', KEYS[2], entry)
       recorded = not (type(added) == 'table' and added.err)
       if recorded then
@@ -856,8 +883,17 @@ if ARGV[6] ~= '2' and (ARGV[10] or '') == '' then
       end
     end
     if recorded then
+      -- the enqueue marker goes with the lease when it still holds this run's task id
+      local queued = (ARGV[10] or '') ~= '' and redis.pcall('GET', KEYS[8]) == ARGV[10]
       if record ~= '' and outcome == 'ok' then
-        redis.call('DEL', KEYS[1], KEYS[3])  -- a success ends a streak of skips
+        -- a success ends a streak of skips
+        if queued then
+          redis.call('DEL', KEYS[1], KEYS[3], KEYS[8])
+        else
+          redis.call('DEL', KEYS[1], KEYS[3])
+        end
+      elseif queued then
+        redis.call('DEL', KEYS[1], KEYS[8])
       else
         redis.call('DEL', KEYS[1])
       end
