@@ -257,13 +257,24 @@ local function not_a_list(key, kind)
 end
 """
 
+# The records list is cut back to ``maxlen`` entries after a push made it an eighth longer
+# (``length``: LPUSH's answer): not one LTRIM per push. ACQUIRE and RELEASE define it
+# first: it is all their fast paths use (a closure made per call costs the server).
+_TRIM = """
+local function trim_records(key, length, maxlen)
+  local most = math.max(1, tonumber(maxlen))
+  if length > most + math.max(1, math.floor(most / 8)) then
+    redis.call('LTRIM', key, 0, most - 1)
+  end
+end
+"""
+
 # A run record, as it is pushed at the head of the name's records list (newest first):
 # a JSON object of the entry's fields as text, its "at" the server's TIME in ms (which
 # orders entries as a stream id did), then a newline, then the record's own JSON as the
 # caller sent it (cjson escapes every newline inside the fields). ``...`` are field,
-# value pairs. The list is cut back to ``maxlen`` entries after a push made it an
-# eighth longer (``length``: LPUSH's answer).
-_APPEND = """
+# value pairs.
+_ENTRY = """
 -- a TIME reply the script already has, for its entries' "at"; false: an entry without
 -- one (a release's: its run's start and duration time it, the list's order places it)
 local record_time
@@ -283,13 +294,6 @@ end
 local function run_of(token)
   return string.sub(string.match(token, '^[^:]*'), 1, 8)
 end
-local function trim_records(key, length, maxlen)
-  local most = math.max(1, tonumber(maxlen))
-  -- cut back once an eighth more have gathered: not one LTRIM per push
-  if length > most + math.max(1, math.floor(most / 8)) then
-    redis.call('LTRIM', key, 0, most - 1)
-  end
-end
 local function append_record(key, maxlen, record, ...)
   local entry, at = record_entry(record, ...)
   local length = redis.call('LPUSH', key, entry)
@@ -297,6 +301,8 @@ local function append_record(key, maxlen, record, ...)
   return at, length
 end
 """
+
+_APPEND = _TRIM + _ENTRY
 
 # ACQUIRE
 # ARGV as sent: token, ttl, idle, then (each may be left off at its default, when
@@ -387,16 +393,18 @@ end
 #         an error reply naming KEYS[2] (or KEYS[7]) when the claim would be granted on
 #         a fence that is not one (see _FENCE); nothing is granted then
 # Every fence is decimal text (a holder's fence as the key holds it, unchecked).
-# ACQUIRE's common grant, before anything but the records' helpers is defined: one
-# holder, no cooldown window, enqueue marker or rate, and a free name whose last fence
-# is a plain decimal below the server's clock. It runs the fewest commands (its record
-# takes the grant's TIME, and the list its idle expiry only when new: each release
-# renews it) and allocates little but its answer; anything else goes on to the whole
+# ACQUIRE's common grant, before anything but trim_records is defined: one holder, no
+# cooldown window or rate, a token that needs no JSON escape (when it is recorded), and a
+# free name whose last fence is a plain decimal below the server's clock; an enqueue
+# marker is handled first, as the whole script would. It runs the fewest commands (its
+# record takes the grant's TIME) and allocates little but its answer; anything else
+# goes on to the whole
 # script below, told by ``taken`` whether the lease is set (false: busy), by
 # ``previous`` what the fence key held and by ``written`` what was written in its place.
 _ACQUIRE_FAST = """
 local taken, previous, written, queued_done
-if (ARGV[9] or '') == '' and (ARGV[10] or '1') == '1' and (ARGV[13] or '') == '' then
+if (ARGV[9] or '') == '' and (ARGV[10] or '1') == '1' and (ARGV[13] or '') == ''
+    and ((ARGV[4] or '') == '' or string.find(ARGV[1], '^[%w:._-]*$')) then
   local done_key = #KEYS
   if (ARGV[12] or '') ~= '' then
     -- the enqueue marker (the last key), first and whatever the answer
@@ -423,16 +431,11 @@ if (ARGV[9] or '') == '' and (ARGV[10] or '1') == '1' and (ARGV[13] or '') == ''
     if not previous or (type(previous) == 'string' and #previous <= #now
         and string.find(previous, '^[1-9]%d*$') and (#previous < #now or previous < now)) then
       if (ARGV[4] or '') ~= '' then
-        local entry
-        if string.find(ARGV[1], '^[%w:._-]*$') then
-          -- a token JSON needs no escape for: the entry's head is written out
-          entry = '{"at":"' .. string.sub(now, 1, -4) .. '","event":"started","token":"' ..
-                  ARGV[1] .. '","fence":"' .. now .. '"}\\n' .. ARGV[4]
-        else
-          record_time = t
-          entry = record_entry(ARGV[4], 'event', 'started', 'token', ARGV[1], 'fence', now)
-        end
-        trim_records(KEYS[3], redis.call('LPUSH', KEYS[3], entry), ARGV[8] or '1000')
+        -- the entry as _ENTRY writes it, its head written out (nothing in it needs a
+        -- JSON escape: the token was checked above)
+        trim_records(KEYS[3], redis.call('LPUSH', KEYS[3], '{"at":"' .. string.sub(now, 1, -4) ..
+                     '","event":"started","token":"' .. ARGV[1] .. '","fence":"' .. now ..
+                     '"}\\n' .. ARGV[4]), ARGV[8] or '1000')
         -- the list's idle expiry, renewed as the fence's is: by each grant (and each
         -- renewal of the lease), not by the release of a run that held it
         if ARGV[3] ~= '0' then redis.call('PEXPIRE', KEYS[3], ARGV[3]) end
@@ -454,8 +457,9 @@ local idle = tonumber(A[8])
 
 ACQUIRE = Script(
     "acquire",
-    _APPEND
+    _TRIM
     + _ACQUIRE_FAST
+    + _ENTRY
     + _ACQUIRE_ARGS
     + _TOUCH
     + _RECORDABLE
@@ -848,29 +852,25 @@ end
 #          A[6] = "2" the triggers are {field, trigger, ...}: the whole sending set,
 #          with what earlier releases left unsent ("" for the field of a trigger taken
 #          while the set's key held another type: it is kept nowhere)
-# RELEASE's common case, before anything but the records' helpers is defined: our
-# token holds the lease, no rerun trigger waits and no enqueue marker is asked for (what
-# the whole script below does then, with the fewest commands). Anything else (a record
+# RELEASE's common case, before anything but trim_records is defined: our token holds
+# the lease, no rerun trigger waits and the record's head needs no JSON escape (what the
+# whole script below does then, with the fewest commands; the enqueue marker included).
+# Anything else (a record
 # the records key cannot take included: nothing is written then) goes on to the whole
 # script, told by ``held`` what the lease key holds.
 _RELEASE_FAST = """
-record_time = false
 local held
-if ARGV[6] ~= '2' then
+-- the run's entry as _ENTRY writes it, its head written out when nothing in it needs a
+-- JSON escape (else the whole script writes it): the start of the token's random part
+local run = string.sub(string.match(ARGV[1], '^[^:]*'), 1, 8)
+if ARGV[6] ~= '2' and ((ARGV[3] or '') == ''
+    or string.find(run .. (ARGV[4] or '0') .. ARGV[2], '^[%w:._-]*$')) then
   held = redis.call('GET', KEYS[1])
   if held == ARGV[1] and (ARGV[6] == '0' or redis.call('EXISTS', KEYS[4]) == 0) then
     local outcome, record, recorded = ARGV[2], ARGV[3] or '', true
     if record ~= '' then
-      local run, fence = run_of(ARGV[1]), ARGV[4] or '0'
-      local entry
-      if string.find(run .. fence .. outcome, '^[%w:._-]*$') then
-        -- nothing JSON needs to escape: the entry's head is written out
-        entry = '{"event":"finished","token":"' .. run .. '","fence":"' .. fence ..
-                '","outcome":"' .. outcome .. '"}\\n' .. record
-      else
-        entry = record_entry(record, 'event', 'finished', 'token', run, 'fence', fence,
-                             'outcome', outcome)
-      end
+      local entry = '{"event":"finished","token":"' .. run .. '","fence":"' ..
+                    (ARGV[4] or '0') .. '","outcome":"' .. outcome .. '"}\\n' .. record
       local added = redis.pcall('LPUSH', KEYS[2], entry)
       recorded = not (type(added) == 'table' and added.err)
       if recorded then
@@ -922,8 +922,10 @@ local A = {ARGV[1], ARGV[3] or '', ARGV[8] or '1000', ARGV[2], ARGV[4] or '0',
 
 RELEASE = Script(
     "release",
-    _APPEND
+    _TRIM
     + _RELEASE_FAST
+    + _ENTRY
+    + "record_time = false\n"
     + _RELEASE_ARGS
     + _TOUCH
     + _RECORDABLE
