@@ -15,6 +15,9 @@ import sys
 import time
 from typing import Any
 
+import pytest
+import redis
+
 from _clock import ManualClock
 from _wait import wait_for
 from fenced import Claim
@@ -124,3 +127,25 @@ def test_a_run_that_dies_unreleased_leaves_a_marker_that_ends_with_its_lease(
     wait_for("the marker to expire", lambda: not r.exists(key), 5)
     assert time.monotonic() - died <= 1.5  # with the lease: not after an hour
     assert not r.exists(ClaimKeys("fenced", "job").lock)
+
+
+def test_apply_async_marks_alike_on_every_server_and_client(r: Any, server: RedisServer) -> None:
+    # A plain SET NX GET marks a free name on Redis 7; an older server refuses NX with
+    # GET and its client sends the script; a RESP3 client parses the reply itself.
+    from fenced.celery import _enqueue
+
+    resp3 = server.client(protocol=3)
+    for client, name in ((r, "feed:mark"), (resp3, "feed:mark3")):
+        keys = ClaimKeys("fenced", name)
+        assert _enqueue.mark(client, keys, "t1", HOUR_MS, None) is None  # free: marked
+        assert _enqueue.mark(client, keys, "t2", HOUR_MS, None) == "t1"  # queued: not
+        assert _enqueue.mark(client, keys, "t2", HOUR_MS, "t9") == "t1"  # another run's
+        assert _enqueue.mark(client, keys, "t1", HOUR_MS, None) is None  # its own again
+        # the run holding the marker hands it over to the message it sends
+        assert _enqueue.mark(client, keys, "t3", 5_000, "t1") is None
+        assert r.get(keys.queued) in ("t3", b"t3") and 0 < r.pttl(keys.queued) <= 5_000
+        r.delete(keys.queued)
+        r.sadd(keys.queued, "x")
+        with pytest.raises(redis.DataError, match="is not a string holding a task id"):
+            _enqueue.mark(client, keys, "t4", HOUR_MS, None)
+    resp3.close()

@@ -111,6 +111,15 @@ def _packable(client: Any) -> bool:
     return known
 
 
+def command(client: Any, *args: Any, **options: Any) -> Any:
+    """One plain command, packed here as a script call is (see :func:`_packable`); its
+    raw reply. Any other client parses the reply with ``options`` (redis-py's response
+    callbacks read them: ``get=True`` for a ``SET ... GET``)."""
+    if _pack is not None and _packable(client):
+        return _send_one(client, _pack(args))
+    return client.execute_command(*args, **options)
+
+
 def _send_one(client: Any, packed: bytes) -> Any:
     """What ``execute_command`` does for one command, without its per-call overhead: a
     connection from the pool, the client's retries (a connection error reconnects and

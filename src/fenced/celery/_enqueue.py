@@ -2,7 +2,7 @@
 
 A claimed task with ``claim_enqueue`` set marks its claim name when ``apply_async``
 publishes (``{namespace}:{name}:queued``, the name's hash tag, so one Cluster slot), in
-the same script that decides whether to publish: a name already marked publishes
+the same atomic step that decides whether to publish: a name already marked publishes
 nothing, and the caller gets the queued message's task id. The run clears the marker
 when it starts (``until_started``) or when it ends (``until_finished``), only while the
 marker still holds its own task id; a retry under another claim name leaves the first
@@ -27,7 +27,7 @@ from redis.exceptions import DataError, ResponseError
 from .._errors import ConfigError
 from .._lease import ClaimKeys
 from .._printable import printable
-from .._scripts import Script, as_text
+from .._scripts import Script, as_text, command
 
 __all__ = [
     "ENQUEUE_TTL",
@@ -52,6 +52,7 @@ MAX_TASK_ID = 255
 # task id of the run publishing ("" outside a run). A marker held by that run (a retry,
 # a rerun, a run sending its successor) hands over to the new message. Returns the
 # task id of the message already queued, or nil when the new one is to be published.
+# Sent only when a plain SET NX GET cannot say (see mark).
 MARK = Script(
     "enqueue_mark",
     """
@@ -125,7 +126,7 @@ def mark(
     second run out).
     """
     try:
-        found = MARK(client, [keys.queued], [task_id, expiry, running or ""])
+        found = _mark(client, keys.queued, task_id, expiry, running or "")
         queued = as_text(found) if found else None
         if queued is None or is_task_id(queued):
             return queued
@@ -134,13 +135,36 @@ def mark(
     except UnicodeDecodeError:
         problem = "holds a value that is not UTF-8, not a task id"
     except ResponseError as exc:
-        if not str(exc).startswith("WRONGTYPE"):
+        # (a script's error on Redis before 7.0 starts with where the script failed)
+        if "WRONGTYPE" not in str(exc):
             raise  # READONLY, OOM...: the caller's to handle as any refusal
         problem = "is not a string holding a task id"
     key = printable(keys.queued)
     raise DataError(
         f"the enqueue marker {key!r} {problem}; fenced did not write it. Delete it (DEL {key})"
     )
+
+
+def _mark(client: Any, key: str, task_id: str, expiry: int, running: str) -> Any:
+    """What MARK answers. A free name (the common case) is marked by one plain
+    ``SET NX PX GET`` (Redis 7.0 and later), which also reads a marker that is there; only
+    a marker this call may take over (its own task id, or the run's) goes on to MARK,
+    which checks it again as it writes. A server older than 7.0 refuses NX with GET: its
+    client sends MARK from then on."""
+    if not getattr(client, "_fenced_mark_by_script", False):
+        try:
+            found = command(client, "SET", key, task_id, "NX", "PX", expiry, "GET", get=True)
+        except ResponseError as exc:
+            if "syntax error" not in str(exc):
+                raise
+            try:
+                client._fenced_mark_by_script = True
+            except AttributeError:  # a client that takes no attributes: asked every time
+                pass
+        else:
+            if found is None or as_text(found) not in (task_id, running):
+                return found
+    return MARK(client, [key], [task_id, expiry, running])
 
 
 def is_task_id(value: str) -> bool:
