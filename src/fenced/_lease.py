@@ -16,7 +16,6 @@ Everything that talks to Redis about a lease goes through here:
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -239,10 +238,16 @@ class ClaimKeys:
         check_namespace(namespace)
         return cls(namespace, validate_name(name))
 
-    @functools.cached_property
+    @property
     def prefix(self) -> str:
         """What every key of the name starts with: ``{namespace}:{{name}}:``."""
-        return f"{self.namespace}:{{{self.name}}}:"
+        # Made once per object (functools.cached_property takes a lock per first read,
+        # and every claim reads it): stored under the name, which this property hides.
+        try:
+            known: str = self.__dict__["_prefix"]
+        except KeyError:
+            known = self.__dict__["_prefix"] = f"{self.namespace}:{{{self.name}}}:"
+        return known
 
     def _key(self, part: str) -> str:
         return self.prefix + part
@@ -654,16 +659,26 @@ class LeaseCalls:
         self.opts = opts
         #: How many holders the name may have at once (slots 0 .. limit-1).
         self.limit = limit = opts.limit
-        # Built once: every acquire and release sends them.
-        self._acquire_keys = acquire = tuple(keys.all())
+        # Built once: every acquire and release sends them. Spelled from the prefix as
+        # ClaimKeys.all, done("") and released("") spell them: a claim per call makes one.
+        p = keys.prefix
+        acquire: tuple[str, ...] = (
+            p + "lock",
+            p + "fence",
+            p + "records",
+            p + "skips",
+            p + "rerun",
+            p + "cooldown",
+        )
+        self._acquire_keys = acquire
         self._plain_keys = acquire[:5]
         # ACQUIRE's fence, records, skips and rerun keys are a single holder's lasting ones.
         self._lasting = acquire[1:5] if limit == 1 else keys.lasting(limit)
         if limit > 1:
             self._acquire_keys += (keys.slots, *(keys.slot(i) for i in range(1, limit)))
         self._release_keys = (acquire[0], *acquire[2:5])
-        self._no_done = keys.done("")
-        self._note_prefix = keys.released("")
+        self._no_done = p + "done:"
+        self._note_prefix = p + "released:"
         self._cooldown = acquire[5]
 
     def acquire_call(

@@ -28,6 +28,7 @@ import json
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from json import encoder
 from typing import Any
 
 from ._lease import (
@@ -68,8 +69,26 @@ UNREADABLE = "unreadable"
 MAX_DEPTH = 32
 
 # One encoder for every record: json.dumps with options builds a new encoder per call.
-_encode = json.JSONEncoder(separators=(",", ":"), default=str).encode
+_encoder = json.JSONEncoder(separators=(",", ":"), default=str)
+_encode = _encoder.encode
 _HOST_JSON = _encode(HOST)
+_quote = encoder.encode_basestring_ascii  # what _encode makes of a str
+_make_encoder: Any = getattr(encoder, "c_make_encoder", None)
+
+
+def _encode_object(data: dict[str, Any]) -> str:
+    """``_encode(data)`` for a dict, without JSONEncoder's Python layers around the C
+    encoder (the same text: its options are _encoder's). Every acquire encodes one."""
+    make = _make_encoder
+    if make is None:  # pragma: no cover - CPython has the C encoder
+        return _encode(data)
+    e = _encoder
+    chunks = make({}, e.default, _quote, None, ":", ",", e.sort_keys, e.skipkeys, e.allow_nan)(
+        data, 0
+    )
+    return "".join(chunks)
+
+
 # The fields every run record starts with; ``extra`` may not shadow them on the
 # pre-encoded path (a mapping that does goes through the general one).
 _BASE_FIELDS = frozenset(("task_id", "host", "pid", "at"))
@@ -83,10 +102,10 @@ def encode_started(task_id: str | None, extra: Mapping[str, Any]) -> str:
         return _encode(data)
     # The same JSON object, built without a dict per run: this is on every acquire.
     head = (
-        f'{{"task_id":{_encode(task_id)},"host":{_HOST_JSON},'
-        f'"pid":{current_pid()},"at":{time.time()!r}'
+        f'{{"task_id":{_quote(task_id) if type(task_id) is str else _encode(task_id)},'
+        f'"host":{_HOST_JSON},"pid":{current_pid()},"at":{time.time()!r}'
     )
-    return f"{head},{_encode(dict(extra))[1:]}" if extra else head + "}"
+    return f"{head},{_encode_object(dict(extra))[1:]}" if extra else head + "}"
 
 
 def encode_finished(task_id: str | None, duration: float, reason: str | None) -> str:
@@ -94,10 +113,10 @@ def encode_finished(task_id: str | None, duration: float, reason: str | None) ->
     # The "started" entry already says who, where and with what; this one adds only how
     # it ended. Built as text, not from a dict: this is on every release.
     record = (
-        f'{{"task_id":{_encode(task_id)},"host":{_HOST_JSON},"pid":{current_pid()},'
-        f'"duration":{round(duration, 6)!r}'
+        f'{{"task_id":{_quote(task_id) if type(task_id) is str else _encode(task_id)},'
+        f'"host":{_HOST_JSON},"pid":{current_pid()},"duration":{round(duration, 6)!r}'
     )
-    return record + (f',"reason":{_encode(redact(reason))}}}' if reason else "}")
+    return record + (f',"reason":{_quote(redact(reason))}}}' if reason else "}")
 
 
 def encode_release(reason: str | None, **data: Any) -> str:
