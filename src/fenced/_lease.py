@@ -22,10 +22,10 @@ import math
 import os
 import re
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 import redis
 
@@ -224,6 +224,29 @@ def short_token(token: str | None) -> str:
 
 # -- the keys ---------------------------------------------------------------------------
 
+_T = TypeVar("_T")
+
+
+class _made_once(Generic[_T]):  # a decorator, as cached_property
+    """``functools.cached_property`` without its lock (Python 3.11 takes one per first
+    read): the value is the same whichever thread makes it, and every claim reads one."""
+
+    def __init__(self, make: Callable[[Any], _T]) -> None:
+        self.make = make
+        self.name = make.__name__
+        self.__doc__ = make.__doc__
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _made_once[_T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> _T: ...
+    def __get__(self, obj: object, owner: type | None = None) -> _T | _made_once[_T]:
+        if obj is None:
+            return self
+        # Kept in the object's own dict, which Python reads before this descriptor.
+        value = obj.__dict__[self.name] = self.make(obj)
+        return value
+
 
 @dataclass(frozen=True)
 class ClaimKeys:
@@ -238,16 +261,10 @@ class ClaimKeys:
         check_namespace(namespace)
         return cls(namespace, validate_name(name))
 
-    @property
+    @_made_once
     def prefix(self) -> str:
         """What every key of the name starts with: ``{namespace}:{{name}}:``."""
-        # Made once per object (functools.cached_property takes a lock per first read,
-        # and every claim reads it): stored under the name, which this property hides.
-        try:
-            known: str = self.__dict__["_prefix"]
-        except KeyError:
-            known = self.__dict__["_prefix"] = f"{self.namespace}:{{{self.name}}}:"
-        return known
+        return f"{self.namespace}:{{{self.name}}}:"
 
     def _key(self, part: str) -> str:
         return self.prefix + part

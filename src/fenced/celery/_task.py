@@ -496,19 +496,21 @@ class ClaimedTask(Task[Any, Any]):
                 raise self._unavailable(exc, opts) from None
         namer = self._namer()
         name, shown = namer(args, kwargs, self._secret_key(namer))
-        extra: dict[str, Any] = {"task": self.name, "template": namer.label}
+        extra: dict[str, Any] = {}
         if shown is not None:
             extra["args"] = shown
             readable = namer.readable(args, kwargs, shown)
             if readable:
                 extra["arg_text"] = readable
-        if request.hostname:
-            extra["worker"] = request.hostname
         interrupter = (
             _interrupt.Interrupter() if opts.interrupt and _interrupt.available() else None
         )
         claim = self._claim_template(client, opts, name).for_call(
-            name, request.id, extra, interrupter.on_lost if interrupter is not None else None
+            name,
+            request.id,
+            extra,
+            interrupter.on_lost if interrupter is not None else None,
+            self._record_fields(request.hostname),
         )
         rate_s = opts.claim.rate_us / 1e6
         if rate_s and opts.values["claim_rate_policy"] == "delay" and _delivered(request):
@@ -587,6 +589,21 @@ class ClaimedTask(Task[Any, Any]):
         template._front_end("task", self)
         self._fenced_template = (client, opts, template)
         return template
+
+    _fenced_record_fields: tuple[Any, str] | None = None
+
+    def _record_fields(self, worker: Any) -> str:
+        """The fields every run record of this task on ``worker`` carries (its name,
+        template and worker), encoded once, not once per run."""
+        kept = self._fenced_record_fields
+        if kept is not None and kept[0] == worker:
+            return kept[1]
+        fields = {"task": self.name, "template": self._namer().label}
+        if worker:
+            fields["worker"] = worker
+        text = records.encode_fields(fields)
+        self._fenced_record_fields = (worker, text)
+        return text
 
     def _run_unclaimed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """fenced switched off (tests without Redis): the body runs under a LocalClaim."""
