@@ -232,6 +232,7 @@ class ClaimState(LeaseState):
         new.key = new._lease_key = keys.lock
         if self.options.label is None:
             new.label = name
+        new._bind_store()
         if self._lasting:
             new._lasting = keys.lasting(self.limit)
         new.task_id = task_id
@@ -242,7 +243,6 @@ class ClaimState(LeaseState):
         new._pid = current_pid()
         new.rerun_triggers = []
         new.rerun_sending = []
-        new._bind_store()
         return new
 
     _SOURCE = "claim"
@@ -657,7 +657,7 @@ class ClaimState(LeaseState):
         """Take in the answer of an ACQUIRE (or a TAKEOVER) sent at ``sent``: True if the
         claim is ours."""
         if int(res[0]) == 1:
-            slot = self._granted_slot(res)
+            slot = int(res[2]) if self.limit > 1 else 0  # as _granted_slot reads it
             with self._mutex:
                 self.slot = slot
                 self._lease_key = self.key if slot == 0 else self.keys.slot(slot)

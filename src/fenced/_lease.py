@@ -98,6 +98,9 @@ HOST = socket.gethostname().replace(":", "_") or "localhost"
 # Kept current across fork: os.getpid() is a system call, and the acquire and release
 # path asks for it several times per cycle.
 _pid = os.getpid()
+# What every token and run record writes of it, made once (and again after a fork).
+_host_pid = f"{HOST}:{_pid}"
+_pid_text = str(_pid)
 
 
 def current_pid() -> int:
@@ -105,9 +108,16 @@ def current_pid() -> int:
     return _pid
 
 
+def pid_text() -> str:
+    """:func:`current_pid` as decimal text."""
+    return _pid_text
+
+
 def _after_fork_in_child() -> None:
-    global _pid
+    global _pid, _host_pid, _pid_text
     _pid = os.getpid()
+    _host_pid = f"{HOST}:{_pid}"
+    _pid_text = str(_pid)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -129,7 +139,7 @@ LAST_FENCE = 2**63 - 2
 def new_token(task_id: str | None = None) -> str:
     """A fresh owner token: 128 random bits, then host, pid and task id for humans."""
     # secrets.token_hex(16), without its three Python calls: every acquire makes one.
-    return f"{os.urandom(16).hex()}:{HOST}:{_pid}:{task_id or ''}"
+    return f"{os.urandom(16).hex()}:{_host_pid}:{task_id or ''}"
 
 
 def holder_filter(host: str | None, pid: int | None) -> str:

@@ -39,6 +39,7 @@ from ._lease import (
     Holder,
     current_pid,
     int_or_none,
+    pid_text,
     short_token,
 )
 from ._printable import readable
@@ -110,7 +111,7 @@ def encode_started(task_id: str | None, extra: Mapping[str, Any], encoded: str =
     # time is written to the µs (cheaper than a float's shortest repr).
     head = (
         f'{{"task_id":{_quote(task_id) if type(task_id) is str else _encode(task_id)},'
-        f'"host":{_HOST_JSON},"pid":{current_pid()},"at":{time.time():.6f}'
+        f'"host":{_HOST_JSON},"pid":{pid_text()},"at":{time.time():.6f}'
     )
     if encoded:
         head = f"{head},{encoded}"
@@ -132,7 +133,7 @@ def encode_finished(task_id: str | None, duration: float, reason: str | None) ->
     # it ended. Built as text, not from a dict: this is on every release. To the µs.
     record = (
         f'{{"task_id":{_quote(task_id) if type(task_id) is str else _encode(task_id)},'
-        f'"host":{_HOST_JSON},"pid":{current_pid()},"duration":{duration:.6f}'
+        f'"host":{_HOST_JSON},"pid":{pid_text()},"duration":{duration:.6f}'
     )
     return record + (f',"reason":{_quote(redact(reason))}}}' if reason else "}")
 

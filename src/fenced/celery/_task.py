@@ -437,14 +437,13 @@ class ClaimedTask(Task[Any, Any]):
         claim.handle_enqueue_marker(expiry, not until_started)
 
     def _unqueue_after(self, claim: Claim, exc: BaseException | None) -> None:
-        """With ``until_finished``: the run ended (not by a retry) and released its claim.
+        """With ``until_finished`` (the caller checks): the run ended (not by a retry) and
+        released its claim.
 
         Cleared before Celery stores the result (by the release itself, or here when it
         did not answer), so a caller that waited for the result and sends again is not
         handed the finished run's result back.
         """
-        if self._options().enqueue != "until_finished":
-            return
         request = self.request
         if not request.id:
             return
@@ -512,11 +511,12 @@ class ClaimedTask(Task[Any, Any]):
             interrupter.on_lost if interrupter is not None else None,
             self._record_fields(request.hostname),
         )
-        rate_s = opts.claim.rate_us / 1e6
-        if rate_s and opts.values["claim_rate_policy"] == "delay" and _delivered(request):
+        rate_us = opts.claim.rate_us
+        if rate_us and opts.values["claim_rate_policy"] == "delay" and _delivered(request):
             # Over the rate, the call's start is booked: its message comes back for it.
-            claim.booking = max(BOOKING_HOLD, rate_s)
-        self._enqueue_marker(claim, opts)
+            claim.booking = max(BOOKING_HOLD, rate_us / 1e6)
+        if opts.enqueue is not None:
+            self._enqueue_marker(claim, opts)
         policy = opts.policy
         # Only the rerun policy takes the name's triggers: any other would send calls
         # that nobody asked it for.
@@ -525,12 +525,15 @@ class ClaimedTask(Task[Any, Any]):
         try:
             trigger = self._rerun_trigger(name, args, kwargs) if policy.asks_rerun else False
             action = claim.enter(policy, trigger)
-            for _ in range(BOOKED_WAITS):
-                # A start of its own this close is waited for here, not sent back.
-                if isinstance(action, Run) or claim.booked is None or claim.booked > BOOKED_WAIT:
-                    break
-                time.sleep(claim.booked)
-                action = claim.enter(policy, trigger)
+            if not isinstance(action, Run):
+                for _ in range(BOOKED_WAITS):
+                    # A start of its own this close is waited for here, not sent back.
+                    if claim.booked is None or claim.booked > BOOKED_WAIT:
+                        break
+                    time.sleep(claim.booked)
+                    action = claim.enter(policy, trigger)
+                    if isinstance(action, Run):
+                        break
         except ClaimUnavailable as exc:
             if opts.enqueue is not None and request.id:
                 self._started_queued(opts, request.id, args, kwargs)  # as ACQUIRE would
@@ -736,7 +739,8 @@ class ClaimedTask(Task[Any, Any]):
         ended = claim.end(exc, "the task", outcome=outcome, reason=reason, raise_lost=False)
         if outcome is None:
             count(ended)
-            self._unqueue_after(claim, exc)
+            if self._options().enqueue == "until_finished":
+                self._unqueue_after(claim, exc)
         if claim.rerun_triggers:
             self._send_reruns(claim, args, kwargs)
         return ended
