@@ -515,8 +515,7 @@ class ClaimedTask(Task[Any, Any]):
         if rate_us and opts.values["claim_rate_policy"] == "delay" and _delivered(request):
             # Over the rate, the call's start is booked: its message comes back for it.
             claim.booking = max(BOOKING_HOLD, rate_us / 1e6)
-        if opts.enqueue is not None:
-            self._enqueue_marker(claim, opts)
+        self._enqueue_marker(claim, opts)
         policy = opts.policy
         # Only the rerun policy takes the name's triggers: any other would send calls
         # that nobody asked it for.
