@@ -401,3 +401,22 @@ def test_for_call_copies_a_claim_for_another_name_task_and_record(r: Any) -> Non
     (run,) = records.history(r, "copy:a", namespace="copied")
     assert (run.task_id, run.outcome, run.extra.get("args")) == ("task-a", "ok", {"n": "a"})
     assert records.history(r, "copy:0", namespace="copied") == []
+
+
+def test_fields_encoded_once_are_read_back_with_each_run(r: Any) -> None:
+    """Fields every call of a front end shares (a Celery task's name, template and
+    worker) are encoded once (records.encode_fields) and written into each run's record
+    beside the call's own: the readers see them as any other field."""
+    from fenced import records
+
+    shared = records.encode_fields({"task": "t.build", "template": "b:{n}", "worker": "w@h"})
+    template = Claim(r, "enc:0", ttl=5, namespace="encoded", records=True)
+    for n in ("a", "b"):
+        claim = template.for_call(f"enc:{n}", f"task-{n}", {"args": {"n": n}}, None, shared)
+        assert claim.acquire() and claim.release()
+        (run,) = records.history(r, f"enc:{n}", namespace="encoded")
+        assert (run.task_id, run.outcome, run.worker) == (f"task-{n}", "ok", "w@h")
+        assert run.extra == {"task": "t.build", "template": "b:{n}", "args": {"n": n}}
+        assert run.duration is not None and run.started is not None
+    with pytest.raises(ValueError, match="task_id"):
+        records.encode_fields({"task_id": "x"})

@@ -149,6 +149,8 @@ class ClaimState(LeaseState):
         self.records = opts.records
         # Written into every run record of this claim (e.g. the command a run executes).
         self.record_extra = dict(record_extra or {})
+        #: More fields of every run record, encoded once (``records.encode_fields``).
+        self.record_encoded = ""
         self.max_records = opts.max_records
         #: Seconds after a run that ended ``ok`` during which triggers skip (None: none).
         self.cooldown = opts.cooldown_seconds
@@ -208,10 +210,12 @@ class ClaimState(LeaseState):
         task_id: str | None,
         record_extra: dict[str, Any],
         on_lost: Callable[[Any], object] | None = None,
+        record_encoded: str = "",
     ) -> _C:
         """A new claim as this one was made, for another ``name`` (checked already: a
         name a :class:`fenced._naming.Namer` gave), ``task_id``, ``record_extra`` (taken
-        as it is, not copied) and ``on_lost``.
+        as it is, not copied), ``on_lost`` and ``record_encoded`` (fields every call's
+        records share, as ``records.encode_fields`` made them once).
 
         A front end that takes a claim per call (a Celery task's runs) keeps one claim,
         never acquired, made with its client and options, and copies it for each call:
@@ -228,16 +232,17 @@ class ClaimState(LeaseState):
         new.key = new._lease_key = keys.lock
         if self.options.label is None:
             new.label = name
+        new._bind_store()
         if self._lasting:
             new._lasting = keys.lasting(self.limit)
         new.task_id = task_id
         new.record_extra = record_extra
+        new.record_encoded = record_encoded
         new.on_lost = on_lost
         new._mutex = threading.Lock()
         new._pid = current_pid()
         new.rerun_triggers = []
         new.rerun_sending = []
-        new._bind_store()
         return new
 
     _SOURCE = "claim"
@@ -517,7 +522,9 @@ class ClaimState(LeaseState):
 
     def _started(self) -> str:
         """The "started" record of a grant (it serves as the "skipped" one when busy)."""
-        return _records.encode_started(self.task_id, self.record_extra) if self.records else ""
+        if not self.records:
+            return ""
+        return _records.encode_started(self.task_id, self.record_extra, self.record_encoded)
 
     def _acquire_call(self, token: str, record_skip: bool, mark_rerun: bool | str) -> Call:
         """ACQUIRE for one try under ``token``."""
@@ -650,7 +657,7 @@ class ClaimState(LeaseState):
         """Take in the answer of an ACQUIRE (or a TAKEOVER) sent at ``sent``: True if the
         claim is ours."""
         if int(res[0]) == 1:
-            slot = self._granted_slot(res)
+            slot = int(res[2]) if self.limit > 1 else 0  # as _granted_slot reads it
             with self._mutex:
                 self.slot = slot
                 self._lease_key = self.key if slot == 0 else self.keys.slot(slot)

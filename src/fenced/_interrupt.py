@@ -65,7 +65,7 @@ class Interrupter:
 
     def __init__(self) -> None:
         self.thread = threading.get_ident()
-        self.main = threading.current_thread() is threading.main_thread()
+        self.main = self.thread == threading.main_thread().ident
         self.lock = threading.Lock()
         self.active = False
         self.sent = False
@@ -92,7 +92,8 @@ class Interrupter:
                 _async_raise(self.thread, ClaimInterrupted)
 
     def __enter__(self) -> Interrupter:
-        if self.main and not _install_signal_handler():
+        # (the handler's pid read here first: installed once per process)
+        if self.main and _handler_pid != current_pid() and not _install_signal_handler():
             self.main = False  # fall back to an asynchronous exception
         if self.main:
             _main_runs.append(self)  # before active: the signal handler looks here
@@ -105,8 +106,11 @@ class Interrupter:
                 self.active = False
                 if self.sent and not self.main:
                     _async_raise(self.thread, None)  # withdraw it if not yet delivered
-        if self.main and self in _main_runs:
-            _main_runs.remove(self)
+        if self.main:
+            try:
+                _main_runs.remove(self)
+            except ValueError:  # not there (never entered)
+                pass
 
 
 def _async_raise(thread: int, exc: type[BaseException] | None) -> None:

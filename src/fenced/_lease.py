@@ -16,17 +16,16 @@ Everything that talks to Redis about a lease goes through here:
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
 import os
 import re
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 import redis
 
@@ -99,6 +98,9 @@ HOST = socket.gethostname().replace(":", "_") or "localhost"
 # Kept current across fork: os.getpid() is a system call, and the acquire and release
 # path asks for it several times per cycle.
 _pid = os.getpid()
+# What every token and run record writes of it, made once (and again after a fork).
+_host_pid = f"{HOST}:{_pid}"
+_pid_text = str(_pid)
 
 
 def current_pid() -> int:
@@ -106,9 +108,16 @@ def current_pid() -> int:
     return _pid
 
 
+def pid_text() -> str:
+    """:func:`current_pid` as decimal text."""
+    return _pid_text
+
+
 def _after_fork_in_child() -> None:
-    global _pid
+    global _pid, _host_pid, _pid_text
     _pid = os.getpid()
+    _host_pid = f"{HOST}:{_pid}"
+    _pid_text = str(_pid)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -130,7 +139,7 @@ LAST_FENCE = 2**63 - 2
 def new_token(task_id: str | None = None) -> str:
     """A fresh owner token: 128 random bits, then host, pid and task id for humans."""
     # secrets.token_hex(16), without its three Python calls: every acquire makes one.
-    return f"{os.urandom(16).hex()}:{HOST}:{_pid}:{task_id or ''}"
+    return f"{os.urandom(16).hex()}:{_host_pid}:{task_id or ''}"
 
 
 def holder_filter(host: str | None, pid: int | None) -> str:
@@ -225,6 +234,29 @@ def short_token(token: str | None) -> str:
 
 # -- the keys ---------------------------------------------------------------------------
 
+_T = TypeVar("_T")
+
+
+class _made_once(Generic[_T]):  # a decorator, as cached_property
+    """``functools.cached_property`` without its lock (Python 3.11 takes one per first
+    read): the value is the same whichever thread makes it, and every claim reads one."""
+
+    def __init__(self, make: Callable[[Any], _T]) -> None:
+        self.make = make
+        self.name = make.__name__
+        self.__doc__ = make.__doc__
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> _made_once[_T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> _T: ...
+    def __get__(self, obj: object, owner: type | None = None) -> _T | _made_once[_T]:
+        if obj is None:
+            return self
+        # Kept in the object's own dict, which Python reads before this descriptor.
+        value = obj.__dict__[self.name] = self.make(obj)
+        return value
+
 
 @dataclass(frozen=True)
 class ClaimKeys:
@@ -239,7 +271,7 @@ class ClaimKeys:
         check_namespace(namespace)
         return cls(namespace, validate_name(name))
 
-    @functools.cached_property
+    @_made_once
     def prefix(self) -> str:
         """What every key of the name starts with: ``{namespace}:{{name}}:``."""
         return f"{self.namespace}:{{{self.name}}}:"
@@ -654,16 +686,26 @@ class LeaseCalls:
         self.opts = opts
         #: How many holders the name may have at once (slots 0 .. limit-1).
         self.limit = limit = opts.limit
-        # Built once: every acquire and release sends them.
-        self._acquire_keys = acquire = tuple(keys.all())
+        # Built once: every acquire and release sends them. Spelled from the prefix as
+        # ClaimKeys.all, done("") and released("") spell them: a claim per call makes one.
+        p = keys.prefix
+        acquire: tuple[str, ...] = (
+            p + "lock",
+            p + "fence",
+            p + "records",
+            p + "skips",
+            p + "rerun",
+            p + "cooldown",
+        )
+        self._acquire_keys = acquire
         self._plain_keys = acquire[:5]
         # ACQUIRE's fence, records, skips and rerun keys are a single holder's lasting ones.
         self._lasting = acquire[1:5] if limit == 1 else keys.lasting(limit)
         if limit > 1:
             self._acquire_keys += (keys.slots, *(keys.slot(i) for i in range(1, limit)))
         self._release_keys = (acquire[0], *acquire[2:5])
-        self._no_done = keys.done("")
-        self._note_prefix = keys.released("")
+        self._no_done = p + "done:"
+        self._note_prefix = p + "released:"
         self._cooldown = acquire[5]
 
     def acquire_call(

@@ -28,6 +28,7 @@ import json
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from json import encoder
 from typing import Any
 
 from ._lease import (
@@ -38,6 +39,7 @@ from ._lease import (
     Holder,
     current_pid,
     int_or_none,
+    pid_text,
     short_token,
 )
 from ._printable import readable
@@ -49,6 +51,7 @@ __all__ = [
     "UNREADABLE",
     "RunRecord",
     "consecutive_skips",
+    "encode_fields",
     "encode_finished",
     "encode_release",
     "encode_started",
@@ -68,36 +71,71 @@ UNREADABLE = "unreadable"
 MAX_DEPTH = 32
 
 # One encoder for every record: json.dumps with options builds a new encoder per call.
-_encode = json.JSONEncoder(separators=(",", ":"), default=str).encode
+_encoder = json.JSONEncoder(separators=(",", ":"), default=str)
+_encode = _encoder.encode
 _HOST_JSON = _encode(HOST)
+_quote = encoder.encode_basestring_ascii  # what _encode makes of a str
+_make_encoder: Any = getattr(encoder, "c_make_encoder", None)
+
+
+def _encode_object(data: dict[str, Any]) -> str:
+    """``_encode(data)`` for a dict, without JSONEncoder's Python layers around the C
+    encoder (the same text: its options are _encoder's). Every acquire encodes one."""
+    make = _make_encoder
+    if make is None:  # pragma: no cover - CPython has the C encoder
+        return _encode(data)
+    e = _encoder
+    chunks = make({}, e.default, _quote, None, ":", ",", e.sort_keys, e.skipkeys, e.allow_nan)(
+        data, 0
+    )
+    return "".join(chunks)
+
+
 # The fields every run record starts with; ``extra`` may not shadow them on the
 # pre-encoded path (a mapping that does goes through the general one).
 _BASE_FIELDS = frozenset(("task_id", "host", "pid", "at"))
 
 
-def encode_started(task_id: str | None, extra: Mapping[str, Any]) -> str:
-    """The record ACQUIRE writes as the ``started`` (or ``skipped``) entry."""
+def encode_started(task_id: str | None, extra: Mapping[str, Any], encoded: str = "") -> str:
+    """The record ACQUIRE writes as the ``started`` (or ``skipped``) entry.
+
+    ``encoded``: more fields, as :func:`encode_fields` made them once for many runs
+    (a Celery task's name, template and worker), written before ``extra``.
+    """
     if extra and not _BASE_FIELDS.isdisjoint(extra):
         data = {"task_id": task_id, "host": HOST, "pid": current_pid(), "at": time.time()}
         data.update(extra)
-        return _encode(data)
-    # The same JSON object, built without a dict per run: this is on every acquire.
+        text = _encode(data)
+        return f"{text[:-1]},{encoded}}}" if encoded else text
+    # The same JSON object, built without a dict per run: this is on every acquire. The
+    # time is written to the µs (cheaper than a float's shortest repr).
     head = (
-        f'{{"task_id":{_encode(task_id)},"host":{_HOST_JSON},'
-        f'"pid":{current_pid()},"at":{time.time()!r}'
+        f'{{"task_id":{_quote(task_id) if type(task_id) is str else _encode(task_id)},'
+        f'"host":{_HOST_JSON},"pid":{pid_text()},"at":{time.time():.6f}'
     )
-    return f"{head},{_encode(dict(extra))[1:]}" if extra else head + "}"
+    if encoded:
+        head = f"{head},{encoded}"
+    return f"{head},{_encode_object(dict(extra))[1:]}" if extra else head + "}"
+
+
+def encode_fields(fields: Mapping[str, Any]) -> str:
+    """Fields for :func:`encode_started`'s ``encoded``: the members of their JSON object
+    (no braces), encoded once and written into many records."""
+    shadowed = _BASE_FIELDS.intersection(fields)
+    if shadowed:
+        raise ValueError(f"record fields {sorted(shadowed)} are the record's own")
+    return _encode_object(dict(fields))[1:-1]
 
 
 def encode_finished(task_id: str | None, duration: float, reason: str | None) -> str:
     """The record RELEASE writes as the ``finished`` entry (it pairs with ``started``)."""
     # The "started" entry already says who, where and with what; this one adds only how
-    # it ended. Built as text, not from a dict: this is on every release.
+    # it ended. Built as text, not from a dict: this is on every release. To the µs.
     record = (
-        f'{{"task_id":{_encode(task_id)},"host":{_HOST_JSON},"pid":{current_pid()},'
-        f'"duration":{round(duration, 6)!r}'
+        f'{{"task_id":{_quote(task_id) if type(task_id) is str else _encode(task_id)},'
+        f'"host":{_HOST_JSON},"pid":{pid_text()},"duration":{duration:.6f}'
     )
-    return record + (f',"reason":{_encode(redact(reason))}}}' if reason else "}")
+    return record + (f',"reason":{_quote(redact(reason))}}}' if reason else "}")
 
 
 def encode_release(reason: str | None, **data: Any) -> str:

@@ -308,6 +308,15 @@ _clients: weakref.WeakKeyDictionary[Any, tuple[Any, Any]] = weakref.WeakKeyDicti
 _clients_lock = threading.Lock()
 
 
+def _encoded_keys(names: tuple[str, ...]) -> tuple[Any, ...] | None:
+    """Each setting's environment variable as os.environ keeps it (its encoded
+    upper-case name); None when os.environ is not the standard mapping."""
+    encode = getattr(os.environ, "encodekey", None)
+    if encode is None:
+        return None
+    return tuple(encode(name.upper()) for name in names)
+
+
 class PerApp:
     """One answer per app, given again while the settings it reads are as they were.
 
@@ -317,6 +326,7 @@ class PerApp:
 
     def __init__(self, names: tuple[str, ...]) -> None:
         self.names = names
+        self._env_keys = _encoded_keys(names)
         self._answers: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], Any]] = (
             weakref.WeakKeyDictionary()
         )
@@ -327,7 +337,7 @@ class PerApp:
 
     def __call__(self, app: Any, compute: Callable[[Any], Any]) -> Any:
         """``compute(app)``, or its answer given before under the same settings."""
-        seen = settings_seen(app, self.names)
+        seen = settings_seen(app, self.names, self._env_keys)
         if seen is not None:
             last = self._last
             known = last[1] if last is not None and last[0]() is app else self._answers.get(app)
@@ -345,7 +355,9 @@ class PerApp:
 _given = PerApp(("fenced_redis_client", "fenced_redis_url", "fenced_redis_options"))
 
 
-def settings_seen(app: Any, names: tuple[str, ...]) -> tuple[Any, ...] | None:
+def settings_seen(
+    app: Any, names: tuple[str, ...], env_keys: tuple[Any, ...] | None = None
+) -> tuple[Any, ...] | None:
     """What some fenced settings of an app hang on, read without a settings lookup.
 
     Every run asks for them, and looking up a setting an app does not have costs
@@ -353,12 +365,16 @@ def settings_seen(app: Any, names: tuple[str, ...]) -> tuple[Any, ...] | None:
     ``config_from_object``), its runtime changes (``app.conf.x = ...``, ``update()``)
     and the environment (each setting's upper-case name) are what can change after the
     first run: while they are as they were, so is the answer. None when the settings
-    are not Celery's own.
+    are not Celery's own. ``env_keys``: the names' variables as :func:`_encoded_keys`
+    gave them (the caller keeps them).
     """
     conf = app.conf
     changes = getattr(conf, "__dict__", {}).get("changes")
     if not isinstance(changes, dict):
         return None
+    data = getattr(os.environ, "_data", None)
+    if env_keys is not None and type(data) is dict:
+        return (conf, len(changes), *map(changes.get, names), *map(data.get, env_keys))
     return (conf, len(changes), *map(changes.get, names), *_environment(names))
 
 

@@ -437,14 +437,13 @@ class ClaimedTask(Task[Any, Any]):
         claim.handle_enqueue_marker(expiry, not until_started)
 
     def _unqueue_after(self, claim: Claim, exc: BaseException | None) -> None:
-        """With ``until_finished``: the run ended (not by a retry) and released its claim.
+        """With ``until_finished`` (the caller checks): the run ended (not by a retry) and
+        released its claim.
 
         Cleared before Celery stores the result (by the release itself, or here when it
         did not answer), so a caller that waited for the result and sends again is not
         handed the finished run's result back.
         """
-        if self._options().enqueue != "until_finished":
-            return
         request = self.request
         if not request.id:
             return
@@ -496,24 +495,26 @@ class ClaimedTask(Task[Any, Any]):
                 raise self._unavailable(exc, opts) from None
         namer = self._namer()
         name, shown = namer(args, kwargs, self._secret_key(namer))
-        extra: dict[str, Any] = {"task": self.name, "template": namer.label}
+        extra: dict[str, Any] = {}
         if shown is not None:
             extra["args"] = shown
             readable = namer.readable(args, kwargs, shown)
             if readable:
                 extra["arg_text"] = readable
-        if request.hostname:
-            extra["worker"] = request.hostname
         interrupter = (
             _interrupt.Interrupter() if opts.interrupt and _interrupt.available() else None
         )
         claim = self._claim_template(client, opts, name).for_call(
-            name, request.id, extra, interrupter.on_lost if interrupter is not None else None
+            name,
+            request.id,
+            extra,
+            interrupter.on_lost if interrupter is not None else None,
+            self._record_fields(request.hostname),
         )
-        rate_s = opts.claim.rate_us / 1e6
-        if rate_s and opts.values["claim_rate_policy"] == "delay" and _delivered(request):
+        rate_us = opts.claim.rate_us
+        if rate_us and opts.values["claim_rate_policy"] == "delay" and _delivered(request):
             # Over the rate, the call's start is booked: its message comes back for it.
-            claim.booking = max(BOOKING_HOLD, rate_s)
+            claim.booking = max(BOOKING_HOLD, rate_us / 1e6)
         self._enqueue_marker(claim, opts)
         policy = opts.policy
         # Only the rerun policy takes the name's triggers: any other would send calls
@@ -523,12 +524,15 @@ class ClaimedTask(Task[Any, Any]):
         try:
             trigger = self._rerun_trigger(name, args, kwargs) if policy.asks_rerun else False
             action = claim.enter(policy, trigger)
-            for _ in range(BOOKED_WAITS):
-                # A start of its own this close is waited for here, not sent back.
-                if isinstance(action, Run) or claim.booked is None or claim.booked > BOOKED_WAIT:
-                    break
-                time.sleep(claim.booked)
-                action = claim.enter(policy, trigger)
+            if not isinstance(action, Run):
+                for _ in range(BOOKED_WAITS):
+                    # A start of its own this close is waited for here, not sent back.
+                    if claim.booked is None or claim.booked > BOOKED_WAIT:
+                        break
+                    time.sleep(claim.booked)
+                    action = claim.enter(policy, trigger)
+                    if isinstance(action, Run):
+                        break
         except ClaimUnavailable as exc:
             if opts.enqueue is not None and request.id:
                 self._started_queued(opts, request.id, args, kwargs)  # as ACQUIRE would
@@ -587,6 +591,21 @@ class ClaimedTask(Task[Any, Any]):
         template._front_end("task", self)
         self._fenced_template = (client, opts, template)
         return template
+
+    _fenced_record_fields: tuple[Any, str] | None = None
+
+    def _record_fields(self, worker: Any) -> str:
+        """The fields every run record of this task on ``worker`` carries (its name,
+        template and worker), encoded once, not once per run."""
+        kept = self._fenced_record_fields
+        if kept is not None and kept[0] == worker:
+            return kept[1]
+        fields = {"task": self.name, "template": self._namer().label}
+        if worker:
+            fields["worker"] = worker
+        text = records.encode_fields(fields)
+        self._fenced_record_fields = (worker, text)
+        return text
 
     def _run_unclaimed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """fenced switched off (tests without Redis): the body runs under a LocalClaim."""
@@ -719,7 +738,8 @@ class ClaimedTask(Task[Any, Any]):
         ended = claim.end(exc, "the task", outcome=outcome, reason=reason, raise_lost=False)
         if outcome is None:
             count(ended)
-            self._unqueue_after(claim, exc)
+            if self._options().enqueue == "until_finished":
+                self._unqueue_after(claim, exc)
         if claim.rerun_triggers:
             self._send_reruns(claim, args, kwargs)
         return ended
