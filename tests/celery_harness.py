@@ -91,6 +91,12 @@ class Services:
         """Messages waiting in the test's queue (a Redis broker's list)."""
         return int(redis.Redis.from_url(self.broker_url).llen(self.queue))
 
+    def unacked(self) -> set[str]:
+        """Task ids of the messages a Redis broker holds for its workers, unacknowledged:
+        what it brings back after the visibility timeout when the worker dies."""
+        held = redis.Redis.from_url(self.broker_url).hvals("unacked")  # kombu's record
+        return {str(json.loads(raw)[0]["headers"]["id"]) for raw in held}
+
     def obs(self) -> redis.Redis:
         """The observation Redis, decoded."""
         return redis.Redis.from_url(self.obs_url, decode_responses=True)

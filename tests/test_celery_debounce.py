@@ -178,10 +178,14 @@ def test_the_waiting_burst_runs_after_its_worker_is_killed(services: Services) -
     app = sender(services)
     slow = app.tasks["d.slow"]
     k = key()
-    with Worker(services, concurrency=1, app=APP, visibility=2, name="victim"):
+    # The victim keeps the broker's hour-long visibility timeout: while it lives, it
+    # never hands its own message back to the queue.
+    with Worker(services, concurrency=1, app=APP, name="victim"):
         results = [slow.delay(k, n) for n in (1, 2)]
-        wait_for("the worker to take the message", lambda: queued(services) == 0)
-        assert not starts(services, k)
+        # Recorded as unacknowledged, not only gone from the queue: a Redis broker loses
+        # a message its consumer had popped but not yet recorded.
+        wait_for("the worker to hold the message", lambda: results[0].id in services.unacked())
+        assert queued(services) == 0 and not starts(services, k)
     # Killed while the burst waits: the broker brings the message back to a new worker.
     with Worker(services, concurrency=1, app=APP, visibility=2, name="successor"):
         assert results[0].get(timeout=WAIT) == 2

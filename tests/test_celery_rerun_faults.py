@@ -6,6 +6,11 @@ whole worker as it publishes, from a ``before_task_publish`` receiver) must not 
 trigger: it stays in Redis until its rerun is published, and the name's next release
 publishes it. Killed just after the publish, the rerun is published a second time under
 the same task id, and that copy does not run again.
+
+The holder's own message comes back too, and is ignored as completed: with the name
+free, it takes the claim and its release finds the trigger; with the name held (the
+dying worker's other child had started the rerun, whose lease waits out its ttl), it
+is ignored with no record of its own, and the rerun's release finds the trigger.
 """
 
 from __future__ import annotations
@@ -24,9 +29,18 @@ from fenced.testing import RedisServer
 DUPLICATE = "duplicate delivery of a completed task"
 
 
-@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize(
+    ("when", "started"),
+    [
+        pytest.param("before", False, id="before"),
+        pytest.param("after", False, id="after"),
+        # As when the victim's other child started the rerun as the worker died: its
+        # lease still holds the name when the holder's message comes back.
+        pytest.param("after", True, id="after-rerun-started"),
+    ],
+)
 def test_a_rerun_survives_its_holder_dying_as_it_publishes(
-    when: str, redis_server: RedisServer
+    when: str, started: bool, redis_server: RedisServer
 ) -> None:
     services = Services.on(redis_server, ttl=8.0)
     client = services.client()
@@ -59,28 +73,40 @@ def test_a_rerun_survives_its_holder_dying_as_it_publishes(
         assert left is None or (when == "after" and left.task_id != holder.id), left
         assert [r.outcome for r in records.history(locks, name) if r.task_id == holder.id] == ["ok"]
         assert locks.smembers(rerun) or locks.scard(sending), "the trigger is gone from Redis"
+        [died] = notes(obs, f"died:{k}")
+        if started and left is None and died["task_id"] in services.unacked():
+            # The state a start of the rerun leaves: its message held unacknowledged (the
+            # broker brings it back), its lease on the name. (Its message lost, the
+            # trigger waits for the name's next release: a lease that expires is none.)
+            lease = Claim(locks, name, ttl=services.ttl, heartbeat=False, task_id=died["task_id"])
+            assert lease.acquire()
+            left = read_holder(locks, name)
         # Redis brings the holder's unacknowledged message back after the visibility
-        # timeout; it is ignored as completed, and its release finds the trigger. One
-        # process: the holder's message never finds the name held by the rerun.
+        # timeout; it is ignored as completed (a release finds the trigger). One process:
+        # the holder's message never finds the name held by a live rerun.
         with Worker(services, concurrency=1, visibility=4, name="successor"):
             wait_for("the rerun", lambda: runs("rivers"))
             wait_for("the rerun to end", lambda: len(notes(obs, f"ends:{k}")) == 2)
             rerun_id = runs("rivers")[0]["task_id"]
 
             def ignored(task_id: str) -> bool:
+                # The victim died inside the holder's run, before its postrun: this one
+                # is the redelivered message's.
                 return any(
-                    r.task_id == task_id and r.reason == DUPLICATE
-                    for r in records.history(locks, name)
+                    n["task_id"] == task_id and n["state"] == "IGNORED"
+                    for n in notes(obs, "signal:postrun")
                 )
 
             wait_for("the holder's message to come back", lambda: ignored(holder.id))
+            if left is None:  # it took the free name: its release recorded why it ended
+                why = [r.reason for r in records.history(locks, name) if r.task_id == holder.id]
+                assert DUPLICATE in why, why
             wait_for("the trigger to be cleared", lambda: locks.scard(sending) == 0)
         if when == "after":
             # Published by the victim, and again by the name's next release under the same
             # task id: whichever copy runs first, the other finds its done marker. (The
             # victim's copy may also be lost with it: a Redis broker drops a message its
             # consumer had popped but not yet recorded as unacknowledged.)
-            [died] = notes(obs, f"died:{k}")
             assert died["task_id"] == rerun_id
         # Ran to the end once (a start the dying victim cut short does not end).
         assert [n["task_id"] for n in notes(obs, f"ends:{k}")].count(rerun_id) == 1

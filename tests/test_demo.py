@@ -75,6 +75,17 @@ def test_demo_every_act_holds_and_serves_its_dashboard() -> None:
     assert "every expectation held" in out
 
 
+def test_a_worker_killed_in_a_sweep_does_not_hold_back_the_redelivery() -> None:
+    """kombu sweeps for unacknowledged messages under a mutex; the deploy act kills a
+    worker that sweeps every second, so a sweep may die holding it. The redelivery the
+    act waits 90 s for must not wait for that mutex to expire (300 s by default)."""
+    from fenced.demo.app import app
+
+    options = app.conf.broker_transport_options
+    assert options["unacked_restore_interval"] == options["unacked_restore_throttle"] == 1
+    assert options["visibility_timeout"] + options.get("unacked_mutex_expire", 300) < 90
+
+
 def test_demo_feeds() -> None:
     res = fenced("demo", "--feeds")
     assert res.returncode == 0, res.stdout + res.stderr

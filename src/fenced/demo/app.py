@@ -49,6 +49,10 @@ app.conf.update(
         "visibility_timeout": 15,
         "unacked_restore_interval": 1,
         "unacked_restore_throttle": 1,
+        # The sweep runs under a Redis mutex; a worker killed inside one (the deploy act
+        # kills worker a) leaves it held this long: 300 s by default, which would stop
+        # every worker's sweep, and the redelivery, for five minutes.
+        "unacked_mutex_expire": 5,
     },
     result_expires=600,
     task_serializer="json",
