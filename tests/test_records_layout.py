@@ -220,7 +220,7 @@ def test_each_entry_head_is_json_whatever_the_token_holds(r: Any, task_id: str) 
     assert started["fence"] == str(claim.fence) and started["at"] == started["fence"][:-3]
     assert finished == {
         "event": "finished",
-        "token": claim.token[:8],
+        "token": (claim.token or "")[:8],
         "fence": str(claim.fence),
         "outcome": "ok",
     }
