@@ -365,3 +365,28 @@ def test_fenced_run(redis_server: RedisServer) -> None:
     assert code == 75 and "rate limited" in said
     code, said = run("--rate", "10/d")
     assert code != 0 and "--rate='10/d'" in said and "'N/s', 'N/m' or 'N/h'" in said
+
+
+@pytest.mark.parametrize("booking", [False, True])
+def test_an_acquire_over_a_rate_still_handles_its_enqueue_marker(
+    rc: redis.Redis, booking: bool
+) -> None:
+    # The marker is the last key but the rate's (two, or three with a booking): a run's
+    # acquire handles it first, whatever the answer, rate limited or granted.
+    name = key()
+    queued = ClaimKeys.of(name).queued
+    _one_start(rc, name, "1/h")
+    rc.set(queued, "t1", px=3_600_000)
+    claim = Claim(rc, name, rate="1/h", limit=2, task_id="t1", heartbeat=False)
+    if booking:
+        claim.booking = 60.0
+    claim.handle_enqueue_marker("5000", True)
+    assert not claim.acquire()  # over the rate
+    assert rc.get(queued) == "t1" and 0 < rc.pttl(queued) <= 5_000
+    other = Claim(rc, name, rate="1/h", limit=2, task_id="t2", heartbeat=False)
+    other.handle_enqueue_marker("-", False)
+    assert not other.acquire()  # not its marker: left alone
+    assert rc.get(queued) == "t1"
+    claim.handle_enqueue_marker("-", False)
+    assert not claim.acquire()
+    assert rc.get(queued) is None

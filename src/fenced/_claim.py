@@ -657,7 +657,7 @@ class ClaimState(LeaseState):
         """Take in the answer of an ACQUIRE (or a TAKEOVER) sent at ``sent``: True if the
         claim is ours."""
         if int(res[0]) == 1:
-            slot = int(res[2]) if self.limit > 1 else 0  # as _granted_slot reads it
+            slot = self._granted_slot(res)
             with self._mutex:
                 self.slot = slot
                 self._lease_key = self.key if slot == 0 else self.keys.slot(slot)

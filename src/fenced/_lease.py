@@ -22,10 +22,10 @@ import math
 import os
 import re
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
-from typing import Any, Generic, Protocol, TypeVar, overload
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
 
 import redis
 
@@ -234,29 +234,6 @@ def short_token(token: str | None) -> str:
 
 # -- the keys ---------------------------------------------------------------------------
 
-_T = TypeVar("_T")
-
-
-class _made_once(Generic[_T]):  # a decorator, as cached_property
-    """``functools.cached_property`` without its lock (Python 3.11 takes one per first
-    read): the value is the same whichever thread makes it, and every claim reads one."""
-
-    def __init__(self, make: Callable[[Any], _T]) -> None:
-        self.make = make
-        self.name = make.__name__
-        self.__doc__ = make.__doc__
-
-    @overload
-    def __get__(self, obj: None, owner: type | None = None) -> _made_once[_T]: ...
-    @overload
-    def __get__(self, obj: object, owner: type | None = None) -> _T: ...
-    def __get__(self, obj: object, owner: type | None = None) -> _T | _made_once[_T]:
-        if obj is None:
-            return self
-        # Kept in the object's own dict, which Python reads before this descriptor.
-        value = obj.__dict__[self.name] = self.make(obj)
-        return value
-
 
 @dataclass(frozen=True)
 class ClaimKeys:
@@ -264,17 +241,18 @@ class ClaimKeys:
 
     namespace: str
     name: str
+    #: What every key of the name starts with: ``{namespace}:{{name}}:`` (made once:
+    #: every claim spells its keys from it).
+    prefix: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefix", f"{self.namespace}:{{{self.name}}}:")
 
     @classmethod
     def of(cls, name: str, namespace: str = "fenced") -> ClaimKeys:
         """Keys for a name (checked, a fixed point) under a namespace."""
         check_namespace(namespace)
         return cls(namespace, validate_name(name))
-
-    @_made_once
-    def prefix(self) -> str:
-        """What every key of the name starts with: ``{namespace}:{{name}}:``."""
-        return f"{self.namespace}:{{{self.name}}}:"
 
     def _key(self, part: str) -> str:
         return self.prefix + part
@@ -686,26 +664,16 @@ class LeaseCalls:
         self.opts = opts
         #: How many holders the name may have at once (slots 0 .. limit-1).
         self.limit = limit = opts.limit
-        # Built once: every acquire and release sends them. Spelled from the prefix as
-        # ClaimKeys.all, done("") and released("") spell them: a claim per call makes one.
-        p = keys.prefix
-        acquire: tuple[str, ...] = (
-            p + "lock",
-            p + "fence",
-            p + "records",
-            p + "skips",
-            p + "rerun",
-            p + "cooldown",
-        )
-        self._acquire_keys = acquire
+        # Built once: every acquire and release sends them.
+        self._acquire_keys = acquire = tuple(keys.all())
         self._plain_keys = acquire[:5]
         # ACQUIRE's fence, records, skips and rerun keys are a single holder's lasting ones.
         self._lasting = acquire[1:5] if limit == 1 else keys.lasting(limit)
         if limit > 1:
             self._acquire_keys += (keys.slots, *(keys.slot(i) for i in range(1, limit)))
         self._release_keys = (acquire[0], *acquire[2:5])
-        self._no_done = p + "done:"
-        self._note_prefix = p + "released:"
+        self._no_done = keys.done("")
+        self._note_prefix = keys.released("")
         self._cooldown = acquire[5]
 
     def acquire_call(

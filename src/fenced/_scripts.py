@@ -404,29 +404,18 @@ _APPEND = _TRIM + _ENTRY
 # Every fence is decimal text (a holder's fence as the key holds it, unchecked).
 # ACQUIRE's common grant, before anything but trim_records is defined: one holder, no
 # cooldown window or rate, a token that needs no JSON escape (when it is recorded), and a
-# free name whose last fence is a plain decimal below the server's clock; an enqueue
-# marker is handled first, as the whole script would. It runs the fewest commands (its
+# free name whose last fence is a plain decimal below the server's clock (the enqueue
+# marker is handled before it, see _ACQUIRE_QUEUED). It runs the fewest commands (its
 # record takes the grant's TIME) and allocates little but its answer; anything else
 # goes on to the whole
 # script below, told by ``taken`` whether the lease is set (false: busy), by
 # ``previous`` what the fence key held and by ``written`` what was written in its place.
 _ACQUIRE_FAST = """
-local taken, previous, written, queued_done
+local taken, previous, written
 if (ARGV[9] or '') == '' and (ARGV[10] or '1') == '1' and (ARGV[13] or '') == ''
     and ((ARGV[4] or '') == '' or string.find(ARGV[1], '^[%w:._-]*$')) then
-  local done_key = #KEYS
-  if (ARGV[12] or '') ~= '' then
-    -- the enqueue marker (the last key), first and whatever the answer
-    queued_done = true
-    done_key = done_key - 1
-    if redis.pcall('GET', KEYS[#KEYS]) == ARGV[7] then
-      if ARGV[12] == '-' then
-        redis.call('DEL', KEYS[#KEYS])
-      else
-        redis.call('PEXPIRE', KEYS[#KEYS], ARGV[12])
-      end
-    end
-  end
+  -- the done marker: the last key, but for the enqueue marker
+  local done_key = (ARGV[12] or '') == '' and #KEYS or #KEYS - 1
   taken = redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2])
   if taken then
     local t = redis.call('TIME')
@@ -456,6 +445,22 @@ if (ARGV[9] or '') == '' and (ARGV[10] or '1') == '1' and (ARGV[13] or '') == ''
 end
 """
 
+# ACQUIRE's first step, whatever the answer (A[12]): the run of A[7] handles the name's
+# enqueue marker when it still holds A[7]. The marker is the last key but the rate's
+# (two, three with a booking).
+_ACQUIRE_QUEUED = """
+if (ARGV[12] or '') ~= '' then
+  local queued = KEYS[#KEYS - ((ARGV[13] or '') == '' and 0 or (ARGV[14] or '') == '' and 2 or 3)]
+  if redis.pcall('GET', queued) == ARGV[7] then
+    if ARGV[12] == '-' then
+      redis.call('DEL', queued)
+    else
+      redis.call('PEXPIRE', queued, ARGV[12])
+    end
+  end
+end
+"""
+
 # The arguments of ACQUIRE in the order its whole script reads them (see ACQUIRE).
 _ACQUIRE_ARGS = """
 local A = {ARGV[1], ARGV[2], ARGV[4] or '', ARGV[5] or '', ARGV[8] or '1000',
@@ -467,6 +472,7 @@ local idle = tonumber(A[8])
 ACQUIRE = Script(
     "acquire",
     _TRIM
+    + _ACQUIRE_QUEUED
     + _ACQUIRE_FAST
     + _ENTRY
     + _ACQUIRE_ARGS
@@ -490,15 +496,7 @@ if A[13] and A[13] ~= '' then
   interval = tonumber(A[13])
 end
 if A[12] and A[12] ~= '' then
-  local queued = KEYS[last]
-  last = last - 1
-  if not queued_done and redis.pcall('GET', queued) == A[7] then
-    if A[12] == '-' then
-      redis.call('DEL', queued)
-    else
-      redis.call('PEXPIRE', queued, A[12])
-    end
-  end
+  last = last - 1  -- the enqueue marker, handled first (_ACQUIRE_QUEUED)
 end
 local done
 if A[11] == '1' then
@@ -868,11 +866,12 @@ end
 # the records key cannot take included: nothing is written then) goes on to the whole
 # script, told by ``held`` what the lease key holds.
 _RELEASE_FAST = """
-local held
+local held, run
 -- the run's entry as _ENTRY writes it, its head written out when nothing in it needs a
--- JSON escape (else the whole script writes it): the start of the token's random part
-local run = string.sub(string.match(ARGV[1], '^[^:]*'), 1, 8)
-if ARGV[6] ~= '2' and ((ARGV[3] or '') == ''
+-- JSON escape (else the whole script writes it); ``run``: the start of the token's
+-- random part, as the records show the run (``short_token``)
+if (ARGV[3] or '') ~= '' then run = string.sub(string.match(ARGV[1], '^[^:]*'), 1, 8) end
+if ARGV[6] ~= '2' and (not run
     or string.find(run .. (ARGV[4] or '0') .. ARGV[2], '^[%w:._-]*$')) then
   held = redis.call('GET', KEYS[1])
   if held == ARGV[1] and (ARGV[6] == '0' or redis.call('EXISTS', KEYS[4]) == 0) then
@@ -894,18 +893,12 @@ if ARGV[6] ~= '2' and ((ARGV[3] or '') == ''
     if recorded then
       -- the enqueue marker goes with the lease when it still holds this run's task id
       local queued = (ARGV[10] or '') ~= '' and redis.pcall('GET', KEYS[8]) == ARGV[10]
+      local gone = {KEYS[1]}
       if record ~= '' and outcome == 'ok' then
-        -- a success ends a streak of skips
-        if queued then
-          redis.call('DEL', KEYS[1], KEYS[3], KEYS[8])
-        else
-          redis.call('DEL', KEYS[1], KEYS[3])
-        end
-      elseif queued then
-        redis.call('DEL', KEYS[1], KEYS[8])
-      else
-        redis.call('DEL', KEYS[1])
+        gone[2] = KEYS[3]  -- a success ends a streak of skips
       end
+      if queued then gone[#gone + 1] = KEYS[8] end
+      redis.call('DEL', unpack(gone))
       local done_ms = tonumber(ARGV[7] or '0')
       local marked = outcome == 'ok' and done_ms > 0
       if marked then
@@ -978,11 +971,11 @@ if A[2] ~= '' then
   -- per release).
   local entry
   if vanished then
-    entry = record_entry(A[2], 'event', 'finished', 'token', run_of(A[1]),
+    entry = record_entry(A[2], 'event', 'finished', 'token', run,
                          'fence', A[5], 'outcome', outcome,
                          'note', 'the lease was gone before release')
   else
-    entry = record_entry(A[2], 'event', 'finished', 'token', run_of(A[1]),
+    entry = record_entry(A[2], 'event', 'finished', 'token', run,
                          'fence', A[5], 'outcome', outcome)
   end
   local added = redis.pcall('LPUSH', KEYS[2], entry)

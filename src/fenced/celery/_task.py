@@ -524,15 +524,12 @@ class ClaimedTask(Task[Any, Any]):
         try:
             trigger = self._rerun_trigger(name, args, kwargs) if policy.asks_rerun else False
             action = claim.enter(policy, trigger)
-            if not isinstance(action, Run):
-                for _ in range(BOOKED_WAITS):
-                    # A start of its own this close is waited for here, not sent back.
-                    if claim.booked is None or claim.booked > BOOKED_WAIT:
-                        break
-                    time.sleep(claim.booked)
-                    action = claim.enter(policy, trigger)
-                    if isinstance(action, Run):
-                        break
+            for _ in range(BOOKED_WAITS):
+                # A start of its own this close is waited for here, not sent back.
+                if isinstance(action, Run) or claim.booked is None or claim.booked > BOOKED_WAIT:
+                    break
+                time.sleep(claim.booked)
+                action = claim.enter(policy, trigger)
         except ClaimUnavailable as exc:
             if opts.enqueue is not None and request.id:
                 self._started_queued(opts, request.id, args, kwargs)  # as ACQUIRE would
