@@ -383,9 +383,8 @@ class ClaimKeys:
         """The keys the ACQUIRE script receives, in KEYS order."""
         # As lock, fence, records, skips, rerun and cooldown spell them, from one prefix:
         # every claim object builds these.
-        prefix = self.prefix
-        parts = ("lock", "fence", "records", "skips", "rerun", "cooldown")
-        return [prefix + part for part in parts]
+        p = self.prefix
+        return [p + "lock", p + "fence", p + "records", p + "skips", p + "rerun", p + "cooldown"]
 
     @staticmethod
     def name_from_key(key: str | bytes, namespace: str = "fenced") -> str | None:
