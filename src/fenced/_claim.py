@@ -128,20 +128,13 @@ class ClaimState(LeaseState):
         super().__init__(opts.ttl, opts.refresh, clock)
         self.options = opts
         self.redis = redis
-        self.keys = ClaimKeys.of(name, opts.namespace)
-        self.name: str = self.keys.name
-        self.key: str = self.keys.lock
-        #: The bounded name of this kind of claim in events and log fields: the label
-        #: given, else the name (a front end passes its template or callable's name).
-        self.label: str = opts.label if opts.label is not None else self.name
         # What events say of the front end (see fenced.events): set by _front_end().
         self._source = self._SOURCE
         self._task: Any = None
         #: How many holders the name may have at once, each in a slot of its own.
         self.limit = opts.limit
         self.replicas = opts.replicas
-        # What each renewal keeps from expiring while the name is held.
-        self._lasting = self.keys.lasting(self.limit) if opts.idle_ms else ()
+        self._bind_name(ClaimKeys.of(name, opts.namespace))
         self.namespace = opts.namespace
         self.heartbeat = heartbeat
         self.on_lost = on_lost
@@ -157,7 +150,6 @@ class ClaimState(LeaseState):
         self._sleep = sleep
         #: The slot held (0 .. limit-1; always 0 for a limit of 1), None before a grant.
         self.slot: int | None = None
-        self._lease_key = self.key
         self.holder: Holder | None = None
         self.skips = 0
         #: Seconds left of the cooldown window when the last acquire found the name ran
@@ -226,15 +218,8 @@ class ClaimState(LeaseState):
         fields = new.__dict__
         fields.update(self.__dict__)
         fields.pop("_holder_text", None)
-        keys = ClaimKeys(self.namespace, name)
-        new.keys = keys
-        new.name = name
-        new.key = new._lease_key = keys.lock
-        if self.options.label is None:
-            new.label = name
+        new._bind_name(ClaimKeys(self.namespace, name))
         new._bind_store()
-        if self._lasting:
-            new._lasting = keys.lasting(self.limit)
         new.task_id = task_id
         new.record_extra = record_extra
         new.record_encoded = record_encoded
@@ -244,6 +229,18 @@ class ClaimState(LeaseState):
         new.rerun_triggers = []
         new.rerun_sending = []
         return new
+
+    def _bind_name(self, keys: ClaimKeys) -> None:
+        """What the claim derives from its name's keys (``limit`` and ``options`` set)."""
+        self.keys = keys
+        self.name: str = keys.name
+        self.key: str = keys.lock
+        self._lease_key = self.key
+        #: The bounded name of this kind of claim in events and log fields: the label
+        #: given, else the name (a front end passes its template or callable's name).
+        self.label: str = self.options.label if self.options.label is not None else self.name
+        # What each renewal keeps from expiring while the name is held.
+        self._lasting = keys.lasting(self.limit) if self.options.idle_ms else ()
 
     _SOURCE = "claim"
     #: What runs under the claim, as loss messages name it.

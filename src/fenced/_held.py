@@ -123,7 +123,7 @@ class LeaseState:
     def schedule(self) -> tuple[float, float] | None:
         """(the refresh interval, when the next renewal is due) while this process holds
         the lease, else None: what the heartbeat reads as it starts renewing it."""
-        if self._state != HELD or self._pid != current_pid() or self.token is None:
+        if not self._mine() or self.token is None:
             return None
         return self.refresh_every, self._next_refresh
 

@@ -471,6 +471,8 @@ class Scheduler(beat.Scheduler):
                 value = f"{due}:{claim.fence}:pending"
                 if self._send(name, EntryState.parse(value), claim):
                     sent[name] = value
+                    # an older tick still unsent can no longer be: the entry moved past it
+                    self._unsent.pop(name, None)
                 else:
                     self._unsent[name] = value
         for name, value in sent.items():

@@ -211,7 +211,9 @@ class ContentStore:
     def put(self, source: Source) -> Ref:
         """Store bytes, a binary file object or the file at a path; same bytes, same Ref."""
         if isinstance(source, (bytes, bytearray, memoryview)):
-            return self._put_file(io.BytesIO(bytes(source)))
+            data = bytes(source)
+            digest = hashlib.sha256(data).hexdigest()
+            return self._existing(digest, len(data)) or self._write(digest, [data])
         if isinstance(source, (str, os.PathLike)):
             path = Path(source)
             if not path.is_file():
