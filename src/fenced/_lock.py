@@ -67,8 +67,8 @@ log = logging.getLogger("fenced")
 
 
 def new_token() -> bytes:
-    """A token as redis-py's Lock makes one (the 32 hex bytes of a UUID), from ``uuid4``:
-    redis-py's ``uuid1`` goes through libuuid, about 10 µs a token here."""
+    """A token of the shape redis-py's Lock makes (the 32 hex bytes of a UUID), always from
+    ``uuid4``: older redis-py releases use ``uuid1``, through libuuid, about 10 µs a token."""
     return uuid.uuid4().hex.encode()
 
 
