@@ -37,13 +37,15 @@ bench: install
 	done; exit $$fail
 
 # The sdist and the wheel, built by the standard front end and checked: their metadata
-# (twine), then the wheel alone in a fresh virtual environment, outside the checkout.
+# (twine), each extra alone in a fresh virtual environment of its own (the `celery` one runs
+# the quick start's worker), then the wheel with every extra, outside the checkout.
 DIST_VENV := build/wheel-venv
 dist: install
 	rm -rf dist build
 	$(BIN)/python -m build --outdir dist .
 	$(BIN)/twine check --strict dist/*
 	$(BIN)/python scripts/check_dist.py dist
+	$(BIN)/python scripts/check_extras.py dist
 	$(PYTHON) -m venv $(DIST_VENV)
 	$(DIST_VENV)/bin/pip install --quiet --upgrade pip
 	$(DIST_VENV)/bin/pip install --quiet "$$(ls dist/*.whl)[all]"

@@ -47,7 +47,16 @@ FRAGMENT = re.compile(r"^<!-- fragment: see (\S+) -->$")
 NOT_RUN = {
     "make demo": "sets up a virtualenv first; tests/test_demo.py runs `fenced demo`",
     "make test": "the whole suite; it runs this test among the others",
-    "pip install fenced[celery,cli]": "installs; `make dist` installs the wheel",
+    "pip install fenced[celery,cli]": (
+        "installs; `make dist` installs the wheel, and each extra alone (scripts/check_extras.py)"
+    ),
+    "pip install /path/to/fenced[celery,cli]": (
+        "installs from a checkout: tests/test_quickstart.py runs the checkout, and `make dist` "
+        "each extra of its wheel alone"
+    ),
+    "pip install $(ls /path/to/fenced/dist/fenced-*.whl)[celery,cli]": (
+        "installs a wheel: `make dist` builds it and installs each extra alone"
+    ),
     "pip install fenced[web]": "installs; `make dist` installs the wheel",
     "fenced web": "serves until stopped: tests/test_web.py runs the dashboard over HTTP",
     "celery -A proj beat -S fenced.celery.beat:Scheduler": (

@@ -3,8 +3,11 @@
 From the repository's root (``examples`` must be importable)::
 
     celery -A examples.quickstart.app worker --concurrency 2 --loglevel INFO
-    python -m examples.quickstart          # sends the task twice: one runs, one skips
+    python examples/quickstart/app.py      # sends the task twice: one runs, one skips
     fenced doctor --app examples.quickstart.app
+
+Copied into a project of one's own, this one file is enough: ``celery -A app worker``,
+then ``python app.py``.
 
 The broker (and results) in database 0, the claims in database 1: a claim must never be
 evicted, and a broker's database is no place for it. In production give the claims a
@@ -39,9 +42,27 @@ app.conf.update(
 )
 
 
-@app.task(base=ClaimedTask, bind=True, claim="report:{tenant}", claim_ttl=60)
+# The name is given, so a worker that imports this module by any name (``app``,
+# ``examples.quickstart.app``) and ``python app.py`` agree on it.
+@app.task(name="quickstart.build_report", base=ClaimedTask, bind=True,
+          claim="report:{tenant}", claim_ttl=60)  # fmt: skip
 def build_report(self, tenant, seconds=30.0):
     """Stands in for real work: ten steps, the claim checked before each."""
     for _step in self.claim.steps(range(10)):
         time.sleep(seconds / 10)
     return f"report for {tenant} built under fence {self.claim.fence}"
+
+
+def send_twice():
+    """Send ``build_report("acme")`` twice and print the result of the one that skipped;
+    the other runs for 30 s (``fenced ls`` shows its claim meanwhile)."""
+    sent = [build_report.delay("acme"), build_report.delay("acme")]
+    print("sent twice:", ", ".join(s.id for s in sent))
+    while not any(s.ready() for s in sent):
+        time.sleep(0.1)
+    done = next(s for s in sent if s.ready())
+    print("one of them:", done.get())
+
+
+if __name__ == "__main__":
+    send_twice()
