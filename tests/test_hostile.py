@@ -139,6 +139,19 @@ CASES: dict[str, tuple[Seed, str]] = {
     "listed fields not JSON": (listed(head=b"event"), "the entry's fields are not JSON: 'event'"),
     "listed fields a list": (listed(head=b"[1]"), "the entry's fields are a JSON list"),
     "listed at not a time": (listed(at="yesterday"), "unreadable: at 'yesterday' is not a"),
+    "listed at of 400 digits": (listed(at="9" * 400), "unreadable: at '9999"),
+    "listed numbers of 400 digits": (
+        listed(json.dumps({"duration": 10**400, "at": 10**400, "pid": 10**400}), fence="9" * 400),
+        "is not an integer from 1 to 2**63-2; duration is 1000000",
+    ),
+    "listed numbers past a float": (
+        listed('{"duration": 1e400, "at": -1e400, "pid": 1e308}'),
+        "unreadable: duration is",
+    ),
+    "stream id of 400 digits": (
+        both(held_by(), lambda r: r.xadd(keys().runs, {"event": "started"}, id="9" * 19 + "-0")),
+        "running",
+    ),
     "listed without a newline": (
         both(held_by(), lambda r: r.lpush(keys().records, b'{"event": "started"}')),
         "running",

@@ -38,6 +38,7 @@ from ._lease import (
     ClaimKeys,
     Holder,
     current_pid,
+    fence_or_none,
     int_or_none,
     pid_text,
     short_token,
@@ -170,11 +171,25 @@ class RunRecord:
         return asdict(self)
 
 
+#: The last millisecond a date can show (9999-12-31 23:59:59.999 UTC): a time past it,
+#: or before 1970, is stored data no reader can turn into a date.
+LAST_MS = 253_402_300_799_999
+#: The longest duration a record may give, in seconds (a thousand years).
+LONGEST = 1000 * 365.25 * 86_400
+
+
+def _ms_time(text: str) -> float | None:
+    """A time in ms since the epoch (decimal digits) as seconds; None for anything else,
+    or a time no date can show."""
+    if not text.isascii() or not text.isdigit() or len(text) > len(str(LAST_MS)):
+        return None
+    ms = int(text)
+    return ms / 1000.0 if ms <= LAST_MS else None
+
+
 def _entry_time(entry_id: str) -> float:
-    try:
-        return int(entry_id.split("-", 1)[0]) / 1000.0
-    except ValueError:
-        return 0.0  # not a stream entry id: sorts last
+    at = _ms_time(entry_id.split("-", 1)[0])
+    return 0.0 if at is None else at  # not a stream entry id: sorts last
 
 
 def _part(raw: bytes | str, what: str, problems: list[str]) -> str:
@@ -245,9 +260,8 @@ class _Entry:
         stamp = fields.pop("at", None)
         if stamp is None:  # timed by its neighbours (see _entries)
             return cls("", 0.0, fields, _data(fields.get("r"), problems), problems, False)
-        try:
-            at = int(stamp) / 1000.0
-        except ValueError:
+        at = _ms_time(stamp)
+        if at is None:
             at = 0.0  # sorts last
             problems.append(f"at {stamp[:40]!r} is not a time in ms")
         return cls(stamp, at, fields, _data(fields.get("r"), problems), problems)
@@ -265,7 +279,10 @@ class _Entry:
         if value is None:
             return None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            if -LONGEST <= value <= LONGEST:  # False for NaN; no float() of a huge int
+                return float(value)
+            self.problems.append(f"{key} is {_encode(value)[:40]}, out of range")
+            return None
         self.problems.append(f"{key} is {_encode(value)[:40]}, not a number")
         return None
 
@@ -274,11 +291,10 @@ class _Entry:
         text = self.fields.get("fence", "")
         if text in ("", "0"):
             return None
-        try:
-            return int(text)
-        except ValueError:
-            self.problems.append(f"fence {text[:40]!r} is not an integer")
-            return None
+        fence = fence_or_none(text)
+        if fence is None:
+            self.problems.append(f"fence {text[:40]!r} is not an integer from 1 to 2**63-2")
+        return fence
 
     def holder(self, key: str) -> str | None:
         """A token field, as the holder it names."""
