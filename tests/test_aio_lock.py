@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -48,6 +49,8 @@ def test_the_redis_py_surface(server: RedisServer, decode: bool) -> None:
         assert lock.fence is not None
         assert not await Lock(r, "job").acquire(blocking=False)
         assert not await Lock(r, "job", sleep=0.01).acquire(blocking_timeout=0.05)
+        if "sleep" in inspect.signature(redis.asyncio.lock.Lock.acquire).parameters:
+            assert not await Lock(r, "job").acquire(blocking_timeout=0.05, sleep=0.01)
         assert await lock.extend(20) is True
         assert 25_000 < await r.pttl("job") <= 30_000
         assert await lock.extend(5, replace_ttl=True)

@@ -9,6 +9,7 @@ sides of the difference (README, "Drop-in for redis-py's Lock").
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import os
 import threading
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 import redis
+import redis.asyncio.lock
 import redis.lock
 from hypothesis import given
 from hypothesis import strategies as st
@@ -904,3 +906,28 @@ def test_a_release_past_the_deadline_declares_the_loss_once(client: Any) -> None
     assert told == [lock], "on_lost once, whoever declares the loss"
     assert lock.lost_reason == "no renewal was confirmed before the local deadline"
     assert client.get("job") is None, "our token still held it: deleted"
+
+
+@pytest.mark.parametrize(
+    ("theirs", "ours"),
+    [
+        pytest.param(redis.lock.Lock, fenced.Lock, id="sync"),
+        pytest.param(redis.asyncio.lock.Lock, fenced.aio.Lock, id="asyncio"),
+    ],
+)
+def test_every_method_takes_what_the_installed_redis_pys_takes(theirs: Any, ours: Any) -> None:
+    # A drop-in follows the redis-py installed, whatever it added (8.2: acquire(sleep=)).
+    for name, method in vars(theirs).items():
+        if name.startswith("_") and name not in ("__init__", "__enter__", "__aenter__"):
+            continue
+        if not callable(method) or name not in vars(ours):
+            continue  # inherited as it is
+        want = inspect.signature(method).parameters
+        have = inspect.signature(getattr(ours, name)).parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in have.values())
+        for param in want.values():
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                continue
+            assert param.name in have or takes_any, f"{ours.__name__}.{name}({param.name}=)"
+            if param.name in have and param.kind is not param.KEYWORD_ONLY:
+                assert have[param.name].kind is not param.KEYWORD_ONLY, (name, param.name)

@@ -65,9 +65,13 @@ class Lock(LockCore, _RedisLock):
         blocking: bool | None = None,
         blocking_timeout: float | None = None,
         token: str | bytes | None = None,
+        *,
+        sleep: float | None = None,
     ) -> bool:
         """Take the lock as redis-py does (blocking by default); mint the fence with it."""
-        return bool(await super().acquire(blocking, blocking_timeout, self._token(token)))
+        # ``sleep`` reaches a redis-py that takes it (8.2 on) only when given.
+        more: dict[str, Any] = {} if sleep is None else {"sleep": sleep}
+        return bool(await super().acquire(blocking, blocking_timeout, self._token(token), **more))
 
     async def do_acquire(self, token: str | bytes) -> bool:
         """One try: ``SET NX`` and a new fence, in one round trip."""
