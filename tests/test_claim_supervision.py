@@ -7,8 +7,9 @@ import os
 from typing import Any
 
 from fenced import Claim, records
-from fenced._inspect import force_release, read_holder
+from fenced._inspect import force_release, list_claims, read_holder, show_claim
 from fenced._lease import short_token
+from fenced._scripts import as_text
 
 
 def test_record_extra_rides_on_every_record(r: Any) -> None:
@@ -86,6 +87,61 @@ def test_own_task_id_is_a_redelivery_not_a_skip(r: Any) -> None:
     assert tail.acquire() is False
     assert tail.skips == 2
     earlier.release()
+
+
+def _skip(r: Any, name: str) -> int:
+    """One call that finds the name busy: the count of skips its acquire answered."""
+    other = Claim(r, name, ttl=30, heartbeat=False, records=True)
+    assert not other.acquire()
+    return other.skips
+
+
+def _shown(r: Any, name: str) -> tuple[int, int | None, int]:
+    """The name's skips in a row as each reader shows them: ``consecutive_skips``,
+    ``fenced ls`` (None when it lists no holder) and ``fenced show``."""
+    listed = [info.skips for info in list_claims(r) if info.name == name]
+    shown = show_claim(r, name).skips
+    return records.consecutive_skips(r, name), listed[0] if listed else None, shown
+
+
+def test_skips_behind_a_holder_cleared_by_hand_are_not_counted_beside_the_next(
+    r: Any,
+) -> None:
+    name = "sync:stale"
+    stuck = Claim(r, name, ttl=30, heartbeat=False, records=True)
+    assert stuck.acquire()
+    assert [_skip(r, name) for _ in range(2)] == [1, 2]
+    assert _shown(r, name) == (2, 2, 2)
+    # Its process hangs; an operator clears its lease: no run started or ended ok since.
+    assert force_release(r, name, reason="hung") is not None
+    assert _shown(r, name) == (2, None, 2)
+    fresh = Claim(r, name, ttl=30, heartbeat=False, records=True)
+    assert fresh.acquire()
+    assert _shown(r, name) == (0, 0, 0)  # work moves again: the old count is not its
+    assert _skip(r, name) == 1
+    # The hung process comes back and ends: lost, recorded between the new holder's skips.
+    assert stuck.release() is False
+    assert '"outcome":"lost"' in as_text(r.lindex(stuck.keys.records, 0))
+    assert _shown(r, name) == (1, 1, 1)
+    assert _skip(r, name) == 2
+    assert _shown(r, name) == (2, 2, 2)
+    assert fresh.release() is True  # an ok run resets the count, as it always did
+    assert _shown(r, name) == (0, None, 0)
+    assert r.get(fresh.keys.skips) is None
+
+
+def test_skips_behind_one_stuck_holder_count_on_past_the_alert_threshold(r: Any) -> None:
+    name = "sync:stuck"
+    stuck = Claim(r, name, ttl=30, heartbeat=False, records=True, task_id="t-1")
+    assert stuck.acquire()
+    counts = [_skip(r, name) for _ in range(6)]
+    # A redelivery of the holder's own task is no skip, and no start: the count goes on.
+    again = Claim(r, name, ttl=30, heartbeat=False, records=True, task_id="t-1")
+    assert not again.acquire() and again.skips == 6
+    counts += [_skip(r, name) for _ in range(6)]
+    assert counts == list(range(1, 13))  # claim_alert_after_skips=5 fires at 5 and 10
+    assert _shown(r, name) == (12, 12, 12)
+    stuck.release()
 
 
 def test_force_release_matches_task_id_and_process(r: Any) -> None:

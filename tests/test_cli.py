@@ -349,6 +349,29 @@ def test_ls_finds_the_age_of_a_run_behind_many_skips(url: str, r: Any) -> None:
     assert info["age"] is not None
 
 
+def test_ls_and_show_count_no_skips_of_a_holder_released_by_hand_beside_the_next(
+    url: str, r: Any
+) -> None:
+    held(r, "sync:stale", records=True)
+    for _ in range(2):
+        assert not Claim(r, "sync:stale", records=True).acquire()
+    (info,) = json.loads(fenced(url, "ls", "--json").stdout)
+    assert info["skips"] == 2
+    assert "2 consecutive skips" in fenced(url, "show", "sync:stale").stdout
+    cleared = fenced(url, "release", "sync:stale", "--force", "--reason", "hung")
+    assert cleared.returncode == 0, cleared.stderr
+    fresh = held(r, "sync:stale", records=True)
+    (info,) = json.loads(fenced(url, "ls", "--json").stdout)
+    assert info["skips"] == 0 and info["fence"] == fresh.fence
+    assert json.loads(fenced(url, "show", "sync:stale", "--json").stdout)["skips"] == 0
+    assert "consecutive skip" not in fenced(url, "show", "sync:stale").stdout
+    assert not Claim(r, "sync:stale", records=True).acquire()
+    (info,) = json.loads(fenced(url, "ls", "--json").stdout)
+    assert info["skips"] == 1
+    assert json.loads(fenced(url, "show", "sync:stale", "--json").stdout)["skips"] == 1
+    assert "left; 1 consecutive skip " in fenced(url, "show", "sync:stale").stdout
+
+
 def test_ls_watch_redraws_until_interrupted(url: str, r: Any) -> None:
     held(r, "watched")
     proc = spawn(url, "ls", "--watch", "--json", "--interval", "0.2")

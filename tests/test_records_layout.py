@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from fenced import Claim, records
-from fenced._inspect import force_release, list_claims, show_claim
+from fenced._inspect import LS_RUNS, force_release, list_claims, show_claim
 from fenced._lease import ClaimKeys
-from fenced._scripts import as_text
+from fenced._scripts import STREAK_ENTRIES, as_text
 from fenced.doctor._naming import load_records
 from fenced.records import RunRecord
 
@@ -226,3 +226,48 @@ def test_each_entry_head_is_json_whatever_the_token_holds(r: Any, task_id: str) 
     }
     (run,) = records.history(r, claim.name)
     assert (run.outcome, run.task_id, run.fence) == ("ok", task_id, claim.fence)
+
+
+def _head(event: str, **fields: str) -> str:
+    """A list entry of ``event`` as the scripts write its fields (cjson: no spaces)."""
+    return json.dumps({"at": "1000100", "event": event, **fields}, separators=(",", ":")) + "\n{}"
+
+
+#: The newest entries of a name's records (newest first), and the skips in a row shown
+#: beside a count of 3 the skip counter holds.
+STREAKS = {
+    "a start is the newest entry": (["started"], 0),
+    "a skip is newer than the start": (["skipped", "started"], 3),
+    "ends and a release above the start": (["finished", "released", "started", "skipped"], 0),
+    "a start deeper than the entries read": (["finished"] * STREAK_ENTRIES + ["started"], 3),
+    "no records": ([], 3),
+    "an entry fenced never wrote above the start": (["junk", "started"], 0),
+}
+
+
+@pytest.mark.parametrize("case", list(STREAKS))
+@pytest.mark.parametrize("window", [False, True], ids=["busy", "cooldown"])
+def test_the_skips_shown_are_those_the_next_skip_counts_on(r: Any, case: str, window: bool) -> None:
+    """What the readers show and what the scripts count the next skip on are one rule:
+    the next skip's count is the count shown before it, plus one."""
+    events, expected = STREAKS[case]
+    keys = ClaimKeys.of(f"streak:{list(STREAKS).index(case)}")
+    for event in reversed(events):  # oldest first, as LPUSH stacks them
+        r.lpush(keys.records, "junk" if event == "junk" else _head(event, token="t"))
+    r.set(keys.skips, "3")
+    if window:  # a run ended ok within the window: the skip is "ran recently"
+        r.set(keys.cooldown, "1", px=60_000)
+    else:
+        r.set(keys.lock, "abcd:host:1:", px=60_000)
+    assert records.consecutive_skips(r, keys.name) == expected
+    assert show_claim(r, keys.name).skips == expected
+    assert [info.skips for info in list_claims(r) if info.name == keys.name] == [expected]
+    claim = Claim(r, keys.name, ttl=10, heartbeat=False, records=True, cooldown=60 if window else 0)
+    assert not claim.acquire()
+    assert claim.skips == expected + 1
+    assert records.consecutive_skips(r, keys.name) == expected + 1
+
+
+def test_the_readers_read_as_many_records_as_the_scripts_count_skips_on() -> None:
+    assert records.entries_for(0) >= STREAK_ENTRIES
+    assert records.entries_for(LS_RUNS) >= STREAK_ENTRIES

@@ -146,6 +146,32 @@ def test_claims_whose_skips_reach_the_threshold_are_marked(r: Any) -> None:
     assert detail["skips"] == 2 and detail["alert"] is True
 
 
+def test_a_new_holder_is_shown_without_the_skips_of_one_released_by_hand(r: Any) -> None:
+    stuck = held(r, "sync")
+    for _ in range(2):
+        assert not Claim(r, "sync", ttl=30, records=True, heartbeat=False).acquire()
+    web = api(r, alert_after_skips=2, allow_release=True, token=TOKEN)
+    (listed,) = web.get("/api/claims").json()["claims"]
+    assert listed["skips"] == 2 and listed["alert"] is True
+    prefix = listed["holder"]["token"]
+    cleared = web.post(
+        "/api/claims/sync/release", json={"reason": "hung", "token": prefix}, headers=AUTH
+    )
+    assert cleared.status_code == 200, cleared.text
+    # While nobody holds it, no run started or ended ok: the count stands.
+    assert web.get("/api/claims/sync").json()["skips"] == 2
+    fresh = held(r, "sync")
+    (listed,) = web.get("/api/claims").json()["claims"]
+    assert listed["fence"] == fresh.fence
+    assert listed["skips"] == 0 and listed["alert"] is False
+    detail = web.get("/api/claims/sync").json()
+    assert detail["skips"] == 0 and detail["alert"] is False
+    assert stuck.release() is False  # it comes back: lost, its lease long gone
+    assert not Claim(r, "sync", ttl=30, records=True, heartbeat=False).acquire()
+    assert web.get("/api/claims").json()["claims"][0]["skips"] == 1
+    assert web.get("/api/claims/sync").json()["skips"] == 1
+
+
 def test_a_claims_detail_and_its_runs(r: Any) -> None:
     name = "reports/daily:acme"  # a '/' in a name is a %2F in the path, never a route
     with Claim(r, name, ttl=30, heartbeat=False, records=True):

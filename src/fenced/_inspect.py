@@ -40,12 +40,14 @@ from ._scripts import FORCE_RELEASE, Script
 from .records import (
     UNREADABLE,
     RunRecord,
+    consecutive_skips,
     encode_release,
     from_entries,
     from_replies,
     history,
     queue_read,
     read_problems,
+    skip_streak,
 )
 
 __all__ = [
@@ -166,6 +168,7 @@ class ClaimInfo:
     age: float | None = None
     expires_in: float | None = None
     fence: int | None = None
+    #: Its skips in a row: since a run of it last started or ended ok.
     skips: int = 0
     #: How the name's previous run ended, and when (read from its records).
     last_outcome: str | None = None
@@ -346,8 +349,9 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
         pipe.get(keys.lock)
         pipe.pttl(keys.lock)
         pipe.get(keys.fence)
-        pipe.get(keys.skips)
-        _queue_pending(queue_read(pipe, keys, LS_RUNS), keys)
+        queue_read(pipe, keys, LS_RUNS)
+        pipe.get(keys.skips)  # after the records, as consecutive_skips reads them
+        _queue_pending(pipe, keys)
         pipe.hgetall(keys.slots)  # last: _read_slots finds it there
     try:
         results = pipe.execute(raise_on_error=False)
@@ -362,7 +366,7 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
     slotted = _read_slots(client, names, results, namespace, per)
     infos: list[ClaimInfo] = []
     for i, name in enumerate(names):
-        token, pttl, fence, skips, listed, streamed, *answers = results[per * i : per * (i + 1) - 1]
+        token, pttl, fence, listed, streamed, skips, *answers = results[per * i : per * (i + 1) - 1]
         limit, slots = slotted.get(name, (1, []))
         keys = ClaimKeys(namespace, name)
         problems: list[str] = []
@@ -382,7 +386,7 @@ def _read_batch(client: Any, names: list[str], namespace: str) -> list[ClaimInfo
             holder=holder,
             expires_in=holder.expires_in if holder else None,
             fence=fence_int,
-            skips=_number(skips, "skips", problems) or 0,
+            skips=skip_streak(_number(skips, "skips", problems) or 0, listed),
             limit=limit,
             slots=slots,
             **pending,
@@ -495,10 +499,12 @@ class ClaimReport:
     beat: BeatStatus | None = None
     #: Its rate's next start and a pending debounce burst.
     flow: Flow = field(default_factory=Flow)
+    #: Its skips in a row: since a run of it last started or ended ok.
+    skips: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
-        runs = {"runs": [run.as_dict() for run in self.runs]}
+        runs = {"skips": self.skips, "runs": [run.as_dict() for run in self.runs]}
         beat = None if self.beat is None else beat_dict(self.beat)
         return _as_dict(self, {"namespace": self.namespace}, runs, beat)
 
@@ -521,19 +527,22 @@ def show_claim(
     """
     keys = ClaimKeys.of(name, namespace)
     pipe = queue_read(queue_slots(client.pipeline(transaction=False), keys), keys, limit)
+    pipe.get(keys.skips)  # after the records, as consecutive_skips reads them
     answers = _read(client, keys, _queue_pending(pipe, keys))
     if answers is None:
         # A client that decodes replies met bytes that are not text, and the whole answer
         # is lost with them: read part by part, to show what can be read.
         return _show_apart(client, keys, limit)
-    *leases, fence, fences, listed, streamed = answers[:-5]
+    *leases, fence, fences, listed, streamed, skips = answers[:-5]
     most = _limit_of(fences)
     # The plain claim: its holder's fence is the counter's.
     holder = lock_holder(keys.lock, leases[0], leases[1], fence) if most == 1 else None
     # A key of another type (WRONGTYPE): someone else's, one unreadable run names it.
     runs = from_replies(keys, listed, streamed, limit)
     slots = slot_holders(leases, fence, fences)
-    return _report(keys, slots, most, holder, runs, answers[-5:], client)
+    report = _report(keys, slots, most, holder, runs, answers[-5:], client)
+    report.skips = skip_streak(int_or_none(skips) or 0, listed)
+    return report
 
 
 def _with_beat(client: Any, keys: ClaimKeys, report: ClaimReport) -> ClaimReport:
@@ -584,7 +593,9 @@ def _show_apart(client: Any, keys: ClaimKeys, limit: int) -> ClaimReport:
         _get(client, "GET", keys.rate),
         _get(client, "HMGET", keys.debounce, *BURST_FIELDS),
     )
-    return _report(keys, slots, most, holder, runs, pending, client)
+    report = _report(keys, slots, most, holder, runs, pending, client)
+    report.skips = consecutive_skips(client, keys.name, namespace=keys.namespace)
+    return report
 
 
 def _report(

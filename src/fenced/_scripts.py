@@ -38,6 +38,7 @@ __all__ = [
     "RELEASE",
     "REPLACE",
     "RERUN_SENT",
+    "STREAK_ENTRIES",
     "TAKEOVER",
     "TOKEN_PATTERN",
     "Script",
@@ -266,6 +267,47 @@ local function not_a_list(key, kind)
 end
 """
 
+#: How many of a name's newest run records tell whether a run started since its last
+#: skip: the scripts read as many when they count a skip, and so does what shows the
+#: count (``records.skip_streak``), so that both say the same.
+STREAK_ENTRIES = 4
+
+# The skip count is of skips in a row: those since a run last started (or ended ok:
+# RELEASE deletes the count then). ``count_skip`` counts one and answers the count, or
+# nil and an error reply when the records key holds another type (nothing written). The
+# newest entries of the records list (the first of them that is a start or a skip) say
+# whether a run started since the last skip: then the count begins again at 1, whatever
+# an earlier holder's skips left in it. Its LRANGE takes the place of the records key's
+# TYPE check (a key of another type answers WRONGTYPE); a count left from before the
+# start is set back with a command more, only when there is one. Needs _RECORDABLE.
+_STREAK = (
+    """
+local function count_skip(records, skips)
+  local recent = redis.pcall('LRANGE', records, 0, """
+    + str(STREAK_ENTRIES - 1)
+    + """)
+  if recent.err then
+    local bad = unrecordable(records)
+    if bad then return nil, not_a_list(records, bad) end
+    return nil, recent
+  end
+  local count = redis.call('INCR', skips)
+  if count > 1 then
+    for _, entry in ipairs(recent) do
+      -- an entry's fields: its JSON object, up to the newline (cjson escapes any other)
+      local head = string.sub(entry, 1, (string.find(entry, '\\n', 1, true) or 0) - 1)
+      if string.find(head, '"event":"started"', 1, true) then
+        redis.call('SET', skips, '1')
+        return 1
+      end
+      if string.find(head, '"event":"skipped"', 1, true) then break end
+    end
+  end
+  return count
+end
+"""
+)
+
 # The records list is cut back to ``maxlen`` entries after a push made it an eighth longer
 # (``length``: LPUSH's answer): not one LTRIM per push. ACQUIRE and RELEASE define it
 # first: it is all their fast paths use (a closure made per call costs the server).
@@ -478,6 +520,7 @@ ACQUIRE = Script(
     + _ACQUIRE_ARGS
     + _TOUCH
     + _RECORDABLE
+    + _STREAK
     + _FENCE
     + """
 local limit = tonumber(A[10] or '1')
@@ -532,9 +575,8 @@ if A[9] and A[9] ~= '' then
   -- Redis's own expiry times the window: the hosts' clocks play no part
   local left = redis.call('PTTL', KEYS[6])
   if left > 0 and not redelivered() then
-    local bad = unrecordable(KEYS[3])
-    if bad then return not_a_list(KEYS[3], bad) end
-    local skips = redis.call('INCR', KEYS[4])
+    local skips, bad = count_skip(KEYS[3], KEYS[4])
+    if not skips then return bad end
     append_record(KEYS[3], A[5], A[3],
                   'event', 'skipped', 'reason', A[9])
     touch(idle, KEYS[3], KEYS[4])
@@ -682,9 +724,9 @@ local function lose(holder, pttl, fence)
   if own then
     skips = tonumber(redis.call('GET', KEYS[4]) or '0')
   elseif A[4] ~= '' then
-    local bad = unrecordable(KEYS[3])
-    if bad then return not_a_list(KEYS[3], bad) end
-    skips = redis.call('INCR', KEYS[4])
+    local bad
+    skips, bad = count_skip(KEYS[3], KEYS[4])
+    if not skips then return bad end
     append_record(KEYS[3], A[5], A[3],
                   'event', 'skipped', 'holder', holder, 'reason', A[4])
     touch(idle, KEYS[3], KEYS[4])
@@ -1158,15 +1200,14 @@ end
 
 # A name within its cooldown window, as ACQUIRE's cooldown check answers it: the skip
 # counted and recorded (reason, with the run record given), and ACQUIRE's "ran recently"
-# reply; nil when the cooldown key has expired. Needs _TOUCH and _RECORDABLE.
+# reply; nil when the cooldown key has expired. Needs _TOUCH and _STREAK.
 _RAN_RECENTLY = """
 local function ran_recently(keys, reason, record, maxlen, idle)
   -- Redis's own expiry times the window: the hosts' clocks play no part
   local left = redis.call('PTTL', keys.cooldown)
   if left <= 0 then return nil end
-  local bad = unrecordable(keys.records)
-  if bad then return not_a_list(keys.records, bad) end
-  local skips = redis.call('INCR', keys.skips)
+  local skips, bad = count_skip(keys.records, keys.skips)
+  if not skips then return bad end
   append_record(keys.records, maxlen, record, 'event', 'skipped', 'reason', reason)
   touch(idle, keys.records, keys.skips)
   return {2, '', left, redis.call('GET', keys.fence) or '0', skips, 0}
@@ -1201,6 +1242,7 @@ TAKEOVER = Script(
     "takeover",
     _TOUCH
     + _RECORDABLE
+    + _STREAK
     + _APPEND
     + _FENCE
     + _MINT
@@ -1269,6 +1311,7 @@ REPLACE = Script(
     "replace",
     _TOUCH
     + _RECORDABLE
+    + _STREAK
     + _APPEND
     + _FENCE
     + _MINT
@@ -1455,15 +1498,21 @@ return 0
 # KEYS[3] the beat's entries: a hash from "entry:<entry name>" to
 #         "<due time, ms since the epoch>:<fence of the leader that wrote it>:<state>",
 #         state "pending" (granted, not known to be sent), "sent" or "skipped" (a
-#         baseline: a due time passed over, or the time an entry was first seen)
+#         baseline: a due time passed over, or the time an entry was first seen: nothing
+#         ran then); "tick": the server time (ms) of the last call; "reply": the last
+#         call's answer, "<fence>:<call id>|<previous tick>|<tick>|<a 1 or 0 per triple>"
 # ARGV[1] the leader's token   ARGV[2] its fence (decimal text)
 # ARGV[3] idle expiry of KEYS[3] in ms (0 = never)
+# ARGV[4] the call's id: new for each call of a leader, the same when a call is sent again
 # then one triple per pair: entry name, due time in ms, and either the shortest gap in
 #         ms allowed after the entry's stored due time (the pair is then granted and
 #         stored "pending") or "skip" (stored "skipped", never granted)
-# A pair is refused when its due time is not after the stored one by at least the gap
-# ("skip": not after it), or when the stored one was written under a higher fence.
-# The field "tick" gets the server time (ms) of the call: when a leader last ticked.
+# A pair is refused (nothing stored) when its due time is more than 1000 ms after Redis
+# TIME (a leader whose clock runs ahead: fenced.celery.beat.AHEAD_MS), when it is not
+# after the stored one by at least the gap (after a "skipped" one, or for "skip": not
+# after it), or when the stored one was written under a higher fence.
+# A call with the fence and id of the last call is answered as that call was, nothing
+# written: a reply lost after the script ran, asked again (redis-py's retry).
 # returns {0} when ARGV[1] does not hold KEYS[1] or ARGV[2] is not KEYS[2]'s fence (a
 #         leader that lost its lease, paused or cut off: nothing is written), else
 #         {1, the previous tick ("" for none), this tick, then one 1 (granted) or 0 per
@@ -1475,19 +1524,32 @@ BEAT_DISPATCH = Script(
 if redis.call('GET', KEYS[1]) ~= ARGV[1] or redis.call('GET', KEYS[2]) ~= ARGV[2] then
   return {0}
 end
+local call = ARGV[2] .. ':' .. ARGV[4]
+local replied = redis.call('HGET', KEYS[3], 'reply')
+if replied then
+  local id, before, at, grants = string.match(replied, '^([^|]*)|([^|]*)|([^|]*)|([01]*)$')
+  if id == call then
+    local out = {1, before, at}
+    for i = 1, #grants do out[#out + 1] = tonumber(string.sub(grants, i, i)) end
+    return out
+  end
+end
 local t = redis.call('TIME')
 local now = t[1] .. string.format('%03d', math.floor(t[2] / 1000))
-local out = {1, redis.call('HGET', KEYS[3], 'tick') or '', now}
-for i = 4, #ARGV, 3 do
+local latest = tonumber(now) + 1000
+local previous = redis.call('HGET', KEYS[3], 'tick') or ''
+local out = {1, previous, now}
+local grants = {}
+for i = 5, #ARGV, 3 do
   local field, due, gap = 'entry:' .. ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  local stored = redis.call('HGET', KEYS[3], field)
-  local ok = true
+  local ok = tonumber(due) <= latest
+  local stored = ok and redis.call('HGET', KEYS[3], field)
   if stored then
-    local last, fence = string.match(stored, '^(%d+):(%d+):')
+    local last, fence, state = string.match(stored, '^(%d+):(%d+):(.*)$')
     if last and fence_ok(fence) then
       if fence_below(ARGV[2], fence) then
         ok = false
-      elseif gap == 'skip' then
+      elseif gap == 'skip' or state == 'skipped' then
         ok = tonumber(due) > tonumber(last)
       else
         ok = tonumber(due) >= tonumber(last) + tonumber(gap) and tonumber(due) > tonumber(last)
@@ -1499,9 +1561,11 @@ for i = 4, #ARGV, 3 do
     if gap == 'skip' then state = 'skipped' end
     redis.call('HSET', KEYS[3], field, due .. ':' .. ARGV[2] .. ':' .. state)
   end
-  if ok and gap ~= 'skip' then out[#out + 1] = 1 else out[#out + 1] = 0 end
+  if ok and gap ~= 'skip' then grants[#grants + 1] = '1' else grants[#grants + 1] = '0' end
+  out[#out + 1] = tonumber(grants[#grants])
 end
-redis.call('HSET', KEYS[3], 'tick', now)
+redis.call('HSET', KEYS[3], 'tick', now,
+           'reply', call .. '|' .. previous .. '|' .. now .. '|' .. table.concat(grants))
 if tonumber(ARGV[3]) > 0 then redis.call('PEXPIRE', KEYS[3], ARGV[3]) end
 return out
 """,

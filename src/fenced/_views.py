@@ -149,6 +149,11 @@ def _notes(*texts: str) -> str:
     return "; ".join(text for text in texts if text)
 
 
+def _skips(count: int) -> str:
+    """``3 consecutive skips`` (nothing for none)."""
+    return f"{count} consecutive skip{'' if count == 1 else 's'}" if count else ""
+
+
 def _held(limit: int, slots: list[tuple[int, Holder]], short: bool = False) -> str:
     """``2/3 held: host pid 1, host pid 2`` for a name held by several at once."""
     who = ", ".join(holder_text(h, short=short) for _i, h in slots)
@@ -287,7 +292,7 @@ def _title(report: ClaimReport, *, short: bool = False) -> str:
         held = ["not held"]
     else:
         held = [f"held by {_lease(report.holder, short=short)}"]
-    return f"{name}: " + _notes(*held, window)
+    return f"{name}: " + _notes(*held, _skips(report.skips), window)
 
 
 def _run_cells(run: RunRecord) -> tuple[str, Text, str]:

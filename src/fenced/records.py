@@ -45,7 +45,7 @@ from ._lease import (
 )
 from ._printable import readable
 from ._redact import redact
-from ._scripts import RECORD, as_text
+from ._scripts import RECORD, STREAK_ENTRIES, as_text
 
 __all__ = [
     "OUTCOMES",
@@ -63,6 +63,7 @@ __all__ = [
     "last",
     "queue_read",
     "record",
+    "skip_streak",
 ]
 
 OUTCOMES = ("ok", "skipped", "failed", "lost", "aborted", "released", "retried", "running")
@@ -546,9 +547,46 @@ def last(client: Any, name: str, *, namespace: str = "fenced") -> RunRecord | No
 
 
 def consecutive_skips(client: Any, name: str, *, namespace: str = "fenced") -> int:
-    """Skips since the last successful run of a claim (0 when the counter is unreadable)."""
-    value = client.get(ClaimKeys.of(name, namespace).skips)
-    return int_or_none(value) or 0
+    """A claim's skips in a row: since a run of it last started or ended ok (0 when the
+    counter is unreadable), as :func:`skip_streak` reads them. One round trip."""
+    keys = ClaimKeys.of(name, namespace)
+    pipe = client.pipeline(transaction=False)
+    # The records before the count: the other way round, a start and a skip between the
+    # two reads would show the count an earlier holder's skips left.
+    pipe.lrange(keys.records, 0, STREAK_ENTRIES - 1)
+    pipe.get(keys.skips)
+    try:
+        listed, value = pipe.execute(raise_on_error=False)
+    except UnicodeDecodeError:  # a client that decodes replies met a record of bytes
+        listed, value = None, client.get(keys.skips)
+    return skip_streak(int_or_none(value) or 0, listed)
+
+
+def skip_streak(count: int, listed: Any) -> int:
+    """A name's consecutive skips, as every reader shows them (``fenced ls``, ``fenced
+    show``, the dashboard and its API): ``count``, the value of its skip counter, unless
+    a run started since the last skip. Then 0: the count the scripts keep is reset by
+    the next skip, not by the start (which costs no command for it), so what it holds
+    until then is an earlier holder's.
+
+    ``listed``: the newest entries of the name's records list, newest first, as LRANGE
+    answers (at least :data:`STREAK_ENTRIES` of them, or all there are; anything else,
+    an error for one: ``count``). The first of the first :data:`STREAK_ENTRIES` that
+    is a start or a skip decides, read as the scripts read it when they count the next
+    skip (``count_skip`` in ``_scripts``): a start makes that skip the first of a new
+    count, a skip adds it to the count.
+    """
+    if count <= 0 or not isinstance(listed, list):
+        return count
+    for raw in listed[:STREAK_ENTRIES]:
+        if isinstance(raw, bytes):
+            raw = raw.decode("utf-8", "replace")  # what is not UTF-8 is none of the two
+        head = raw.partition("\n")[0] if isinstance(raw, str) else ""
+        if '"event":"started"' in head:
+            return 0
+        if '"event":"skipped"' in head:
+            break
+    return count
 
 
 def record(

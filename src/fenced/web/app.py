@@ -51,7 +51,7 @@ from .._inspect import (
 )
 from .._lease import MAX_RECORDS, UNREACHABLE, describe_client, why_unreachable
 from .._printable import printable
-from ..records import consecutive_skips, history
+from ..records import history
 
 __all__ = ["HEADERS", "create_app", "listen", "serve", "server_config"]
 
@@ -352,9 +352,8 @@ def create_app(
         if action:
             return _error(404, f"no such view {action!r}: use /api/claims/{{name}}/runs")
         report = show_claim(client, name, namespace=namespace, limit=_limit(request))
-        skips = consecutive_skips(client, report.name, namespace=namespace)
         now = _server_now(client)
-        return _json(report.as_dict() | {"skips": skips, "alert": alerting(skips), "now": now})
+        return _json(report.as_dict() | {"alert": alerting(report.skips), "now": now})
 
     def beat(request: Request, body: bytes) -> Response:
         name, action = _name_and_action(request, "/api/beats/")
