@@ -340,6 +340,16 @@ if app is not None:
             ),
         ] = False,
         web_port: Annotated[int, typer.Option(metavar="PORT", min=1, max=65535)] = 8377,
+        keep: Annotated[
+            bool,
+            typer.Option(
+                "--keep",
+                envvar="FENCED_DEMO_KEEP",
+                help="Keep the acts' output (tiles, pointers, the workers' logs) in its "
+                "fenced-demo-* directory in the temporary folder, and say where; by "
+                "default it is removed when the demo ends.",
+            ),
+        ] = False,
     ) -> None:
         """Run the map rebuild scenarios on an embedded Redis with real Celery workers.
 
@@ -356,7 +366,7 @@ if app is not None:
         from .demo.runner import main as demo_main
 
         if not web:
-            raise typer.Exit(demo_main())
+            raise typer.Exit(demo_main(keep=keep))
         try:
             from .web.app import listen
         except ImportError:
@@ -366,7 +376,7 @@ if app is not None:
             sock = listen("127.0.0.1", web_port, option="--web-port")
         except ConfigError as exc:
             _fail(f"fenced demo: {exc.message}")
-        raise typer.Exit(demo_main(web_port=web_port, web_socket=sock))
+        raise typer.Exit(demo_main(web_port=web_port, web_socket=sock, keep=keep))
 
     @app.command()
     def doctor(

