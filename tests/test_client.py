@@ -86,7 +86,7 @@ def test_every_url_form_is_read(
         ("redis://host:6379/abc", "database 'abc' must be a number"),
         ("redis://host:6379/0/1", "database '0/1' must be a number"),
         ("http://alice:AlicePw@host/0", "scheme must be one of"),
-        ("host:6379", "scheme must be one of"),
+        ("host:6379", "no scheme: write redis://host:6379"),
         ("redis://h/0?sockettimeout=5", "unknown option 'sockettimeout'"),
         # A typo of a plain option is shown as typed, with the option it meant.
         ("redis://h/0?socket_timout=5", r"socket_timout=5'.*did you mean socket_timeout\?"),
@@ -106,6 +106,60 @@ def test_every_url_form_is_read(
 def test_bad_urls_name_the_fix(url: str, fix: str) -> None:
     with pytest.raises(ConfigError, match=fix):
         parse_url(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "fix"),
+    [
+        # urllib reads these as the scheme redis with a path and no host, redis-py refuses
+        # them as having no scheme: the message names what is missing, and the URL meant.
+        (
+            "redis:/127.0.0.1:6379/11",
+            "a slash is missing after 'redis:': write redis://127.0.0.1:6379/11",
+        ),
+        ("rediss:/h:6380/0", "a slash is missing after 'rediss:': write rediss://h:6380/0"),
+        ("Redis:/h/0", "a slash is missing after 'Redis:': write redis://h/0"),
+        (
+            "redis+sentinel:/s1,s2/m/0",
+            "missing after 'redis+sentinel:': write redis+sentinel://s1,s2/m/0",
+        ),
+        ("redis:host:6379", "'//' is missing after 'redis:': write redis://host:6379"),
+        ("redis//host:6379/1", "the ':' is missing after 'redis': write redis://host:6379/1"),
+        ("redis:\\\\host/0", "'redis:\\\\' is not 'redis://': write redis://host/0"),
+        ("unix:/run/redis.sock", "'//' is missing after 'unix:': write unix:///run/redis.sock"),
+        # redis-py takes this one for localhost:6379/0, whatever the host written.
+        ("redis:///host:6379/1", "3 slashes after 'redis:', not 2: write redis://host:6379/1"),
+        ("redis:///0", "names no server: write e.g. redis://localhost:6379/0"),
+        # No scheme at all: a host (one named like the scheme, too) and its port.
+        ("localhost:6379/0", "no scheme: write redis://localhost:6379/0 (rediss:// for TLS)"),
+        ("redis:6379", "no scheme: write redis://redis:6379 "),
+        ("10.0.0.5", "no scheme: write redis://10.0.0.5 "),
+        ("redis", "names no server: write e.g. redis://localhost:6379/0"),
+        ("redis:", "names no server: write e.g. redis://localhost:6379/0"),
+    ],
+)
+def test_near_miss_urls_name_what_is_missing(url: str, fix: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_url(url)
+    text = str(info.value)
+    assert fix in text, text
+    assert "\n" not in text and "scheme must be one of" not in text
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis:/:S3cret@h:6379/0", "redis:/:***@h:6379/0"),
+        ("redis:alice:S3cret@h", "redis:alice:***@h"),
+        (":S3cret@h:6379", ":***@h:6379"),
+        ("redis//h/0?password=S3cret", "redis//h/0?password=***"),
+    ],
+)
+def test_near_miss_urls_are_printed_without_their_passwords(url: str, shown: str) -> None:
+    assert redact(url) == shown
+    with pytest.raises(ConfigError) as info:
+        parse_url(url)
+    assert "S3cret" not in str(info.value) and "write " in str(info.value), info.value
 
 
 @pytest.mark.parametrize(
@@ -141,7 +195,7 @@ def test_client_arguments_are_checked_when_given() -> None:
         Claim("redis://localhost:6379/abc", "x")
     with pytest.raises(ConfigError, match="not a Redis client"):
         exclusive(name="x", redis=42)
-    with pytest.raises(ConfigError, match="scheme must be one of"):
+    with pytest.raises(ConfigError, match="names no server"):
         RedisPointer("redis", "x")  # a string that is not a URL
 
 

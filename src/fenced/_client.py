@@ -71,6 +71,31 @@ EXAMPLES = (
     "redis+cluster://h1:7000,h2:7001/"
 )
 
+# A scheme fenced knows, then what was typed for its "://" (some of it, or more, or
+# backslashes): the near misses a user types (redis:/host, redis:host:6379, redis//host),
+# which urllib reads as a scheme and a path with no host, and redis-py refuses as having
+# no scheme (or, redis:///host, takes for localhost:6379/0).
+_NEAR = re.compile(
+    "(?i)("
+    + "|".join(re.escape(s) for s in sorted(SCHEMES, key=len, reverse=True))
+    + r")(:*)([/\\]*)"
+)
+# host:port[/db] (a host named like a scheme too: redis:6379 is the server "redis").
+_PORT_DB = re.compile(r"\d+(?:/\d*)?(?:\?.*)?", re.DOTALL)
+# A server given without a scheme: [credentials@]host[:port][/db][?options].
+_BARE = re.compile(
+    r"(?:[^@/?#]*@)?(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z][\w.-]*|\d{1,3}(?:\.\d{1,3}){3})"
+    r"(?::\d+)?(?:/\d*)?(?:\?.*)?",
+    re.DOTALL,
+)
+
+#: What follows ``scheme://`` in an example of each topology.
+_EXAMPLE_SERVERS = {
+    "standalone": "localhost:6379/0",
+    "sentinel": "localhost:26379/mymaster/0",
+    "cluster": "localhost:7000/",
+}
+
 # Query parameters and how to read them (the rest are refused, so a typo is not lost).
 _FLOAT = ("socket_timeout", "socket_connect_timeout")
 _INT = ("health_check_interval", "max_connections")
@@ -206,8 +231,12 @@ def parse_url(url: str) -> RedisURL:
     if not _ or scheme not in SCHEMES:
         raise _bad(
             url,
-            f"the scheme must be one of {', '.join(sorted(SCHEMES))} (examples: {EXAMPLES})",
+            _near_miss(url.strip())
+            or f"the scheme must be one of {', '.join(sorted(SCHEMES))} (examples: {EXAMPLES})",
         )
+    if scheme != "unix" and rest.startswith("/"):
+        # redis:///host (redis-py reads it as the default server, localhost:6379/0).
+        raise _bad(url, _slash_too_many(scheme, rest))
     parsed = RedisURL(url, scheme)
     topology = SCHEMES[scheme]
     # The credentials end at the last '@'; what they hold must be percent-encoded, so a
@@ -267,6 +296,53 @@ def parse_url(url: str) -> RedisURL:
     return parsed
 
 
+def _near_miss(url: str) -> str | None:
+    """What is wrong with a URL close to one fenced reads, and the URL to write instead
+    (its password as ***); None when it is not close to one."""
+    m = _NEAR.match(url)
+    if m is None or not (m[2] or m[3]):
+        if url.lower() in SCHEMES:  # "redis": a scheme and nothing else
+            return f"it names no server: write e.g. {_example(url.lower())}"
+        return _no_scheme(url)
+    scheme, colons, slashes, rest = m[1].lower(), m[2], m[3], url[m.end() :]
+    if colons == ":" and not slashes and _PORT_DB.fullmatch(rest):
+        return _no_scheme(url)  # redis:6379 is port 6379 of the server "redis"
+    if not rest:
+        return f"it names no server: write e.g. {_example(scheme)}"
+    want = "///" if scheme == "unix" else "//"  # unix:// and an absolute path
+    fix = f"write {redact(f'{scheme}:{want}{rest}')}"
+    if colons == ":" and want.startswith(slashes):
+        missing = len(want) - len(slashes)
+        what = "a slash is" if missing == 1 else f"'{want[:missing]}' is"
+        return f"{what} missing after '{m[1]}:': {fix}"
+    if not colons and slashes == want:
+        return f"the ':' is missing after '{m[1]}': {fix}"
+    return f"'{m[0]}' is not '{scheme}:{want}': {fix}"
+
+
+def _example(scheme: str) -> str:
+    """A URL of the scheme, for a message."""
+    if scheme == "unix":
+        return "unix:///run/redis.sock"
+    return f"{scheme}://{_EXAMPLE_SERVERS[SCHEMES[scheme]]}"
+
+
+def _no_scheme(url: str) -> str | None:
+    """A server named without a scheme (host:6379): the redis:// URL of it, else None."""
+    if not _BARE.fullmatch(url):
+        return None
+    return f"it has no scheme: write {redact('redis://' + url)} (rediss:// for TLS)"
+
+
+def _slash_too_many(scheme: str, rest: str) -> str:
+    after = rest.lstrip("/")
+    server = re.split("[/?]", after.rpartition("@")[2], maxsplit=1)[0]
+    if not server or server.isdigit():
+        return f"it names no server: write e.g. {_example(scheme)}"
+    count = len(rest) - len(after) + 2
+    return f"{count} slashes after '{scheme}:', not 2: write {redact(f'{scheme}://{after}')}"
+
+
 def redact(url: str) -> str:
     """A URL fit to print: its password, and every query value that may be secret, as ***.
 
@@ -277,7 +353,11 @@ def redact(url: str) -> str:
     try:
         scheme, sep, rest = url.partition("://")
         if not sep:
-            return url
+            # Mistyped (redis:/:pw@host, :pw@host:6379): what precedes the last '@' is
+            # still taken for credentials.
+            near = _NEAR.match(url)
+            cut = near.end() if near and (near[2] or near[3]) else 0
+            scheme, rest = url[:cut], url[cut:]
         creds, at, rest = rest.rpartition("@")
         shown = ""
         if at:
@@ -289,7 +369,7 @@ def redact(url: str) -> str:
         if q:
             pairs = parse_qsl(query, keep_blank_values=True)
             query = urlencode([(k, v if _plain(k) else "***") for k, v in pairs], safe="*/:")
-        return f"{scheme}://{shown}{head}{q}{query}"
+        return f"{scheme}{sep}{shown}{head}{q}{query}"
     except Exception:  # never let a message fail over its URL
         return "<a Redis URL>"
 
