@@ -24,6 +24,7 @@ from ._lease import Holder
 from ._lock import Lock
 from ._naming import claim_name, hash_value
 from ._options import ClaimOptions
+from ._public import publish as _publish
 
 __version__ = "0.1.0"
 
@@ -53,3 +54,7 @@ __all__ = [
     "is_skipped",
     "read_holder",
 ]
+
+
+# Tracebacks, help() and pickles name these as this package exports them.
+_publish(__name__, globals(), __all__)

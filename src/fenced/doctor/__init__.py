@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from .._public import publish as _publish
 from ._celery import DEFAULT_VISIBILITY_TIMEOUT, check_celery, lock_store_url
 from ._finding import Finding, Report, Severity, format_text, render
 from ._naming import CONTENDED_OUTCOMES, check_naming, load_records, name_shape
@@ -36,6 +37,10 @@ __all__ = [
     "run_doctor",
     "version_findings",
 ]
+
+
+# Tracebacks, help() and pickles name these as this package exports them.
+_publish(__name__, globals(), __all__)
 
 
 def run_doctor(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .._public import publish as _publish
 from ._content import ContentStore
 from ._pointer import FilePointer, RedisPointer
 from ._published import Pointer, Published, Ref
@@ -32,11 +33,17 @@ __all__ = [
 ]
 
 
+# Tracebacks, help() and pickles name these as this package exports them.
+_publish(__name__, globals(), __all__)
+
+
 def __getattr__(name: str) -> Any:
     # Imported lazily so the store and pointers work without SQLAlchemy installed;
     # without it, this raises an ImportError that names the extra to install.
     if name in ("upsert", "UpsertResult"):
         from . import _upsert
 
-        return getattr(_upsert, name)
+        found = getattr(_upsert, name)
+        _publish(__name__, {name: found}, [name])
+        return found
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
