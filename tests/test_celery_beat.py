@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -32,12 +33,14 @@ from fenced.celery import beat
 from fenced.celery.beat import CatchUp, Scheduler, next_due, plan, status, task_id
 from fenced.testing import RedisServer
 
-T0 = 1_800_000_000_000  # ms since the epoch, on a whole minute
+#: 2026-01-15T08:00Z, on a whole minute: in Redis's past, as a due time must be (one
+#: ahead of Redis's clock is refused)
+T0 = 1_768_464_000_000
 
 
 def _dispatch(client: Any, claim: Claim, *triples: tuple[str, int, str]) -> list[int]:
     keys = ClaimKeys.of(claim.name)
-    args: list[Any] = [claim.token, str(claim.fence), "0"]
+    args: list[Any] = [claim.token, str(claim.fence), "0", secrets.token_hex(8)]
     for triple in triples:
         args.extend(triple)
     answer = BEAT_DISPATCH(client, [keys.lock, keys.fence, keys.beat], args)

@@ -7,11 +7,15 @@ heartbeat renews; the others stand by and poll, and one of them takes the claim 
 a lease of the leader's death, pause or partition. Only the leader sends, and only
 what the ``BEAT_DISPATCH`` script grants: that script checks, in one step, that the
 leader's token still holds the claim under its fence, that the entry's due time comes
-after the one stored in Redis, and stores it. So every (entry, due time) is granted
-once across all beats, a leader that wakes from a pause sends nothing, and a new
-leader continues the schedule where the last one left it (the due times live in Redis,
-not in a beat). A granted tick is sent with a task id made of the beat, the entry and
-the due time (:func:`task_id`): a tick sent again after a crash is the same task.
+after the one stored in Redis (by at least half the gap back to the schedule's previous
+due time) and is not in the future of Redis's clock, and stores it. So every (entry,
+due time) is granted once across all beats, a leader that wakes from a pause sends
+nothing, a leader whose clock runs ahead cannot move the schedule on, and a new leader
+continues the schedule where the last one left it (the due times live in Redis, not in
+a beat). A call the script answered whose reply was lost is answered the same when
+redis-py sends it again. A granted tick is sent with a task id made of the beat, the
+entry and the due time (:func:`task_id`): a tick sent again after a crash is the same
+task.
 
 Settings: ``fenced_beat_name`` (default: the app's main name), ``fenced_beat_ttl``
 (the leader's lease, seconds, default 10), ``fenced_beat_alarm_after`` (log an error
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import secrets
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -55,8 +60,10 @@ __all__ = [
     "CatchUp",
     "EntryState",
     "Scheduler",
+    "min_gap",
     "next_due",
     "plan",
+    "previous_due",
     "status",
     "task_id",
 ]
@@ -71,6 +78,12 @@ ALL_LIMIT = 1000
 ENTRY_OPTIONS = ("fenced_catch_up", "fenced_catch_up_window")
 #: The setting of the port a beat process serves its metrics on.
 METRICS_PORT = "fenced_beat_metrics_port"
+#: How far ahead of Redis's clock (ms) a due time may be and still be granted: the
+#: clocks of hosts kept by NTP agree far better. ``BEAT_DISPATCH`` holds the same number.
+AHEAD_MS = 1000
+#: How far back :func:`previous_due` looks for a calendar's previous due time (ms):
+#: past a Feb 29 (eight years at most, over 2100).
+LOOK_BACK_MS = 16 * 366 * 86_400_000
 _UTC = timezone.utc
 
 
@@ -242,9 +255,46 @@ def plan(sched: Any, last_ms: int, now_ms: int, catch_up: CatchUp) -> tuple[list
     return [], latest
 
 
+def previous_due(sched: Any, due_ms: int) -> int | None:
+    """The latest due time of a schedule before its due time ``due_ms`` (None when it
+    has none within :data:`LOOK_BACK_MS`): the one :func:`next_due` goes on from to
+    reach ``due_ms``."""
+    every = _interval_ms(sched)
+    if every is not None:
+        return due_ms - every
+    # next_due(t) moves on with t: the previous due time is the earliest t whose next
+    # due time is not before due_ms. Doubling back from due_ms finds a t before it,
+    # halving then finds it to the ms (next_due(lo) < due_ms <= next_due(hi)).
+    hi, span = due_ms - 1, 60_000
+    while next_due(sched, due_ms - span) >= due_ms:
+        hi = due_ms - span
+        if span > LOOK_BACK_MS:
+            return None
+        span *= 2
+    lo = due_ms - span
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if next_due(sched, mid) < due_ms:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
 def min_gap(sched: Any, due_ms: int) -> int:
-    """The shortest time allowed between two runs of an entry: half its period."""
-    return (next_due(sched, due_ms) - due_ms) // 2
+    """The shortest time allowed between the last run of an entry and its run due at
+    ``due_ms``: half the gap back to the schedule's previous due time (a crontab's
+    gaps differ: Friday comes one day after Thursday, Monday three after Friday)."""
+    before = previous_due(sched, due_ms)
+    return 0 if before is None else (due_ms - before) // 2
+
+
+def gaps(sched: Any, runs: Sequence[int]) -> list[int]:
+    """:func:`min_gap` of each of an entry's due times in a row (as :func:`plan`
+    returns them: each after the one before it, which is its previous due time)."""
+    return [
+        min_gap(sched, due) if i == 0 else (due - runs[i - 1]) // 2 for i, due in enumerate(runs)
+    ]
 
 
 # -- the scheduler ----------------------------------------------------------------------
@@ -253,8 +303,9 @@ def min_gap(sched: Any, due_ms: int) -> int:
 class Scheduler(beat.Scheduler):
     """Celery's scheduler, led by one of many beat processes under a fenced claim."""
 
-    #: Time seams for tests: the wall clock that due times are on, and the clock of
-    #: the leaderless alarm.
+    #: Time seams for tests: this host's wall clock (due times follow Redis's clock
+    #: where this one runs ahead: :meth:`_clock_seen`), and the clock of the leaderless
+    #: alarm.
     wall = staticmethod(time.time)
     clock = staticmethod(time.monotonic)
 
@@ -266,8 +317,10 @@ class Scheduler(beat.Scheduler):
         # The last time this process saw a leader (itself or another), for the alarm.
         self._led_at = self.clock()
         self._alarmed_at: float | None = None
-        # Ticks this leader was granted and could not send yet: (entry, stored value).
-        self._unsent: dict[str, str] = {}
+        # The last tick of each entry this leader published (the value stored for it).
+        self._published: dict[str, str] = {}
+        # How far (ms) this process's clock ran ahead of Redis's at the last dispatch.
+        self._ahead_ms = 0
         # Each entry's next due time as this leader last wrote it to Redis.
         self._shown: dict[str, int] = {}
         _start_metrics(app, self.fenced)
@@ -291,10 +344,21 @@ class Scheduler(beat.Scheduler):
             self._led_at = self.clock()
             return self._tick_as_leader()
         except (ClaimUnavailable, *_UNREACHABLE) as exc:
-            log.warning(
-                "fenced beat %s: Redis unreachable (%s): standing by", self.fenced.name, exc
-            )
-            self._alarm_if_leaderless()
+            claim = self._claim
+            if claim is not None and claim.held:
+                # Nobody else can lead before its lease ends: a blip costs no failover.
+                log.warning(
+                    "fenced beat %s: Redis unreachable (%s): still leading while its lease "
+                    "holds (%.1f s left)",
+                    self.fenced.name,
+                    exc,
+                    claim.expires_in,
+                )
+            else:
+                log.warning(
+                    "fenced beat %s: Redis unreachable (%s): standing by", self.fenced.name, exc
+                )
+                self._alarm_if_leaderless()
         except Exception:
             # Anything else (a value in Redis fenced did not write): the lead goes to
             # another beat, and this one stays up as a stand-by.
@@ -337,7 +401,23 @@ class Scheduler(beat.Scheduler):
         return min(wait, float(self.max_interval or wait))
 
     def _now_ms(self) -> int:
-        return round(self.wall() * 1000)
+        """The time due times are compared with: this process's clock, less how far it
+        was seen to run ahead of Redis's."""
+        return round(self.wall() * 1000) - self._ahead_ms
+
+    def _clock_seen(self, sent_ms: int, tick_ms: int) -> None:
+        """Redis ran the dispatch at ``tick_ms`` (its clock), after this process's clock
+        read ``sent_ms``: this clock runs ahead by at least the difference."""
+        was, self._ahead_ms = self._ahead_ms, max(0, sent_ms - tick_ms)
+        if self._ahead_ms > AHEAD_MS >= was:
+            log.warning(
+                "fenced beat %s: this host's clock runs %.1f s ahead of Redis's: due "
+                "times follow Redis's clock",
+                self.fenced.name,
+                self._ahead_ms / 1000,
+            )
+        elif was > AHEAD_MS >= self._ahead_ms:
+            log.info("fenced beat %s: this host's clock agrees with Redis's", self.fenced.name)
 
     # -- leading -----------------------------------------------------------------------
 
@@ -374,7 +454,7 @@ class Scheduler(beat.Scheduler):
     def _lose_lead(self) -> Claim | None:
         """Forget the lead (what it was granted and showed); the claim it held."""
         claim, self._claim = self._claim, None
-        self._unsent.clear()
+        self._published.clear()
         self._shown.clear()
         self._count("leading", False)
         return claim
@@ -421,13 +501,15 @@ class Scheduler(beat.Scheduler):
         client = lock_redis(self.app)
         stored, _tick, _upcoming = read_state(client, self._keys)
         now_ms = self._now_ms()
-        # A predecessor's grants it may not have sent: sent again, as the same task ids.
-        resend = {
-            name: state.raw
-            for name, state in stored.items()
-            if state.state == "pending" and state.fence != claim.fence and name in self.schedule
-        }
-        resend.update({n: v for n, v in self._unsent.items() if n in stored and stored[n].raw == v})
+        # Granted ticks not known to be sent, a predecessor's or this leader's own (its
+        # publish failed, or the script's answer never came): sent again, as the same
+        # task ids. Its own that it published are marked sent again.
+        resend: dict[str, str] = {}
+        sent: dict[str, str] = {}
+        for name, held in stored.items():
+            if held.state == "pending" and name in self.schedule:
+                mine = self._published.get(name) == held.raw
+                (sent if mine else resend)[name] = held.raw
         triples: list[tuple[str, int, str]] = []
         for name, entry in self.schedule.items():
             state = stored.get(name)
@@ -438,7 +520,10 @@ class Scheduler(beat.Scheduler):
             runs, passed = plan(entry.schedule, state.due_ms, now_ms, self._catch_up_of(name))
             if passed is not None:
                 triples.append((name, passed, "skip"))
-            triples.extend((name, due, str(min_gap(entry.schedule, due))) for due in runs)
+            triples.extend(
+                (name, due, str(gap)) for due, gap in zip(runs, gaps(entry.schedule, runs))
+            )
+        sent_ms = round(self.wall() * 1000)
         answer = self._dispatch(client, claim, triples)
         if answer is None:
             for name, _due, gap in triples:
@@ -447,6 +532,7 @@ class Scheduler(beat.Scheduler):
             self._step_down("the dispatch script refused its token")
             return self._capped(self.fenced.poll)
         previous, tick, granted = answer
+        self._clock_seen(sent_ms, tick)
         if previous is not None and self._new_leader(stored):
             silent = (tick - previous) / 1000
             if silent > self.fenced.alarm:
@@ -456,7 +542,6 @@ class Scheduler(beat.Scheduler):
                     silent,
                 )
                 self._count("leaderless")
-        sent: dict[str, str] = {}
         for name, value in resend.items():
             if self._send(name, EntryState.parse(value), claim):
                 sent[name] = value
@@ -471,25 +556,24 @@ class Scheduler(beat.Scheduler):
                 value = f"{due}:{claim.fence}:pending"
                 if self._send(name, EntryState.parse(value), claim):
                     sent[name] = value
-                    # an older tick still unsent can no longer be: the entry moved past it
-                    self._unsent.pop(name, None)
-                else:
-                    self._unsent[name] = value
-        for name, value in sent.items():
-            # A resent tick leaves alone a newer one of the entry that failed to send.
-            if self._unsent.get(name) == value:
-                del self._unsent[name]
         if sent:
             BEAT_SENT(client, [self._keys.beat], [x for pair in sent.items() for x in pair])
         # Each entry's last due time as stored now; the next wake counts every due time
-        # asked for, granted or not.
+        # asked for, granted or not, but one ahead of Redis's clock (asked again now that
+        # this clock is known to run ahead).
         last = {name: state.due_ms for name, state in stored.items()}
         asked = dict(last)
+        ahead = False
         for (name, due, gap), ok in zip(triples, granted, strict=True):
+            if not ok and due > tick + AHEAD_MS:
+                ahead = True
+                continue
             asked[name] = max(due, asked.get(name, due))
             if ok or gap == "skip":
                 last[name] = max(due, last.get(name, due))
         self._show_next(client, claim, last)
+        if ahead:
+            return self._capped(min(self.fenced.poll, 0.1))
         waits = [
             (next_due(e.schedule, asked[n]) - now_ms) / 1000
             for n, e in self.schedule.items()
@@ -527,7 +611,9 @@ class Scheduler(beat.Scheduler):
     ) -> tuple[int | None, int, list[int]] | None:
         """The script's answer: the previous tick (server ms), this one, and each
         triple's grant; None when the lead is no longer this claim's."""
-        args: list[Any] = [claim.token, str(claim.fence), str(claim.options.idle_ms)]
+        # A new id per call: redis-py's retry of this call sends the same one.
+        call = secrets.token_hex(8)
+        args: list[Any] = [claim.token, str(claim.fence), str(claim.options.idle_ms), call]
         for triple in triples:
             args.extend(triple)
         keys = [self._keys.lock, self._keys.fence, self._keys.beat]
@@ -561,6 +647,7 @@ class Scheduler(beat.Scheduler):
         except Exception as exc:
             log.error("fenced beat %s: could not send %s: %s", self.fenced.name, name, exc)
             return False
+        self._published[name] = state.raw
         self._count("dispatched", name)
         return True
 
