@@ -361,8 +361,21 @@ def test_replace_policy_stops_the_running_task_and_refuses_its_late_write(cel: C
     wait_for("the first run to publish", lambda: len(notes(cel.obs, f"published:{k}")) == 1)
     new = cel.send("t.replace", k)  # takes the claim over at once
     wait_for("the newer run to publish", lambda: len(notes(cel.obs, f"published:{k}")) == 2)
-    with pytest.raises(ClaimLost):
-        old.get(timeout=WAIT)  # interrupted at its next renewal
+    # Interrupted at its next renewal: intended, so a result, not a failure.
+    stopped = old.get(timeout=WAIT)
+    assert stopped["status"] == "replaced" and stopped["claim"] == f"replace:{k}", stopped
+    assert stopped["reason"].startswith("replaced by ") and new.id in stopped["reason"]
+    assert stopped["holder"]["task_id"] == new.id and stopped["holder"]["fence"] is None
+    assert old.state == "SUCCESS"
+    assert not _signals(cel, "failure", old.id)
+    # One line says so, naming the newer run; no error, no traceback.
+    log = cel.worker.log()
+    since = log[log.index(f"t.replace[{old.id}] received") :]  # this test's part of the log
+    said = [line for line in since.splitlines() if old.id in line]
+    ended = [line for line in said if "ended as replaced" in line]
+    assert len(ended) == 1 and "INFO" in ended[0] and f"task {new.id})" in ended[0], said
+    assert not [line for line in said if "ERROR" in line or "raised" in line], said
+    assert "Traceback" not in since, since
     late = [(n["n"], n["refused"]) for n in notes(cel.obs, f"late:{k}")]
     assert late == [(0, True)]  # its write after the takeover: refused as stale
     _open_gate(cel, k, 1)

@@ -15,8 +15,8 @@ import redis.asyncio
 from _clock import ManualClock
 from _wait import wait_for
 from fenced import Claim, ClaimLost, events, records
-from fenced._guard import POLICIES, RUN, Run
-from fenced._lease import ClaimKeys
+from fenced._guard import POLICIES, RUN, Run, Skipped, is_skipped
+from fenced._lease import HOST, ClaimKeys, Holder
 from fenced.aio import Claim as AioClaim
 from fenced.testing import RedisServer
 
@@ -28,7 +28,7 @@ def test_a_newer_run_takes_the_claim_over_and_the_old_one_learns_it(
 ) -> None:
     a = Claim(r, "rebuild:roads", ttl=3.0, clock=fake_time, records=True)
     assert a.acquire()
-    b = Claim(r, "rebuild:roads", ttl=3.0, clock=fake_time, records=True)
+    b = Claim(r, "rebuild:roads", ttl=3.0, clock=fake_time, records=True, task_id="newer (1)")
     assert b.enter(REPLACE) is RUN  # at once: no wait for the holder
     assert a.token is not None and b.token is not None
     a_token, b_token = a.token[:8], b.token[:8]
@@ -42,6 +42,13 @@ def test_a_newer_run_takes_the_claim_over_and_the_old_one_learns_it(
         a.check()
     # Its release is compare-token: the newer run's lease stays, and so does its record.
     assert a.release() is False
+    # The cause, in a word, outlives the release; the note names the newer run.
+    assert a.lost_cause == "replaced"
+    replaced = Skipped.replaced(a)
+    assert replaced.holder == Holder(b_token, HOST, os.getpid(), "newer (1)", None, None)
+    assert replaced.as_dict()["status"] == "replaced" and replaced.reason == a.lost_reason
+    assert not is_skipped(replaced) and not is_skipped(replaced.as_dict())
+    assert str(replaced) == f"claim 'rebuild:roads' was {a.lost_reason}"
     assert b.held and b.refresh()
     runs = {run.token: run for run in records.history(r, "rebuild:roads")}
     old, new = runs[a_token], runs[b_token]

@@ -48,6 +48,7 @@ from ._guard import (
     busy_error,
     ended_as,
     outcome_of,
+    replaced_note,
     settle,
 )
 from ._heartbeat import Renewal
@@ -66,7 +67,6 @@ from ._lease import (
     fence_or_none,
     int_or_none,
     new_token,
-    short_token,
     why_unreachable,
 )
 from ._options import ClaimOptions
@@ -96,6 +96,13 @@ _CAUSES = {
     LeaseState.taken_reason: "taken",
     _VANISHED: "vanished",
 }
+
+
+def loss_cause(reason: str) -> str:
+    """The cause a loss's ``reason`` names, in a word: ``replaced`` (a newer run took the
+    claim over: REPLACE's note), ``expired``, ``taken``, ``vanished``; any other
+    reason is its own cause."""
+    return "replaced" if reason.startswith(REPLACED) else _CAUSES.get(reason, reason)
 
 
 class ClaimState(LeaseState):
@@ -392,6 +399,14 @@ class ClaimState(LeaseState):
     def __repr__(self) -> str:
         return f"<Claim {self.name!r} {self._state} fence={self.fence}>"
 
+    @property
+    def lost_cause(self) -> str | None:
+        """Why the lease was lost, in a word (:func:`loss_cause`: ``replaced`` when a newer
+        run took it over); None while it was not. Kept after the release, as
+        ``lost_reason`` is."""
+        reason = self.lost_reason
+        return None if reason is None else loss_cause(reason)
+
     # -- check -------------------------------------------------------------------------
 
     def check(self) -> None:
@@ -480,7 +495,7 @@ class ClaimState(LeaseState):
         if lease is None:
             lease = self._snapshot()
         held_for = self._clock() - lease.started_at
-        cause = "replaced" if reason.startswith(REPLACED) else _CAUSES.get(reason, reason)
+        cause = loss_cause(reason)
         self._emit_held("lost", None, cause, held_for if held_for > 0.0 else 0.0, lease[:3])
 
     def _stop_work(self) -> None:
@@ -543,7 +558,7 @@ class ClaimState(LeaseState):
 
     def _replace_call(self, token: str) -> Call:
         """REPLACE for one try under ``token``: its note names this run to the holder."""
-        why = f"{REPLACED} {short_token(token)} ({Holder.parse(token)})"
+        why = replaced_note(token)
         return self._store.replace_call(
             token, self._started(), self.task_id or "", why, COOLDOWN_REASON
         )

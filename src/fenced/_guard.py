@@ -19,12 +19,14 @@ This module sits below ``_claim``: it reads a claim's state, never sends anythin
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from ._errors import ClaimHeld, ClaimLost, ConfigError
-from ._lease import Holder
+from ._lease import Holder, short_token
+from ._printable import printable
 from ._redact import REASON_MAX, exception_text, redact
 
 __all__ = [
@@ -47,6 +49,8 @@ __all__ = [
     "is_skipped",
     "lost_error",
     "outcome_of",
+    "replaced_note",
+    "replacer",
     "settle",
 ]
 
@@ -59,6 +63,8 @@ COOLDOWN_REASON = "ran recently"
 RATE_REASON = "rate limited"
 #: How the reason of a run that a newer one took the claim from begins.
 REPLACED = "replaced by"
+#: The status of the result of work a newer run took the claim from (``replace``).
+REPLACED_STATUS = "replaced"
 #: Why a wait ended without the claim.
 GAVE_UP_REASON = "gave up waiting"
 #: Added to a holder's remaining lease before retrying, so the retry finds it gone.
@@ -92,7 +98,9 @@ class Seen(Protocol):
 class Skipped:
     """The result of work that did not run because another live holder had the claim.
 
-    Falsy, so ``if not result:`` reads as "it was skipped".
+    Falsy, so ``if not result:`` reads as "it was skipped". With the status
+    ``"replaced"`` (:meth:`replaced`), the result of work that was stopped because a
+    newer run took its claim over (``on_busy="replace"``): ``holder`` is that run.
     """
 
     claim: str
@@ -106,6 +114,8 @@ class Skipped:
         return False
 
     def __str__(self) -> str:
+        if self.status == REPLACED_STATUS:
+            return f"claim {self.claim!r} was {printable(self.reason)}"
         if self.reason == COOLDOWN_REASON:
             return f"skipped {self.claim!r}: {_ran_recently(self.expires_in)}"
         if self.reason == RATE_REASON:
@@ -124,6 +134,21 @@ class Skipped:
             return cls(claim.name, None, claim.throttled, RATE_REASON, claim.skips)
         holder = claim.holder
         return cls(claim.name, holder, holder.expires_in if holder else None, reason, claim.skips)
+
+    @classmethod
+    def replaced(cls, claim: Seen) -> Skipped:
+        """What work whose claim a newer run took over gives (``on_busy="replace"``; the
+        caller knows it was, from the loss's cause): status ``replaced``, the loss's
+        reason as the run record keeps it, and as ``holder`` the newer run, as the note it
+        left names it (its token's start, host, pid and task id; no fence, no time left)."""
+        reason = claim.lost_reason or REPLACED
+        return cls(
+            claim.name,
+            replacer(reason),
+            None,
+            redact(reason)[:REASON_MAX],
+            status=REPLACED_STATUS,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form (what a Celery task returns)."""
@@ -148,12 +173,38 @@ def is_skipped(result: Any) -> bool:
     among the others: ``[r for r in results if not fenced.is_skipped(r)]``.
     """
     if isinstance(result, Skipped):
-        return True
+        return result.status == "skipped"
     return (
         isinstance(result, Mapping)
         and result.get("status") == "skipped"
         and result.keys() >= _SKIPPED_KEYS
     )
+
+
+# How REPLACE's note names the run that took a claim over (see replaced_note).
+_NOTE = re.compile(
+    re.escape(REPLACED)
+    + r" (?P<token>\S*) \((?P<host>.*?) pid (?P<pid>[0-9]{1,20}|None)(?: task (?P<task>.*))?\)",
+    re.DOTALL,
+)
+
+
+def replaced_note(token: str) -> str:
+    """The note REPLACE leaves for the holder it replaces, naming the run that took the
+    claim over under ``token``: ``replaced by <token start> (host pid N task T)``.
+    The holder's renewal reads it as the reason of its loss; :func:`replacer` reads
+    the run back from it."""
+    return f"{REPLACED} {short_token(token)} ({Holder.parse(token)})"
+
+
+def replacer(reason: str) -> Holder | None:
+    """The run a :func:`replaced_note` names (host and task id as the note shows them,
+    escaped); None for a reason that is not one."""
+    match = _NOTE.fullmatch(reason)
+    if match is None:
+        return None
+    pid = None if match["pid"] == "None" else int(match["pid"])
+    return Holder(match["token"], match["host"], pid, match["task"], None, None)
 
 
 def _ran_recently(left: float | None) -> str:

@@ -29,6 +29,8 @@ What one run does:
    is also woken from a sleep or a blocking call by ``SIGUSR2`` (``fenced._interrupt``).
    The run fails with ``ClaimLost`` and its record says ``lost``; the loser never deletes the new
    holder's lease. (Under gevent or eventlet there is no interrupt; checks still raise.)
+   A run a newer call took the claim from (``claim_on_busy="replace"``) is not a failure:
+   it returns the replaced result (``Skipped.replaced``), its record ``lost`` all the same.
 4. In ``finally`` the claim is released with the run's outcome (one round trip, which
    also ends the run record), and if a rerun was asked meanwhile the task is sent once
    more per distinct call (each trigger stays in Redis until its rerun is published,
@@ -82,7 +84,7 @@ if TYPE_CHECKING:
 from .. import _interrupt, records
 from .._audit import claim_fields
 from .._claim import Claim
-from .._errors import ClaimInterrupted, ClaimUnavailable, ConfigError, NotOwner
+from .._errors import ClaimInterrupted, ClaimLost, ClaimUnavailable, ConfigError, NotOwner
 from .._guard import RetryAfter, Run, Skip, Skipped, busy_error, lost_error
 from .._inspect import force_release
 from .._lease import HOST, ClaimKeys, Holder, short_token
@@ -123,7 +125,8 @@ BOOKED_WAIT = 1.0
 BOOKED_WAITS = 3
 
 
-#: In-process counters: runs, ok, failed, lost, skipped, skips_exceeded, reruns,
+#: In-process counters: runs, ok, failed, lost, replaced (lost runs a newer call took the
+#: claim from: ``claim_on_busy="replace"``), skipped, skips_exceeded, reruns,
 #: reruns_dropped (triggers refused: unsigned, forged, another name's, malformed),
 #: conflict_retries, redelivery_retries, unavailable, duplicates, retried, takeovers,
 #: aborted, enqueue_skipped (calls not sent: ``claim_enqueue``), throttled (calls put
@@ -699,20 +702,49 @@ class ClaimedTask(Task[Any, Any]):
                 else:
                     result = super().__call__(*args, **kwargs)
         except ClaimInterrupted as exc:
-            self._end(claim, exc, args, kwargs)
+            ended = self._end(claim, exc, args, kwargs)
+            if self._was_replaced(claim, ended):
+                return self._replaced(claim)
             raise lost_error(claim, "the task", interrupted=True) from None
         except SoftTimeLimitExceeded as exc:
             self._end(claim, exc, args, kwargs, reason="soft time limit exceeded")
             raise
         except BaseException as exc:
-            self._end(claim, exc, args, kwargs)
+            ended = self._end(claim, exc, args, kwargs)
+            if isinstance(exc, ClaimLost) and self._was_replaced(claim, ended):
+                return self._replaced(claim)  # check() or steps() found it replaced
             raise
         finally:
             stack.pop()
-        if self._end(claim, None, args, kwargs) == "lost":
+        ended = self._end(claim, None, args, kwargs)
+        if ended == "lost":
+            if self._was_replaced(claim, ended):
+                return self._replaced(claim)
             # The body finished, but not under the claim: its writes were not protected.
             raise lost_error(claim, "the task")
         return result
+
+    @staticmethod
+    def _was_replaced(claim: Claim, ended: str) -> bool:
+        """Whether a run ended ``lost`` because a newer call took its claim over
+        (``claim_on_busy="replace"``), as the loss's cause says."""
+        return ended == "lost" and claim.lost_cause == "replaced"
+
+    def _replaced(self, claim: Claim) -> dict[str, Any]:
+        """The result of a run a newer call replaced: intended, not an error. Its record
+        says ``lost``, "replaced by ..." (REPLACE wrote it); it returns the replaced
+        result, so Celery stores SUCCESS and sends no failure, and logs one line."""
+        count("replaced")
+        replaced = Skipped.replaced(claim)
+        log.info(
+            "fenced: %s[%s] ended as replaced (its fence %s): %s",
+            self.name,
+            claim.task_id,
+            claim.fence,
+            replaced,
+            extra=claim.log_fields("released", "lost"),
+        )
+        return replaced.as_dict()
 
     def _end(
         self,
