@@ -71,3 +71,9 @@ def flood(self: Any, key: str, n: int) -> int:
 def hourly(self: Any, key: str) -> int:
     """Once an hour at most; a call over the rate is skipped."""
     return _started(self, key)
+
+
+@app.task(base=ClaimedTask, bind=True, name="r.minutely", claim="minutely:{key}", claim_rate="1/m")
+def minutely(self: Any, key: str) -> int:
+    """Once a minute at most; a call over the rate is put back for its start."""
+    return _started(self, key)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
+from _wait import wait_for
 from celery_harness import WAIT, Services, Worker, key, notes
 from fenced import ConfigError
 from fenced.celery import ClaimedTask
@@ -66,12 +67,18 @@ def test_the_rate_holds_across_two_workers_and_delay_loses_nothing(services: Ser
     k = key()
     calls = 16
     with (
-        Worker(services, app=APP, concurrency=2, name="a"),
-        Worker(services, app=APP, concurrency=2, name="b"),
+        Worker(services, app=APP, concurrency=2, name="a") as a,
+        Worker(services, app=APP, concurrency=2, name="b") as b,
     ):
         results = [app.send_task("r.flood", (k, i), queue=services.queue) for i in range(calls)]
         fences = [r.get(timeout=WAIT) for r in results]
+        logs = a.log() + b.log()
     seen = starts(services, k)
+    # A put-back says so, and nothing calls it a retry: no Retry line, no retry signal.
+    ids = {r.id for r in results}
+    assert [i for i in ids if f"[{i}] put back for" in logs], logs[-3000:]
+    assert "Retry in" not in logs and "] retry:" not in logs, logs[-3000:]
+    assert not [n for n in notes(services.obs(), "signal:retry") if n["task_id"] in ids]
     # Nothing dropped, nothing ran twice, and no put-back counted as a retry.
     assert len(seen) == calls and len({s["task_id"] for s in seen}) == calls
     assert {s["retries"] for s in seen} == {0}
@@ -97,4 +104,26 @@ def test_skip_returns_the_reason_and_the_next_start(services: Services) -> None:
     assert isinstance(first, int)
     assert second["status"] == "skipped" and second["reason"] == "rate limited"
     assert 3500 < second["expires_in"] <= 3600
+    assert len(starts(services, k)) == 1
+
+
+def test_a_call_put_back_reads_retry_and_is_logged_as_put_back(services: Services) -> None:
+    """While its message waits for its start, a call's result reads RETRY with the
+    ClaimHeld saying when (never FAILURE), and the worker logs one fenced line for it
+    and Celery's "ignored": no retry line, no retry signal."""
+    app = services.client()
+    k = key()
+    with Worker(services, app=APP, concurrency=1) as worker:
+        first = app.send_task("r.minutely", (k,), queue=services.queue)
+        assert isinstance(first.get(timeout=WAIT), int)
+        second = app.send_task("r.minutely", (k,), queue=services.queue)
+        wait_for("the delivery to end", lambda: f"r.minutely[{second.id}] ignored" in worker.log())
+        assert second.state == "RETRY"
+        assert "is rate limited" in str(second.info), second.info
+        said = [line for line in worker.log().splitlines() if second.id in line]
+    put_back = [line for line in said if "put back for" in line]
+    assert len(put_back) == 1 and "INFO" in put_back[0], said
+    assert "(its booked start) by claim_rate='1/m'" in put_back[0], put_back
+    assert not [line for line in said if "retry" in line.lower() or "ERROR" in line], said
+    assert not [n for n in notes(services.obs(), "signal:retry") if n["task_id"] == second.id]
     assert len(starts(services, k)) == 1

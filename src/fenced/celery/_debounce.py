@@ -252,13 +252,19 @@ def take(
     return "own", None
 
 
-def defer(task: Any, seconds: float, exc: BaseException | None = None) -> Retry:
+def send_again(task: Any, seconds: float) -> Any:
     """Publish the running message again under its task id, due in ``seconds``, with its
     retry count unchanged (as ``self.retry`` sends it, canvas options included, but not
-    counted against max_retries); the Retry to raise (Celery then acknowledges this
-    delivery), with ``exc`` as its reason."""
+    counted against max_retries); the signature sent."""
     sig = task.signature_from_request(task.request, countdown=seconds)
     sig.apply_async()
+    return sig
+
+
+def defer(task: Any, seconds: float, exc: BaseException | None = None) -> Retry:
+    """Publish the running message again (:func:`send_again`); the Retry to raise
+    (Celery then acknowledges this delivery), with ``exc`` as its reason."""
+    sig = send_again(task, seconds)
     when: Any = seconds  # Celery's stubs ask for a numbers.Real
     return Retry(exc=exc, when=when, sig=sig)  # type: ignore[arg-type]
 

@@ -45,6 +45,9 @@ queued or running (``until_finished``): see ``fenced.celery._enqueue``. With
 ``claim_debounce``, the calls of one claim name coalesce into one message and one run
 with the last call's arguments: see ``fenced.celery._debounce``.
 
+A call over ``claim_rate`` (``delay``) is put back: its message is published again for
+its start and this delivery ignored, which is no retry (``_put_back``).
+
 Redis unreachable at acquire: the task retries with exponential backoff; it never runs
 unclaimed. A prefork child killed mid-run: the worker's main process releases that
 child's claim (``ClaimedRequest``), so the redelivered message runs at once instead of
@@ -992,11 +995,11 @@ class ClaimedTask(Task[Any, Any]):
         return skipped.as_dict()
 
     def _throttled(self, claim: Claim, opts: TaskOptions) -> Any:
-        """A call over ``claim_rate``: put back until the start booked for it (``delay``,
-        a retry that max_retries does not count), or skipped (``skip``)."""
+        """A call over ``claim_rate``: put back until the start booked for it (``delay``:
+        not a retry, see :meth:`_put_back`), or skipped (``skip``)."""
         left = claim.throttled or 0.0
-        skipped = Skipped.of(claim)
         if opts.values["claim_rate_policy"] == "skip":
+            skipped = Skipped.of(claim)
             count("skipped")
             log.info("fenced: %s %s", self.name, skipped, extra=claim.log_fields("skipped"))
             return skipped.as_dict()
@@ -1006,19 +1009,40 @@ class ClaimedTask(Task[Any, Any]):
         else:
             # Calls put back together come back spread over one interval, not all at once.
             countdown = left + random.uniform(0.0, opts.claim.rate_us / 1e6)
+        why = busy_error(claim)
         log.info(
-            "fenced: %s[%s] %s; put back for %.3fs%s",
+            "fenced: %s[%s] put back for %.3fs%s by claim_rate=%r: %s",
             self.name,
             claim.task_id,
-            skipped,
             countdown,
             " (its booked start)" if claim.booked is not None else "",
+            opts.values["claim_rate"],
+            why,
             extra=claim.log_fields("throttled"),
         )
         request = self.request
         if request.called_directly or request.is_eager:
-            raise self.retry(countdown=countdown, exc=busy_error(claim))
-        raise _debounce.defer(self, countdown, busy_error(claim))
+            raise self.retry(countdown=countdown, exc=why)  # runs inline: nothing to put back
+        self._put_back(countdown, why)
+
+    def _put_back(self, countdown: float, why: Exception) -> NoReturn:
+        """Send the running message back to the broker, due in ``countdown`` seconds,
+        under its task id with its retry count unchanged, and end this delivery.
+
+        Not a retry: it raises ``Ignore`` (the delivery is acknowledged; Celery logs
+        "ignored" at INFO, not "retry: Retry in ..."), so ``max_retries``, ``on_retry``,
+        the ``task_retry`` signal and the ``task-retried`` event never see it. While the
+        message waits, its result reads ``RETRY`` (Celery's state for a task due to run
+        again, as a countdown shows it) with ``why`` as its info: stored first, so a
+        message that comes back and ends at once is never stored over, and a send that
+        fails is stored over as the FAILURE it is.
+        """
+        request = self.request
+        ignored = request.ignore_result or self.ignore_result
+        if request.id and (not ignored or self.store_errors_even_if_ignored):
+            self.backend.mark_as_retry(request.id, why, request=request)
+        _debounce.send_again(self, countdown)
+        raise Ignore()
 
     def _after_skip(self, claim: Claim, opts: TaskOptions) -> None:
         """Alert when the consecutive skips reach the threshold, and at each multiple."""
