@@ -1,5 +1,6 @@
 """fenced switched off (``fenced_enabled = False``, ``FENCED_ENABLED=0``): claimed tasks run
-eagerly with no Redis at all, the doctor warns, and a worker says so when it starts."""
+eagerly with no Redis at all, the doctor warns, and a worker says so when it starts; a
+worker switched on says when its claims' Redis does not answer as it starts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import pytest
 from celery import Celery
 
+from _wait import wait_for
 from celery_harness import WAIT, Services, Worker, key
 from fenced import ConfigError
 from fenced.celery import ClaimedTask, lock_redis
@@ -132,6 +134,7 @@ def test_a_worker_switched_off_warns_at_start_and_runs_without_redis_for_claims(
             assert result["status"] == "ok" and result["fence"] > 0
             log = worker.log()
             assert "WARNING" in log and "claims are switched off for this worker" in log
+            assert "did not answer" not in log  # switched off: its Redis is not asked
     finally:
         client.close()
 
@@ -143,6 +146,30 @@ def test_a_worker_switched_on_does_not_warn(
     services = Services.on(redis_server)
     with Worker(services, concurrency=1, name="on") as worker:
         assert "claims are switched off" not in worker.log()
+        assert "did not answer" not in worker.log()  # its claims' Redis answered
+
+
+def test_a_worker_whose_claims_redis_does_not_answer_warns_at_start(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One PING at start: a closed port is named (its password hidden) in one WARNING,
+    and the worker starts all the same."""
+    monkeypatch.delenv("FENCED_ENABLED", raising=False)
+    services = Services.on(redis_server)
+    port = closed_port()
+    nowhere = f"redis://:hunter2-claims@127.0.0.1:{port}/2"
+    with Worker(services, concurrency=1, lock_url=nowhere, name="nowhere") as worker:
+
+        def warned() -> str | None:
+            log = worker.log()
+            return log if "did not answer" in log else None
+
+        log = wait_for("the warning", warned)
+    said = [line for line in log.splitlines() if "did not answer" in line]
+    assert len(said) == 1 and "WARNING" in said[0], said
+    assert f"the claims' Redis at redis://:***@127.0.0.1:{port}/2 did not answer" in said[0]
+    assert "Connection refused" in said[0] and "no claimed task starts" in said[0]
+    assert "hunter2-claims" not in log and "Traceback" not in log
 
 
 def test_the_switch_changed_between_runs_holds_from_the_next_run(

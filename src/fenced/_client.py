@@ -47,6 +47,7 @@ __all__ = [
     "is_cluster",
     "node_client",
     "parse_url",
+    "probe_client",
     "redact",
     "refresh_slots",
     "require_async",
@@ -478,6 +479,22 @@ def connect(target: Any, *, what: str = "claims", **options: Any) -> Any:
     if hasattr(target, "__dict__") and "execute_command" not in vars(target):
         _SYNC_CLIENTS.add(type(target))
     return target
+
+
+def probe_client(url: str, timeout: float, **options: Any) -> Any:
+    """A client of its own for ``url`` (never shared), for one quick question: it waits
+    at most ``timeout`` seconds to connect and for each answer, and never retries. The
+    caller closes it."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    quick = {
+        **options,
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(NoBackoff(), 0),
+    }
+    return _build(parse_url(url), quick)
 
 
 def require_async(target: Any, what: str, instead: str) -> Any:

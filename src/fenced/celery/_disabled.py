@@ -6,6 +6,9 @@ under a :class:`LocalClaim`: ``self.claim`` works as in production (``check()`` 
 ``steps()`` pass, a fence is issued, ``held`` is true), but nothing is exclusive and no
 Redis connection is made. Never the default; ``fenced doctor --app`` warns about an app
 that has it off (``celery.fenced-disabled``), and so does a worker when it starts.
+
+A worker started with claims on pings their Redis once instead (when the app has a
+claimed task), and warns when it does not answer: its tasks would not start.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from celery import signals as celery_signals
 from .._claim import Claim
 from .._errors import ConfigError
 from .._held import HELD, RELEASED
-from ._options import PerApp, switch
+from ._options import PerApp, ping_claims, switch
 
 __all__ = ["SETTING", "LocalClaim", "enabled"]
 
@@ -117,9 +120,16 @@ class LocalClaim(Claim):
         return False
 
 
+#: How long a worker's start waits for the claims' Redis to answer its PING (seconds;
+#: a URL's client waits this long to connect, and as long for the answer); a PING still
+#: unanswered then goes on beside the worker and warns when it fails.
+READY_PING_TIMEOUT = 1.0
+
+
 @celery_signals.worker_ready.connect(weak=False)
 def _warn_when_disabled(sender: Any = None, **_: Any) -> None:
-    """A worker started with fenced switched off says so, loudly, once."""
+    """A worker started with fenced switched off says so, loudly, once; switched on, it
+    pings its claims' Redis once and warns when that does not answer."""
     app = getattr(sender, "app", None)
     if app is None:
         return
@@ -135,3 +145,28 @@ def _warn_when_disabled(sender: Any = None, **_: Any) -> None:
             "This setting is for test suites without Redis; remove it in production",
             SETTING,
         )
+        return
+    from ._task import ClaimedTask  # it imports this module
+
+    if any(isinstance(task, ClaimedTask) for task in list(app.tasks.values())):
+        ping = threading.Thread(
+            target=_warn_when_unreachable, args=(app,), name="fenced-ready-ping", daemon=True
+        )
+        ping.start()
+        ping.join(2 * READY_PING_TIMEOUT)  # never holds the start up for longer
+
+
+def _warn_when_unreachable(app: Any) -> None:
+    """One PING of the app's claims' Redis; a WARNING when it does not answer."""
+    where, why = ping_claims(app, READY_PING_TIMEOUT)
+    if why is None:
+        return
+    log.warning(
+        "fenced: the claims' Redis at %s did not answer a PING (%s): no claimed task "
+        "starts until it does. Each call fails closed, after the client's own connection "
+        "attempts, and is retried with backoff (claim_unavailable_backoff, at most "
+        "claim_unavailable_retries times). Check fenced_redis_url (or FENCED_REDIS_URL, "
+        "fenced_redis_client) and that the server runs; `fenced doctor --app` checks it",
+        where,
+        why,
+    )

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._client import client_from_setting, connect
+from .._client import client_from_setting, connect, describe_client, probe_client
 from .._errors import ConfigError
 from .._guard import BusyPolicy, accepted, busy_policy, check_replace
 from .._lease import (
@@ -39,6 +39,7 @@ from .._lease import (
 )
 from .._naming import check_label
 from .._options import DEFAULT, NAMES, ClaimOptions, refuse_unknown
+from .._redact import exception_text, redact
 from . import _debounce, _enqueue
 from ._enqueue import ENQUEUE_TTL
 
@@ -463,3 +464,31 @@ def _lock_redis(app: Any) -> Any:
             )
             cached = _clients[app] = (key, made)
         return cached[1]
+
+
+def ping_claims(app: Any, timeout: float) -> tuple[str, str | None]:
+    """One PING of the Redis an app's claims are taken on: where it is, fit to print
+    (passwords as ``***``), and why it did not answer (None: it did).
+
+    A URL (``fenced_redis_url``, ``FENCED_REDIS_URL``) is asked through a client of its
+    own, with ``fenced_redis_options``, that waits ``timeout`` seconds at most and
+    never retries; a client the app builds (``fenced_redis_client``) is asked as it is.
+    """
+    factory = app.conf.get("fenced_redis_client") or os.environ.get("FENCED_REDIS_CLIENT")
+    url = None if factory else lock_url(app)
+    where = redact(url) if url else "(none set)"
+    try:
+        if url is None:
+            client = lock_redis(app)  # the factory's client, or ConfigError: none set
+            where = describe_client(client)
+            client.ping()
+        else:
+            options = dict(app.conf.get("fenced_redis_options") or {})
+            probe = probe_client(url, timeout, **options)
+            try:
+                probe.ping()
+            finally:
+                probe.close()
+    except Exception as exc:
+        return where, exception_text(exc)
+    return where, None
