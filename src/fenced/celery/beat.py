@@ -355,6 +355,8 @@ class Scheduler(beat.Scheduler):
                     claim.expires_in,
                 )
             else:
+                if claim is not None:  # its lease ended during this tick
+                    self._step_down("its lease was lost")
                 log.warning(
                     "fenced beat %s: Redis unreachable (%s): standing by", self.fenced.name, exc
                 )
