@@ -2,10 +2,19 @@
 
 A claim is named for the *resource* two runs would collide on. Names come from
 templates over chosen arguments, ``"rebuild:{tenant}:{layer}"``, or from a callable.
-Each template value is rendered canonically: short safe values appear as they are;
-long or unsafe ones are replaced by a versioned digest (``h1-`` + 20 bytes of BLAKE2b,
-hex), so distinct values always give distinct names and no value can smuggle a
-separator or a brace.
+Each template value is rendered canonically: short safe values (letters, digits and
+``_ . - / @``) appear as they are; long or unsafe ones are replaced by a versioned digest
+(``h1-`` + 20 bytes of BLAKE2b, hex), so distinct values always render distinct and no
+value can smuggle a ``:`` or a brace.
+
+Names render one-to-one: two calls with different values never get one name. Where the
+text between every two fields holds a character no rendered value holds (``:`` in
+``"rebuild:{tenant}:{layer}"``), values are written as they are. Where the text between
+two fields is only value characters (``-`` in ``"export:{org}-{repo}"``), the template
+escapes those separators in its values, ``-`` as ``=2d`` (``+2d`` where ``=`` is the only
+separator between two fields); values without them are written as they are. A template
+with nothing between two fields, or only letters and digits, is refused where it is
+defined.
 
 A field marked secret, ``"sync:{account}:{api_key:secret}"``, is never shown: its value
 becomes a keyed digest (``k1-`` + 20 bytes of BLAKE2b keyed with the secret key, hex),
@@ -71,6 +80,13 @@ SECRET_KEY_ENV = "FENCED_SECRET_KEY"
 #: The shortest secret key accepted, in bytes.
 SECRET_KEY_MIN = 16
 _KEY_HOW = "e.g. the output of: python -c 'import secrets; print(secrets.token_hex(32))'"
+#: The characters of a rendered value: a safe value's (:data:`_SAFE_VALUE`) or a digest's.
+_VALUE_CHARS = frozenset(string.ascii_letters + string.digits + "_.-/@")
+#: Those of them that may separate two fields; a value's are escaped where one does.
+_SEPARATORS = frozenset("_.-/@")
+#: What a template escapes a separator character in its values with (``-`` as ``=2d``),
+#: in order of preference: never in a rendered value, and kept in a name.
+ESCAPES = ("=", "+")
 
 
 def hash_value(value: str | bytes) -> str:
@@ -300,8 +316,62 @@ def _parse(template: str) -> tuple[list[str], list[str], str]:
     return fields, secret, "".join(plain)
 
 
+def _escapes(template: str, plain: str) -> dict[int, str] | None:
+    """How ``template`` writes its values so that its names render one-to-one.
+
+    ``plain`` is the template without format specs. A rendered value is letters, digits
+    and ``_.-/@`` (safe text, or a digest). None: values are written as they are, since
+    the text between every two fields holds a character no rendered value holds.
+    Otherwise a :meth:`str.translate` table escaping, in every value, the separators
+    (``_.-/@``) of each text between fields made of value characters only (and the
+    escape): ``-`` as ``=2d``, with ``=`` unless ``=`` is the only separator between two
+    fields, then ``+``. No written value then holds any of these, and every text between
+    fields holds one of them or a character no value holds: the first such character
+    after a value ends it, so a name reads back into one tuple of values. A template with
+    nothing, or only letters and digits, between two fields (or that needs both escapes)
+    cannot be read back: a :class:`ConfigError`.
+    """
+    gaps: list[tuple[str, str, str]] = []  # field, text up to the next field, that field
+    text, before = "", None
+    for literal, field, _, _ in _formatter.parse(plain):
+        text += literal
+        if field is None:
+            continue
+        if before is not None:
+            gaps.append((before, text, field))
+        before, text = field, ""
+    if all(not _VALUE_CHARS.issuperset(between) for _, between, _ in gaps):
+        return None  # the common case: names as they always were
+    for mark in ESCAPES:
+        escaped: set[str] = set()
+        for _, between, _ in gaps:
+            if _VALUE_CHARS.issuperset(between.replace(mark, "")):
+                found = _SEPARATORS.intersection(between)
+                if not found:
+                    break
+                escaped |= found
+        else:
+            return {ord(c): f"{mark}{ord(c):02x}" for c in sorted(escaped)}
+    first, between, then = next(
+        gap
+        for gap in gaps
+        if _VALUE_CHARS.union(ESCAPES).issuperset(gap[1]) and not _SEPARATORS.intersection(gap[1])
+    )
+    what = f"only {between!r}, which a value may hold too," if between else "nothing"
+    raise ConfigError(
+        f"claim template {template!r} has {what} between {{{first}}} and {{{then}}}: "
+        "nothing tells where one value ends and the next begins, so two calls with "
+        "different values could get one name; put a separator between the fields, "
+        f"e.g. ':' as in '{{{first}}}:{{{then}}}'"
+    )
+
+
 def claim_name(template: str, /, secret_key: str | bytes | None = None, **values: Any) -> str:
     """Render a claim name from a template, hashing long or unsafe values.
+
+    A value's separators that the template also puts between fields are escaped (``-``
+    as ``=2d`` in ``"export:{org}-{repo}"``), so distinct values give distinct names; a
+    template with nothing, or only letters and digits, between two fields is refused.
 
     Fields marked secret (``{api_key:secret}``) become keyed digests, under
     ``secret_key`` or else the ``FENCED_SECRET_KEY`` environment variable.
@@ -313,8 +383,9 @@ def claim_name(template: str, /, secret_key: str | bytes | None = None, **values
             f"claim template {template!r} needs {', '.join(missing)}: pass "
             + ", ".join(f"{m}=..." for m in missing)
         )
+    escape = _escapes(template, plain)
     key = check_secret_key(secret_key) if secret else None
-    return render(plain, {f: values[f] for f in fields}, secret, key)[0]
+    return render(plain, {f: values[f] for f in fields}, secret, key, escape=escape)[0]
 
 
 def render(
@@ -323,13 +394,17 @@ def render(
     secret: Collection[str] = (),
     key: bytes | None = None,
     safe_between: bool = False,
+    escape: Mapping[int, str] | None = None,
 ) -> tuple[str, dict[str, str]]:
-    """The claim name for a template's values, and each value as the name shows it.
+    """The claim name for a template's values, and each value's rendered text.
 
     ``template`` has no format specs; the ``secret`` fields' values become keyed
-    digests under ``key``. ``safe_between``: the template's text between its fields is
-    text :func:`validate_name` keeps, so a name made of it and rendered values (safe
-    text or digests) is kept whenever it is short enough, without checking it again.
+    digests under ``key``. ``escape``: the table :func:`_escapes` made for the template,
+    applied to each rendered value as the name is made (the texts returned are not
+    escaped). ``safe_between``: the template's text between its fields is text
+    :func:`validate_name` keeps, so a name made of it and rendered values (safe text,
+    digests, escaped or not) is kept whenever it is short enough, without checking it
+    again.
     """
     if secret:
         assert key is not None
@@ -339,7 +414,10 @@ def render(
         }
     else:
         rendered = {f: render_value(v, f) for f, v in values.items()}
-    name = template.format(**rendered)
+    if escape is None:
+        name = template.format(**rendered)
+    else:
+        name = template.format(**{f: v.translate(escape) for f, v in rendered.items()})
     if safe_between and 0 < len(name) <= NAME_MAX:
         return name, rendered  # what validate_name would return unchanged
     return validate_name(name), rendered
@@ -444,6 +522,7 @@ class Namer:
             self.func: Callable[..., str] | None = source
             self.fields: tuple[str, ...] = ()
             self.plain: str | None = None
+            self._escape: dict[int, str] | None = None
             self.label = getattr(source, "__qualname__", None) or repr(source)
             return
         if not isinstance(source, str):
@@ -453,6 +532,8 @@ class Namer:
             )
         try:
             fields, secret, plain = _parse(source)
+            #: How values are escaped so that names render one-to-one; None for most.
+            self._escape = _escapes(source, plain)
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
         params = list(signature.parameters.values()) if signature is not None else []
@@ -510,8 +591,19 @@ class Namer:
             return validate_name(name), None
         assert self.plain is not None
         if not self.secret:
-            return render(self.plain, self.values(args, kwargs), safe_between=self._safe_between)
-        return render(self.plain, self.values(args, kwargs), self.secret, self.key(secret_key))
+            return render(
+                self.plain,
+                self.values(args, kwargs),
+                safe_between=self._safe_between,
+                escape=self._escape,
+            )
+        return render(
+            self.plain,
+            self.values(args, kwargs),
+            self.secret,
+            self.key(secret_key),
+            escape=self._escape,
+        )
 
     def readable(
         self, args: Sequence[Any], kwargs: Mapping[str, Any], shown: Mapping[str, str]
