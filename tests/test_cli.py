@@ -412,8 +412,11 @@ def test_ls_and_show_read_well_at_80_columns(url: str, r: Any) -> None:
 
     lines = at_columns(url, 80, "ls")
     assert max(map(len, lines)) <= 80, lines
-    assert len(lines) == 1 + 2 * 2  # the title, then two lines per claim
+    # The title, then two lines per claim; the long name's head (80 columns with its
+    # fence) wraps before its token, which keeps a line of its own.
+    assert len(lines) == 1 + 2 * 2 + 1, lines
     assert any(line.startswith(name + "  fence ") for line in lines)  # a line of its own
+    assert lines[2].startswith("token ") and "  token " in lines[4], lines
     assert any(f"task {task[:8]}…" in line for line in lines)
     assert all(task not in line for line in lines)  # the whole id: --json and --wide
 

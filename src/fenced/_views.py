@@ -30,11 +30,12 @@ __all__ = [
     "holder_text",
     "report_list",
     "report_table",
+    "token_text",
     "when",
 ]
 
 #: Terminals narrower than this get one stacked block per record instead of a table
-#: (a table of 7 columns leaves a few characters to its widest one at 80 columns).
+#: (a table of 8 columns leaves a few characters to its widest one at 80 columns).
 WIDE = 120
 #: Characters of a task id the stacked views show (``--json`` and ``--wide``: all).
 SHORT_ID = 8
@@ -179,6 +180,21 @@ def _who(info: ClaimInfo, *, short: bool = False) -> str:
     return notes if who == "-" and notes else _notes(who, notes)
 
 
+def token_text(holder: Holder) -> str:
+    """The holder's token as ``fenced release --token`` takes it back ("" for a holder
+    whose token cannot be given back as printed: unreadable, or not letters and digits,
+    the rule of the release's own hint)."""
+    if holder.unreadable or not holder.token.isalnum():
+        return ""
+    return holder.token
+
+
+def _tokens(info: ClaimInfo) -> list[str]:
+    """The token of each holder of a listed claim, in the order ``_who`` names them."""
+    holders = [h for _i, h in info.slots] if info.limit > 1 else [info.holder]
+    return [t for t in (token_text(h) for h in holders if h is not None) if t]
+
+
 def _beat(beat: str | None) -> str:
     """A beat's leader claim: ``beat leader (fenced beat NAME)``."""
     return f"beat leader (fenced beat {printable(beat)})" if beat is not None else ""
@@ -199,6 +215,7 @@ def claims_table(infos: list[ClaimInfo], title: str) -> Table:
     table = _table(title)
     table.add_column("name", style="bold", overflow="fold")
     table.add_column("holder", overflow="fold")
+    table.add_column("token", no_wrap=True)  # what fenced release --token takes
     for col in ("age", "left", "fence", "skips"):
         table.add_column(col, justify="right", no_wrap=True)
     table.add_column("previous run")
@@ -206,6 +223,7 @@ def claims_table(infos: list[ClaimInfo], title: str) -> Table:
         table.add_row(
             Text(printable(info.name)),
             Text(_who(info)),
+            Text("\n".join(_tokens(info)) or "-"),
             duration(info.age) if info.holder else "-",
             _left(info.expires_in) if info.holder else "-",
             str(info.fence) if info.fence is not None else "?",
@@ -262,6 +280,9 @@ def claims_list(infos: list[ClaimInfo], title: str) -> Group:
     for info in infos:
         head = Text(printable(info.name), style="bold", overflow="fold")
         head.append(f"  fence {info.fence if info.fence is not None else '?'}", style="dim")
+        tokens = _tokens(info)
+        if tokens:  # what fenced release --token takes
+            head.append(f"  token{'s' * (len(tokens) > 1)} {', '.join(tokens)}", style="dim")
         blocks.append(head)
         blocks.append(
             Padding(

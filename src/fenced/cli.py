@@ -647,7 +647,7 @@ if app is not None:
         ] = 1.0,
         wide: WideOpt = False,
     ) -> None:
-        """List every held claim: holder, age, time left, fence, skips, last outcome.
+        """List every held claim: holder, token, age, time left, fence, skips, last outcome.
 
         A name in its cooldown window (a run ended ok within --cooldown) is listed
         too, with the time left of its window; so is a name marked at enqueue, one
@@ -975,7 +975,7 @@ if app is not None:
             str,
             typer.Option(
                 metavar="PREFIX",
-                help="Only if the holder's token starts so (the token fenced ls --json prints); "
+                help="Only if the holder's token starts so (the token fenced ls shows); "
                 "with several holders (--limit), the one to clear.",
             ),
         ] = "",
@@ -1007,13 +1007,15 @@ if app is not None:
         """
         client = _client(redis_url)
         if not force:
+            from ._views import token_text
+
             held = aim = ""
             try:
                 holder = read_holder(client, name, namespace=namespace)
                 held = f" (held by {holder})" if holder else " (nothing is held under it)"
-                if holder and holder.token.isalnum() and holder.unreadable is None:
+                if holder and token_text(holder):
                     # Named, the holder checked is the only one the release clears.
-                    aim = f" --token {holder.token}"
+                    aim = f" --token {token_text(holder)}"
             except Exception:
                 pass  # the refusal stands on its own; Redis is only asked to say more
             _fail(
