@@ -211,6 +211,92 @@ def _print_json(data: Any) -> None:
 
 if app is not None:
     from rich.console import Console
+    from typer.core import TyperCommand
+
+    class _Command(TyperCommand):
+        """A subcommand whose ``--help`` reads as docs/cli.md writes the command: each
+        argument as its metavar (``NAME``, ``[NAME]...``, ``-- COMMAND...``), never a
+        Python type, every default and range in words; and the whole first line of its
+        help in ``fenced --help``. One layout whatever typer and rich are installed."""
+
+        def format_help(self, ctx: Any, formatter: Any) -> None:
+            # Click's own layout, which the methods below fill in (typer's rich panels
+            # print types and brackets of their own).
+            super(TyperCommand, self).format_help(ctx, formatter)
+
+        def collect_usage_pieces(self, ctx: Any) -> list[str]:
+            pieces = [self.options_metavar] if self.options_metavar else []
+            return pieces + [_metavar(p) for p in _params(self, ctx, "argument")]
+
+        def format_options(self, ctx: Any, formatter: Any) -> None:
+            arguments = [(_metavar(p), p.help or "") for p in _params(self, ctx, "argument")]
+            options = [_option_row(p) for p in _params(self, ctx, "option")]
+            for title, rows in (("Arguments", arguments), ("Options", options)):
+                if rows:
+                    with formatter.section(title):
+                        formatter.write_dl(rows)
+
+        def get_short_help_str(self, limit: int = 45) -> str:
+            # The first paragraph whole (click cuts it at `limit`, with "..."): the
+            # command list wraps it instead.
+            first = (self.short_help or self.help or "").strip().split("\n\n")[0]
+            return " ".join(first.split())
+
+    def _params(command: Any, ctx: Any, kind: str) -> list[Any]:
+        return [
+            p
+            for p in command.get_params(ctx)
+            if p.param_type_name == kind and not getattr(p, "hidden", False)
+        ]
+
+    def _metavar(param: Any) -> str:
+        """An argument or an option value as the docs write it (each declares one)."""
+        return str(param.metavar or param.name.upper())
+
+    def _option_row(param: Any) -> tuple[str, str]:
+        """An option's line of ``--help``: ``-n, --limit N`` and its help, then the
+        environment variable, the default and the range, in words."""
+        # Short names first, as click lists them: -q, --quiet.
+        names = ", ".join(sorted(param.opts, key=lambda o: len(o) - len(o.lstrip("-"))))
+        if param.secondary_opts:
+            names += " / " + ", ".join(param.secondary_opts)
+        if not param.is_flag:
+            names += f" {_metavar(param)}"
+        extra = []
+        if param.envvar and getattr(param, "show_envvar", True):
+            extra.append(f"env var: {param.envvar}")
+        default = _default_text(param)
+        if default:
+            extra.append(f"default: {default}")
+        low, high = (_bound(param, end) for end in ("min", "max"))
+        if low is not None and high is not None:
+            extra.append(f"{low} to {high}")
+        elif low is not None or high is not None:
+            extra.append(f"at least {low}" if low is not None else f"at most {high}")
+        if param.required:
+            extra.append("required")
+        text = param.help or ""
+        return names, f"{text}  [{'; '.join(extra)}]" if extra else text
+
+    def _default_text(param: Any) -> str:
+        """An option's default as words ("" when there is none to show: a flag, None)."""
+        if isinstance(param.show_default, str):
+            return param.show_default
+        value = param.default
+        if param.is_flag or not param.show_default or value in (None, "", [], ()):
+            return ""
+        if callable(value):
+            return ""
+        if param.metavar == "DURATION":
+            return f"{value:g}s"
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    def _bound(param: Any, end: str) -> str | None:
+        """A number option's min or max (on the option in typer 0.2x, on its type before)."""
+        value = getattr(param, end, None)
+        if value is None:
+            value = getattr(getattr(param, "type", None), end, None)
+        return None if value is None else f"{value:g}" if isinstance(value, float) else str(value)
 
     # What ``fenced run`` does when another holder has the claim ("raise" is a keyword,
     # hence the functional form).
@@ -269,22 +355,29 @@ if app is not None:
         import typing
 
         hints = typing.get_type_hints(ClaimOptions)
+        # As the other commands and docs/cli.md spell them (TEXT otherwise).
+        metavars = {"namespace": "NS"}
 
         # The help as this command spells the options: replica_timeout is --replica-timeout.
         spelled = re.compile(r"\b(" + "|".join(n for n in HELP if "_" in n) + r")\b")
 
         def flag(name: str) -> inspect.Parameter:
             kind = next(t for t in typing.get_args(hints[name]) or (hints[name],) if t is not None)
+            default = getattr(DEFAULT, name)
             text = spelled.sub(lambda m: "--" + m[1].replace("_", "-"), HELP[name])
+            # "None: no limit" is for Python callers; here None is the default, unsaid.
+            text = re.sub(r"; None: [^;)]*", "", text) if default is not None else text
+            text = text.replace("None: ", "default: ")
             text = text[0].upper() + text[1:] + "."
             if kind is float:  # seconds, given as 30s, 10m, 2h or a number
                 option = _duration(text)
             else:
-                option = typer.Option(metavar="N" if kind is int else "TEXT", help=text)
+                metavar = "N" if kind is int else metavars.get(name, "TEXT")
+                option = typer.Option(metavar=metavar, help=text)
             return inspect.Parameter(
                 name,
                 inspect.Parameter.KEYWORD_ONLY,
-                default=getattr(DEFAULT, name),
+                default=default,
                 annotation=Annotated[hints[name], option],
             )
 
@@ -323,7 +416,7 @@ if app is not None:
     ) -> None:
         """Exclusive Redis claims for cron commands and Celery tasks: run, list, release, check."""
 
-    @app.command()
+    @app.command(cls=_Command)
     def demo(
         feeds: Annotated[
             bool, typer.Option("--feeds", help="Run the feed importer example instead.")
@@ -339,7 +432,10 @@ if app is not None:
                 "it (127.0.0.1, --web-port) until Ctrl-C.",
             ),
         ] = False,
-        web_port: Annotated[int, typer.Option(metavar="PORT", min=1, max=65535)] = 8377,
+        web_port: Annotated[
+            int,
+            typer.Option(metavar="PORT", min=1, max=65535, help="Port of fenced web with --web."),
+        ] = 8377,
         keep: Annotated[
             bool,
             typer.Option(
@@ -378,7 +474,7 @@ if app is not None:
             _fail(f"fenced demo: {exc.message}")
         raise typer.Exit(demo_main(web_port=web_port, web_socket=sock, keep=keep))
 
-    @app.command()
+    @app.command(cls=_Command)
     def doctor(
         redis_url: Annotated[
             str | None,
@@ -490,19 +586,17 @@ if app is not None:
             )
         return found
 
-    @app.command()
+    @app.command(cls=_Command)
     def version() -> None:
         """Print the version."""
         _print_version(True)
-
-    from typer.core import TyperCommand
 
     try:  # typer 0.2x parses with a click of its own: its exceptions are that click's
         from typer._click.exceptions import NoSuchOption, UsageError
     except ImportError:  # pragma: no cover - older typer, on click itself
         from click.exceptions import NoSuchOption, UsageError  # type: ignore[assignment]
 
-    class _RunCommand(TyperCommand):
+    class _RunCommand(_Command):
         """``fenced run``: the mistakes of where ``--`` goes get a usage error that says so."""
 
         def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
@@ -541,7 +635,9 @@ if app is not None:
         name: NameArg,
         command: Annotated[
             list[str] | None,
-            typer.Argument(metavar="-- CMD", help="The command and its arguments, after '--'."),
+            typer.Argument(
+                metavar="-- COMMAND...", help="The command and its arguments, after '--'."
+            ),
         ] = None,
         redis_url: RedisOpt = None,
         on_busy: Annotated[
@@ -636,7 +732,7 @@ if app is not None:
             code = run_command(client, opts, on_result=on_result)
         raise typer.Exit(code)
 
-    @app.command("ls")
+    @app.command("ls", cls=_Command)
     def ls_cmd(
         redis_url: RedisOpt = None,
         namespace: NamespaceOpt = "fenced",
@@ -714,7 +810,7 @@ if app is not None:
             title += f", {len(infos) - held - cooled} not held (queued, rate limited or debounced)"
         return claims_table(infos, title) if console.width >= WIDE else claims_list(infos, title)
 
-    @app.command("show")
+    @app.command("show", cls=_Command)
     def show_cmd(
         name: NameArg,
         limit: Annotated[
@@ -750,7 +846,7 @@ if app is not None:
                 "ClaimedTask record every run; @exclusive and Claim with records=True"
             )
 
-    @app.command("beat")
+    @app.command("beat", cls=_Command)
     def beat_cmd(
         name: Annotated[
             str,
@@ -771,14 +867,22 @@ if app is not None:
         for line in _beat.lines(report):
             print(line)
 
-    @app.command("web")
+    @app.command("web", cls=_Command)
     def web_cmd(
         redis_url: RedisOpt = None,
         namespace: NamespaceOpt = "fenced",
         host: Annotated[
             str, typer.Option(metavar="ADDR", help="Address to listen on (loopback by default).")
         ] = "127.0.0.1",
-        port: Annotated[int, typer.Option(metavar="PORT", min=0, max=65535)] = 8377,
+        port: Annotated[
+            int,
+            typer.Option(
+                metavar="PORT",
+                min=0,
+                max=65535,
+                help="Port to listen on (0: one the system chooses, printed at start).",
+            ),
+        ] = 8377,
         allow_release: Annotated[
             bool,
             typer.Option(
@@ -962,7 +1066,7 @@ if app is not None:
         _err(f"fenced web: release token (shown once, pass --token-file F to choose): {token}")
         return token
 
-    @app.command("release")
+    @app.command("release", cls=_Command)
     def release_cmd(
         name: NameArg,
         force: Annotated[
@@ -1079,7 +1183,7 @@ if app is not None:
                 _err(msg)
             raise typer.Exit(EXIT_REFUSED)
 
-    @app.command("unqueue")
+    @app.command("unqueue", cls=_Command)
     def unqueue_cmd(
         names: Annotated[
             list[str] | None,
