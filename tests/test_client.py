@@ -388,6 +388,21 @@ def test_cli_takes_a_client_factory_and_redacts_bad_urls(
     assert bad.stderr.count("\n") == 1  # one line, no traceback
 
 
+def test_cli_names_the_fix_of_a_near_miss_url() -> None:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FENCED_REDIS")}
+    bad = subprocess.run(
+        [*FENCED, "ls", "--redis", "redis:/:Hunter2@127.0.0.1:6379/11"],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stderr == (
+        "fenced: bad Redis URL 'redis:/:***@127.0.0.1:6379/11': a slash is missing after "
+        "'redis:': write redis://:***@127.0.0.1:6379/11\n"
+    )
+
+
 def test_a_cluster_with_no_node_answering_fails_closed() -> None:
     port = free_port()
     with pytest.raises(
