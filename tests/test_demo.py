@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -30,10 +31,11 @@ def fenced(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_demo_every_act_holds_and_serves_its_dashboard() -> None:
-    """`fenced demo --web`: every act, then fenced web on the demo's Redis until Ctrl-C."""
+def test_demo_every_act_holds_and_serves_its_dashboard(tmp_path: Path) -> None:
+    """`fenced demo --web`: every act, then fenced web on the demo's Redis until Ctrl-C;
+    its output directory removed then."""
     port = free_port()
-    env = dict(os.environ, COLUMNS="120", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, COLUMNS="120", PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
     proc = subprocess.Popen(
         [sys.executable, "-m", "fenced.cli", "demo", "--web", "--web-port", str(port)],
         stdout=subprocess.PIPE,
@@ -57,6 +59,7 @@ def test_demo_every_act_holds_and_serves_its_dashboard() -> None:
         with urllib.request.urlopen(f"{base}/api/claims/rebuild%3Aacme%3Aroads/runs") as answer:
             runs = json.load(answer)["runs"]
         assert {"ok", "skipped"} <= {run["outcome"] for run in runs}
+        assert len(list(tmp_path.glob("fenced-demo-*"))) == 1  # while it serves
     finally:
         proc.send_signal(signal.SIGINT)
         rest, err = proc.communicate(timeout=60)
@@ -73,6 +76,7 @@ def test_demo_every_act_holds_and_serves_its_dashboard() -> None:
         assert act in out
     assert "✘" not in out
     assert "every expectation held" in out
+    assert list(tmp_path.glob("fenced-demo-*")) == []
 
 
 def test_a_worker_killed_in_a_sweep_does_not_hold_back_the_redelivery() -> None:
@@ -103,3 +107,94 @@ def test_walkthrough() -> None:
     assert len(warned) == 1, res.stdout
     assert lines[warned[0]].startswith("          WARNING fenced: claim 'rebuild:incidents'")
     assert "fenced logs the loss once" in lines[warned[0] - 1]
+
+
+#: The demo's runner with one act of its own, which says where the output goes and the
+#: workers' pids, then waits to be stopped (argv: "wait" or "end", then "keep" or not).
+RUNNER = """
+import sys, time
+from fenced.demo import runner
+
+class Waiting(runner.Demo):
+    def act_wait(self):
+        pids = [str(w.proc.pid) for w in self.workers.values() if w.proc is not None]
+        print("acting in", self.dir, "workers", *pids, flush=True)
+        if sys.argv[1] == "wait":
+            time.sleep(120)
+
+    def run(self, acts=None):
+        return super().run(["act_wait"])
+
+runner.Demo = Waiting
+sys.exit(runner.main(print, keep=sys.argv[2:] == ["keep"]))
+"""
+
+
+def _demo_runner(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
+    """The runner above in a process of its own, its temporary folder ``tmp_path``."""
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
+    env.pop("FENCED_DEMO_DIR", None)
+    return subprocess.Popen(
+        [sys.executable, "-c", RUNNER, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _acting(proc: subprocess.Popen[str]) -> tuple[Path, list[int], str]:
+    """The output directory and the workers' pids the act says, and what came before."""
+    assert proc.stdout is not None
+    said = ""
+    for line in proc.stdout:
+        if line.startswith("acting in "):
+            where, pids = line.removeprefix("acting in ").split(" workers ")
+            return Path(where), [int(pid) for pid in pids.split()], said
+        said += line
+    raise AssertionError(proc.communicate(timeout=60))
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_the_demo_removes_its_output_directory_when_it_ends(tmp_path: Path) -> None:
+    proc = _demo_runner(tmp_path, "end")
+    where, pids, said = _acting(proc)
+    assert where.parent == tmp_path and where.name.startswith("fenced-demo-")
+    assert f"output in {where} (removed when the demo ends; --keep keeps it)" in said
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    assert "every expectation held" in out
+    assert list(tmp_path.glob("fenced-demo-*")) == []
+    assert len(pids) == 2 and all(_gone(pid) for pid in pids)
+
+
+def test_the_demo_keeps_its_output_directory_with_keep_and_says_where(tmp_path: Path) -> None:
+    proc = _demo_runner(tmp_path, "end", "keep")
+    where, _pids, said = _acting(proc)
+    assert f"output in {where}\n" in said
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    assert list(tmp_path.glob("fenced-demo-*")) == [where]
+    assert f"is kept in {where}\n" in out
+    assert sorted(p.name for p in where.glob("worker-*.log")) == ["worker-a.log", "worker-b.log"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_demo_stopped_mid_act_stops_its_workers_then_removes_its_output(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    proc = _demo_runner(tmp_path, "wait")
+    where, pids, _said = _acting(proc)
+    assert where.is_dir()
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err, out + err
+    assert list(tmp_path.glob("fenced-demo-*")) == []
+    assert len(pids) == 2 and all(_gone(pid) for pid in pids)
