@@ -1035,12 +1035,21 @@ class ClaimedTask(Task[Any, Any]):
         message waits, its result reads ``RETRY`` (Celery's state for a task due to run
         again, as a countdown shows it) with ``why`` as its info: stored first, so a
         message that comes back and ends at once is never stored over, and a send that
-        fails is stored over as the FAILURE it is.
+        fails is stored over as the FAILURE it is. A result backend that cannot store
+        that state (it is only shown) does not keep the message from being sent.
         """
         request = self.request
         ignored = request.ignore_result or self.ignore_result
         if request.id and (not ignored or self.store_errors_even_if_ignored):
-            self.backend.mark_as_retry(request.id, why, request=request)
+            try:
+                self.backend.mark_as_retry(request.id, why, request=request)
+            except Exception as exc:
+                log.warning(
+                    "fenced: %s[%s] could not store its RETRY state (%s): put back all the same",
+                    self.name,
+                    request.id,
+                    exception_text(exc),
+                )
         _debounce.send_again(self, countdown)
         raise Ignore()
 
