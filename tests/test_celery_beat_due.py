@@ -280,3 +280,34 @@ def test_a_successor_of_a_leader_whose_clock_ran_ahead_sends_on_time(
         assert sent, "the successor sent nothing for 3 s of an every-second entry"
     finally:
         successor.close()
+
+
+# -- what a writer of the claims' Redis planted ----------------------------------------------
+
+PLANTED = {
+    "superscript digits": "\u00b2:\u00b3:sent".encode(),
+    "digits past int()'s limit": b"9" * 4400 + b":1:sent",
+    "a due time past year 9999": b"999999999999999:1:sent",
+    "a fence past 2**63": b"1700000000000:" + b"9" * 30 + b":sent",
+    "not UTF-8": b"\xff\xfe:1:sent",
+    "a state of escapes": b"1700000000000:1:\x1b[2J",
+}
+
+
+@pytest.mark.parametrize("case", list(PLANTED))
+def test_a_leader_reads_past_planted_state_and_sends(
+    case: str, server: RedisServer, sent: list[str]
+) -> None:
+    client = server.client()
+    keys = ClaimKeys.of("beat:planted")
+    client.hset(keys.beat, mapping={"entry:a": PLANTED[case], "tick": PLANTED[case]})
+    beat = Scheduler(_app(server.url, "planted", {"a": schedule(1.0)}))
+    try:
+        deadline = time.monotonic() + 5.0
+        while not sent and time.monotonic() < deadline:
+            time.sleep(min(beat.tick(), 0.2))
+        assert beat.leading, "the leader gave up the lead over a planted value"
+        assert sent, "nothing sent for 5 s of an every-second entry"
+        assert status(client, "planted").entries["a"].state in ("pending", "sent")
+    finally:
+        beat.close()

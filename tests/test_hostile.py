@@ -774,3 +774,53 @@ def rendered(view: Any) -> str:
     out = io.StringIO()
     Console(file=out, width=200, color_system=None, markup=False, emoji=False).print(view)
     return out.getvalue()
+
+
+# -- a beat's stored state ---------------------------------------------------------------------
+
+#: case -> the fields of beat ``proj``'s hash (fenced.celery.beat writes them) beside one
+#: entry that is fine.
+BEAT_CASES: dict[str, dict[bytes, bytes]] = {
+    "escapes in a state": {b"entry:a": f"1700000000000:5:{EVIL_REASON}".encode()},
+    "escapes in an entry's name": {f"entry:{EVIL_HOST}".encode(): b"1700000000000:5:sent"},
+    "superscript digits": {b"entry:a": "\u00b2:\u00b3:sent".encode(), b"tick": "\u00b2".encode()},
+    "digits past int()'s limit": {
+        b"entry:a": b"9" * 4400 + b":1:sent",
+        b"tick": b"9" * 4400,
+        b"next:a": b"9" * 4400,
+    },
+    "a due time past year 9999": {
+        b"entry:a": b"999999999999999:1:sent",
+        b"tick": b"999999999999999",
+        b"next:ok": b"999999999999999",
+    },
+    "a fence past 2**63": {b"entry:a": b"1700000000000:" + b"9" * 30 + b":sent"},
+    "values not UTF-8": {b"entry:a": b"\xff\xfe:1:sent", b"tick": b"\xff", b"next:ok": b"\xff"},
+    "names not UTF-8": {b"entry:\xff\x1b[2J": b"1700000000000:1:sent", b"next:\xff": b"1"},
+}
+
+
+@pytest.mark.parametrize("case", list(BEAT_CASES))
+def test_a_beats_hostile_state_is_shown_escaped_and_never_breaks_a_reader(
+    case: str, url: str, raw: redis.Redis
+) -> None:
+    from starlette.testclient import TestClient
+
+    from fenced.web import create_app
+
+    beat = keys("beat:proj").beat
+    fields: dict[Any, Any] = {b"entry:ok": b"1700000000000:7:sent", **BEAT_CASES[case]}
+    raw.hset(beat, mapping=fields)
+    raw.set(keys("beat:proj").lock, "abcd:host:1:", px=60_000)
+    out = clean(fenced_cli(url, "beat", "proj"))
+    assert "ok: 2023-11-14T22:13:20+00:00 sent (fence 7)" in out, out
+    shown = json.loads(fenced_cli(url, "beat", "proj", "--json").stdout)
+    assert shown["entries"]["ok"]["fence"] == 7
+    assert "Traceback" not in json.dumps(shown)
+    out = clean(fenced_view(url, "show", "beat:proj"))
+    assert "beat:proj" in out
+    assert json.loads(fenced_view(url, "show", "beat:proj", "--json").stdout)["beat"]
+    answer = TestClient(create_app(raw)).get("/api/beats/proj")
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["entries"]["ok"]["fence"] == 7
+    assert ESC not in answer.text

@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ._lease import ClaimKeys, Holder
-from ._printable import printable
-from ._scripts import as_text
+from ._lease import ClaimKeys, Holder, fence_or_none, ms_or_none
+from ._printable import printable, readable
 
 __all__ = [
     "BeatStatus",
@@ -57,12 +56,16 @@ class EntryState:
 
     @classmethod
     def parse(cls, value: Any) -> EntryState | None:
-        """A stored value, or None when it is not one fenced wrote."""
-        text = as_text(value)
+        """A stored value, or None when it is not one fenced wrote (a due time no date
+        can show, a fence no script mints, bytes that are not UTF-8)."""
+        text = readable(value)
         parts = text.split(":")
-        if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
+        if len(parts) != 3:
             return None
-        return cls(int(parts[0]), int(parts[1]), parts[2], text)
+        due, fence = ms_or_none(parts[0]), fence_or_none(parts[1])
+        if due is None or fence is None:
+            return None
+        return cls(due, fence, parts[2], text)
 
     @property
     def due(self) -> datetime:
@@ -80,18 +83,17 @@ def read_state(
     tick = None
     upcoming: dict[str, int] = {}
     for key, value in fields.items():
-        name = as_text(key)
+        name = readable(key)  # what fenced never wrote is read, and shown escaped
         if name == "tick":
-            text = as_text(value)
-            tick = int(text) if text.isdigit() else None
+            tick = ms_or_none(value)
         elif name.startswith("entry:"):
             parsed = EntryState.parse(value)
             if parsed is not None:
                 entries[name[len("entry:") :]] = parsed
         elif name.startswith("next:"):
-            text = as_text(value)
-            if text.isdigit():
-                upcoming[name[len("next:") :]] = int(text)
+            upcoming_ms = ms_or_none(value)
+            if upcoming_ms is not None:
+                upcoming[name[len("next:") :]] = upcoming_ms
     return entries, tick, upcoming
 
 
@@ -176,7 +178,7 @@ def lines(report: BeatStatus) -> list[str]:
         upcoming = report.upcoming.get(entry)
         then = "" if upcoming is None else f", next {upcoming.isoformat()}"
         out.append(
-            f"  {printable(entry)}: {state.due.isoformat()} {state.state} "
+            f"  {printable(entry)}: {state.due.isoformat()} {printable(state.state)} "
             f"(fence {state.fence}){then}"
         )
     return out

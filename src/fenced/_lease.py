@@ -50,6 +50,7 @@ from ._scripts import (
 __all__ = [
     "HOST",
     "IDLE_TTL",
+    "LAST_MS",
     "MAX_RECORDS",
     "UNREACHABLE",
     "ClaimKeys",
@@ -1139,3 +1140,18 @@ def int_or_none(value: Any) -> int | None:
     if isinstance(value, str) and _INTEGER.fullmatch(value):
         return int(value)
     return None
+#: The last millisecond a date can show (9999-12-31 23:59:59.999 UTC).
+LAST_MS = 253_402_300_799_999
+_MS = re.compile("[0-9]{1,15}")
+
+
+def ms_or_none(value: Any) -> int | None:
+    """A time in ms since the epoch as fenced writes one (decimal digits) as an int; None
+    for anything else, or a time past the last one a date can show."""
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
+    if isinstance(value, str) and _MS.fullmatch(value) and int(value) <= LAST_MS:
+        return int(value)
+    return None
+
+

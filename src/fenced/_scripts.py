@@ -1510,7 +1510,10 @@ return 0
 # A pair is refused (nothing stored) when its due time is more than 1000 ms after Redis
 # TIME (a leader whose clock runs ahead: fenced.celery.beat.AHEAD_MS), when it is not
 # after the stored one by at least the gap (after a "skipped" one, or for "skip": not
-# after it), or when the stored one was written under a higher fence.
+# after it), or when the stored one was written under a higher fence. A stored value
+# that is not "<digits>:<fence>:<state>", or whose due time is more than a day after
+# Redis TIME (none this script stores), counts as none: a writer of the claims' Redis
+# cannot stall an entry for longer than a day with it.
 # A call with the fence and id of the last call is answered as that call was, nothing
 # written: a reply lost after the script ran, asked again (redis-py's retry).
 # returns {0} when ARGV[1] does not hold KEYS[1] or ARGV[2] is not KEYS[2]'s fence (a
@@ -1546,7 +1549,9 @@ for i = 5, #ARGV, 3 do
   local stored = ok and redis.call('HGET', KEYS[3], field)
   if stored then
     local last, fence, state = string.match(stored, '^(%d+):(%d+):(.*)$')
-    if last and fence_ok(fence) then
+    -- A stored due time a day past Redis's clock is none this script stored (it stores
+    -- none past latest; a clock stepped back a day is not honoured): it is planted.
+    if last and fence_ok(fence) and tonumber(last) <= latest + 86400000 then
       if fence_below(ARGV[2], fence) then
         ok = false
       elseif gap == 'skip' or state == 'skipped' then

@@ -40,6 +40,7 @@ from ._lease import (
     current_pid,
     fence_or_none,
     int_or_none,
+    ms_or_none,
     pid_text,
     short_token,
 )
@@ -172,9 +173,6 @@ class RunRecord:
         return asdict(self)
 
 
-#: The last millisecond a date can show (9999-12-31 23:59:59.999 UTC): a time past it,
-#: or before 1970, is stored data no reader can turn into a date.
-LAST_MS = 253_402_300_799_999
 #: The longest duration a record may give, in seconds (a thousand years).
 LONGEST = 1000 * 365.25 * 86_400
 
@@ -182,10 +180,8 @@ LONGEST = 1000 * 365.25 * 86_400
 def _ms_time(text: str) -> float | None:
     """A time in ms since the epoch (decimal digits) as seconds; None for anything else,
     or a time no date can show."""
-    if not text.isascii() or not text.isdigit() or len(text) > len(str(LAST_MS)):
-        return None
-    ms = int(text)
-    return ms / 1000.0 if ms <= LAST_MS else None
+    ms = ms_or_none(text)
+    return None if ms is None else ms / 1000.0
 
 
 def _entry_time(entry_id: str) -> float:

@@ -48,8 +48,8 @@ from .._beat import at as _at
 from .._claim import Claim
 from .._errors import ClaimUnavailable, ConfigError
 from .._inspect import beat_status as status
-from .._lease import ClaimKeys, check_namespace, check_timing
-from .._scripts import BEAT_DISPATCH, BEAT_SENT, as_text
+from .._lease import ClaimKeys, check_namespace, check_timing, ms_or_none
+from .._scripts import BEAT_DISPATCH, BEAT_SENT
 from . import _metrics
 from ._options import lock_redis
 
@@ -622,8 +622,10 @@ class Scheduler(beat.Scheduler):
         answer = BEAT_DISPATCH(client, keys, args)
         if int(answer[0]) != 1:
             return None
-        previous = as_text(answer[1])
-        return int(previous) if previous else None, int(answer[2]), [int(x) for x in answer[3:]]
+        # The previous tick as stored: what a writer of the claims' Redis planted there
+        # reads as none (the silence it would measure is unknown), never as an error.
+        previous = ms_or_none(answer[1])
+        return previous, int(answer[2]), [int(x) for x in answer[3:]]
 
     def _send(self, name: str, state: EntryState | None, claim: Claim) -> bool:
         """Publish one granted tick; False when it could not be sent (retried next tick)."""
