@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import secrets
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -23,9 +22,9 @@ from celery.schedules import BaseSchedule, crontab, schedule
 
 from fenced import Claim
 from fenced._lease import ClaimKeys
-from fenced._scripts import BEAT_DISPATCH
 from fenced.celery.beat import Scheduler, min_gap, next_due, status, task_id
 from fenced.testing import RedisServer
+from test_celery_beat import _dispatch
 
 UTC = timezone.utc
 
@@ -200,15 +199,6 @@ def test_a_leader_sends_every_due_time_of_uneven_crontabs_once(
 
 
 # -- Redis's clock ------------------------------------------------------------------------
-
-
-def _dispatch(client: Any, claim: Claim, *triples: tuple[str, int, str]) -> list[int]:
-    keys = ClaimKeys.of(claim.name)
-    args: list[Any] = [claim.token, str(claim.fence), "0", secrets.token_hex(8)]
-    for triple in triples:
-        args.extend(triple)
-    answer = BEAT_DISPATCH(client, [keys.lock, keys.fence, keys.beat], args)
-    return [int(answer[0]), *(int(x) for x in answer[3:])]
 
 
 def _redis_ms(client: Any) -> int:
