@@ -15,7 +15,7 @@ import redis.asyncio
 from _clock import ManualClock
 from _wait import wait_for
 from fenced import Claim, ClaimLost, events, records
-from fenced._guard import POLICIES, RUN, Run, Skipped, is_skipped
+from fenced._guard import POLICIES, RUN, Run, Skip, Skipped, is_skipped
 from fenced._lease import HOST, ClaimKeys, Holder
 from fenced.aio import Claim as AioClaim
 from fenced.testing import RedisServer
@@ -189,3 +189,84 @@ def test_a_delivery_of_a_task_id_that_already_ran_ok_replaces_nobody(r: Any) -> 
     fresh = Claim(r, "dup", ttl=30, task_id="t-3", redelivery_window=60)
     assert fresh.replace() and fresh.completed_before is False
     fresh.release()
+
+
+# -- the enqueue marker and call order (issue 43) ---------------------------------------
+
+
+def test_replace_and_takeover_clear_the_enqueue_marker_as_acquire_does(r: Any) -> None:
+    keys = ClaimKeys.of("marked")
+    r.set(keys.queued, "t-1")
+    first = Claim(r, "marked", ttl=30, task_id="t-1")
+    first.handle_enqueue_marker("-", False)  # until_started: the message left the queue
+    assert first.replace()
+    assert r.get(keys.queued) is None
+    r.set(keys.queued, "t-2")
+    second = Claim(r, "marked", ttl=30, task_id="t-2")
+    second.handle_enqueue_marker("-", False)
+    assert second.replace()  # takes it over, and clears its own call's mark
+    assert r.get(keys.queued) is None
+    # A marker that holds another task id is left alone.
+    r.set(keys.queued, "t-9")
+    third = Claim(r, "marked", ttl=30, task_id="t-3")
+    third.handle_enqueue_marker("-", False)
+    assert third.replace()
+    assert r.get(keys.queued) in ("t-9", b"t-9")
+    third.release()
+    # TAKEOVER, the path of a retry taking its kept lease, handles it too.
+    retried = Claim(r, "marked", ttl=30, task_id="t-9")
+    retried.handle_enqueue_marker("5000", False)  # until_finished: it covers the run
+    assert retried.take_over()
+    assert 0 < r.pttl(keys.queued) <= 5000
+    retried.release()
+
+
+def test_a_task_id_a_newer_call_replaced_never_replaces_again(r: Any) -> None:
+    older = Claim(r, "order", ttl=30, task_id="call-1", records=True)
+    assert older.acquire()
+    newer = Claim(r, "order", ttl=30, task_id="call-2", records=True)
+    assert newer.replace()
+    assert newer.token is not None
+    # call 1 again (its retry, its redelivery): refused, the newer run untouched.
+    again = Claim(r, "order", ttl=30, task_id="call-1", records=True)
+    action = again.enter(REPLACE)
+    assert isinstance(action, Skip), action
+    assert action.skipped.status == "replaced" and not is_skipped(action.skipped)
+    assert again.superseded is not None and again.superseded.startswith("replaced by ")
+    assert action.skipped.holder is not None and action.skipped.holder.task_id == "call-2"
+    assert not again.held and newer.refresh()
+    last = records.history(r, "order")[0]
+    assert last.task_id == "call-1" and last.outcome == "skipped"
+    assert (last.reason or "").startswith(f"replaced by {newer.token[:8]} ")
+    # Nor once the name is free: its newer call ran.
+    newer.release()
+    assert not Claim(r, "order", ttl=30, task_id="call-1").replace()
+    # Nor by the takeover a retry under replace tries next (a free name, a kept lease).
+    taking = Claim(r, "order", ttl=30, task_id="call-1")
+    taking._replacing = True  # as enter() sets it under replace
+    assert not taking.take_over() and taking.superseded == again.superseded
+    # A call that was never replaced takes it.
+    fresh = Claim(r, "order", ttl=30, task_id="call-3")
+    assert fresh.replace()
+    fresh.release()
+
+
+def test_the_replaced_calls_are_bounded_and_expire_with_the_name(r: Any) -> None:
+    from fenced._lease import REPLACED_CALLS
+
+    name = "bounded"
+    for i in range(REPLACED_CALLS + 5):
+        assert Claim(r, name, ttl=30, task_id=f"c-{i}", idle_ttl=60).replace()
+    calls = ClaimKeys.of(name).replaced_calls
+    assert r.llen(calls) == REPLACED_CALLS
+    assert 0 < r.pttl(calls) <= 60_000
+    # The newest replaced stay refused; the oldest, forgotten, are not.
+    assert not Claim(r, name, ttl=30, task_id=f"c-{REPLACED_CALLS + 3}").replace()
+    assert Claim(r, name, ttl=30, task_id="c-0").replace()
+
+
+def test_a_plain_claim_without_a_task_id_is_replaced_without_remembering_it(r: Any) -> None:
+    plain = Claim(r, "anonymous", ttl=30)
+    assert plain.acquire()
+    assert Claim(r, "anonymous", ttl=30, task_id="t-1").replace()
+    assert not r.exists(ClaimKeys.of("anonymous").replaced_calls)

@@ -71,7 +71,7 @@ from ._lease import (
 )
 from ._options import ClaimOptions
 from ._redact import SHORT_MAX, exception_text
-from ._scripts import Call
+from ._scripts import Call, as_text
 
 __all__ = ["Claim", "ClaimState"]
 
@@ -162,6 +162,13 @@ class ClaimState(LeaseState):
         #: Seconds left of the cooldown window when the last acquire found the name ran
         #: recently (it is then not held by anyone), else None.
         self.ran_recently: float | None = None
+        #: When the last replace found this claim's task id replaced by a newer call
+        #: (``on_busy="replace"``: its retry or redelivery never takes the name again),
+        #: the note that call left ("replaced by ..."), else None.
+        self.superseded: str | None = None
+        # Whether this claim takes its name under ``on_busy="replace"`` (set by ``enter``):
+        # its takeover of a kept lease then refuses a task id a newer call replaced.
+        self._replacing = False
         #: Seconds until the name's next start is allowed when the last acquire found it
         #: free but rate limited (``rate``), else None.
         self.throttled: float | None = None
@@ -560,7 +567,7 @@ class ClaimState(LeaseState):
         """REPLACE for one try under ``token``: its note names this run to the holder."""
         why = replaced_note(token)
         return self._store.replace_call(
-            token, self._started(), self.task_id or "", why, COOLDOWN_REASON
+            token, self._started(), self.task_id or "", why, COOLDOWN_REASON, self._queued_op
         )
 
     def _check_replace(self) -> None:
@@ -583,7 +590,12 @@ class ClaimState(LeaseState):
         """TAKEOVER for one try under ``token`` (a free name within the cooldown window is
         not taken; a kept lease is)."""
         return self._store.takeover_call(
-            token, self._started(), self.task_id or "", COOLDOWN_REASON
+            token,
+            self._started(),
+            self.task_id or "",
+            COOLDOWN_REASON,
+            self._queued_op,
+            self._replacing,
         )
 
     def _unavailable(self, exc: BaseException) -> ClaimUnavailable:
@@ -668,6 +680,7 @@ class ClaimState(LeaseState):
         # reads it as ACQUIRE's does.
         """Take in the answer of an ACQUIRE (or a TAKEOVER) sent at ``sent``: True if the
         claim is ours."""
+        self.superseded = None
         if int(res[0]) == 1:
             slot = self._granted_slot(res)
             with self._mutex:
@@ -691,13 +704,20 @@ class ClaimState(LeaseState):
         # Only a busy answer (0) carries the done marker; "ran recently" and "rate
         # limited" (2, 3, 4) never do, and what follows them with replicas is the count
         # of replicas that acknowledged.
-        asked = not takeover and code == 0 and self._store.asks_done(self.task_id) and len(res) > 6
+        asked = (
+            not takeover and code in (0, 5) and self._store.asks_done(self.task_id) and len(res) > 6
+        )
         self.completed_before = bool(int_or_none(res[6])) if asked else None
         self.skips = int_or_none(skips) or 0
         self.rerun_requested = int_or_none(rerun) or 0
         # rate limited (3), with a start booked for this task id (4)
         self.throttled = (int_or_none(pttl) or 0) / 1000 if code in (3, 4) else None
         self.booked = self.throttled if code == 4 else None
+        if code == 5:  # REPLACE: a newer call replaced this task id, which never runs again
+            self.holder = None
+            self.ran_recently = None
+            self.superseded = as_text(res[1])
+            return False
         if code in (2, 3, 4):  # nobody holds it: ran recently, or rate limited
             self.holder = None
             self.ran_recently = (int_or_none(pttl) or 0) / 1000 if code == 2 else None
@@ -710,7 +730,7 @@ class ClaimState(LeaseState):
         """ACQUIRE's reply named a holder that could not be decoded: busy, held by someone
         unknown (a lease whose value we cannot read is never taken)."""
         self.holder = Holder.unknown("the lease's value is not UTF-8")
-        self.ran_recently = self.throttled = self.booked = None
+        self.ran_recently = self.throttled = self.booked = self.superseded = None
         self.skips = self.rerun_requested = 0
         return False
 
@@ -1127,6 +1147,7 @@ class Claim(ClaimState):
         """
         blocking, timeout = self._acquire_as(policy)
         rerun = trigger if policy.asks_rerun else False
+        self._replacing = policy.replaces
         if policy.replaces:
             if self.replace():
                 return RUN

@@ -78,6 +78,7 @@ class Seen(Protocol):
     holder: Holder | None
     ran_recently: float | None
     throttled: float | None
+    superseded: str | None
     skips: int
     task_id: str | None
     vanished: bool
@@ -140,8 +141,10 @@ class Skipped:
         """What work whose claim a newer run took over gives (``on_busy="replace"``; the
         caller knows it was, from the loss's cause): status ``replaced``, the loss's
         reason as the run record keeps it, and as ``holder`` the newer run, as the note it
-        left names it (its token's start, host, pid and task id; no fence, no time left)."""
-        reason = claim.lost_reason or REPLACED
+        left names it (its token's start, host, pid and task id; no fence, no time left).
+        Also what a call gives whose task id a newer call replaced before (its retry,
+        its redelivery: ``superseded``), which does not run again."""
+        reason = claim.lost_reason or claim.superseded or REPLACED
         return cls(
             claim.name,
             replacer(reason),
@@ -321,6 +324,9 @@ class BusyPolicy:
         holder carrying this claim's own task id is an earlier attempt that died
         holding it (its message came back): run once its lease has ended.
         """
+        if claim.superseded is not None:
+            # replace: a newer call replaced this task id; by call order it lost for good
+            return Skip(Skipped.replaced(claim))
         if claim.ran_recently is not None:
             if self.name == "raise":
                 return Refuse(busy_error(claim), COOLDOWN_REASON)

@@ -88,6 +88,9 @@ MAX_RECORDS = 1000
 IDLE_TTL = 7 * 24 * 3600.0
 #: The most holders a name may have at once (``limit``): every acquire reads each slot.
 MAX_LIMIT = 64
+#: How many task ids a name remembers as replaced by a newer call (``on_busy="replace"``):
+#: a retry or redelivery of any of them never takes the name again.
+REPLACED_CALLS = 64
 #: The shortest idle expiry (and never below twice the ttl): long enough that a name in
 #: use keeps its skip count and records between runs.
 MIN_IDLE_TTL = 1.0
@@ -319,6 +322,13 @@ class ClaimKeys:
         """Why each replaced holder lost its lease (``on_busy="replace"``): a hash from the
         start of its token, read by that holder's next renewal."""
         return self._key("replaced")
+
+    @property
+    def replaced_calls(self) -> str:
+        """The task ids a newer call took the name over from (``on_busy="replace"``), newest
+        first, each with why: none of them takes the name again (a list, at most
+        :data:`REPLACED_CALLS` long, with the name's idle expiry)."""
+        return self._key("replaced:calls")
 
     @property
     def cooldown(self) -> str:
@@ -754,10 +764,19 @@ class LeaseCalls:
         )
 
     def replace_call(
-        self, token: str, record: str, task_id: str, why: str, cooldown_reason: str
+        self,
+        token: str,
+        record: str,
+        task_id: str,
+        why: str,
+        cooldown_reason: str,
+        queued: str = "",
     ) -> Call:
         """REPLACE: take the name over from its holder (``why`` is noted for it), or a
-        free name outside a cooldown window; read as ACQUIRE's."""
+        free name outside a cooldown window; read as ACQUIRE's. ``queued`` is what the
+        run of ``task_id`` does to the name's enqueue marker, as for :meth:`acquire_call`.
+        The holder's task id joins the name's replaced calls, and a ``task_id`` among
+        them is refused (a newer call replaced it)."""
         k = self.keys
         keys: tuple[str, ...] = (k.lock, k.fence, k.records, k.replaced)
         o = self.opts
@@ -766,10 +785,15 @@ class LeaseCalls:
         if o.cooldown_ms:
             keys += (k.skips, self._cooldown)
         args.append(cooldown_reason if o.cooldown_ms else "")
-        if self.asks_done(task_id):
+        done = self.asks_done(task_id)
+        if done:
             # A duplicate delivery of a task id whose run ended ok replaces nobody.
             keys += (k.done(task_id),)
-            args.append("1")
+        queued = queued if task_id else ""
+        if queued:
+            keys += (k.queued,)
+        keys += (k.replaced_calls,)
+        args += ["1" if done else "0", queued, REPLACED_CALLS]
         return REPLACE, keys, args
 
     def release_call(
@@ -832,16 +856,35 @@ class LeaseCalls:
         o = self.opts
         return HANDOVER, keys, [token, keep_ms, record, o.max_records, fence, o.idle_ms]
 
-    def takeover_call(self, token: str, record: str, task_id: str, cooldown_reason: str) -> Call:
+    def takeover_call(
+        self,
+        token: str,
+        record: str,
+        task_id: str,
+        cooldown_reason: str,
+        queued: str = "",
+        replacing: bool = False,
+    ) -> Call:
         """TAKEOVER: take the lease kept for ``task_id`` (or a free name, outside a cooldown
-        window); read as ACQUIRE's."""
+        window); read as ACQUIRE's. ``queued``: as for :meth:`acquire_call`; with
+        ``replacing`` (``on_busy="replace"``), a ``task_id`` among the name's replaced
+        calls is refused, as REPLACE refuses it."""
         k = self.keys
         keys: tuple[str, ...] = (k.lock, k.fence, k.records, k.handover)
         o = self.opts
         args: list[Any] = [token, o.ttl_ms, record, o.max_records, task_id, o.idle_ms]
         if o.cooldown_ms:
             keys += (k.skips, self._cooldown)
-            args.append(cooldown_reason)
+        queued = queued if task_id else ""
+        if o.cooldown_ms or queued or replacing:
+            args.append(cooldown_reason if o.cooldown_ms else "")
+        if queued or replacing:
+            args.append(queued)
+        if queued:
+            keys += (k.queued,)
+        if replacing:
+            keys += (k.replaced_calls,)
+            args.append("1")
         return TAKEOVER, keys, args
 
     def abandon_calls(self, token: str) -> list[Call]:

@@ -487,21 +487,37 @@ if (ARGV[9] or '') == '' and (ARGV[10] or '1') == '1' and (ARGV[13] or '') == ''
 end
 """
 
-# ACQUIRE's first step, whatever the answer (A[12]): the run of A[7] handles the name's
-# enqueue marker when it still holds A[7]. The marker is the last key but the rate's
-# (two, three with a booking).
-_ACQUIRE_QUEUED = """
-if (ARGV[12] or '') ~= '' then
-  local queued = KEYS[#KEYS - ((ARGV[13] or '') == '' and 0 or (ARGV[14] or '') == '' and 2 or 3)]
-  if redis.pcall('GET', queued) == ARGV[7] then
-    if ARGV[12] == '-' then
+
+def _queued_step(op: str, task_id: str, key: str) -> str:
+    """The first step of every script that grants a run its claim (ACQUIRE, REPLACE,
+    TAKEOVER), whatever the answer: the run of ``task_id`` handles the name's enqueue
+    marker (``key``) when it still holds ``task_id``. ``op`` (Lua expressions, all
+    three) is "-" to delete it (the message left the queue), a number of ms to give it
+    that expiry (it now covers the run), "" or nil for nothing. A marker of another type
+    is left alone. Spliced as text, not a Lua function: a closure made per call costs the
+    server, and ACQUIRE's fast path runs it on every call."""
+    return f"""
+if ({op} or '') ~= '' then
+  local queued = {key}
+  if redis.pcall('GET', queued) == {task_id} then
+    if {op} == '-' then
       redis.call('DEL', queued)
     else
-      redis.call('PEXPIRE', queued, ARGV[12])
+      redis.call('PEXPIRE', queued, {op})
     end
   end
 end
 """
+
+
+# ACQUIRE's first step, whatever the answer (A[12]): the run of A[7] handles the name's
+# enqueue marker when it still holds A[7]. The marker is the last key but the rate's
+# (two, three with a booking).
+_ACQUIRE_QUEUED = _queued_step(
+    "ARGV[12]",
+    "ARGV[7]",
+    "KEYS[#KEYS - ((ARGV[13] or '') == '' and 0 or (ARGV[14] or '') == '' and 2 or 3)]",
+)
 
 # The arguments of ACQUIRE in the order its whole script reads them (see ACQUIRE).
 _ACQUIRE_ARGS = """
@@ -1214,6 +1230,40 @@ local function ran_recently(keys, reason, record, maxlen, idle)
 end
 """
 
+# The name's replaced calls (``on_busy="replace"``; see REPLACE): a list, newest first, of
+# a task id, a newline and why a newer call replaced it. ``replaced_call`` answers why
+# ``task_id`` was replaced, or nil; nil and an error reply when the key holds another
+# type. ``refused_replaced`` is the answer to such a call, {5, why, 0, fence, 0, 0} (with
+# ``done``, then done), after it recorded a skip with that reason (not counted; the
+# record is checked first: nothing is written when it is of another type). Needs
+# _RECORDABLE, _APPEND and _TOUCH.
+_REPLACED_CALLS = """
+local function replaced_call(key, task_id)
+  local calls = redis.pcall('LRANGE', key, 0, -1)
+  if calls.err then
+    return nil, redis.error_reply('WRONGTYPE ' .. key .. ' is a ' ..
+                                  redis.call('TYPE', key).ok .. ', not a list of replaced calls')
+  end
+  if task_id == '' then return nil end
+  local head = task_id .. '\\n'
+  for _, call in ipairs(calls) do
+    if string.sub(call, 1, #head) == head then return string.sub(call, #head + 1) end
+  end
+  return nil
+end
+local function refused_replaced(why, records, maxlen, record, idle, fence, done)
+  if record ~= '' then
+    local bad = unrecordable(records)
+    if bad then return not_a_list(records, bad) end
+    append_record(records, maxlen, record, 'event', 'skipped', 'reason', why)
+    touch(idle, records)
+  end
+  local refused = {5, why, 0, fence, 0, 0}
+  if done then refused[7] = done end
+  return refused
+end
+"""
+
 # TAKEOVER: a retried message takes the lease its earlier attempt kept for it (HANDOVER),
 #           or the name when it is free, minting a new fence as ACQUIRE does (_MINT)
 # KEYS[1] lock   KEYS[2] fence   KEYS[3] records   KEYS[4] handover
@@ -1231,10 +1281,18 @@ end
 #         (the skip counted and recorded, no rerun asked). A kept lease is taken over
 #         whatever the cooldown key says: its run began outside any window and held the
 #         name since, and only a run that ended "ok" starts one.
+# ARGV[8] (optional, with ARGV[7] sent, "" for none) what the run of ARGV[5] does to
+#         the name's enqueue marker, the last of KEYS but the replaced calls, first and
+#         whatever the answer: as ACQUIRE's A[12] (_queued_step). "" or absent: nothing,
+#         and no marker key
+# ARGV[9] (optional, with ARGV[7] and ARGV[8] sent) "1" when the last of KEYS is the
+#         name's replaced calls (see REPLACE): a task id among them is refused as REPLACE
+#         refuses it (a run under ``on_busy="replace"`` taking its kept lease)
 # returns {1, fence}   when the claim is ours (also when ARGV[1] already holds it)
 #         {0, holder token, pttl ms, holder fence, 0, 0}   as ACQUIRE's busy answer
 #         {2, "", cooldown pttl ms, fence, consecutive skips, 0}   the name is free but
 #                                                       ran recently, as ACQUIRE's
+#         {5, why, 0, fence, 0, 0}   with ARGV[9]: as REPLACE's
 #         an error reply naming KEYS[3] when a skip would be written to a key of another
 #         type; nothing is written then; one naming KEYS[2] when it holds what is not a
 #         fence: nothing is granted or taken over then
@@ -1247,6 +1305,8 @@ TAKEOVER = Script(
     + _FENCE
     + _MINT
     + _RAN_RECENTLY
+    + _REPLACED_CALLS
+    + _queued_step("ARGV[8]", "ARGV[5]", "KEYS[#KEYS - ((ARGV[9] or '') == '' and 0 or 1)]")
     + """
 local idle = tonumber(ARGV[6])
 local holder = redis.call('GET', KEYS[1])
@@ -1254,6 +1314,11 @@ local last_fence = redis.call('GET', KEYS[2]) or '0'
 if holder == ARGV[1] then
   if not fence_ok(last_fence) then return not_a_fence(KEYS[2]) end
   return {1, last_fence}
+end
+if ARGV[9] == '1' then
+  local why, bad = replaced_call(KEYS[#KEYS], ARGV[5])
+  if bad then return bad end
+  if why then return refused_replaced(why, KEYS[3], ARGV[4], ARGV[3], idle, last_fence) end
 end
 if holder then
   local _, _, _, task_id = string.match(holder, TOKEN_PATTERN)
@@ -1296,17 +1361,32 @@ return {1, minted}
 #         that it holds even when the holder is dead; "" to record nothing
 # ARGV[9] (optional) the skip reason to record while the cooldown key lives, checked
 #         only when the name is free, as TAKEOVER does ("" for none)
-# ARGV[10] (optional) "1" when KEYS[#KEYS] is the done marker of ARGV[5]'s task id (see
-#         RELEASE): a run of it that already ended ok replaces nobody (a duplicate
-#         delivery), and every answer says whether the marker exists
+# then, each only with the argument that asks for it: the done marker of ARGV[5]'s task
+#         id (ARGV[10]), the name's enqueue marker (ARGV[11]), the name's replaced calls
+#         (ARGV[12]: a list, newest first, of the task id, a newline and why, for each task id
+#         REPLACE took the name over from, with the name's idle expiry)
+# ARGV[10] (optional) "1" with the done marker of ARGV[5]'s task id (see RELEASE): a
+#         run of it that already ended ok replaces nobody (a duplicate delivery), and
+#         every answer says whether the marker exists
+# ARGV[11] (optional) what the run of ARGV[5] does to the name's enqueue marker, first
+#         and whatever the answer: as ACQUIRE's A[12] (_queued_step). "" or absent:
+#         nothing
+# ARGV[12] (optional) how many replaced calls the name keeps (newest first): a task id
+#         among them was replaced by a newer call and never takes the name again (its
+#         retry, its redelivery: the newest call wins by call order), and a holder taken
+#         over is added to them (with its token's task id). "" or absent: none read or kept
 # returns {1, fence, 0}   when the claim is ours (also when ARGV[1] already holds it);
 #         {1, fence, 0, done} with ARGV[10]
 #         {0, holder token, pttl ms, holder fence, 0, 0}   an earlier attempt of this
 #                                               task, or (with ARGV[10], then done) a
 #                                               task id whose run ended ok
 #         {2, "", cooldown pttl ms, fence, consecutive skips, 0}   as ACQUIRE's
-#         an error reply naming KEYS[3] (not a list) or KEYS[2] (not a fence); nothing
-#         is written then
+#         {5, why, 0, fence, 0, 0}   ARGV[5]'s task id was replaced by a newer call
+#                                    (why: the note REPLACE left it then); recorded as
+#                                    a skip with that reason (not counted), nothing else
+#                                    written; with ARGV[10], then done
+#         an error reply naming KEYS[3] (not a list), KEYS[2] (not a fence) or the
+#         replaced calls (not a list); nothing is written then
 REPLACE = Script(
     "replace",
     _TOUCH
@@ -1316,12 +1396,22 @@ REPLACE = Script(
     + _FENCE
     + _MINT
     + _RAN_RECENTLY
+    + _REPLACED_CALLS
+    + """
+-- the optional keys after the cooldown's, in order
+local at = (ARGV[9] and ARGV[9] ~= '') and 6 or 4
+local done_key, queued_key, calls_key
+if ARGV[10] == '1' then at = at + 1; done_key = KEYS[at] end
+if ARGV[11] and ARGV[11] ~= '' then at = at + 1; queued_key = KEYS[at] end
+if ARGV[12] and ARGV[12] ~= '' then at = at + 1; calls_key = KEYS[at] end
+"""
+    + _queued_step("ARGV[11]", "ARGV[5]", "queued_key")
     + """
 local idle = tonumber(ARGV[6])
 local holder = redis.call('GET', KEYS[1])
 local last_fence = redis.call('GET', KEYS[2]) or '0'
 local done
-if ARGV[10] == '1' then done = redis.call('EXISTS', KEYS[#KEYS]) end
+if done_key then done = redis.call('EXISTS', done_key) end
 local function granted(fence)
   if done then return {1, fence, 0, done} end
   return {1, fence, 0}
@@ -1329,6 +1419,14 @@ end
 if holder == ARGV[1] then
   if not fence_ok(last_fence) then return not_a_fence(KEYS[2]) end
   return granted(last_fence)
+end
+-- the name's replaced calls: this task id among them was replaced by a newer call
+if calls_key then
+  local why, bad = replaced_call(calls_key, ARGV[5])
+  if bad then return bad end
+  if why and done ~= 1 then
+    return refused_replaced(why, KEYS[3], ARGV[4], ARGV[3], idle, last_fence, done)
+  end
 end
 if holder then
   local _, _, _, task_id = string.match(holder, TOKEN_PATTERN)
@@ -1354,6 +1452,13 @@ if holder then
   -- the holder learns why at its next renewal; kept past the longest it can take
   redis.call('HSET', KEYS[4], string.sub(holder, 1, 32), ARGV[7])
   redis.call('PEXPIRE', KEYS[4], 2 * tonumber(ARGV[2]) + 60000)
+  -- its task id never takes the name again: a newer call replaced it
+  local _, _, _, was = string.match(holder, TOKEN_PATTERN)
+  if calls_key and was and was ~= '' then
+    redis.call('LPUSH', calls_key, was .. '\\n' .. ARGV[7])
+    redis.call('LTRIM', calls_key, 0, tonumber(ARGV[12]) - 1)
+    touch(idle, calls_key)
+  end
   if ARGV[8] ~= '' then
     append_record(KEYS[3], ARGV[4], ARGV[8],
                   'event', 'finished', 'token', run_of(holder), 'fence', last_fence,

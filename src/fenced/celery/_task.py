@@ -739,6 +739,16 @@ class ClaimedTask(Task[Any, Any]):
         result, so Celery stores SUCCESS and sends no failure, and logs one line."""
         count("replaced")
         replaced = Skipped.replaced(claim)
+        if claim.superseded is not None:
+            # A retry or redelivery of a call a newer one replaced: it does not run again.
+            log.info(
+                "fenced: %s[%s] not run: a newer call replaced it before: %s",
+                self.name,
+                claim.task_id,
+                replaced,
+                extra=claim.log_fields("skipped", "skipped"),
+            )
+            return replaced.as_dict()
         log.info(
             "fenced: %s[%s] ended as replaced (its fence %s): %s",
             self.name,
@@ -954,6 +964,8 @@ class ClaimedTask(Task[Any, Any]):
         """Carry out the busy policy's action: a skipped result, a retry, or ClaimHeld."""
         if claim.throttled is not None:
             return self._throttled(claim, opts)
+        if claim.superseded is not None:
+            return self._replaced(claim)  # a newer call replaced this task id before
         holder = claim.holder
         if isinstance(action, RetryAfter) and action.redelivered:
             # An earlier attempt of this very task died holding the claim and its
