@@ -1183,6 +1183,8 @@ def int_or_none(value: Any) -> int | None:
     if isinstance(value, str) and _INTEGER.fullmatch(value):
         return int(value)
     return None
+
+
 #: The last millisecond a date can show (9999-12-31 23:59:59.999 UTC).
 LAST_MS = 253_402_300_799_999
 _MS = re.compile("[0-9]{1,15}")
@@ -1196,5 +1198,3 @@ def ms_or_none(value: Any) -> int | None:
     if isinstance(value, str) and _MS.fullmatch(value) and int(value) <= LAST_MS:
         return int(value)
     return None
-
-
