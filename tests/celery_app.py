@@ -252,6 +252,14 @@ def gated_rerun(self: Any, key: str) -> Any:
 
 
 @app.task(
+    base=ClaimedTask, bind=True, name="t.rerun_other", claim="gated:{key}", claim_on_busy="rerun"
+)
+def gated_rerun_other(self: Any, key: str) -> Any:
+    """Another task on t.rerun's names, with the same arguments (one resource)."""
+    return _gated(self, key, by=self.name)
+
+
+@app.task(
     base=ClaimedTask, bind=True, name="t.rerun_layers", claim="gated:{key}", claim_on_busy="rerun"
 )
 def gated_rerun_layers(self: Any, key: str, layer: str) -> Any:

@@ -57,7 +57,7 @@ def make_app(
     obs = redis.Redis.from_url(obs_url, decode_responses=True)
 
     def body(task: Any, key: str, n: int) -> int:
-        note = {"task_id": task.request.id, "n": n, "pid": os.getpid()}
+        note = {"task_id": task.request.id, "task": task.name, "n": n, "pid": os.getpid()}
         obs.rpush(f"runs:{key}", json.dumps({**note, "at": "start"}))
         deadline = time.monotonic() + RUN_LIMIT
         if obs.exists(f"hold:{key}"):
@@ -89,6 +89,33 @@ def make_app(
     )
     def slow(self: Any, key: str, n: int) -> int:
         """Runs 4 s after the last call of a burst: time to kill a worker meanwhile."""
+        return body(self, key, n)
+
+    @app.task(
+        base=ClaimedTask,
+        bind=True,
+        shared=False,
+        name="d.other",
+        claim="deb:{key}",
+        claim_debounce="300ms",
+        claim_debounce_max="1.5s",
+    )
+    def other(self: Any, key: str, n: int) -> int:
+        """Another task on d.job's names, with the same arguments (one resource)."""
+        return body(self, key, n)
+
+    @app.task(
+        base=ClaimedTask,
+        bind=True,
+        shared=False,
+        name="d.brief",
+        claim="brief:{key}",
+        claim_debounce="300ms",
+        claim_debounce_max="1s",
+        claim_enqueue_ttl=1,
+    )
+    def brief(self: Any, key: str, n: int) -> int:
+        """A burst record that would expire 2 s after its first call, but for its message."""
         return body(self, key, n)
 
     @app.task(shared=False, name="d.collect")

@@ -8,6 +8,9 @@ its length (LLEN) is how many messages were published and not yet taken.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,10 +20,10 @@ from celery import Celery
 
 from _wait import wait_for
 from celery_debounce_app import make_app
-from celery_harness import WAIT, Services, Worker, key
+from celery_harness import ROOT, WAIT, Services, Worker, key
 from fenced import ConfigError
 from fenced.celery import ClaimedTask, metrics
-from fenced.testing import RedisServer
+from fenced.testing import RedisServer, TcpProxy
 
 APP = "tests.celery_debounce_app"
 
@@ -248,3 +251,121 @@ def test_a_call_with_a_callback_or_its_own_task_id_is_sent_as_it_is(services: Se
             3,
         )
     assert sorted(s["n"] for s in starts(services, k)) == [1, 2, 3]
+
+
+# -- a burst belongs to its task, and to a message that exists --------------------------------
+
+
+def test_tasks_that_share_a_name_debounce_apart(services: Services) -> None:
+    """d.job and d.other share their names (one resource): a call of one never joins
+    the other's burst, so it is never answered with the other's task id, nor run as it."""
+    app = sender(services)
+    job, other = app.tasks["d.job"], app.tasks["d.other"]
+    k = key()
+    first = job.delay(k, 1)
+    second = other.delay(k, 2)
+    assert second.id != first.id, "d.other's call joined d.job's burst"
+    assert queued(services) == 2
+    with Worker(services, concurrency=1, app=APP):
+        assert (first.get(timeout=WAIT), second.get(timeout=WAIT)) == (1, 2)
+    ran = sorted((s["task"], s["n"]) for s in starts(services, k))
+    assert ran == [("d.job", 1), ("d.other", 2)]
+
+
+def test_a_planted_burst_id_is_never_a_callers_task_id(services: Services) -> None:
+    """A burst record's id is checked as the enqueue marker's is: one fenced never writes
+    is not handed back, and the call is sent as it is."""
+    app = sender(services)
+    job = app.tasks["d.job"]
+    k = key()
+    planted = "x" * 300  # longer than any task id fenced writes
+    record = f"fenced:{{deb:{k}}}:debounce"
+    services.locks().hset(record, mapping={"id": planted, "first": 0, "task": "d.job"})
+    services.locks().pexpire(record, 60_000)
+    result = job.delay(k, 1)
+    assert result.id != planted
+    assert queued(services) == 1
+    with Worker(services, concurrency=1, app=APP):
+        assert result.get(timeout=WAIT) == 1
+
+
+_DYING_SENDER = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from celery_debounce_app import make_app
+app = make_app(sys.argv[2], None, sys.argv[3], sys.argv[4], sys.argv[5])
+app.tasks["d.job"].delay(sys.argv[6], 1)
+"""
+
+
+def test_a_burst_whose_sender_died_before_publishing_runs_within_debounce_max(
+    services: Services,
+) -> None:
+    """A sender killed between the burst's record and its message: a later call
+    publishes the message, so the name runs within claim_debounce_max (1.5 s) of it."""
+    app = sender(services)
+    job = app.tasks["d.job"]
+    k = key()
+    broker_port = int(services.broker_url.split(":")[-1].split("/")[0])
+    proxy = TcpProxy(broker_port)
+    proxy.blackhole()  # the sender's publish hangs
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    dying = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _DYING_SENDER,
+            str(ROOT / "tests"),
+            proxy.url,
+            services.lock_url,
+            services.obs_url,
+            services.queue,
+            k,
+        ],
+        env=env,
+    )
+    try:
+        wait_for("the sender's burst record", lambda: burst(services, k).get("id"))
+        time.sleep(0.3)  # inside its publish, which hangs
+        assert dying.poll() is None, "the sender did not hang in its publish"
+        dying.kill()
+        dying.wait(timeout=WAIT)
+    finally:
+        if dying.poll() is None:
+            dying.kill()
+            dying.wait()
+        proxy.close()
+    dead = burst(services, k)["id"]
+    with Worker(services, concurrency=1, app=APP):
+        begun = time.monotonic()
+        n = 1
+        while not starts(services, k) and time.monotonic() - begun < 8.0:
+            n += 1
+            job.delay(k, n)
+            time.sleep(0.3)
+        took = time.monotonic() - begun
+        ran = starts(services, k)
+        assert ran, f"no run within {took:.1f}s of {n - 1} later calls"
+        assert took < 1.5 + 2.5, f"the first run came {took:.1f}s after the later calls began"
+        assert ran[0]["task_id"] == dead  # the burst's own id: its callers' result
+        assert job.AsyncResult(dead).get(timeout=WAIT) == ran[0]["n"]
+
+
+def test_a_burst_waiting_out_a_long_run_keeps_its_last_call(services: Services) -> None:
+    """The burst's message, waiting while a run holds the name, keeps the burst record
+    alive past its expiry (here 2 s after its first call): the burst runs with its last
+    call, not its message's own (the first call's)."""
+    app = sender(services)
+    brief = app.tasks["d.brief"]
+    k = key()
+    obs = services.obs()
+    obs.set(f"hold:{k}", 1)
+    with Worker(services, concurrency=2, app=APP):
+        first = brief.delay(k, 1)
+        wait_for("the first run", lambda: starts(services, k))
+        later = [brief.delay(k, n) for n in (2, 3)]
+        time.sleep(5.0)  # the run holds the name well past the record's own expiry
+        obs.set(f"go:{k}", 1)
+        assert first.get(timeout=WAIT) == 1
+        assert later[0].get(timeout=WAIT) == 3
+    assert [s["n"] for s in starts(services, k)] == [1, 3]

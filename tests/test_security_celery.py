@@ -21,6 +21,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -41,9 +42,23 @@ PASSWORD = "Pw-in-the-url-7f3a9c"
 DEEP = "[" * 100_000 + "]" * 100_000
 
 
-def sign(name: str, call: str, secret: str = SECRET) -> str:
-    """A trigger as a caller holding ``secret`` writes it (the format, spelled out)."""
+def body(task: str, call: str, kind: str = "r") -> str:
+    """What a trigger stores: its kind (r: rerun, d: debounced call), its task, its call."""
+    return f"{kind}:{len(task)}:{task}{call}"
+
+
+def sign(name: str, call: str, secret: str = SECRET, task: str = "t.rerun", kind: str = "r") -> str:
+    """A trigger of ``task`` as a caller holding ``secret`` writes it (the format,
+    spelled out)."""
     k = hmac.new(secret.encode(), b"fenced rerun trigger v1", hashlib.sha256).digest()
+    data, text = name.encode(), body(task, call, kind)
+    mac = hmac.new(k, len(data).to_bytes(8, "big") + data + text.encode(), hashlib.sha256)
+    return f"m2:{mac.hexdigest()}:{text}"
+
+
+def sign_v1(name: str, call: str) -> str:
+    """A trigger as fenced before tasks were signed wrote it: no task, no kind."""
+    k = hmac.new(SECRET.encode(), b"fenced rerun trigger v1", hashlib.sha256).digest()
     data = name.encode()
     mac = hmac.new(k, len(data).to_bytes(8, "big") + data + call.encode(), hashlib.sha256)
     return f"m1:{mac.hexdigest()}:{call}"
@@ -114,14 +129,18 @@ def test_only_signed_triggers_naming_the_claim_run_and_none_fails_the_run(sec: S
     name = f"gated:{k}"
     first = sec.send("t.rerun_layers", k, "roads")
     wait_for("the first run", lambda: sec.runs(k))
+    task = "t.rerun_layers"
     planted = [
         call(k, "unsigned"),  # no signature
-        "m1:" + "0" * 64 + ":" + call(k, "forged"),  # a made-up one
-        sign(name, call(other, "elsewhere")),  # signed, but its call names another claim
-        sign(f"gated:{other}", call(k, "replayed")),  # signed for another name
-        sign(name, call(k, "wrong key"), secret="another-secret-key-0123456789"),
-        sign(name, DEEP),  # signed, 100,000 deep: refused before it is parsed
-        sign(name, "not json"),
+        "t2:" + body(task, call(k, "unsigned")),  # no signature, in today's format
+        "m2:" + "0" * 64 + ":" + body(task, call(k, "forged")),  # a made-up one
+        sign(name, call(other, "elsewhere"), task=task),  # its call names another claim
+        sign(f"gated:{other}", call(k, "replayed"), task=task),  # signed for another name
+        sign(name, call(k, "wrong key"), secret="another-secret-key-0123456789", task=task),
+        sign(name, DEEP, task=task),  # signed, 100,000 deep: refused before it is parsed
+        sign(name, "not json", task=task),
+        sign(name, call(k, "debounced"), task=task, kind="d"),  # a burst's call, replayed
+        sign_v1(name, call(k, "older")),  # an older fenced's: names no task
     ]
     sec.locks.sadd(ClaimKeys("fenced", name).rerun, *planted)
     # A genuine trigger, written by a skipped call of a worker that has the key.
@@ -139,6 +158,35 @@ def test_only_signed_triggers_naming_the_claim_run_and_none_fails_the_run(sec: S
     assert f"ran while a trigger asked for another run of {name!r}" in log
     records = [r for r in sec.history(name) if r.outcome != "skipped"]
     assert [r.outcome for r in records] == ["ok", "ok"]
+
+
+def test_a_rerun_asked_for_by_another_task_on_the_name_runs_as_that_task(sec: Sec) -> None:
+    """t.rerun and t.rerun_other share their names (one resource): a call of one,
+    skipped while the other runs, is never sent as the holder's task."""
+    k = key()
+    name = f"gated:{k}"
+    rerun = ClaimKeys("fenced", name).rerun
+    first = sec.send("t.rerun", k)
+    wait_for("the first run", lambda: sec.runs(k))
+    assert sec.send("t.rerun_other", k).get(timeout=WAIT)["status"] == "skipped"
+    sec.open_gate(k, 0)
+    assert first.get(timeout=WAIT)["status"] == "ok"
+    # t.rerun's release leaves the other's call in the name's set, for that task.
+    time.sleep(1.5)
+    assert len(sec.runs(k)) == 1, "the other task's call was sent as t.rerun"
+    wait_for("the call left for t.rerun_other", lambda: sec.locks.scard(rerun) == 1)
+    (left,) = sec.locks.smembers(rerun)
+    assert f":{len('t.rerun_other')}:t.rerun_other[" in left
+    # t.rerun_other's own next run takes it as it releases: it reruns as itself.
+    second = sec.send("t.rerun_other", k)
+    wait_for("t.rerun_other's run", lambda: sec.runs(k)[1:])
+    sec.open_gate(k, 1)
+    assert second.get(timeout=WAIT)["status"] == "ok"
+    wait_for("its rerun", lambda: sec.runs(k)[2:])
+    sec.open_gate(k, 2)
+    wait_for("the rerun to end", lambda: len(notes(sec.obs, f"ends:{k}")) == 3)
+    assert [r.get("by") for r in sec.runs(k)] == [None, "t.rerun_other", "t.rerun_other"]
+    assert sec.locks.scard(rerun) == 0
 
 
 def test_a_deeply_nested_trigger_does_not_fail_a_run_that_succeeded(sec: Sec) -> None:
@@ -171,15 +219,14 @@ def test_without_a_key_triggers_are_checked_for_their_name_and_shape(
 
     x = key()
     rerun = ClaimKeys("fenced", f"job:{x}").rerun
-    redis_server.client().sadd(
-        rerun, call(x, "same name"), call(key(), "other name"), DEEP, "[[1", "*"
-    )
+    mine = [f"t2:{body(job.name, c)}" for c in (call(x, "same name"), call(key(), "other"), "*")]
+    redis_server.client().sadd(rerun, *mine, DEEP, "[[1", call(x, "older fenced"))
     before = dict(metrics)
     with caplog.at_level(logging.WARNING, logger="fenced.celery"):
         result = job.apply((x, "roads"))
     assert result.successful(), result.traceback
     assert ran == [(x, "roads")]
-    assert metrics["reruns_dropped"] - before.get("reruns_dropped", 0) == 3
+    assert metrics["reruns_dropped"] - before.get("reruns_dropped", 0) == 4
     # Sent (to the memory broker): the same-name call, and "*" (the holder's own call).
     assert metrics["reruns"] - before.get("reruns", 0) == 2
     assert "are not signed" in caplog.text
@@ -191,11 +238,12 @@ def test_triggers_are_bounded_before_they_are_parsed() -> None:
     k = _rerun.rerun_key(SECRET)
     assert k is not None
     # A signed trigger is the format sign() spells out, and reads back as its call.
-    assert _rerun.encode(("a",), {"n": 1}, "job:a", k) == sign("job:a", call("a", n=1))
-    assert _rerun.decode(sign("job:a", call("a", n=1)), "job:a", k) == (("a",), {"n": 1})
+    encoded = _rerun.encode(("a",), {"n": 1}, "job:a", k, "t.rerun")
+    assert encoded == sign("job:a", call("a", n=1))
+    assert _rerun.decode(encoded, "job:a", k) == ("t.rerun", (("a",), {"n": 1}))
     # Brackets inside strings are text, not depth; unbalanced or deep ones are refused.
     text = call("[" * 200 + '\\"', "{")
-    assert _rerun.decode(sign("job:a", text), "job:a", k)[0] == ("[" * 200 + '\\"', "{")
+    assert _rerun.decode(sign("job:a", text), "job:a", k)[1] == (("[" * 200 + '\\"', "{"), {})
     for bad in (DEEP, "]]" + "[[" * 40, "x" * (_rerun.MAX_BYTES + 1)):
         with pytest.raises(_rerun.Refused):
             _rerun.decode(sign("job:a", bad), "job:a", k)

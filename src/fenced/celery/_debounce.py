@@ -18,17 +18,27 @@ redelivery of the same message) and the run takes the claim with that call's
 arguments. A call arriving after that starts the next burst, whose message waits while
 the run holds the name.
 
-The stored call is data whoever can write the claims' Redis could plant, so it is
-encoded and checked as rerun triggers are (:mod:`fenced.celery._rerun`: signed with the
-app's secret key, size and depth capped, the call must give the name); one refused is
+A burst is one task's: the record names it, and a call of another task sharing the
+name is not joined (sent as it is). The stored call is data whoever can write the
+claims' Redis could plant, so it is encoded and checked as rerun triggers are
+(:mod:`fenced.celery._rerun`: signed with the app's secret key together with the task
+and the kind, size and depth capped, the call must give the name); one refused is
 dropped (counted ``debounce_dropped``) and the run takes its message's own arguments.
+The burst id a join returns is checked as the enqueue marker's is
+(:func:`fenced.celery._enqueue.stored_task_id`).
+
+The record says whether its message was published (the opener marks it once its
+publish returns). A call that joins a burst still unmarked ``claim_debounce_max`` (else
+``claim_debounce``) after it opened publishes the message under the burst's task id:
+a sender that died between its join and its publish delays the burst, never loses it.
 
 What a Redis restart (or failover to a replica that lags) can lose: a burst record
 not yet persisted. Its message then runs with its own arguments, the first call's of its
 burst (the later calls' arguments are lost, the run is not); calls after the restart
 start a new burst, so the name may run twice. A burst record whose message never comes
-(the broker lost it) expires ``claim_debounce_max`` (else ``claim_debounce``) plus
-``claim_enqueue_ttl`` after its last call: until then, calls join it and wait in vain.
+(the broker lost it after accepting it) expires ``claim_debounce_max`` plus
+``claim_enqueue_ttl`` after its first call (without a max, ``claim_debounce`` plus
+``claim_enqueue_ttl`` after its last): until then, calls join it and wait in vain.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ from .._audit import claim_fields
 from .._errors import ClaimUnavailable, ConfigError
 from .._lease import ClaimKeys
 from .._scripts import Script, as_text
-from . import _rerun
+from . import _enqueue, _rerun
 
 __all__ = ["check", "defer", "delivered", "join", "send", "take"]
 
@@ -68,23 +78,38 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 # KEYS[1] the burst record; ARGV[1] a new task id, ARGV[2] the call, ARGV[3] the
-# record's expiry (ms), ARGV[4] the debounce (ms), ARGV[5] the debounce max (ms, 0:
-# none). Returns {task id of the burst, 1 if this call opened it}. The record's ``due``
-# (when the burst runs if no call joins it, ms) and ``calls`` (how many joined) are for
-# the operator tools: TAKE decides from first and last.
+# record's expiry (ms; counted from the burst's first call when there is a debounce
+# max, else from this call), ARGV[4] the debounce (ms), ARGV[5] the debounce max (ms, 0:
+# none), ARGV[6] the calling task's name, ARGV[7] how long a burst's message may go
+# unconfirmed before a call takes its publishing over (ms). Returns {task id of the
+# burst, what this call does}: 1 it opened the burst (publish its message), 0 it joined
+# it, 2 the open burst is another task's (or names none: an older fenced's), so this
+# call is not joined (send it as it is), 3 it joined a burst whose message its opener
+# never confirmed as published in time (a sender that died or hung): publish it
+# under the burst's task id. The record's ``due`` (when the burst runs if no call joins
+# it, ms) and ``calls`` (how many joined) are for the operator tools: TAKE decides from
+# first and last.
 JOIN = Script(
     "debounce_join",
     """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local b = redis.call('HMGET', KEYS[1], 'id', 'first', 'calls')
+local b = redis.call('HMGET', KEYS[1], 'id', 'first', 'calls', 'task', 'sent', 'opened')
 local id, first = b[1], tonumber(b[2]) or now
 local new = 0
 if not id then
   id = ARGV[1]
   first = now
   new = 1
-  redis.call('HSET', KEYS[1], 'id', id, 'first', now)
+  redis.call('HSET', KEYS[1], 'id', id, 'first', now, 'task', ARGV[6], 'sent', '0',
+             'opened', now)
+elseif b[4] ~= ARGV[6] then
+  return {id, 2}
+elseif b[5] ~= '1' and now - (tonumber(b[6]) or first) >= tonumber(ARGV[7]) then
+  -- its opener never said its message was published: this call publishes it, and
+  -- the next one waits as long again for this one to say so
+  new = 3
+  redis.call('HSET', KEYS[1], 'opened', now)
 end
 local due = now + tonumber(ARGV[4])
 if tonumber(ARGV[5]) > 0 then
@@ -93,17 +118,41 @@ end
 local calls = new == 1 and 1 or (tonumber(b[3]) or 0) + 1
 redis.call('HSET', KEYS[1], 'last', now, 'call', ARGV[2], 'due', string.format('%d', due),
            'calls', string.format('%d', calls))
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+local expiry = tonumber(ARGV[3])
+if tonumber(ARGV[5]) > 0 then
+  -- joins never push it out: a record whose message never comes goes in time
+  expiry = math.max(1, first + expiry - now)
+end
+if redis.call('PTTL', KEYS[1]) < expiry then
+  -- (never shortened: its message keeps it while a run holds the name)
+  redis.call('PEXPIRE', KEYS[1], expiry)
+end
 return {id, new}
+""",
+)
+
+# KEYS[1] the burst record; ARGV[1] the task id of a burst whose message was published.
+# Marks the record's message as published if the record is still that burst's.
+# Returns 1 if it was, else 0.
+SENT = Script(
+    "debounce_sent",
+    """
+if redis.call('HGET', KEYS[1], 'id') ~= ARGV[1] then
+  return 0
+end
+redis.call('HSET', KEYS[1], 'sent', '1')
+return 1
 """,
 )
 
 # KEYS[1] the burst record, KEYS[2] the call taken by this task id, KEYS[3] the name's
 # lease; ARGV[1] the delivered task id, ARGV[2] debounce (ms), ARGV[3] debounce max (ms,
 # 0: none), ARGV[4] how long a taken call is kept (ms), ARGV[5] the longest wait while
-# the name is held (ms). Returns {'wait', ms} while the burst is not due or the name
-# is held, {'run', call} once it is taken (again, for a redelivery), {'own'} when this
-# task id has no burst (a message not debounced, or a record lost).
+# the name is held (ms), ARGV[6] how long the record outlives a wait (ms). Returns
+# {'wait', ms} while the burst is not due or the name is held (the record then kept
+# at least ARGV[6] past the wait, so a long run holding the name never outlives it),
+# {'run', call} once it is taken (again, for a redelivery), {'own'} when this task id
+# has no burst (a message not debounced, or a record lost).
 TAKE = Script(
     "debounce_take",
     """
@@ -121,6 +170,9 @@ if b[1] == ARGV[1] then
     wait = math.max(wait, math.min(held, tonumber(ARGV[5])))
   end
   if wait > 0 then
+    if redis.call('PTTL', KEYS[1]) < wait + tonumber(ARGV[6]) then
+      redis.call('PEXPIRE', KEYS[1], wait + tonumber(ARGV[6]))
+    end
     return {'wait', wait}
   end
   redis.call('DEL', KEYS[1])
@@ -212,14 +264,29 @@ def join(
     expiry: float,
     debounce: float,
     most: float | None = None,
-) -> tuple[str, bool]:
-    """Add a call to the name's burst: (the burst's task id, whether this call opened it)."""
+    task: str = "",
+) -> tuple[str, int]:
+    """Add a call of ``task`` to the name's burst: (the burst's task id, what the call
+    does: OPENED, JOINED, NOT_JOINED or TAKEN_OVER). A burst id that is not one fenced
+    writes raises a DataError (the caller sends its call as it is)."""
     found = JOIN(
         client,
         [keys.debounce],
-        [task_id, call, max(1, int(expiry * 1000)), int(debounce * 1000), int((most or 0) * 1000)],
+        [
+            task_id,
+            call,
+            max(1, int(expiry * 1000)),
+            int(debounce * 1000),
+            int((most or 0) * 1000),
+            task,
+            max(1, int((most or debounce) * 1000)),
+        ],
     )
-    return as_text(found[0]), bool(int(found[1]))
+    return _enqueue.stored_task_id(found[0], keys.debounce, "the burst record"), int(found[1])
+
+
+#: What :func:`join` says a call does.
+JOINED, OPENED, NOT_JOINED, TAKEN_OVER = 0, 1, 2, 3
 
 
 def take(
@@ -229,6 +296,7 @@ def take(
     debounce: float,
     most: float | None,
     keep: float,
+    outlive: float = 3600.0,
 ) -> tuple[str, Any]:
     """What the message ``task_id`` does: ("wait", seconds), ("run", the call's text), or
     ("own", None): run with the message's own arguments."""
@@ -242,6 +310,7 @@ def take(
             int((most or 0) * 1000),
             max(1, int(keep * 1000)),
             int(max(debounce, HELD_POLL) * 1000),
+            max(1, int(outlive * 1000)),
         ],
     )
     what = as_text(found[0])
@@ -286,16 +355,19 @@ def send(
     count: Callable[[str], None],
 ) -> Any:
     """A call of a debounced task: joins its name's burst (the burst's AsyncResult), or
-    opens one and publishes its message, due ``claim_debounce`` later.
+    opens one and publishes its message, due ``claim_debounce`` later (or publishes the
+    message of a burst whose opener never said it did, under the burst's task id).
 
     A call JSON cannot carry (or larger than a trigger may be) is published as it is,
-    not coalesced, and so is one when the claims' Redis cannot be reached.
+    not coalesced, and so is one when the claims' Redis cannot be reached, and one while
+    the name's open burst is another task's (tasks sharing a name debounce apart: a
+    call never joins, nor runs as, another task's burst).
     """
     opts = task._options()
     args, kwargs = tuple(args or ()), dict(kwargs or {})
     name = task.claim_name_for(args, kwargs)
-    call = _rerun.encode(args, kwargs, name, task._rerun_key())
-    if call.endswith(_rerun.OWN):  # a call's JSON ends with "]"
+    call = _rerun.encode(args, kwargs, name, task._rerun_key(), task.name, _rerun.DEBOUNCE)
+    if _rerun.is_own(call):
         log.warning(
             "fenced: %s sent as it is, not debounced: its arguments are not JSON, or larger "
             "than %d bytes",
@@ -309,7 +381,7 @@ def send(
     client = _client(task)
     try:
         expiry = (most or debounce) + opts.enqueue_ttl
-        burst, opened = join(client, keys, uuid(), call, expiry, debounce, most)
+        burst, what = join(client, keys, uuid(), call, expiry, debounce, most, task.name)
     except (redis.RedisError, OSError) as exc:
         log.warning(
             "fenced: could not debounce %r (%s): sending %s as it is",
@@ -319,20 +391,48 @@ def send(
             extra=claim_fields(name),
         )
         return publish(args, kwargs, **options)
-    if not opened:
+    if what == NOT_JOINED:
+        log.info(
+            "fenced: %r has an open burst of another task: sending %s as it is",
+            name,
+            task.name,
+            extra=claim_fields(name),
+        )
+        return publish(args, kwargs, **options)
+    if what == JOINED:
         count("debounced")
         return task.AsyncResult(burst)
+    if what == TAKEN_OVER:
+        count("debounced")
+        log.warning(
+            "fenced: the burst %s of %r was never confirmed published (its sender died or "
+            "hung): %s publishes it",
+            burst,
+            name,
+            task.name,
+            extra=claim_fields(name),
+        )
+    options = {k: v for k, v in options.items() if k not in ("countdown", "eta")}  # None
     try:
-        options = {k: v for k, v in options.items() if k not in ("countdown", "eta")}  # None
-        return publish(args, kwargs, burst, countdown=debounce, **options)
+        sent = publish(args, kwargs, burst, countdown=debounce, **options)
     except BaseException:
-        try:  # the calls that join it would wait for a message that never comes
-            ABANDON(client, [keys.debounce], [burst])
-        except Exception:
-            log.warning(
-                "fenced: could not abandon the burst of %r; it expires", name, exc_info=True
-            )
+        if what == OPENED:
+            try:  # the calls that join it would wait for a message that never comes
+                ABANDON(client, [keys.debounce], [burst])
+            except Exception:
+                log.warning(
+                    "fenced: could not abandon the burst of %r; it expires", name, exc_info=True
+                )
         raise
+    try:  # a later call no longer takes its publishing over
+        SENT(client, [keys.debounce], [burst])
+    except Exception:
+        log.warning(
+            "fenced: could not mark the burst of %r published; a later call may publish it again",
+            name,
+            exc_info=True,
+        )
+    return sent
 
 
 def delivered(
@@ -357,6 +457,7 @@ def delivered(
             opts.values["claim_debounce"],
             opts.values["claim_debounce_max"],
             opts.claim.redelivery_window,
+            opts.enqueue_ttl,
         )
     except (redis.RedisError, OSError) as exc:
         raise ClaimUnavailable(f"could not read the burst of {name!r}: {exc}", name=name) from exc
@@ -367,7 +468,9 @@ def delivered(
         return args, kwargs
     key = task._rerun_key()
     try:
-        args, kwargs = _rerun.checked(value, name, key, task.claim_name_for)
+        args, kwargs = _rerun.checked(
+            value, name, key, task.claim_name_for, None, task.name, _rerun.DEBOUNCE
+        )
     except Exception as exc:
         why = _rerun.why(exc)
         count("debounce_dropped")

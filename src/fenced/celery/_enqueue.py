@@ -39,6 +39,7 @@ __all__ = [
     "expiry_ms",
     "is_task_id",
     "mark",
+    "stored_task_id",
 ]
 
 #: The modes: the marker lasts until the run starts, or until it ends.
@@ -127,21 +128,41 @@ def mark(
     """
     try:
         found = _mark(client, keys.queued, task_id, expiry, running or "")
-        queued = as_text(found) if found else None
-        if queued is None or is_task_id(queued):
-            return queued
-        # Not a task id fenced wrote: never a caller's result id, nor raw text in a log.
-        problem = f"holds {printable(queued[:80])!r}, not a task id"
-    except UnicodeDecodeError:
-        problem = "holds a value that is not UTF-8, not a task id"
+    except UnicodeDecodeError:  # read while it decided
+        raise _not_written(keys.queued, "the enqueue marker", _NOT_UTF8) from None
     except ResponseError as exc:
         # (a script's error on Redis before 7.0 starts with where the script failed)
         if "WRONGTYPE" not in str(exc):
             raise  # READONLY, OOM...: the caller's to handle as any refusal
         problem = "is not a string holding a task id"
-    key = printable(keys.queued)
-    raise DataError(
-        f"the enqueue marker {key!r} {problem}; fenced did not write it. Delete it (DEL {key})"
+        raise _not_written(keys.queued, "the enqueue marker", problem) from None
+    return stored_task_id(found, keys.queued) if found else None
+
+
+def stored_task_id(value: Any, key: str, what: str = "the enqueue marker") -> str:
+    """A task id read from ``key`` (``what`` it is, for the error), before it is handed
+    to a caller as its result's id: a DataError naming the key when the value is not
+    one fenced writes (see :func:`is_task_id`), as a Redis that cannot be reached raises
+    a RedisError (the caller then sends its call as it is)."""
+    try:
+        text = as_text(value)
+    except UnicodeDecodeError:
+        problem = _NOT_UTF8
+    else:
+        if is_task_id(text):
+            return text
+        # Not a task id fenced wrote: never a caller's result id, nor raw text in a log.
+        problem = f"holds {printable(text[:80])!r}, not a task id"
+    raise _not_written(key, what, problem)
+
+
+_NOT_UTF8 = "holds a value that is not UTF-8, not a task id"
+
+
+def _not_written(key: str, what: str, problem: str) -> DataError:
+    shown = printable(key)
+    return DataError(
+        f"{what} {shown!r} {problem}; fenced did not write it. Delete it (DEL {shown})"
     )
 
 

@@ -7,11 +7,18 @@ the worker's broker credentials, so it believes a trigger only as far as it can 
 
 - a trigger is at most :data:`MAX_BYTES` long and nested at most :data:`MAX_DEPTH`
   deep, and the call it names must give the holder's own claim name;
+- a trigger names the task that left it and its kind (a rerun, or a debounced call:
+  :data:`RERUN`, :data:`DEBOUNCE`), so a call stored under a name several tasks share
+  runs only as its own task (``<kind>:<length of the task name>:<task name><call>``);
 - with a secret key (``fenced_secret_key``, else ``FENCED_SECRET_KEY``) each trigger
-  carries an HMAC-SHA256 of the claim name and the call, under a key derived from the
-  secret for this use alone (``m1:<hex>:<call>``); one without a valid MAC is dropped;
+  carries an HMAC-SHA256 of the claim name, the kind, the task and the call, under a key
+  derived from the secret for this use alone (``m2:<hex>:<kind>:...``); one without a
+  valid MAC is dropped;
 - without a key nothing can be verified: a trigger that passes the checks above is
-  used, and the first one a process takes logs a warning saying so.
+  used (``t2:<kind>:...``), and the first one a process takes logs a warning saying so;
+- what an older fenced stored (``m1:`` triggers and bare calls, which name no task) is
+  dropped: it could be another task's call. Only the counter of fenced 0.1 (``""``)
+  still asks for the holder's own call.
 
 Equal calls still give equal triggers (the MAC is deterministic), so they coalesce.
 
@@ -38,14 +45,17 @@ from typing import Any
 from .._naming import SECRET_KEY_ENV, check_secret_key
 
 __all__ = [
+    "DEBOUNCE",
     "HEADER",
     "MAX_BYTES",
     "MAX_DEPTH",
     "OWN",
+    "RERUN",
     "Refused",
     "checked",
     "decode",
     "encode",
+    "is_own",
     "rerun_key",
     "task_id",
     "why",
@@ -60,7 +70,11 @@ MAX_DEPTH = 64
 OWN = "*"
 #: The message header of a rerun: its task id may have run already (sent twice).
 HEADER = "fenced_rerun"
-_SIGNED = "m1:"
+#: The kinds of stored call: a rerun trigger, a debounced burst's call.
+RERUN, DEBOUNCE = "r", "d"
+_SIGNED = "m2:"
+_UNSIGNED = "t2:"
+_OLD_SIGNED = "m1:"
 _KEY_LABEL = b"fenced rerun trigger v1"
 _MAC_HEX = 64
 # A JSON string, or the rest of the text after an unclosed quote: it always matches,
@@ -82,11 +96,28 @@ def rerun_key(secret: Any) -> bytes | None:
     return hmac.new(base, _KEY_LABEL, hashlib.sha256).digest()
 
 
-def _mac(key: bytes, name: str, call: str) -> str:
+def _mac(key: bytes, name: str, body: str) -> str:
     data = name.encode("utf-8", "surrogatepass")
-    # Length-prefixed: no name and call run into another pair's.
-    message = len(data).to_bytes(8, "big") + data + call.encode("utf-8", "surrogatepass")
+    # Length-prefixed: no name and body run into another pair's (the body spells the
+    # task's length before it, so no task and call do either).
+    message = len(data).to_bytes(8, "big") + data + body.encode("utf-8", "surrogatepass")
     return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def _body(kind: str, task: str, call: str) -> str:
+    return f"{kind}:{len(task)}:{task}{call}"
+
+
+def _parse_body(body: str) -> tuple[str, str, str]:
+    """(kind, task, call) of a trigger's body; Refused for one that is not."""
+    kind, sep, rest = body.partition(":")
+    length, sep2, rest = rest.partition(":")
+    if not (sep and sep2) or kind not in (RERUN, DEBOUNCE) or not length.isdigit():
+        raise Refused("not a stored call (kind, task, call)")
+    n = int(length[:8])
+    if len(length) > 8 or n > len(rest):
+        raise Refused("not a stored call (kind, task, call)")
+    return kind, rest[:n], rest[n:]
 
 
 def call_text(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
@@ -101,34 +132,60 @@ def call_text(args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
     return text
 
 
-def encode(args: Sequence[Any], kwargs: Mapping[str, Any], name: str, key: bytes | None) -> str:
-    """The trigger a call skipped on claim ``name`` leaves: signed when there is a key."""
-    call = call_text(args, kwargs)
-    return call if key is None else f"{_SIGNED}{_mac(key, name, call)}:{call}"
+def encode(
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    name: str,
+    key: bytes | None,
+    task: str,
+    kind: str = RERUN,
+) -> str:
+    """The trigger a call of ``task`` skipped on claim ``name`` leaves (``kind``: RERUN or
+    DEBOUNCE): signed when there is a key."""
+    body = _body(kind, task, call_text(args, kwargs))
+    return f"{_UNSIGNED}{body}" if key is None else f"{_SIGNED}{_mac(key, name, body)}:{body}"
+
+
+def is_own(trigger: str) -> bool:
+    """Whether a trigger asks for its task's own call (arguments JSON cannot carry)."""
+    return trigger.endswith(OWN)  # a call's JSON ends with "]"
 
 
 def decode(
-    trigger: str, name: str, key: bytes | None
-) -> tuple[tuple[Any, ...], dict[str, Any]] | str:
-    """The call a trigger asks for on claim ``name``: (args, kwargs), or OWN.
+    trigger: str, name: str, key: bytes | None, kind: str = RERUN
+) -> tuple[str, tuple[tuple[Any, ...], dict[str, Any]] | str]:
+    """The task a trigger of ``kind`` names on claim ``name``, and the call it asks for:
+    (task, (args, kwargs)) or (task, OWN); ("", OWN) for the counter of fenced 0.1.
 
-    Raises :class:`Refused` for one too large, too deep, unreadable, or (with a key)
-    without a valid MAC. Whether the call gives ``name`` is the task's to check.
+    Raises :class:`Refused` for one too large, too deep, unreadable, of another kind,
+    of an older fenced (it names no task), or (with a key) without a valid MAC. Whether
+    the task is the caller's and the call gives ``name`` is the caller's to check.
     """
-    if len(trigger) > MAX_BYTES + len(_SIGNED) + _MAC_HEX + 1:
+    if trigger == "":
+        return "", OWN
+    if len(trigger) > 2 * MAX_BYTES:
         raise Refused(f"longer than {MAX_BYTES} bytes")
     if trigger.startswith(_SIGNED):
-        mac, sep, call = trigger[len(_SIGNED) :].partition(":")
+        mac, sep, body = trigger[len(_SIGNED) :].partition(":")
         if not sep or len(mac) != _MAC_HEX:
             raise Refused("a malformed signature")
-        if key is not None and not hmac.compare_digest(mac, _mac(key, name, call)):
+        if key is not None and not hmac.compare_digest(mac, _mac(key, name, body)):
             raise Refused("a signature that does not match (another key, or another name)")
+    elif trigger.startswith((_OLD_SIGNED, "[", OWN)):
+        raise Refused("stored by an older fenced, without its task")
     elif key is not None:
         raise Refused("no signature, and fenced_secret_key is set")
+    elif trigger.startswith(_UNSIGNED):
+        body = trigger[len(_UNSIGNED) :]
     else:
-        call = trigger
-    if call in (OWN, ""):
-        return OWN
+        raise Refused("not a stored call (kind, task, call)")
+    found, task, call = _parse_body(body)
+    if found != kind:
+        raise Refused("a stored call of another kind")
+    if len(call.encode("utf-8", "surrogatepass")) > MAX_BYTES:
+        raise Refused(f"longer than {MAX_BYTES} bytes")
+    if call == OWN:
+        return task, OWN
     if _too_deep(call):
         raise Refused(f"nested deeper than {MAX_DEPTH}")
     try:
@@ -137,7 +194,7 @@ def decode(
         raise Refused("not a call ([args, kwargs] in JSON)") from None
     if not isinstance(args, list) or not isinstance(kwargs, dict):
         raise Refused("not a call ([args, kwargs] in JSON)")
-    return tuple(args), kwargs
+    return task, (tuple(args), kwargs)
 
 
 def checked(
@@ -146,12 +203,17 @@ def checked(
     key: bytes | None,
     names: Callable[..., str],
     own: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
+    task: str | None = None,
+    kind: str = RERUN,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The call a trigger (or a burst's stored call) asks for on claim ``name``;
-    ``own``: the call OWN stands for (None: refused). :class:`Refused` for one that
-    :func:`decode` refuses, or whose arguments (``names(args, kwargs)``) name another claim.
+    """The call a trigger (or a burst's stored call) of ``task`` asks for on claim
+    ``name``; ``own``: the call OWN stands for (None: refused). :class:`Refused` for one
+    that :func:`decode` refuses, that another task left (``task`` given), or whose
+    arguments (``names(args, kwargs)``) name another claim.
     """
-    call = decode(text, name, key)
+    left_by, call = decode(text, name, key, kind)
+    if task is not None and left_by != task and not (left_by == "" and call == OWN):
+        raise Refused("a call of another task")
     if isinstance(call, str):
         if own is None:
             raise Refused("a call fenced does not store")

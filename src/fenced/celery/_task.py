@@ -792,7 +792,7 @@ class ClaimedTask(Task[Any, Any]):
 
     def _rerun_trigger(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
         """The trigger a call skipped on claim ``name`` leaves for the holder."""
-        return _rerun.encode(args, kwargs, name, self._rerun_key())
+        return _rerun.encode(args, kwargs, name, self._rerun_key(), self.name)
 
     def _rerun_call(
         self,
@@ -801,10 +801,16 @@ class ClaimedTask(Task[Any, Any]):
         key: bytes | None,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        """The call one trigger asks for, or None for one dropped (logged, counted)."""
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | str | None:
+        """The call one trigger asks for; None for one dropped (logged, counted); the
+        task's name for a valid trigger another task sharing the name left (its own)."""
         try:  # OWN: the holder's own call
-            call = _rerun.checked(trigger, claim.name, key, self.claim_name_for, (args, kwargs))
+            task, _ = _rerun.decode(trigger, claim.name, key)
+            if task not in (self.name, ""):
+                return task
+            call = _rerun.checked(
+                trigger, claim.name, key, self.claim_name_for, (args, kwargs), self.name
+            )
         except Exception as exc:  # this trigger alone: the run's outcome stands
             count("reruns_dropped")
             # Its text is not logged: a genuine call's arguments may be secret.
@@ -850,6 +856,10 @@ class ClaimedTask(Task[Any, Any]):
         key = self._rerun_key()
         for field, trigger in claim.rerun_sending:
             call = self._rerun_call(claim, trigger, key, args, kwargs)
+            if isinstance(call, str):  # another task's: left in the set for its release
+                if self._leave_rerun(claim, call, trigger):
+                    dropped.append(field)
+                continue
             if call is None:
                 dropped.append(field)
                 continue
@@ -880,7 +890,9 @@ class ClaimedTask(Task[Any, Any]):
                 )
                 if not kept:  # kept nowhere: hand it back, so the next holder runs it
                     try:
-                        trigger = _rerun.encode(rerun_args, rerun_kwargs, claim.name, key)
+                        trigger = _rerun.encode(
+                            rerun_args, rerun_kwargs, claim.name, key, self.name
+                        )
                         claim.redis.sadd(claim.keys.rerun, trigger)
                     except Exception:
                         pass
@@ -894,6 +906,30 @@ class ClaimedTask(Task[Any, Any]):
                 sent.id,
                 extra=claim.log_fields(),
             )
+
+    def _leave_rerun(self, claim: Claim, task: str, trigger: str) -> bool:
+        """Put back in the name's rerun set a trigger another task sharing the name left:
+        that task's next release of the name takes it. Whether it is back."""
+        try:
+            claim.redis.sadd(claim.keys.rerun, trigger)
+            if claim.options.idle_ms:  # kept as a skip's trigger is: the idle expiry
+                claim.redis.pexpire(claim.keys.rerun, claim.options.idle_ms)
+        except Exception:  # kept in the sending set: the next release tries again
+            log.warning(
+                "fenced: could not leave a rerun of %s for its own release of %r",
+                task,
+                claim.name,
+                exc_info=True,
+            )
+            return False
+        log.info(
+            "fenced: %s left a rerun asked for by %s on %r to that task's own release",
+            self.name,
+            task,
+            claim.name,
+            extra=claim.log_fields(),
+        )
+        return True
 
     def _sent(self, claim: Claim, fields: list[str]) -> None:
         """Delete triggers whose rerun is published (or that ask for none)."""
