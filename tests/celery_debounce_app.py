@@ -118,6 +118,20 @@ def make_app(
         """A burst record that would expire 2 s after its first call, but for its message."""
         return body(self, key, n)
 
+    @app.task(
+        base=ClaimedTask,
+        bind=True,
+        shared=False,
+        name="d.expiring",
+        claim="exp:{key}",
+        claim_debounce="300ms",
+        claim_debounce_max="1s",
+        expires=2,
+    )
+    def expiring(self: Any, key: str, n: int) -> int:
+        """A task whose messages expire 2 s after they are sent, by default."""
+        return body(self, key, n)
+
     @app.task(shared=False, name="d.collect")
     def collect(result: Any) -> Any:
         """A callback: what it was given."""

@@ -369,3 +369,26 @@ def test_a_burst_waiting_out_a_long_run_keeps_its_last_call(services: Services) 
         assert first.get(timeout=WAIT) == 1
         assert later[0].get(timeout=WAIT) == 3
     assert [s["n"] for s in starts(services, k)] == [1, 3]
+
+
+def test_a_burst_message_never_expires_while_it_waits(services: Services) -> None:
+    """A task's default ``expires`` is not given to its bursts' messages (a deferred one
+    would expire and leave its burst with no message), and a call with its own
+    ``expires`` is sent as it is."""
+    app = sender(services)
+    expiring = app.tasks["d.expiring"]
+    k = key()
+    obs = services.obs()
+    obs.set(f"hold:{k}", 1)
+    with Worker(services, concurrency=2, app=APP):
+        first = expiring.delay(k, 1)
+        wait_for("the first run", lambda: starts(services, k))
+        later = [expiring.delay(k, n) for n in (2, 3)]
+        own = expiring.apply_async((k, 4), expires=60)
+        assert own.id != later[0].id  # not joined
+        time.sleep(4.0)  # past the task's expires, its burst's message waiting all along
+        obs.set(f"go:{k}", 1)
+        assert first.get(timeout=WAIT) == 1
+        assert later[0].get(timeout=WAIT) == 3
+        assert own.get(timeout=WAIT) == 4
+    assert sorted(s["n"] for s in starts(services, k)) == [1, 3, 4]

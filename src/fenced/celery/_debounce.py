@@ -412,9 +412,12 @@ def send(
             task.name,
             extra=claim_fields(name),
         )
-    options = {k: v for k, v in options.items() if k not in ("countdown", "eta")}  # None
+    # (countdown and eta are None here.) No expiry, not even the task's default: the
+    # message is published again while its burst waits, and one that expired would
+    # leave the burst with no message.
+    options = {k: v for k, v in options.items() if k not in ("countdown", "eta", "expires")}
     try:
-        sent = publish(args, kwargs, burst, countdown=debounce, **options)
+        sent = publish(args, kwargs, burst, countdown=debounce, expires=None, **options)
     except BaseException:
         if what == OPENED:
             try:  # the calls that join it would wait for a message that never comes

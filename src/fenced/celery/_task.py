@@ -1228,13 +1228,15 @@ def _in_canvas(options: Mapping[str, Any]) -> bool:
 
 def _debounced(task: ClaimedTask, task_id: Any, more: Any, options: Mapping[str, Any]) -> bool:
     """Whether a call of a debounced task joins a burst: not a canvas's part, nor one
-    with its own task id (a retry, a deferred burst) or due time; published as it is."""
+    with its own task id (a retry, a deferred burst), due time or expiry; published as
+    it is."""
     return not (
         task_id is not None
         or more
         or _in_canvas(options)
         or options.get("countdown") is not None
         or options.get("eta") is not None
+        or options.get("expires") is not None
         or task.app.conf.task_always_eager
         or not enabled(task.app)
     )
