@@ -850,48 +850,57 @@ class ClaimedTask(Task[Any, Any]):
             options.update(exchange=exchange, routing_key=routing_key)
         if info.get("priority") is not None:
             options["priority"] = info["priority"]
-        # call -> (the call, its triggers' fields); "" for a trigger kept nowhere
-        calls: dict[str, tuple[tuple[tuple[Any, ...], dict[str, Any]], list[str]]] = {}
+        # (task, call) -> (the task, the call, its triggers' fields); "" for a trigger
+        # kept nowhere
+        Call = tuple[tuple[Any, ...], dict[str, Any]]
+        calls: dict[tuple[str, str], tuple[ClaimedTask, Call, list[str]]] = {}
         dropped: list[str] = []
         key = self._rerun_key()
         for field, trigger in claim.rerun_sending:
+            task: ClaimedTask = self
             call = self._rerun_call(claim, trigger, key, args, kwargs)
-            if isinstance(call, str):  # another task's: left in the set for its release
-                if self._leave_rerun(claim, call, trigger):
-                    dropped.append(field)
-                continue
+            if isinstance(call, str):  # another task's on the name: sent as that task
+                other = self.app.tasks.get(call)
+                if not isinstance(other, ClaimedTask):  # not known here: for its release
+                    if self._leave_rerun(claim, call, trigger):
+                        dropped.append(field)
+                    continue
+                task, call = other, other._rerun_call(claim, trigger, key, args, kwargs)
+                if isinstance(call, str):  # cannot be: the trigger names that task
+                    continue
             if call is None:
                 dropped.append(field)
                 continue
-            calls.setdefault(_rerun.call_text(*call), (call, []))[1].append(field)
+            slot = (task.name, _rerun.call_text(*call))
+            calls.setdefault(slot, (task, call, []))[2].append(field)
         self._sent(claim, dropped)
         ours = f"{(claim.token or '').split(':', 1)[0]}:"
-        for (rerun_args, rerun_kwargs), fields in calls.values():
+        for task, (rerun_args, rerun_kwargs), fields in calls.values():
             kept = sorted(f for f in fields if f)
             # Named by this release's trigger when it took one (a rerun that runs after
             # now answers every earlier request for the call too), else by what an
             # earlier release left: the id it may have published under already.
             named = [f for f in kept if f.startswith(ours)] or kept
             try:
-                sent = self.apply_async(
+                sent = task.apply_async(
                     rerun_args,
                     rerun_kwargs,
                     task_id=_rerun.task_id(named[0]) if named else None,
                     headers={_rerun.HEADER: "1"},
-                    **options,
+                    **(options if task is self else {}),  # another task: its own route
                 )
             except Exception:
                 log.exception(
                     "fenced: could not send a rerun of %s asked for during a run of %r; "
                     "the request stays for the claim's next run",
-                    self.name,
+                    task.name,
                     claim.name,
                     extra=claim.log_fields(),
                 )
                 if not kept:  # kept nowhere: hand it back, so the next holder runs it
                     try:
                         trigger = _rerun.encode(
-                            rerun_args, rerun_kwargs, claim.name, key, self.name
+                            rerun_args, rerun_kwargs, claim.name, key, task.name
                         )
                         claim.redis.sadd(claim.keys.rerun, trigger)
                     except Exception:
@@ -900,16 +909,18 @@ class ClaimedTask(Task[Any, Any]):
             self._sent(claim, kept)
             count("reruns")
             log.info(
-                "fenced: %s ran while a trigger asked for another run of %r: sent %s",
+                "fenced: %s ran while a trigger asked for %s of %r: sent %s",
                 self.name,
+                "another run" if task is self else f"a run of {task.name}",
                 claim.name,
                 sent.id,
                 extra=claim.log_fields(),
             )
 
     def _leave_rerun(self, claim: Claim, task: str, trigger: str) -> bool:
-        """Put back in the name's rerun set a trigger another task sharing the name left:
-        that task's next release of the name takes it. Whether it is back."""
+        """Put back in the name's rerun set a trigger another task sharing the name left,
+        one this worker does not know: that task's next release of the name takes it.
+        Whether it is back."""
         try:
             claim.redis.sadd(claim.keys.rerun, trigger)
             if claim.options.idle_ms:  # kept as a skip's trigger is: the idle expiry
