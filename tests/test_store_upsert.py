@@ -161,6 +161,23 @@ def test_one_statement_per_batch(engine: sa.Engine, feeds: sa.Table) -> None:
     assert len(_contents(engine, feeds)) == 2500
 
 
+def test_mysql_pages_reach_the_server_as_multi_row_statements(
+    engine: sa.Engine, feeds: sa.Table
+) -> None:
+    # Each page is one executemany, which the driver folds into multi-row INSERTs: the
+    # server counts a statement per page, not one per row.
+    if engine.dialect.name not in ("mysql", "mariadb"):
+        pytest.skip("MySQL/MariaDB: the driver folds an executemany")
+    status = sa.text("SHOW SESSION STATUS LIKE 'Com_insert'")
+    with engine.begin() as conn:
+        for fence in (BIG, BIG + 1):
+            before = int(conn.execute(status).one()[1])
+            result = upsert(conn, feeds, _rows(2500), key=["url"], fence=fence, batch_size=1000)
+            assert int(conn.execute(status).one()[1]) - before == 3
+            assert result == UpsertResult(2500, None) and result.skipped is None
+    assert len(_contents(engine, feeds)) == 2500
+
+
 def test_repeated_keys_in_one_call_last_row_wins(engine: sa.Engine, feeds: sa.Table) -> None:
     rows = [
         {"url": "a", "title": "first"},

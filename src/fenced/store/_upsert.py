@@ -7,10 +7,12 @@ One statement, never a select-then-insert per row:
   sent with pages of ``batch_size`` rows through the driver's executemany (sqlite3
   runs it prepared in C, psycopg pipelines it prepared); the driver counts the rows
   written;
-- MariaDB, MySQL: ``INSERT … VALUES (…), (…) ON DUPLICATE KEY UPDATE col =
+- MariaDB, MySQL: ``INSERT … VALUES (…) ON DUPLICATE KEY UPDATE col =
   IF(fence IS NULL OR fence <= VALUES(fence), VALUES(col), col), …`` with the fence
   assigned last, so every condition reads the stored fence (MySQL applies the
-  assignments left to right). ON DUPLICATE KEY fires on *any* unique key of the table.
+  assignments left to right), compiled once and sent with pages of ``batch_size`` rows
+  through the driver's executemany (pymysql and mysqlclient fold them into multi-row
+  statements). ON DUPLICATE KEY fires on *any* unique key of the table.
 
 Every row is written with the caller's fence. A row whose stored fence is higher (a
 newer holder already wrote it) is left as it is; an equal fence overwrites, so the same
@@ -21,7 +23,6 @@ the fence column must be a BIGINT.
 from __future__ import annotations
 
 import operator
-import sqlite3
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,8 +49,6 @@ _COUNTED = {"preserve_rowcount": True}
 #: From this many rows on, the fence is written into the statement instead of each row:
 #: its compile (about 0.5 ms per new fence) costs less than stamping the rows.
 _INLINE_FROM = 500
-#: Bound parameters one statement may carry (the lowest limit of the supported databases).
-_MAX_PARAMS = 32766 if sqlite3.sqlite_version_info >= (3, 32) else 999
 
 
 @dataclass(frozen=True)
@@ -114,7 +113,7 @@ def upsert(
             # driver's executemany: sqlite3 runs it prepared in C, psycopg pipelines it
             # prepared. The count of rows changed is the driver's (an update the fence
             # rule refused changes none); preserve_rowcount keeps it for an INSERT.
-            stmt = _statement(dialect, tbl, None, columns, keys, fence_column)
+            stmt = _statement(dialect, tbl, columns, keys, fence_column)
             stamped = fence_column in group[0]
             if not stamped and len(group) >= _INLINE_FROM:
                 # The fence as a constant of the statement (a checked int): rows are sent
@@ -128,12 +127,20 @@ def upsert(
                 count = conn.execute(stmt, page, execution_options=_COUNTED).rowcount
                 written = None if written is None or count < 0 else written + count
             continue
-        # One explicit multi-row VALUES per batch: the MySQL drivers' executemany
-        # rewriting is theirs to change, so the batch is not left to it.
-        per_statement = max(1, min(batch_size, _MAX_PARAMS // len(columns)))
-        for start in range(0, len(group), per_statement):
-            chunk = [{**row, fence_column: fence} for row in group[start : start + per_statement]]
-            conn.execute(_statement(dialect, tbl, chunk, columns, keys, fence_column))
+        # One statement compiled per set of columns, sent with pages of batch_size rows as
+        # the driver's executemany: pymysql and mysqlclient fold an INSERT … VALUES (…) ON
+        # DUPLICATE KEY UPDATE into multi-row statements (a driver that does not runs it
+        # per row). The fence is a parameter of each row: a constant in the VALUES list
+        # would keep those drivers from folding, and one bound value of the statement costs
+        # SQLAlchemy more per row (it maps the cached statement's value for each) than the
+        # copy that stamps it.
+        stmt = _statement(dialect, tbl, columns, keys, fence_column)
+        stamped = fence_column in group[0]
+        for start in range(0, len(group), batch_size):
+            page = group[start : start + batch_size]
+            if not stamped:
+                page = [{**row, fence_column: fence} for row in page]
+            conn.execute(stmt, page)
     total = sum(len(group) for _cols, group in batches)
     return UpsertResult(total, written if dialect in _ON_CONFLICT else None)
 
@@ -301,8 +308,14 @@ def _alike(rows: list[Any]) -> bool:
     """Whether ``rows`` are dicts that all have the first one's keys."""
     if not rows or type(rows[0]) is not dict:
         return False
-    first = rows[0].keys()
-    return set(map(type, rows)) == {dict} and all(map(first.__eq__, map(dict.keys, rows)))
+    width = len(rows[0])
+    # As many keys in each row as in the first, and no other key among them all: each row
+    # has the first one's keys (two passes in C, cheaper than comparing the keys per row).
+    return (
+        set(map(type, rows)) == {dict}
+        and set(map(len, rows)) == {width}
+        and len(set().union(*rows)) == width
+    )
 
 
 def _check_columns(table: str, known: frozenset[str], names: Any, keys: list[str], n: int) -> None:
@@ -320,7 +333,6 @@ def _check_columns(table: str, known: frozenset[str], names: Any, keys: list[str
 def _statement(
     dialect: str,
     tbl: sa.Table,
-    chunk: list[dict[str, Any]] | None,
     columns: tuple[str, ...],
     keys: list[str],
     fence_column: str,
@@ -329,15 +341,13 @@ def _statement(
     updated = [c for c in columns if c not in keys]
     if dialect in _ON_CONFLICT:
         ins = (_sqlite.insert if dialect == "sqlite" else _postgresql.insert)(tbl)
-        if chunk is not None:
-            ins = ins.values(chunk)
         newer = sa.or_(stored.is_(None), stored <= ins.excluded[fence_column])
         return ins.on_conflict_do_update(
             index_elements=[tbl.c[k] for k in keys],
             set_={c: ins.excluded[c] for c in updated},
             where=newer,
         )
-    my = _mysql.insert(tbl).values(chunk or [])
+    my = _mysql.insert(tbl)
     newer = sa.or_(stored.is_(None), stored <= my.inserted[fence_column])
     # Ordered pairs, fence last: every IF() above it still compares the stored fence.
     assignments = [(c, sa.func.IF(newer, my.inserted[c], tbl.c[c])) for c in updated]
