@@ -214,7 +214,7 @@ def test_a_release_sent_again_gets_the_first_answer(r: Any) -> None:
     assert claim.token is not None
     # The first release lands, but its reply is lost on the way back ...
     first = claim._store.release(claim._release_call("ok", ""))
-    assert first == (True, "ok", ["again"])
+    assert first == (True, "ok", ["again"], None)
     # ... so the client sends it again: same answer, nothing recorded twice.
     assert claim.release() is True
     assert not claim.vanished and claim.rerun_triggers == ["again"]
@@ -234,7 +234,7 @@ def test_an_ok_release_sent_again_is_answered_by_its_done_marker(r: Any) -> None
     assert claim.completed_before is False  # no run of t-1 had ended
     assert claim.token is not None
     first = claim._store.release(claim._release_call("ok", "{}"))  # done marker: 60 s
-    assert first == (True, "ok", [])
+    assert first == (True, "ok", [], None)
     # An ok run's marker is its release's note: no second key per run.
     assert not r.exists(claim.keys.released(claim.token))
     assert claim.finished_ok()
@@ -266,10 +266,10 @@ def test_an_ok_release_sent_again_after_a_short_done_marker_is_still_ok(r: Any) 
     assert claim.acquire()
     assert claim.token is not None
     first = claim._store.release(claim._release_call("ok", "{}"))
-    assert first == (True, "ok", [])
+    assert first == (True, "ok", [], None)
     wait_for("the done marker to expire", lambda: not claim.finished_ok() or None, timeout=10)
     again = claim._store.release(claim._release_call("ok", "{}"))
-    assert again == (True, "ok", [])
+    assert again == (True, "ok", [], None)
     assert [run.outcome for run in records.history(r, "sent-twice-short")] == ["ok"]
 
 

@@ -149,7 +149,9 @@ def test_a_limit_of_one_is_the_plain_claim(server: RedisServer) -> None:
     assert tuple(sent_keys) == (keys.lock, keys.fence, keys.records, keys.skips, keys.rerun)
     assert len(args) == 8
     _script, release_keys, release_args = store.release_call("t", "", "ok", 1)
-    assert release_keys[0] == keys.lock and len(release_keys) == 6 and len(release_args) == 8
+    # ... and the name's replaced notes, read only by a release that finds its lease gone.
+    assert release_keys[0] == keys.lock and len(release_keys) == 7 and len(release_args) == 11
+    assert release_keys[-1] == keys.replaced and release_args[-1] == "1"
     client = server.client(decode_responses=True)
     name = f"one:{key()}"
     with Claim(client, name, ttl=5, limit=1) as claim:

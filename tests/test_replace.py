@@ -81,6 +81,81 @@ def test_a_dead_holder_is_replaced_at_once_and_its_run_recorded_lost(r: Any) -> 
     b.release()
 
 
+def test_a_replaced_run_that_ends_before_any_renewal_learns_it_at_release(r: Any) -> None:
+    # No renewal ever runs: only the release can find out that a newer run took over.
+    a = Claim(r, "ends-first", ttl=60, heartbeat=False, records=True, task_id="older")
+    assert a.acquire()
+    assert a.token is not None
+    a_token = a.token[:8]
+    b = Claim(r, "ends-first", ttl=60, heartbeat=False, records=True, task_id="newer")
+    assert b.replace()
+    assert b.token is not None
+    seen: list[events.ClaimEvent] = []
+    unsubscribe = events.subscribe(seen.append)
+    try:
+        assert a.release() is False  # the newer run's lease stays
+    finally:
+        unsubscribe()
+    assert a.vanished
+    assert a.lost_cause == "replaced"
+    assert (a.lost_reason or "").startswith(f"replaced by {b.token[:8]} (")
+    assert [e.reason for e in seen if e.kind == "lost"] == ["replaced"]
+    replaced = Skipped.replaced(a)
+    assert replaced.holder is not None and replaced.holder.task_id == "newer"
+    (old,) = [run for run in records.history(r, "ends-first") if run.token == a_token]
+    assert old.outcome == "lost" and (old.reason or "").startswith("replaced by ")
+    # Sent again (its reply lost on the way back), the release gets the same answer and
+    # records nothing twice.
+    entries = r.llen(a.keys.records)
+    again = a._store.release(a._release_call("ok", "{}"))
+    assert again == (False, "lost", [], a.lost_reason)
+    assert r.llen(a.keys.records) == entries
+    assert b.held and b.release()
+
+
+def test_a_vanished_lease_without_a_replace_note_is_still_vanished(r: Any) -> None:
+    a = Claim(r, "gone", ttl=60, heartbeat=False)
+    assert a.acquire()
+    r.delete(a.key)
+    assert a.release() is False
+    assert a.lost_cause == "vanished"
+
+
+def test_a_replaced_celery_run_that_returns_before_any_renewal_ends_replaced(
+    server: RedisServer,
+) -> None:
+    from celery import Celery
+
+    from fenced.celery import ClaimedTask, metrics
+
+    app = Celery("fenced_replaced_before_renewal", set_as_current=False, broker="memory://")
+    app.conf.fenced_redis_url = server.url
+    client = server.client()
+
+    @app.task(
+        shared=False,
+        base=ClaimedTask,
+        bind=True,
+        claim="ends-early:{x}",
+        claim_on_busy="replace",
+        claim_ttl=120,  # the first renewal is 40 s away: the body ends long before
+    )
+    def job(self: ClaimedTask, x: str) -> str:
+        newer = Claim(client, f"ends-early:{x}", ttl=60, heartbeat=False, task_id=f"newer-{x}")
+        assert newer.replace()
+        return "done"
+
+    x = f"{os.getpid()}-{id(app)}"
+    replaced_before = metrics["replaced"]
+    result = job.apply((x,), task_id=f"older-{x}")
+    assert str(result.state) == "SUCCESS", result.traceback
+    value = result.get()
+    assert value["status"] == "replaced", value
+    assert value["reason"].startswith("replaced by ") and f"newer-{x}" in value["reason"]
+    assert value["holder"]["task_id"] == f"newer-{x}"
+    assert metrics["replaced"] == replaced_before + 1
+
+
 def test_a_free_name_is_taken_as_acquire_takes_it(r: Any) -> None:
     c = Claim(r, "free", ttl=10, records=True)
     assert c.enter(REPLACE) is RUN

@@ -806,9 +806,17 @@ class ClaimState(LeaseState):
             self._state = before
 
     def _ended(
-        self, before: str, outcome: str, released: bool, recorded: str, triggers: list[str]
+        self,
+        before: str,
+        outcome: str,
+        released: bool,
+        recorded: str,
+        triggers: list[str],
+        replaced: str | None = None,
     ) -> bool:
-        """Take in the answer of a RELEASE; returns ``released``."""
+        """Take in the answer of a RELEASE; returns ``released``. ``replaced``: why a
+        newer run took the lease over (REPLACE's note, as a renewal reads it), when the
+        release found it gone for that."""
         self.unqueued = self._unqueue
         if self.keeps_reruns and triggers:
             self.rerun_sending = list(zip(triggers[::2], triggers[1::2], strict=False))
@@ -822,11 +830,13 @@ class ClaimState(LeaseState):
             # Ours until the end as far as the caller knew, but it was not: lost before
             # the release, or Redis had no lease for us when it came.
             self.vanished = True
-            if self._lost_reason is None or before == HELD:
-                self._lost_reason = _VANISHED
+            # Replaced: the cause a renewal would have found, had one run before the end.
+            found = replaced or _VANISHED
+            if self._lost_reason is None or before == HELD or replaced:
+                self._lost_reason = found
             if before == HELD and events.enabled():
                 # Found gone only now: the loss is known here, not by the heartbeat.
-                self._emit_lost(_VANISHED)
+                self._emit_lost(found)
         if events.enabled():
             self._released_event(outcome)
         return released
@@ -1112,9 +1122,7 @@ class Claim(ClaimState):
         give_up = self._release_give_up(before)
         while True:
             try:
-                released, recorded, triggers = self._store.release(
-                    self._release_call(outcome, record)
-                )
+                answer = self._store.release(self._release_call(outcome, record))
                 break
             except _UNCONFIRMABLE as exc:
                 if isinstance(exc, UNREACHABLE) and time.monotonic() + RELEASE_RETRY < give_up:
@@ -1127,7 +1135,7 @@ class Claim(ClaimState):
                 if self.heartbeat and before == HELD:
                     _heartbeat().add(self)
                 raise
-        return self._ended(before, outcome, released, recorded, triggers)
+        return self._ended(before, outcome, *answer)
 
     def finished_ok(self) -> bool:
         """Whether a run of this claim's task id ended ``ok`` within its redelivery window

@@ -838,16 +838,26 @@ class LeaseCalls:
             o.done_ms if task_id else 0,
             o.max_records,
         ]
+        # With limit 1 a lease found gone says so when a newer run replaced this one
+        # (REPLACE's note, read only then): RELEASE's A[11], with its notes last of KEYS.
+        notes = self.limit == 1
         if cooldown_ms or (unqueue and task_id):
             keys += (self._cooldown,)
             args += [*rest, cooldown_ms]
+        elif notes:
+            args += [*rest, 0]
         else:
             args += _trimmed(rest, _RELEASE_DEFAULTS)
         if unqueue and task_id:
             keys += (self.keys.queued,)
             args.append(task_id)
+        elif notes:
+            args.append("")
         if take_reruns and keep_reruns:
             keys += (self.keys.rerun_sending,)
+        if notes:
+            keys += (self.keys.replaced,)
+            args.append("1")
         return RELEASE, keys, args
 
     def handover_call(self, token: str, keep_ms: int, record: str, fence: int) -> Call:
@@ -1025,15 +1035,23 @@ def granted_reply(res: Any) -> list[Any]:
     return list(res)
 
 
-def released(res: Any) -> tuple[bool, str, list[str]]:
-    """A RELEASE answer: (our token held the lease, the outcome recorded, reruns taken).
-    A plain release answers its outcome alone, for ``[1, outcome, []]``."""
+#: A RELEASE answer, read: (our token held the lease, the outcome recorded, reruns taken,
+#: why a newer run replaced it or None).
+Released = tuple[bool, str, list[str], str | None]
+
+
+def released(res: Any) -> Released:
+    """A RELEASE answer: (our token held the lease, the outcome recorded, reruns taken,
+    REPLACE's note of why a newer run took the lease over, or None). A plain release
+    answers its outcome alone, for ``[1, outcome, []]``."""
     if isinstance(res, (bytes, str)):
-        return True, as_text(res), []
-    if len(res) > 3:
+        return True, as_text(res), [], None
+    if len(res) > 3 and res[3]:
         unrecorded(res[3], res[4], "release")
+    why = readable(res[5]) if len(res) > 5 else None
     # A trigger is whatever a caller stored: bytes that are not text still name no call.
-    return int(res[0]) == 1, as_text(res[1]), [readable(t) for t in res[2]] if res[2] else []
+    triggers = [readable(t) for t in res[2]] if res[2] else []
+    return int(res[0]) == 1, as_text(res[1]), triggers, why
 
 
 def unrecorded(key: Any, kind: Any, what: str) -> None:
@@ -1093,8 +1111,9 @@ class LeaseStore(LeaseCalls):
             reply = self.send(call)
         return refreshed(reply)
 
-    def release(self, call: Call, *, wait: bool = True) -> tuple[bool, str, list[str]]:
-        """Send RELEASE: (our token held the lease, the outcome recorded, reruns taken).
+    def release(self, call: Call, *, wait: bool = True) -> Released:
+        """Send RELEASE: (our token held the lease, the outcome recorded, reruns taken,
+        why a newer run replaced it or None).
 
         With replicas to wait for (and ``wait``), a WAIT follows in the same round trip;
         fewer acknowledgements are logged: the release stands on the master, but a

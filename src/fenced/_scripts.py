@@ -911,9 +911,16 @@ end
 #         task id of this run: the marker is deleted if it still holds that task id
 #         (the run ended, not by a retry)
 # KEYS[#KEYS] (with A[6] = "2") the sending set, after the keys above
+# A[11] (optional) "1" when the last of KEYS (after the sending set) is the name's replaced
+#         notes (see REPLACE): a release that finds the lease no longer held under its
+#         token reads the note REPLACE left for it, as REFRESH does (only then: the
+#         common case reads nothing more)
 # returns {1 if our token held the lease and it is now deleted else 0, the outcome
 #          recorded, {the rerun triggers taken}}, and two more items when the run was
-#          not recorded because KEYS[2] is not a list: KEYS[2] and its type. With
+#          not recorded because KEYS[2] is not a list: KEYS[2] and its type; when a
+#          newer run replaced this token (A[11]), {0, the outcome, {}, KEYS[2] and its
+#          type or "" and "", why REPLACE noted it} (kept as this release's note:
+#          a retry gets it back and records nothing twice). With
 #          A[6] = "2" the triggers are {field, trigger, ...}: the whole sending set,
 #          with what earlier releases left unsent ("" for the field of a trigger taken
 #          while the set's key held another type: it is kept nowhere)
@@ -977,7 +984,7 @@ end
 # The arguments of RELEASE in the order its whole script reads them (see RELEASE).
 _RELEASE_ARGS = """
 local A = {ARGV[1], ARGV[3] or '', ARGV[8] or '1000', ARGV[2], ARGV[4] or '0',
-           ARGV[6] or '1', ARGV[5] or '0', ARGV[7] or '0', ARGV[9], ARGV[10]}
+           ARGV[6] or '1', ARGV[5] or '0', ARGV[7] or '0', ARGV[9], ARGV[10], ARGV[11]}
 """
 
 RELEASE = Script(
@@ -995,6 +1002,7 @@ RELEASE = Script(
 -- that release's note (see below)
 local mark = string.sub(A[1], 1, 32)
 local released = 0
+local replaced  -- why REPLACE took this token's lease over, found only when it is gone
 if held == nil then held = redis.call('GET', KEYS[1]) end
 if held == A[1] then
   released = 1
@@ -1009,6 +1017,10 @@ else
   end
   if tonumber(A[8]) > 0 and redis.call('GET', KEYS[5]) == mark then
     return {1, 'ok', {}}
+  end
+  -- taken over by a newer run (REPLACE): why, as this token's REFRESH would read it
+  if A[11] == '1' then
+    replaced = redis.call('HGET', KEYS[#KEYS], mark)
   end
 end
 local idle = tonumber(A[7])
@@ -1028,7 +1040,10 @@ if A[2] ~= '' then
   -- record only. Nothing is written before this LPUSH, so its own error tells (no TYPE
   -- per release).
   local entry
-  if vanished then
+  if replaced then
+    entry = record_entry(A[2], 'event', 'finished', 'token', run,
+                         'fence', A[5], 'outcome', outcome, 'note', replaced)
+  elseif vanished then
     entry = record_entry(A[2], 'event', 'finished', 'token', run,
                          'fence', A[5], 'outcome', outcome,
                          'note', 'the lease was gone before release')
@@ -1078,7 +1093,7 @@ if A[6] ~= '0' and released == 1 then
   else
     -- kept until each rerun is sent: a holder that dies first leaves them to the
     -- name's next release (one TYPE when there are none)
-    local sending = KEYS[#KEYS]
+    local sending = KEYS[#KEYS - ((A[11] == '1') and 1 or 0)]
     local out = redis.call('TYPE', sending).ok
     if out == 'set' or out == 'none' then
       local release_id = string.match(A[1], '^[^:]*')
@@ -1111,6 +1126,10 @@ if released == 1 and not (marked and #reruns == 0 and tonumber(A[8]) >= 60000) t
   local note = outcome
   if #reruns > 0 then note = cjson.encode(answer) end
   redis.call('SET', KEYS[6], note, 'PX', '60000')
+elseif replaced then
+  -- the answer that says why is this release's note: a retry gets it back
+  answer[4], answer[5], answer[6] = '', '', replaced
+  redis.call('SET', KEYS[6], cjson.encode(answer), 'PX', '60000')
 end
 if unrecorded then
   -- after the note: a retry of this release does not say it twice
