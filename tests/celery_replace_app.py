@@ -4,7 +4,9 @@ A worker runs this module, configured from the environment as tests/celery_app.p
 test builds the same app in its own process with :func:`make_app`, to send calls. Each
 run notes its start in the observation Redis (``runs:<key>``), waits until the test
 sets ``go:<key>`` (no ``check()``: a replaced run is interrupted), then publishes its
-version through a fenced pointer (``replace:<key>``) and returns it.
+version through a fenced pointer (``replace:<key>``) and returns it; ``r.timed`` runs
+for a given time instead. ``FENCED_TEST_VISIBILITY`` gives the Redis broker a short
+visibility timeout.
 """
 
 from __future__ import annotations
@@ -23,10 +25,29 @@ from fenced.celery import ClaimedTask
 RUN_LIMIT = 120.0
 
 
-def make_app(broker: str, backend: str | None, lock_url: str, obs_url: str, queue: str) -> Celery:
-    """An app with the replace tasks, on these servers."""
+def make_app(
+    broker: str,
+    backend: str | None,
+    lock_url: str,
+    obs_url: str,
+    queue: str,
+    visibility: float | None = None,
+) -> Celery:
+    """An app with the replace tasks, on these servers (with a Redis broker's
+    ``visibility_timeout`` of ``visibility`` seconds when given)."""
     app = Celery("fenced_replace_tests", broker=broker, backend=backend)
+    transport: dict[str, Any] = {}
+    if visibility is not None:
+        transport = {
+            "visibility_timeout": visibility,
+            # Sweep for unacknowledged messages every second: a message runs longer
+            # than the visibility timeout, so the broker hands it out again meanwhile.
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+            "unacked_mutex_expire": 5,
+        }
     app.conf.update(
+        broker_transport_options=transport,
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
@@ -79,13 +100,32 @@ def make_app(broker: str, backend: str | None, lock_url: str, obs_url: str, queu
             raise self.retry(countdown=retry_in)
         return body(self, key, version)
 
+    @app.task(
+        base=ClaimedTask,
+        bind=True,
+        shared=False,
+        name="r.timed",
+        claim="rp:{key}",
+        claim_on_busy="replace",
+    )
+    def timed(self: Any, key: str, version: str, seconds: float) -> str:
+        """Replace; each start of a run is noted (``starts:<key>``), it runs ``seconds``
+        (no go needed) and notes its end (``ends:<key>``) before it returns."""
+        note = json.dumps({"task_id": self.request.id, "version": version, "pid": os.getpid()})
+        obs.rpush(f"starts:{key}", note)
+        time.sleep(seconds)
+        obs.rpush(f"ends:{key}", note)
+        return version
+
     return app
 
 
+_visibility = os.environ.get("FENCED_TEST_VISIBILITY")
 app = make_app(
     os.environ.get("FENCED_TEST_BROKER_URL", "memory://"),
     os.environ.get("FENCED_TEST_BACKEND_URL") or None,
     os.environ.get("FENCED_REDIS_URL", "redis://127.0.0.1:1/2"),
     os.environ.get("FENCED_TEST_OBS_URL", "redis://127.0.0.1:1/3"),
     os.environ.get("FENCED_TEST_QUEUE", "celery"),
+    float(_visibility) if _visibility else None,
 )
