@@ -4,7 +4,7 @@ One sending process, a redis-server this script starts (broker in database 0, cl
 in database 1), no worker: the burst never closes. For each burst size N, N calls of
 one claim name (``task.delay(name, i)``) with a debounce of an hour. Reported per size:
 
-    published   messages the broker received (LPUSH): one per burst
+    published   messages delivered to the worker: one per burst
     trips/call  round trips to the claims' Redis per call (EVALSHA calls)
     cmds/call   Redis commands served per call, those the script runs included
     µs/call     the sender's wall time per call, median of the calls of the burst

@@ -6,8 +6,9 @@ median of the rounds), one single-threaded client on one name per lane:
 * ``throttled``: an acquire of a free name whose rate allows no start yet (a call of
   the flood): one ACQUIRE that answers "rate limited" and writes nothing;
 * ``busy``: an acquire of a name another holder has, without a rate (the skip path);
-* ``cycle`` and ``rate_cycle``: acquire+release without a rate, and with one too fast
-  to ever limit it (100000/s): what counting a start adds to a cycle.
+* ``cycle``, ``rate_cycle`` and ``window_cycle``: acquire+release without a rate,
+  with one spread too fast to ever limit it (100000/s, ``rate_spread``), and with a
+  window of 10000/s (a round of cycles stays under it): what counting a start adds.
 
 Columns: ``ops/s`` (median over rounds), ``cpu µs`` (this process per operation),
 ``cmds`` (Redis commands per operation, from ``INFO commandstats``) and ``srv µs``
@@ -75,7 +76,10 @@ def main() -> int:
         busy = Claim(r, "bench:busy", ttl=30, heartbeat=False)
         throttled = Claim(r, "bench:throttled", rate="1/h", heartbeat=False)
         plain = Claim(r, "bench:cycle", ttl=30, heartbeat=False)
-        rated = Claim(r, "bench:rate_cycle", ttl=30, rate="100000/s", heartbeat=False)
+        rated = Claim(
+            r, "bench:rate_cycle", ttl=30, rate="100000/s", rate_spread=True, heartbeat=False
+        )
+        windowed = Claim(r, "bench:window_cycle", ttl=30, rate="10000/s", heartbeat=False)
 
         def cycle(claim: Claim) -> Callable[[], object]:
             def op() -> object:
@@ -90,6 +94,7 @@ def main() -> int:
             "busy": busy.acquire,
             "cycle": cycle(plain),
             "rate_cycle": cycle(rated),
+            "window_cycle": cycle(windowed),
         }
         spent = {name: [0, 0.0, 0] for name in ops}  # commands, µs, operations
 

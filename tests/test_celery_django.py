@@ -53,6 +53,7 @@ CELERY_FENCED_CLAIM_COOLDOWN = 30
 CELERY_FENCED_CLAIM_LIMIT = 2
 CELERY_FENCED_CLAIM_LABEL = "dj-label"
 CELERY_FENCED_CLAIM_RATE = "5/m"
+CELERY_FENCED_CLAIM_RATE_SPREAD = True
 CELERY_FENCED_CLAIM_RATE_POLICY = "skip"
 CELERY_FENCED_METRICS = {enabled}
 CELERY_FENCED_METRICS_PORT = 9808 if {enabled} else None
@@ -172,6 +173,7 @@ def test_every_fenced_setting_is_read_from_django_settings_with_the_celery_names
         "claim_limit": 2,
         "claim_label": "dj-label",
         "claim_rate": "5/m",
+        "claim_rate_spread": True,
         "claim_rate_policy": "skip",
     }
     # claim_debounce (and its max) go with none of claim_enqueue, claim_cooldown,

@@ -216,8 +216,11 @@ def _ran_recently(left: float | None) -> str:
 
 
 def _rate_limited(left: float | None) -> str:
-    ends = f"; the next start is allowed in {left:.3g}s" if left is not None else ""
-    return f"{RATE_REASON}{ends}"
+    if left is None:
+        return RATE_REASON
+    # three figures, but whole seconds past 100 (1800s, never 1.8e+03s)
+    seconds = f"{left:.3g}" if left < 100 else f"{left:.0f}"
+    return f"{RATE_REASON}; the next start is allowed in {seconds}s"
 
 
 def busy_error(claim: Seen, waited: float | None = None) -> ClaimHeld:

@@ -342,15 +342,12 @@ class ClaimKeys:
         return self._key("rate")
 
     @property
-    def rate_last(self) -> str:
-        """The last start granted under the name's rate (Redis TIME in µs), expiring one
-        interval after it."""
-        return self._key("rate:last")
-
-    def rate_booking(self, task_id: str) -> str:
-        """The start booked for a task id over the name's rate (Redis TIME in µs), expiring
-        a while after it (fenced.celery's ``claim_rate_policy="delay"``)."""
-        return self._key(f"rate:booked:{task_id}")
+    def rate_starts(self) -> str:
+        """The starts counted by the name's rate (``rate``): a sorted set of each start
+        granted (its fence) and booked (``b:<task id>``, fenced.celery's
+        ``claim_rate_policy="delay"``), scored by their time (Redis TIME in µs),
+        expiring once the latest no longer counts."""
+        return self._key("rate:starts")
 
     @property
     def debounce(self) -> str:
@@ -527,12 +524,13 @@ _RATE = re.compile(r"\s*([0-9]+)\s*/\s*([smh])\s*")
 MAX_RATE_PER_SECOND = 100_000
 
 
-def check_rate(rate: Any, name: str = "rate") -> int:
-    """Check a rate (``"10/m"``: starts per second, minute or hour; None: no limit);
-    return the interval between two starts in µs (0: no limit), rounded up so the rate
-    is never exceeded."""
-    if rate is None:
-        return 0
+#: The most starts a window may count (``rate`` without ``rate_spread``): the starts
+#: key keeps one entry for each.
+MAX_WINDOW_STARTS = 10_000
+
+
+def _parse_rate(rate: Any, name: str) -> tuple[int, int]:
+    """A rate's starts and period (s), or ConfigError naming the fix."""
     match = _RATE.fullmatch(rate) if isinstance(rate, str) else None
     count = int(match[1]) if match else 0
     period = RATE_PERIODS[match[2]] if match else 1
@@ -542,7 +540,43 @@ def check_rate(rate: Any, name: str = "rate") -> int:
             f"hour as 'N/s', 'N/m' or 'N/h' (N a whole number from 1), e.g. {name}='10/m'; "
             "None: no limit"
         )
+    return count, period
+
+
+def check_rate(rate: Any, name: str = "rate") -> int:
+    """Check a rate (``"10/m"``: starts per second, minute or hour; None: no limit);
+    return the mean interval between two starts in µs (0: no limit), rounded up so the
+    rate is never exceeded."""
+    if rate is None:
+        return 0
+    count, period = _parse_rate(rate, name)
     return -(-period * 1_000_000 // count)
+
+
+def rate_window(
+    rate: Any, spread: Any = False, names: tuple[str, str] = ("rate", "rate_spread")
+) -> tuple[int, int]:
+    """How a rate is counted: (starts, window in µs); (0, 0) without a rate.
+
+    ``"3/m"`` allows 3 starts in any window of a minute, up to 3 at once; with
+    ``spread`` one start in any window of 20 s (the starts spread evenly)."""
+    if not isinstance(spread, bool):
+        raise ConfigError(
+            f"{names[1]}={spread!r} must be True (one start every period/N) or False (up "
+            "to N at once, at most N in any window of one period)"
+        )
+    if rate is None:
+        return 0, 0
+    count, period = _parse_rate(rate, names[0])
+    if spread or count == 1:
+        return 1, -(-period * 1_000_000 // count)
+    if count > MAX_WINDOW_STARTS:
+        raise ConfigError(
+            f"{names[0]}={rate!r} counts more starts in one window than a window keeps "
+            f"({MAX_WINDOW_STARTS:,}): give {names[1]}=True (one start every period/N, "
+            "nothing kept per start)" + (", or the rate per second or minute" if period > 1 else "")
+        )
+    return count, period * 1_000_000
 
 
 # -- reaching the store -----------------------------------------------------------------
@@ -646,6 +680,10 @@ class LeaseOptions(Protocol):
     def done_ms(self) -> int: ...
     @property
     def rate_us(self) -> int: ...
+    @property
+    def rate_per(self) -> int: ...
+    @property
+    def rate_window_us(self) -> int: ...
 
 
 class LeaseCalls:
@@ -710,7 +748,7 @@ class LeaseCalls:
         # A delivery of a task id whose run ended ok: the script says so in its grant
         # (whatever the broker's flags), and the window that run started does not skip it.
         done = self.asks_done(task_id)
-        rate = o.rate_us
+        rate = o.rate_window_us
         # ARGV as ACQUIRE takes them: token, ttl, idle, then the record, skip reason,
         # rerun trigger, task id and maximum records, each left off at its default
         # when nothing after it is sent.
@@ -729,10 +767,12 @@ class LeaseCalls:
                 keys += (self.keys.done(task_id or ""),)
             if queued:
                 keys += (self.keys.queued,)
-            keys += (self.keys.rate, self.keys.rate_last)
-            if booking_ms and task_id:
-                args.append(booking_ms)
-                keys += (self.keys.rate_booking(task_id),)
+            keys += (self.keys.rate, self.keys.rate_starts)
+            booking = booking_ms if booking_ms and task_id else ""
+            if o.rate_per > 1:
+                args += [booking, o.rate_per]
+            elif booking:
+                args.append(booking)
             return ACQUIRE, keys, args
         if done or queued:
             args += [self.limit, "1" if done else "0"]

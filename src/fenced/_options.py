@@ -26,6 +26,7 @@ from ._lease import (
     check_rate,
     check_replicas,
     check_timing,
+    rate_window,
 )
 from ._naming import check_label
 
@@ -90,9 +91,14 @@ class ClaimOptions:
     rate: str | None = _option(
         None,
         "the most starts of the name per second, minute or hour, across every process "
-        "and host: 'N/s', 'N/m' or 'N/h', e.g. '10/m'; starts are spread evenly (one every "
-        "period/N, timed by Redis), and a call too early is rate limited (as busy: "
-        "skipped, waits for its slot, or raises); None: no limit",
+        "and host: 'N/s', 'N/m' or 'N/h', e.g. '10/m': at most N in any window of one "
+        "period (up to N at once), timed by Redis; a call over it is rate limited (as "
+        "busy: skipped, waits for its start, or raises); None: no limit",
+    )
+    rate_spread: bool = _option(
+        False,
+        "spread the rate's starts evenly, one every period/N (10/m: one every 6 s, never "
+        "two at once), instead of up to N at once",
     )
     label: str | None = _option(
         None,
@@ -112,6 +118,8 @@ class ClaimOptions:
     replica_ms: int = field(init=False, repr=False, compare=False)
     done_ms: int = field(init=False, repr=False, compare=False)
     rate_us: int = field(init=False, repr=False, compare=False)
+    rate_per: int = field(init=False, repr=False, compare=False)
+    rate_window_us: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self, prefix: str) -> None:
         def n(option: str) -> str:  # as the user spells it: claim_ttl, --replica-timeout
@@ -148,6 +156,9 @@ class ClaimOptions:
             "done_ms": int(window * 1000),
             "rate_us": check_rate(self.rate, n("rate")),
         }
+        derived["rate_per"], derived["rate_window_us"] = rate_window(
+            self.rate, self.rate_spread, (n("rate"), n("rate_spread"))
+        )
         for name, value in derived.items():
             object.__setattr__(self, name, value)
 

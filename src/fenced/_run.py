@@ -85,6 +85,7 @@ RUN_CLAIM_OPTIONS = (
     "cooldown",
     "limit",
     "rate",
+    "rate_spread",
     "label",
     "max_records",
 )

@@ -369,7 +369,8 @@ _APPEND = _TRIM + _ENTRY
 #         the limit it was last acquired with ("limit")
 # KEYS[8..] (with A[10] > 1) slots 1 .. A[10]-1, each a lease like KEYS[1]
 # then (with A[11] = "1") the done marker of A[7]'s task id, then (with A[12])
-#         the enqueue marker of the name (``claim_enqueue``)
+#         the enqueue marker of the name (``claim_enqueue``), then (with A[13]) the
+#         rate key and the starts key
 # A[1] token  A[2] ttl in ms
 # A[3] JSON of the run record (who, where, when), or "" to record nothing; written
 #         as the "started" entry, or with the skip reason as the "skipped" entry
@@ -399,23 +400,23 @@ _APPEND = _TRIM + _ENTRY
 #         whatever the answer, when the marker still holds A[7]: "-" deletes it (the
 #         message left the queue), a number of ms gives it that expiry (it now covers
 #         the run); "" or absent: nothing. A marker of another type is left alone
-# A[13] (optional) the rate: µs between two starts of the name (``rate``), with the
-#         rate key and the last-start key after the markers: the rate key holds the
-#         next free start (Redis TIME in µs: one interval after the last start granted
-#         or booked) and expires then; the last-start key holds the last start granted
-#         and expires one interval after it. Checked only when a lease is free (a busy
-#         call takes no start) and before the grant (a rate-limited call takes no
-#         lease); a grant sets the next free start one interval ahead. "" or absent:
-#         no rate
-# A[14] (optional, with A[13] and A[7]) how long a booking holds past its
-#         start, in ms, with the booking key of A[7]'s task id as the last of KEYS
-#         (A[7] is then not ""): a call over the rate books the next free start for
-#         its task id (the key holds it, in µs, and expires that long after it; the
-#         next free start moves one interval on). A call that holds a booking starts at
-#         it, not counted again and refused by nobody, but never within one interval of
-#         the last start granted: before then it is told to wait (its booking kept
-#         until then, and that long after); its grant deletes the booking. "" or
-#         absent: nothing is booked
+# A[13] (optional) the rate's window: µs within which at most A[15] starts of the name
+#         may be granted, with the rate key and the starts key after the markers: the
+#         starts key (a sorted set) holds each start granted (member: its fence) and
+#         each start booked ('b:' .. task id), scored by its time (Redis TIME in µs),
+#         and expires once its latest start no longer counts; the rate key holds when a
+#         call without a booking may next start (one window after the A[15]-th latest
+#         start, granted or booked) and expires then. Checked only when a lease is free
+#         (a busy call takes no start) and before the grant (a rate-limited call takes
+#         no lease). "" or absent: no rate
+# A[14] (optional, with A[13] and A[7]) how long a booking holds past its start, in
+#         ms: a call over the rate books the next free start for its task id. A call
+#         that holds a booking starts at it, not counted again and refused by nobody,
+#         but never as the A[15]+1-th start within one window: before then it is told
+#         to wait (its booking moved to that start); its grant turns the booking into
+#         its start. A booking not come for within the hold is void: a call of its task
+#         id after it is a new call. "" or absent: nothing is booked
+# A[15] (optional, with A[13]) how many starts the window allows: "" or absent, 1
 # returns {1, fence}                                    when the claim is ours (also
 #                                                       when A[1] already holds it:
 #                                                       a retried request is idempotent)
@@ -516,14 +517,14 @@ end
 _ACQUIRE_QUEUED = _queued_step(
     "ARGV[12]",
     "ARGV[7]",
-    "KEYS[#KEYS - ((ARGV[13] or '') == '' and 0 or (ARGV[14] or '') == '' and 2 or 3)]",
+    "KEYS[#KEYS - ((ARGV[13] or '') == '' and 0 or 2)]",
 )
 
 # The arguments of ACQUIRE in the order its whole script reads them (see ACQUIRE).
 _ACQUIRE_ARGS = """
 local A = {ARGV[1], ARGV[2], ARGV[4] or '', ARGV[5] or '', ARGV[8] or '1000',
            ARGV[6] or '', ARGV[7] or '', ARGV[3], ARGV[9], ARGV[10], ARGV[11], ARGV[12],
-           ARGV[13], ARGV[14]}
+           ARGV[13], ARGV[14], ARGV[15]}
 local idle = tonumber(A[8])
 """
 
@@ -542,17 +543,20 @@ ACQUIRE = Script(
 local limit = tonumber(A[10] or '1')
 -- the leases: KEYS[1], then (limit > 1) the slots from KEYS[8]; the markers after them
 local last = #KEYS
-local rate_key, last_key, booking_key, interval, rate_now, hold
+local rate_key, starts_key, interval, per, rate_now, booking, hold, keep
 if A[13] and A[13] ~= '' then
-  if A[14] and A[14] ~= '' then
-    booking_key = KEYS[last]
-    last = last - 1
-    hold = tonumber(A[14])
-  end
-  last_key = KEYS[last]
+  starts_key = KEYS[last]
   rate_key = KEYS[last - 1]
   last = last - 2
   interval = tonumber(A[13])
+  per = tonumber(A[15] or '1') or 1
+  hold = 0
+  if A[14] and A[14] ~= '' and A[7] ~= '' then
+    booking = 'b:' .. A[7]
+    hold = tonumber(A[14]) * 1000
+  end
+  -- how long a start stays in the set: while it counts, and a booking while it is held
+  keep = math.max(interval, hold)
 end
 if A[12] and A[12] ~= '' then
   last = last - 1  -- the enqueue marker, handled first (_ACQUIRE_QUEUED)
@@ -606,58 +610,116 @@ local function read_fence()
   if not last_fence then last_fence = redis.call('GET', KEYS[2]) or '0' end
   return last_fence
 end
--- The rate, as a GCRA without burst: one key holding the next free start, by the
--- server's clock; a booked start is the call's own. Defined only with a rate: a claim
--- without one pays nothing.
+-- The rate: at most A[15] starts in any window of A[13] µs, by the server's clock. The
+-- starts key, a sorted set, holds each start granted (member: its fence) and each start
+-- booked ('b:' .. task id), scored by its time; the rate key holds when a call without
+-- a booking may next start (for readers), expiring then. Defined only with a rate: a
+-- claim without one pays nothing.
 local rate_wait, rate_take, throttled
 if rate_key then
   local booked  -- the start booked for this call (µs), when it holds a booking
+  local nth  -- the per-th latest start counted (µs), as rate_wait found it, or false
   -- ms from now until a time (at least 1): a key lives until it, so an idle name
   -- keeps nothing
   local function ms_until(time)
     return math.max(1, math.ceil((time - rate_now) / 1000))
   end
+  -- the per-th latest start, granted or booked (false while fewer are counted): a call
+  -- without a booking may start one window after it; successive bookings so get
+  -- successive starts, after every one booked before
+  local function nth_latest()
+    local found = redis.call('ZRANGE', starts_key, -per, -per, 'WITHSCORES')
+    return found[2] and tonumber(found[2]) or false
+  end
+  -- After a write to the set: what can no longer count (nor be a booking still held)
+  -- goes, the rate key says when a call without a booking may next start, and the set
+  -- lives as long as its latest start counts. ``latest`` and ``last``: those starts
+  -- (the latest, the per-th latest) when the caller knows them.
+  local function publish(latest, last)
+    redis.call('ZREMRANGEBYSCORE', starts_key, '-inf', string.format('%d', rate_now - keep))
+    if last == nil then last = nth_latest() end
+    local free = last and last + interval or 0
+    if free > rate_now then
+      redis.call('SET', rate_key, string.format('%d', free), 'PX', ms_until(free))
+    else
+      redis.call('DEL', rate_key)
+    end
+    if latest == nil then
+      local found = redis.call('ZRANGE', starts_key, -1, -1, 'WITHSCORES')
+      latest = tonumber(found[2])
+    end
+    redis.call('PEXPIRE', starts_key, ms_until(latest + keep))
+  end
   -- µs to wait for the start allowed, or nil when a start is allowed now
   rate_wait = function()
     local t = redis.call('TIME')
     rate_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-    if booking_key then
-      booked = tonumber(redis.call('GET', booking_key) or '')
+    if booking then
+      booked = tonumber(redis.call('ZSCORE', starts_key, booking) or '')
+      if booked and rate_now > booked + hold then
+        booked = nil  -- held no longer: a call come this late is a new one
+      end
       if booked then
-        -- its own start, never within one interval of the last one granted
-        local granted = tonumber(redis.call('GET', last_key) or '0') or 0
-        local start = math.max(booked, granted + interval)
-        if start <= rate_now then return nil end
-        redis.call('PEXPIRE', booking_key, ms_until(start) + hold)
+        if booked > rate_now then return booked - rate_now end
+        -- Its own start, counted when it was booked; but never the per+1-th start in a
+        -- window: the other starts in the window ending now, granted or due.
+        local low = '(' .. string.format('%d', rate_now - interval)
+        local high = string.format('%d', rate_now)
+        local others = redis.call('ZCOUNT', starts_key, low, high)
+        if booked > rate_now - interval then others = others - 1 end
+        if others < per then return nil end
+        -- the start then: when the window has let enough of them go
+        local gone = others - per + 1
+        local oldest = redis.call('ZRANGEBYSCORE', starts_key, low, high, 'WITHSCORES',
+                                  'LIMIT', 0, gone + 1)
+        local start
+        for i = 1, #oldest, 2 do
+          if oldest[i] ~= booking then
+            gone = gone - 1
+            if gone == 0 then
+              start = tonumber(oldest[i + 1]) + interval
+              break
+            end
+          end
+        end
+        redis.call('ZADD', starts_key, start, booking)  -- its booking, moved to it
+        publish()
         return start - rate_now
       end
     end
-    local next_start = tonumber(redis.call('GET', rate_key) or '0') or 0
-    if next_start > rate_now then return next_start - rate_now end
+    nth = nth_latest()
+    if nth and nth + interval > rate_now then return nth + interval - rate_now end
     return nil
   end
-  rate_take = function()
-    local after = rate_now + interval
-    if booked then
-      -- counted when it was booked; a late start still keeps the next one an interval off
-      redis.call('DEL', booking_key)
-      after = math.max(after, tonumber(redis.call('GET', rate_key) or '0') or 0)
+  rate_take = function(fence)
+    if booked then redis.call('ZREM', starts_key, booking) end
+    redis.call('ZADD', starts_key, rate_now, fence)
+    if per == 1 and not booked then
+      -- the one start a window counts: this one, or a booking after it
+      local latest = math.max(nth or 0, rate_now)
+      publish(latest, latest)
+    else
+      publish()
     end
-    redis.call('SET', rate_key, string.format('%d', after), 'PX', ms_until(after))
-    redis.call('SET', last_key, string.format('%d', rate_now), 'PX', math.ceil(interval / 1000))
   end
   throttled = function(wait)
     local ms = math.ceil(wait / 1000)
     if booked then
       return {4, string.format('%d', rate_now + wait), ms, read_fence(), 0, 0}
     end
-    if booking_key then
-      -- book the next free start for this task id; the next one is an interval later
+    if booking then
+      -- Book the next free start for this task id, and never within period/N of the
+      -- latest start: a backlog drains one at a time, not in bursts of N that a claim
+      -- of fewer slots would find busy.
       local start = rate_now + wait
-      redis.call('SET', booking_key, string.format('%d', start), 'PX', ms + hold)
-      redis.call('SET', rate_key, string.format('%d', start + interval),
-                 'PX', ms_until(start + interval))
-      return {4, string.format('%d', start), ms, read_fence(), 0, 0}
+      local found = redis.call('ZRANGE', starts_key, -1, -1, 'WITHSCORES')
+      if found[2] then
+        start = math.max(start, tonumber(found[2]) + math.ceil(interval / per))
+      end
+      redis.call('ZADD', starts_key, start, booking)
+      publish(start)
+      return {4, string.format('%d', start), math.ceil((start - rate_now) / 1000),
+              read_fence(), 0, 0}
     end
     return {3, '', ms, read_fence(), 0, 0}
   end
@@ -768,7 +830,7 @@ if limit <= 1 then
       redis.call('DEL', KEYS[1])  -- granted nothing
       return refused
     end
-    if rate_key then rate_take() end
+    if rate_key then rate_take(minted) end
     return granted(minted)
   end
   local holder = redis.call('GET', KEYS[1]) or ''
@@ -814,7 +876,7 @@ if free and not own then
   if wait then return throttled(wait) end
   redis.call('SET', slots[free], A[1], 'PX', A[2])
   local fence = mint()
-  if rate_key then rate_take() end
+  if rate_key then rate_take(fence) end
   redis.call('HSET', KEYS[7], tostring(free - 1), fence, 'limit', tostring(limit))
   touch(idle, KEYS[7])
   return granted(fence, free - 1)

@@ -371,6 +371,8 @@ if app is not None:
             text = text[0].upper() + text[1:] + "."
             if kind is float:  # seconds, given as 30s, 10m, 2h or a number
                 option = _duration(text)
+            elif kind is bool:  # a switch: --rate-spread
+                option = typer.Option(f"--{name.replace('_', '-')}", help=text)
             else:
                 metavar = "N" if kind is int else metavars.get(name, "TEXT")
                 option = typer.Option(metavar=metavar, help=text)

@@ -36,6 +36,7 @@ from .._lease import (
     check_rate,
     check_replicas,
     check_timing,
+    rate_window,
 )
 from .._naming import check_label
 from .._options import DEFAULT, NAMES, ClaimOptions, refuse_unknown
@@ -192,6 +193,11 @@ def _rate(value: Any, given: Mapping[str, Any], span: float) -> str:
     return str(value)
 
 
+def _rate_spread(value: Any, given: Mapping[str, Any], span: float) -> bool:
+    rate_window(given.get("claim_rate"), value, ("claim_rate", "claim_rate_spread"))
+    return bool(value)
+
+
 # Each option's check, in the order they are checked: (value, the options given, the
 # ttl given or infinity) -> the value cleaned. Without a ttl here (it comes from
 # settings) only what does not hang on it is checked.
@@ -217,6 +223,7 @@ _CHECKS: dict[str, _Check] = {
     "claim_cooldown": lambda v, g, span: _cooldown(v, g),
     "claim_limit": lambda v, g, span: check_limit(v, "claim_limit"),
     "claim_rate": _rate,
+    "claim_rate_spread": _rate_spread,
     "claim_rate_policy": lambda v, g, span: _rate_policy(v, "claim_rate_policy"),
     "claim_label": lambda v, g, span: check_label(v, "claim_label"),
 }

@@ -235,6 +235,7 @@ class ClaimedTask(Task[Any, Any]):
     claim_limit: int | None = None
     claim_label: str | None = None
     claim_rate: str | None = None
+    claim_rate_spread: bool | None = None
     claim_rate_policy: str | None = None
     claim_debounce: float | str | None = None
     claim_debounce_max: float | str | None = None
