@@ -40,8 +40,12 @@ def parse(argv: list[str] | None = None) -> Config | str:
         "--no-dedup", action="store_true", help="no dedup lane (fenced's Celery options)"
     )
     p.add_argument(
-        "--dedup-children", type=int, default=4, help="dedup lane prefork children (>= 3)"
+        "--dedup-children", type=int, default=5, help="dedup lane prefork children (>= 3)"
     )
+    p.add_argument(
+        "--no-beat", action="store_true", help="no beat lane (celery beat, fenced's scheduler)"
+    )
+    p.add_argument("--beats", type=int, default=3, help="beat lane: celery beat processes")
     p.add_argument(
         "--sentinel",
         action="store_true",
@@ -108,6 +112,8 @@ def parse(argv: list[str] | None = None) -> Config | str:
         sentinel=a.sentinel,
         cluster=a.cluster,
         replicas=a.replicas,
+        beat=not a.no_beat,
+        beats=a.beats,
     )
     try:
         cfg.check()

@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .beat_check import INVARIANTS as BEAT_INVARIANTS
+from .beat_check import BeatStats
 from .config import FAULTS, Config
 from .dedup_check import INVARIANTS as DEDUP_INVARIANTS
 from .dedup_check import DedupStats
@@ -95,6 +97,10 @@ class Setup:
     broken: str = ""
     #: Seconds the dedup lane took after the faults to account for its calls.
     drain_seconds: float = 0.0
+    #: The dedup lane's claim ttl (its replaced runs stop within a third of it).
+    dedup_ttl: float = 3.0
+    #: The beat lane's celery beat processes (0: lane off).
+    beats: int = 0
 
     @classmethod
     def of(
@@ -114,6 +120,8 @@ class Setup:
             dedup_cooldown=cfg.dedup_cooldown,
             broken=",".join(cfg.broken),
             drain_seconds=float((drain or {}).get("seconds", 0.0)),
+            beats=cfg.beats if cfg.beat else 0,
+            dedup_ttl=cfg.dedup_ttl,
         )
 
 
@@ -212,6 +220,7 @@ class Report:
     run_lane: dict[str, Any]
     checked: dict[str, str]
     dedup: DedupStats | None = None
+    beat: BeatStats | None = None
 
     @property
     def ok(self) -> bool:
@@ -247,7 +256,11 @@ class Report:
         ]  # fmt: skip
         counts = self.by_invariant()
         rows: list[tuple[str, ...]] = [("invariant (fenced lane)", "result", "checked")]
-        every = {**INVARIANTS, **(DEDUP_INVARIANTS if self.dedup is not None else {})}
+        every = {
+            **INVARIANTS,
+            **(DEDUP_INVARIANTS if self.dedup is not None else {}),
+            **(BEAT_INVARIANTS if self.beat is not None else {}),
+        }
         for key, text in every.items():
             n = counts.get(key, 0)
             rows.append((text, "ok" if n == 0 else f"VIOLATED x{n}", self.checked.get(key, "")))
@@ -268,6 +281,9 @@ class Report:
         if self.dedup is not None:
             lines.append("")
             lines += self._dedup()
+        if self.beat is not None:
+            lines.append("")
+            lines += self._beat()
         lines.append("")
         lines += self._side_by_side()
         lines.append("")
@@ -308,6 +324,15 @@ class Report:
         rows.append(("failed runs", str(d.failed)))
         rows.append(("most runs at once, by name", kv(d.max_at_once)))
         rows.append(("chords: sent / body ran", f"{d.chords} / {d.chords_done}"))
+        rows.append(("replace: runs replaced by a newer call", kv(d.replaced)))
+        rows.append(("  of them by a call sent before theirs (delivery order)",
+                     str(d.replaced_by_older)))  # fmt: skip
+        rows.append(("  publishes through the fenced pointer", kv(d.publishes)))
+        counts = (d.debounce_begun, d.debounce_calls, d.debounce_runs, d.debounce_deferred)
+        rows.append(("debounce: calls begun / completed / runs / deferred",
+                     " / ".join(str(n) for n in counts)))  # fmt: skip
+        rows.append(("  sender killed (mid-publish)",
+                     f"{d.sender_kills} ({d.sender_kills_mid_publish})"))  # fmt: skip
         rows.append(("excused: a restart or failover forgot the state", kv(d.excused)))
         rows.append(("drain after the faults", f"{self.setup.drain_seconds:g} s"))
         out = _table(rows)
@@ -319,6 +344,23 @@ class Report:
                 side.append((k, *(str(d.beside[n].get(k, "")) for n in names)))
             out += ["", *_table(side)]
         return out
+
+    def _beat(self) -> list[str]:
+        b = self.beat
+        assert b is not None
+
+        def kv(counts: dict[str, Any]) -> str:
+            return ", ".join(f"{k} {v}" for k, v in counts.items()) or "0"
+
+        rows: list[tuple[str, ...]] = [(f"beat lane ({self.setup.beats} celery beat)", "figures")]
+        rows.append(("ticks run, by entry", kv(b.ticks)))
+        rows.append(("runs, by entry", kv(b.runs)))
+        rows.append(("ticks run twice (a fault on a leader)", str(b.twice)))
+        rows.append(("passed over in a fault window (catch-up skip)", kv(b.passed_over)))
+        rows.append(("lateness p50 / max, by entry", kv(b.late_p50_max)))
+        rows.append(("BEAT_DISPATCH replies dropped", str(b.replies_dropped)))
+        rows.append(("beat processes started", str(b.beat_starts)))
+        return _table(rows)
 
     def _side_by_side(self) -> list[str]:
         lanes = [self.fenced] + ([self.lock] if self.lock else [])
@@ -671,12 +713,22 @@ def check(
     if setup.dedup_children:
         from .dedup_check import check_dedup
 
-        found, dedup, dedup_checked = check_dedup(events, faults, timeline, setup.dedup_cooldown)
+        found, dedup, dedup_checked = check_dedup(
+            events, faults, timeline, setup.dedup_cooldown, setup.dedup_ttl
+        )
         violations += found
         checked.update(dedup_checked)
+    beat = None
+    if setup.beats:
+        from .beat_check import check_beat
+
+        found, beat, beat_checked = check_beat(events, faults, timeline)
+        violations += found
+        checked.update(beat_checked)
     violations.sort(key=lambda v: v.t if v.t is not None else float("inf"))
     return Report(
         dedup=dedup,
+        beat=beat,
         setup=setup,
         faults=dict(Counter(f.kind for f in faults)),
         skipped_faults=dict(skipped),

@@ -7,12 +7,15 @@ import os
 from dataclasses import asdict, dataclass, field
 
 __all__ = [
+    "BEAT_BROKEN",
+    "BEAT_FAULTS",
     "BROKEN",
     "CLUSTER_FAULTS",
     "DEDUP_NAMES",
     "FAILOVER_FAULTS",
     "FAULTS",
     "LANES",
+    "REPLACE_NAMES",
     "Config",
     "Shared",
 ]
@@ -27,19 +30,32 @@ FAULTS = (
     "partition",
     "kill_worker",
     "kill_runner",
+    "kill_debounce_sender",
     "failover_kill",
     "failover_pause",
     "cluster_failover_kill",
     "cluster_failover_pause",
+    "beat_kill",
+    "beat_pause",
+    "beat_drop_reply",
+    "beat_clock_ahead",
 )
 #: The faults of a Sentinel group (``--sentinel``): they need its master and replica.
 FAILOVER_FAULTS = ("failover_kill", "failover_pause")
+#: The faults of the beat lane (``--no-beat`` leaves them out).
+BEAT_FAULTS = ("beat_kill", "beat_pause", "beat_drop_reply", "beat_clock_ahead")
 #: The faults of a Redis Cluster (``--cluster``): they need a master with a replica.
 CLUSTER_FAULTS = ("cluster_failover_kill", "cluster_failover_pause")
 #: The dedup lane's fixed claim names (chaos/dedup_app.py; the chord members' vary).
-DEDUP_NAMES = ("dd:started", "dd:finished", "dd:cooldown", "dd:limit", "dd:retry", "dd:rerun")
+DEDUP_NAMES = ("dd:started", "dd:finished", "dd:cooldown", "dd:limit", "dd:retry", "dd:rerun",
+               "dd:replace_started", "dd:replace_retry", "dd:debounce")  # fmt: skip
+#: The dedup lane's names under ``claim_on_busy="replace"`` (runs overlap while a
+#: replaced one learns it: checked by dd-replace, not dd-limit).
+REPLACE_NAMES = ("dd:replace_started", "dd:replace_retry")
 #: Deliberate faults of the dedup lane (``--broken``) that its checker must catch.
-BROKEN = ("limit", "cooldown", "rerun")
+BROKEN = ("limit", "cooldown", "rerun", "beat-sender", "beat-clock")
+#: Those of them that break the beat lane (the others break the dedup lane).
+BEAT_BROKEN = ("beat-sender", "beat-clock")
 #: The lanes: fenced's front ends, and the same work under redis-py's Lock.
 LANES = ("fenced", "lock")
 #: The environment variable that carries :class:`Shared` to worker processes.
@@ -77,7 +93,7 @@ class Config:
     #: The dedup lane (chaos/dedup_app.py, chaos/feeder.py): fenced's Celery options.
     dedup: bool = True
     #: Prefork children of the dedup lane's Celery worker (more than its limit of 2).
-    dedup_children: int = 4
+    dedup_children: int = 5
     #: Lease of the dedup lane's claims, and its cooldown, in seconds.
     dedup_ttl: float = 3.0
     dedup_cooldown: float = 1.5
@@ -92,6 +108,10 @@ class Config:
     #: claim_replicas of the dedup lane's tasks (replicas that must acknowledge each
     #: acquire and renewal); None: 1 on Sentinel or Cluster, else 0.
     replicas: int | None = None
+    #: The beat lane (chaos/beat_app.py): ``beats`` celery beat processes under fenced's
+    #: scheduler, on a Redis of their own, and a worker noting each tick.
+    beat: bool = True
+    beats: int = 3
 
     def check(self) -> None:
         """Raise ValueError for settings that cannot work, naming the fix."""
@@ -117,13 +137,17 @@ class Config:
             raise ValueError("--cluster puts the dedup lane on a Redis Cluster: drop --no-dedup")
         if self.sentinel and not self.dedup:
             raise ValueError("--sentinel puts the dedup lane on Sentinel: drop --no-dedup")
-        if self.broken and not self.dedup:
+        if any(b not in BEAT_BROKEN for b in self.broken) and not self.dedup:
             raise ValueError("--broken breaks the dedup lane: drop --no-dedup")
+        if any(b in BEAT_BROKEN for b in self.broken) and not self.beat:
+            raise ValueError("--broken beat-* breaks the beat lane: drop --no-beat")
         if self.dedup and self.dedup_children < 3:
             raise ValueError(
                 f"--dedup-children {self.dedup_children}: at least 3, so that a limit of 2 "
                 "can be exceeded"
             )
+        if self.beat and not 2 <= self.beats <= 5:
+            raise ValueError(f"--beats {self.beats}: 2 to 5 beat processes")
         if not 0 < self.step_min <= self.step_max:
             raise ValueError("step times: 0 < step_min <= step_max")
 

@@ -17,7 +17,17 @@ task                   claim                         what it exercises
 ``dd.retry``           ``dd:retry``                  a retry that keeps its claim
 ``dd.rerun``           ``dd:rerun``                  ``claim_on_busy="rerun"``
 ``dd.member``          ``dd:member:{k}``             a chord member (``dd.chord_body``)
+``dd.replace_started`` ``dd:replace_started``        ``claim_on_busy="replace"`` with
+                                                     ``claim_enqueue="until_started"``
+``dd.replace_retry``   ``dd:replace_retry``          ``replace``, a call in three retries
+``dd.debounce``        ``dd:debounce``               ``claim_debounce``, called by its own
+                                                     sender (:mod:`chaos.debounce_sender`)
 =====================  ============================  =====================================
+
+The replace tasks take a sequence number (the feeder's call counter: call order) and,
+at the end of a run, publish it through a fenced pointer under the run's fence
+(``dd-publish``: accepted, or refused as stale); a replaced run's delivery logs who
+replaced it (``replaced_by`` in ``dd-post``).
 
 Beside them, when celery-once is installed, ``dd.once`` (``QueueOnce``, graceful, one
 lock for every call, kept on the lock Redis too) is called on ``dd.finished``'s
@@ -41,9 +51,10 @@ from celery import Celery
 from celery import signals as celery_signals
 
 import fenced
-from fenced import ClaimLost
+from fenced import ClaimLost, StaleFence
 from fenced._lease import ClaimKeys
 from fenced.celery import ClaimedTask
+from fenced.store import RedisPointer
 
 from .config import DEDUP_NAMES, Shared
 from .events import EventLog
@@ -59,6 +70,9 @@ COOLDOWN = float(shared.extra.get("dedup_cooldown", "1.5"))
 BROKEN = frozenset(filter(None, shared.extra.get("broken", "").split(",")))
 #: How many runs of each claim name may run at once (the checker reads it too).
 LIMITS = {"dd:limit": 2}
+#: The debounced task's quiet time and longest wait (``claim_debounce``, ``_max``).
+DEBOUNCE = float(shared.extra.get("dedup_debounce", "0.4"))
+DEBOUNCE_MAX = float(shared.extra.get("dedup_debounce_max", "1.5"))
 NAMES = DEDUP_NAMES
 
 app = Celery(
@@ -166,6 +180,9 @@ def _after(task_id: str | None = None, task: Any = None, args: Any = None, kwarg
     reason = None
     if fenced.is_skipped(retval):
         reason = retval["reason"] if isinstance(retval, dict) else retval.reason
+    replaced_by = None
+    if isinstance(retval, dict) and retval.get("status") == "replaced":
+        replaced_by = str((retval.get("holder") or {}).get("task_id") or "?")
     log_here().emit(
         "dd-post",
         task=task.name,
@@ -177,6 +194,7 @@ def _after(task_id: str | None = None, task: Any = None, args: Any = None, kwarg
         retries=task.request.retries or 0,
         policy=getattr(task, "claim_on_busy", None),
         error=repr(retval)[:200] if state == "FAILURE" else None,
+        replaced_by=replaced_by,
     )
 
 
@@ -248,6 +266,73 @@ def member(self: ClaimedTask, k: int) -> int:
 def chord_body(results: list[Any], chord: int) -> int:
     log_here().emit("dd-chord-body", chord=chord, results=len(results))
     return chord
+
+
+_pointers: dict[str, RedisPointer] = {}
+
+
+def _publish(task: Any, name: str, seq: int) -> None:
+    """Publish the call's sequence number through a fenced pointer, under the run's fence."""
+    log = log_here()
+    claim = task.claim
+    pointer = _pointers.get(name)
+    if pointer is None:
+        pointer = _pointers[name] = RedisPointer(shared.lock_url, f"chaos:{name}")
+    ident = dict(name=name, task=task.name, id=task.request.id, seq=seq, fence=claim.fence)
+    t0 = time.monotonic()
+    try:
+        pointer.swap(str(seq), fence=claim.fence)
+    except StaleFence:
+        log.emit("dd-publish", t0=t0, accepted=False, **ident)
+        return
+    except Exception as exc:  # the lock Redis restarted or paused: not published
+        log.emit("dd-publish", t0=t0, accepted=None, error=repr(exc)[:120], **ident)
+        return
+    log.emit("dd-publish", t0=t0, accepted=True, **ident)
+
+
+@app.task(
+    base=ClaimedTask,
+    bind=True,
+    name="dd.replace_started",
+    claim="dd:replace_started",
+    claim_on_busy="replace",
+    claim_enqueue="until_started",
+)
+def replace_started(self: ClaimedTask, seq: int) -> str:
+    _hold(self, "dd:replace_started", (seq,), 0.8, 1.5)
+    _publish(self, "dd:replace_started", seq)
+    return "done"
+
+
+@app.task(
+    base=ClaimedTask,
+    bind=True,
+    name="dd.replace_retry",
+    claim="dd:replace_retry",
+    claim_on_busy="replace",
+    max_retries=3,
+)
+def replace_retry(self: ClaimedTask, seq: int) -> str:
+    _hold(self, "dd:replace_retry", (seq,), 0.2, 0.5)
+    if seq % 3 == 0 and not self.request.retries:
+        log_here().emit("dd-retrying", name="dd:replace_retry", id=self.request.id, args=[seq])
+        raise self.retry(countdown=0.3)  # the claim is kept for the retry: a newer call may take it
+    _publish(self, "dd:replace_retry", seq)
+    return "done"
+
+
+@app.task(
+    base=ClaimedTask,
+    bind=True,
+    name="dd.debounce",
+    claim="dd:debounce",
+    claim_debounce=DEBOUNCE,
+    claim_debounce_max=DEBOUNCE_MAX,
+)
+def debounce(self: ClaimedTask, seq: int) -> str:
+    _hold(self, "dd:debounce", (seq,), 0.05, 0.15)
+    return "done"
 
 
 # -- deliberately broken (--broken): runs that log as a claimed name but hold nothing ---

@@ -19,7 +19,17 @@ Invariants (any violation fails the run):
   name starts before the retried attempt;
 - ``dd-chord``: every chord's body ran, unless a member failed (a member whose claim
   was lost fails, and Celery fails its chord): only a member that lost its claim to a
-  restart of the lock Redis excuses it.
+  restart of the lock Redis excuses it;
+- ``dd-replace`` (``claim_on_busy="replace"``): a call whose run a newer call replaced
+  never runs again (its retry, its redelivery) and never publishes (through the fenced
+  pointer) after the call that replaced it published; a replaced run stops within a
+  refresh interval (``ttl/3``) plus :data:`REPLACE_SLACK`; with
+  ``claim_enqueue="until_started"``, a call made while the name's message runs is
+  published (it replaces that run), never coalesced into it;
+- ``dd-debounce``: after every call of ``dd.debounce`` (its sender killed now and then,
+  mid-publish), a run with that call's arguments or a later call's starts within
+  ``claim_debounce_max`` twice (a burst whose sender died, then the burst a later call
+  publishes) plus :data:`DEBOUNCE_SLACK`.
 
 celery-once (``dd.once``, when installed) runs beside ``dd.finished`` on the same
 schedule and faults; its figures are reported beside fenced's, not held to these.
@@ -42,7 +52,7 @@ from typing import Any
 
 from fenced._lease import ClaimKeys
 
-from .config import CLUSTER_FAULTS, FAILOVER_FAULTS
+from .config import CLUSTER_FAULTS, FAILOVER_FAULTS, REPLACE_NAMES
 
 __all__ = ["INVARIANTS", "DedupStats", "check_dedup", "pending"]
 
@@ -54,7 +64,17 @@ INVARIANTS = {
     "dd-accounted": "dedup: every call ran, was skipped (reason), coalesced or rerun",
     "dd-retry": "dedup: a retry keeps its claim until the retried attempt",
     "dd-chord": "dedup: every chord's body ran",
+    "dd-replace": "dedup: a replaced call never runs or publishes after its replacer",
+    "dd-debounce": "dedup: every debounced call is followed by a run in bounded time",
 }
+#: How long after its replacer started a replaced run may still run, beyond ttl/3.
+REPLACE_SLACK = 1.5
+#: How late a debounced call's run may start, beyond twice claim_debounce_max: the
+#: queue ahead of it (two cores, a dozen messages) and the worker's pickup.
+DEBOUNCE_SLACK = 6.0
+#: chaos.dedup_app's debounce settings (claim_debounce_max).
+DEBOUNCE_MAX = 1.5
+DEBOUNCE_TASK = "dd.debounce"
 #: Runs of a name allowed at once (chaos.dedup_app.LIMITS; 1 for every other name).
 LIMITS = {"dd:limit": 2}
 #: The peer: celery-once's task, and the run name it logs (kept out of the invariants).
@@ -106,6 +126,19 @@ class DedupStats:
     excused: dict[str, int] = field(default_factory=dict)
     #: fenced's until_finished and celery-once under the same calls and faults.
     beside: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: replace: runs replaced by a newer call, by name; of them, by a call sent
+    #: before theirs (the older message delivered later: call order as the runs took
+    #: the name); publishes accepted / refused by the fence.
+    replaced: dict[str, int] = field(default_factory=dict)
+    replaced_by_older: int = 0
+    publishes: dict[str, int] = field(default_factory=dict)
+    #: debounce: calls (begun, completed), sender kills (mid-publish), runs.
+    debounce_calls: int = 0
+    debounce_begun: int = 0
+    debounce_runs: int = 0
+    debounce_deferred: int = 0
+    sender_kills: int = 0
+    sender_kills_mid_publish: int = 0
 
 
 @dataclass
@@ -119,6 +152,9 @@ class _Lane:
     starts: dict[str, list[Run]]
     #: (task id, pid) -> when its body asked for a retry (dd-retrying)
     retrying: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    publishes: list[Event] = field(default_factory=list)
+    dcalls: list[Event] = field(default_factory=list)
+    dbegun: int = 0
 
 
 def _read(events: list[Event], killed: dict[int, float]) -> _Lane:
@@ -154,6 +190,12 @@ def _read(events: list[Event], killed: dict[int, float]) -> _Lane:
             lane.posts[str(e["id"])].append(e)
         elif ev == "dd-retrying":
             lane.retrying.setdefault((str(e["id"]), pid), []).append(t)
+        elif ev == "dd-publish":
+            lane.publishes.append(e)
+        elif ev == "dd-dcall":
+            lane.dcalls.append(e)
+        elif ev == "dd-dcall-begin":
+            lane.dbegun += 1
     for run in lane.runs:
         if run.end is None:
             dead = killed.get(run.pid)
@@ -275,10 +317,20 @@ def _accounting(
                 problems.append((t, f"{p['task']}{tuple(p['args'])} (task {tid[:8]}) was "
                                     "ignored as already completed, but no run of it had "
                                     "completed"))  # fmt: skip
-    # A retry: the same task id comes back, as its next attempt.
+    # A retry: the same task id comes back, as its next attempt. A debounced message
+    # published again (not due yet, or its name held) shows RETRY too, without a retry
+    # counted: it comes back as any later delivery of its task id.
     for tid, posts in lane.posts.items():
         for p in posts:
             if p.get("state") != "RETRY":
+                continue
+            if p.get("task") == DEBOUNCE_TASK:
+                t = float(p["t"])
+                if not any(r.start > t for r in lane.starts.get(tid, [])) and not any(
+                    float(q["t"]) > t for q in posts if q is not p
+                ):
+                    problems.append((t, f"{p['task']}(task {tid[:8]}) was deferred and its "
+                                        "message never came back"))  # fmt: skip
                 continue
             t = float(p["t"])
             if not _came_back(lane, tid, p):
@@ -350,12 +402,152 @@ def pending(events: list[Event]) -> list[str]:
     restarts = _forgetting(faults)
     problems, _ = _accounting(lane, restarts)
     out = [what for _t, what in problems]
+    out += [f"debounce call {seq}" for _t, seq in _debounce_waiting(lane)]
     out += [
         f"chord {c['chord']}"
         for c in lane.chords
         if int(c["chord"]) not in lane.bodies and not _failed_members(lane, c)
     ]
     return out
+
+
+def _debounce_runs(lane: _Lane) -> list[Run]:
+    return sorted((r for r in lane.runs if r.task == DEBOUNCE_TASK), key=lambda r: r.start)
+
+
+def _debounce_waiting(lane: _Lane) -> list[tuple[float, int]]:
+    """Debounced calls (time, sequence number) with no run of theirs or of a later call
+    started after them."""
+    runs = _debounce_runs(lane)
+    out = []
+    for c in lane.dcalls:
+        t0, seq = float(c["t"]), int(c["seq"])
+        if not any(r.start >= t0 and r.args and int(r.args[0]) >= seq for r in runs):
+            out.append((t0, seq))
+    return out
+
+
+def _check_debounce(
+    lane: _Lane, faults: list[Any], restarts: list[Window], timeline: Any, stats: DedupStats
+) -> tuple[list[Any], int]:
+    """dd-debounce: each call is followed by a run (its arguments or a later call's)
+    within twice claim_debounce_max plus DEBOUNCE_SLACK; a dedup worker killed or the
+    claims' Redis forgetting meanwhile excuses it (its message comes back later)."""
+    from .checker import Violation
+
+    runs = _debounce_runs(lane)
+    stats.debounce_calls = len(lane.dcalls)
+    stats.debounce_begun = lane.dbegun
+    stats.debounce_runs = len(runs)
+    kills = [f for f in faults if f.kind == "kill_debounce_sender"]
+    stats.sender_kills = len(kills)
+    stats.sender_kills_mid_publish = sum(1 for f in kills if f.details.get("mid_publish"))
+    worker_kills = [f.start for f in faults if f.kind == "kill_worker"]
+    bound = 2 * DEBOUNCE_MAX + DEBOUNCE_SLACK
+    found: list[Any] = []
+    excused = 0
+    for c in lane.dcalls:
+        t0, seq = float(c["t"]), int(c["seq"])
+        after = [r.start for r in runs if r.start >= t0 and r.args and int(r.args[0]) >= seq]
+        first = min(after) if after else None
+        if first is not None and first <= t0 + bound:
+            continue
+        until = first if first is not None else t0 + bound
+        if any(t0 - 1.0 <= k <= until for k in worker_kills) or _restart_between(
+            restarts, t0 - 1.0, until, "dd:debounce"
+        ):
+            excused += 1
+            continue
+        late = "never" if first is None else f"{first - t0:.2f} s after it"
+        found.append(Violation("dd-debounce", t0, f"dd.debounce({seq}): a run of it or of a "
+                               f"later call came {late} (bound {bound:g} s)",
+                               timeline.before(t0)))  # fmt: skip
+    return found, excused
+
+
+def _check_replace(
+    lane: _Lane, killed: dict[int, float], restarts: list[Window], timeline: Any,
+    ttl: float, stats: DedupStats,
+) -> tuple[list[Any], int]:  # fmt: skip
+    """dd-replace, from who replaced whom (the replaced run's delivery says it:
+    ``replaced_by``), each run's start and end, and the pointer's publishes."""
+    from .checker import Violation
+
+    found: list[Any] = []
+    excused = 0
+    seq_of: dict[str, int] = {}
+    for c in lane.calls:
+        if c["task"] in ("dd.replace_started", "dd.replace_retry") and c["args"]:
+            seq_of[str(c["id"])] = int(c["args"][0])
+    accepted: dict[str, list[float]] = defaultdict(list)
+    for p in lane.publishes:
+        answer = p.get("accepted")
+        key = "accepted" if answer is True else "refused" if answer is False else "failed"
+        stats.publishes[key] = stats.publishes.get(key, 0) + 1
+        if p.get("accepted") is True:
+            accepted[str(p["id"])].append(float(p["t"]))
+        seq_of.setdefault(str(p["id"]), int(p["seq"]))
+    for tid, posts in lane.posts.items():
+        for p in posts:
+            newer = p.get("replaced_by")
+            if not newer or p.get("task") not in ("dd.replace_started", "dd.replace_retry"):
+                continue
+            name = _name_of(str(p["task"]), p["args"]) or "?"
+            stats.replaced[name] = stats.replaced.get(name, 0) + 1
+            newer = str(newer)
+            if seq_of.get(newer, -1) < seq_of.get(tid, -1):
+                stats.replaced_by_older += 1
+            taken = [r.start for r in lane.starts.get(newer, [])]
+            if not taken:
+                continue  # its replacer's start is not in the logs (a prefix of its id)
+            took = min(taken)
+            # 1. Never runs again after the call that replaced it took the name.
+            for r in lane.starts.get(tid, []):
+                if r.start > took + 0.05:
+                    if _restart_between(restarts, took, r.start, name):
+                        excused += 1
+                        continue
+                    found.append(Violation("dd-replace", r.start, f"{name}: task {tid[:8]} "
+                                           f"ran again at {r.start:.3f} after task {newer[:8]} "
+                                           f"replaced it ({took:.3f})",
+                                           timeline.before(r.start)))  # fmt: skip
+            # 2. Never publishes after the call that replaced it published.
+            theirs = accepted.get(newer, [])
+            for t in accepted.get(tid, []):
+                if theirs and t > min(theirs):
+                    if _restart_between(restarts, min(theirs), t, name):
+                        excused += 1
+                        continue
+                    what = (
+                        f"{name}: task {tid[:8]} published at {t:.3f}, after task "
+                        f"{newer[:8]}, which replaced it, had published"
+                    )
+                    found.append(Violation("dd-replace", t, what, timeline.before(t)))
+            # 3. Its run stops within a refresh interval (and slack) of the takeover.
+            for r in lane.starts.get(tid, []):
+                end = r.end if r.end is not None else r.start
+                if r.start < took and r.how != "killed" and end > took + ttl / 3 + REPLACE_SLACK:
+                    what = f"{name}: task {tid[:8]} ran on {end - took:.2f} s after task "
+                    what += f"{newer[:8]} replaced it"
+                    found.append(Violation("dd-replace", end, what, timeline.before(end)))
+    # 4. until_started: a call made while the name's message runs is published.
+    for c in lane.calls:
+        if c["task"] != "dd.replace_started" or str(c["returned"]) == str(c["id"]):
+            continue
+        t0, into = float(c["t"]), str(c["returned"])
+        runs = lane.starts.get(into, [])
+        if not any(r.start < t0 for r in runs):
+            continue
+        if any(r.how in ("killed", "cut") for r in runs) or _restart_between(
+            restarts, min(r.start for r in runs) - 1.0, t0, "dd:replace_started"
+        ):
+            excused += 1
+            continue
+        found.append(Violation("dd-replace", t0, f"dd.replace_started{tuple(c['args'])}: "
+                               f"coalesced into task {into[:8]}, whose run had started: "
+                               "until_started must publish it (to replace that run)",
+                               timeline.before(t0)))  # fmt: skip
+    return found, excused
 
 
 def _failed_members(lane: _Lane, chord: Event) -> list[tuple[float, float, str, str | None]]:
@@ -374,7 +566,7 @@ def _failed_members(lane: _Lane, chord: Event) -> list[tuple[float, float, str, 
 
 
 def check_dedup(
-    events: list[Event], faults: list[Any], timeline: Any, cooldown: float
+    events: list[Event], faults: list[Any], timeline: Any, cooldown: float, ttl: float = 3.0
 ) -> tuple[list[Any], DedupStats, dict[str, str]]:
     """The dedup lane's violations, figures, and what each invariant checked."""
     from .checker import Violation, _kill_times
@@ -397,6 +589,8 @@ def check_dedup(
             if p.get("skipped"):
                 reason = str(p["skipped"]).split(":")[0][:40]
                 stats.skipped[reason] = stats.skipped.get(reason, 0) + 1
+            elif p.get("state") == "RETRY" and p.get("task") == DEBOUNCE_TASK:
+                stats.debounce_deferred += 1
             elif p.get("state") == "RETRY" and _kept(lane, p):
                 stats.retries += 1
             elif p.get("state") == "RETRY":
@@ -410,6 +604,8 @@ def check_dedup(
         if run.name != PEER_NAME:
             by_name[run.name].append(run)
     for name, runs in sorted(by_name.items()):
+        if name in REPLACE_NAMES:
+            continue  # runs overlap while a replaced one learns it: dd-replace
         limit = LIMITS.get(name, 1)
         runs.sort(key=lambda r: r.start)
         active: list[Run] = []
@@ -481,8 +677,8 @@ def check_dedup(
     retry_runs = by_name.get("dd:retry", [])
     for tid, posts in lane.posts.items():
         for p in posts:
-            if p.get("state") != "RETRY" or not _kept(lane, p):
-                continue
+            if p.get("task") != "dd.retry" or p.get("state") != "RETRY" or not _kept(lane, p):
+                continue  # (a retry under replace may be taken over: dd-replace)
             t = float(p["t"])
             nxt = [r.start for r in lane.starts.get(tid, []) if r.start > t]
             if not nxt:
@@ -530,6 +726,13 @@ def check_dedup(
             Violation("dd-chord", t, f"chord {c['chord']}: its body never ran{why}",
                       timeline.before(t))
         )  # fmt: skip
+    # dd-replace, dd-debounce
+    found, n_excused = _check_replace(lane, killed, restarts, timeline, ttl, stats)
+    violations += found
+    excused["dd-replace"] += n_excused
+    found, n_excused = _check_debounce(lane, faults, restarts, timeline, stats)
+    violations += found
+    excused["dd-debounce"] += n_excused
     stats.excused = dict(excused)
     stats.beside = {
         "fenced until_finished": _beside(lane, "dd.finished", "dd:finished"),
@@ -542,6 +745,10 @@ def check_dedup(
         "dd-accounted": f"{stats.calls} calls, {stats.rerun_triggers} rerun triggers",
         "dd-retry": f"{n_retry} retries",
         "dd-chord": f"{stats.chords} chords",
+        "dd-replace": f"{sum(stats.replaced.values())} replaced runs, "
+        f"{sum(stats.publishes.values())} publishes",
+        "dd-debounce": f"{stats.debounce_calls} calls, {stats.sender_kills} sender kills "
+        f"({stats.sender_kills_mid_publish} mid-publish)",
     }
     return violations, stats, checked
 

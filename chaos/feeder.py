@@ -7,6 +7,8 @@ is logged (``dd-call``: task, arguments, its own id, the id returned, the monoto
 times before and after), and every chord (``dd-chord``). On SIGTERM the feeder stops,
 sends one closing call of each task (so that any rerun trigger left by a killed holder
 is published by the closing run's release), logs them and exits.
+
+The replace tasks' argument is the call counter: their sequence number, in call order.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ PERIODS = {
     "dd.limit": 0.3,
     "dd.retry": 1.5,
     "dd.rerun": 0.35,
+    "dd.replace_started": 0.7,
+    "dd.replace_retry": 0.8,
     "chord": 2.0,
     "dd.limit_unclaimed": 1.5,
     "dd.cooldown_unclaimed": 1.2,
@@ -49,6 +53,8 @@ TASKS: dict[str, Any] = {
     "dd.limit": dd.limit,
     "dd.retry": dd.retry,
     "dd.rerun": dd.rerun,
+    "dd.replace_started": dd.replace_started,
+    "dd.replace_retry": dd.replace_retry,
     "dd.limit_unclaimed": dd.limit_unclaimed,
     "dd.cooldown_unclaimed": dd.cooldown_unclaimed,
 }

@@ -25,6 +25,7 @@ from fenced import read_holder
 from fenced.testing import CeleryWorker, RedisCluster, RedisServer, SentinelGroup, TcpProxy
 
 from . import checker
+from .beat_lane import BeatLane
 from .config import ENV, Config, Shared
 from .events import EventLog, read_events
 from .nemesis import Nemesis
@@ -72,6 +73,10 @@ class Harness:
             self.lock_server.extra = ["--enable-debug-command", "yes"]
         self.store_server = RedisServer()
         self.broker_server = RedisServer() if cfg.celery or cfg.dedup else None
+        # The beat lane's claims and broker: a Redis of its own, out of the lock Redis's
+        # faults (a restart would forget the schedule's due times).
+        self.beat_server = RedisServer() if cfg.beat else None
+        self.beat: BeatLane | None = None
         self.proxy: TcpProxy | None = None
         self.sentinel: SentinelGroup | None = None
         self.cluster: RedisCluster | None = None
@@ -79,6 +84,8 @@ class Harness:
         self.celery: CeleryWorker | None = None
         self.dedup: CeleryWorker | None = None
         self.feeder: subprocess.Popen[bytes] | None = None
+        self.debounce_sender: subprocess.Popen[bytes] | None = None
+        self._sender_lock = threading.Lock()
         self.drain: dict[str, Any] = {}
         self._celery_restarting = threading.Lock()
         self._dedup_restarting = threading.Lock()
@@ -244,6 +251,8 @@ class Harness:
         self.store_server.start()
         if self.broker_server is not None:
             self.broker_server.start()
+        if self.beat_server is not None:
+            self.beat_server.start()
         self.proc_dir.mkdir(parents=True, exist_ok=True)
         if cfg.sentinel:
             self.sentinel = SentinelGroup(down_after_ms=1000, failover_timeout_ms=3000).start()
@@ -325,6 +334,11 @@ class Harness:
                 out_dir=self.proc_dir,
             )
             self.run_lane.start()
+        if self.beat_server is not None:
+            self.beat = BeatLane(count=cfg.beats, server=self.beat_server, log=self.log,
+                                 env=self.env, out_dir=self.proc_dir, root=ROOT,
+                                 broken=cfg.broken)  # fmt: skip
+            self.beat.start()
         if self.dedup is not None:
             self.dedup.ready()
             with open(self.proc_dir / "feeder.out", "ab") as out:
@@ -332,7 +346,22 @@ class Harness:
                     [sys.executable, "-m", "chaos.feeder"], cwd=ROOT, env=self.env,
                     stdout=out, stderr=subprocess.STDOUT,
                 )  # fmt: skip
+            self.start_debounce_sender()
         self._warm_up()
+        if self.beat is not None:
+            self.beat.wait_leader()
+
+    def start_debounce_sender(self) -> subprocess.Popen[bytes] | None:
+        """Start the debounce sender (again, after the nemesis killed it)."""
+        with self._sender_lock:
+            if self.stopping.is_set():
+                return None
+            with open(self.proc_dir / "debounce.out", "ab") as out:
+                self.debounce_sender = subprocess.Popen(
+                    [sys.executable, "-m", "chaos.debounce_sender"], cwd=ROOT, env=self.env,
+                    stdout=out, stderr=subprocess.STDOUT,
+                )  # fmt: skip
+            return self.debounce_sender
 
     def _dedup_url(self) -> str:
         """The dedup lane's claims: a Sentinel or Cluster URL, else the lock Redis ("")."""
@@ -419,6 +448,8 @@ class Harness:
         if self.celery is not None:
             with self._celery_restarting:
                 self.celery.stop()
+        if self.beat is not None:
+            self.beat.stop()
         if self.dedup is not None:
             self._drain_dedup()
         # A command whose runner was killed may still run: it belongs to this run.
@@ -435,8 +466,9 @@ class Harness:
 
         assert self.dedup is not None
         start = time.monotonic()
-        if self.feeder is not None:
-            stop_processes([self.feeder], timeout=30)
+        with self._sender_lock:
+            senders = [p for p in (self.feeder, self.debounce_sender) if p is not None]
+            stop_processes(senders, timeout=30)
         with self._dedup_restarting:
             if self.dedup.proc is None or self.dedup.proc.poll() is not None:
                 self.dedup.start()
@@ -451,6 +483,7 @@ class Harness:
             if len(runs) != seen:
                 seen, quiet_since = len(runs), time.monotonic()
             others = [*read_events(self.log_dir, "feeder.jsonl"),
+                      *read_events(self.log_dir, "debounce.jsonl"),
                       *read_events(self.log_dir, "harness.jsonl")]  # fmt: skip
             left = pending(sorted([*runs, *others], key=lambda e: float(e["t"])))
             # Every call accounted for, and nothing new for a moment (reruns sent by the
@@ -474,14 +507,18 @@ class Harness:
             self.run_lane.stop(timeout=2)
         if self.celery is not None:
             self.celery.kill()
-        if self.feeder is not None and self.feeder.poll() is None:
-            self.feeder.kill()
-            self.feeder.wait()
+        for sender in (self.feeder, self.debounce_sender):
+            if sender is not None and sender.poll() is None:
+                sender.kill()
+                sender.wait()
         if self.dedup is not None:
             self.dedup.kill()
         if self.proxy is not None:
             self.proxy.close()
-        for server in (self.lock_server, self.store_server, self.broker_server):
+        if self.beat is not None:
+            self.beat.kill()
+        for server in (self.lock_server, self.store_server, self.broker_server,
+                       self.beat_server):  # fmt: skip
             if server is not None:
                 server.stop()
         if self.sentinel is not None:

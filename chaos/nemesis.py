@@ -20,7 +20,8 @@ from redis.crc import key_slot
 
 from fenced._lease import ClaimKeys
 
-from .config import CLUSTER_FAULTS, DEDUP_NAMES, FAILOVER_FAULTS
+from .beat_schedule import BEAT_TTL
+from .config import BEAT_FAULTS, CLUSTER_FAULTS, DEDUP_NAMES, FAILOVER_FAULTS
 from .runlane import children, kill_quietly, process_age
 
 if TYPE_CHECKING:
@@ -50,6 +51,10 @@ class Nemesis:
             return self.h.sentinel is not None
         if kind in CLUSTER_FAULTS:
             return self.h.cluster is not None
+        if kind in BEAT_FAULTS:
+            return self.h.beat is not None
+        if kind == "kill_debounce_sender":
+            return self.h.dedup is not None
         return True
 
     def run(self, until: float) -> None:
@@ -324,6 +329,147 @@ class Nemesis:
                     return
             time.sleep(0.05)
         self.skipped("kill_runner", "no runner mid-command")
+
+    def kill_debounce_sender(self) -> None:
+        """kill -9 the debounce sender, mid-publish when it gets there within 4 s (the
+        burst's record written, its message not yet published); start it again."""
+        path = self.h.log_dir / "debounce.jsonl"
+        proc = self.h.debounce_sender
+        if proc is None or proc.poll() is not None:
+            self.skipped("kill_debounce_sender", "no sender")
+            return
+        mid = False
+        deadline = time.monotonic() + 4.0
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            last = _last_line(path)
+            if '"dd-dpublish"' in last and f'"pid":{proc.pid}' in last:
+                mid = True
+                break
+            time.sleep(0.02)
+        start = time.monotonic()
+        kill_quietly(proc.pid)
+        proc.wait()
+        new = self.h.start_debounce_sender()
+        self.record("kill_debounce_sender", start, sender_pid=proc.pid, mid_publish=mid,
+                    new_pid=None if new is None else new.pid)  # fmt: skip
+
+    # -- the beat lane ----------------------------------------------------------------
+
+    def _beat_leader(self, kind: str) -> tuple[str, int] | None:
+        lane = self.h.beat
+        assert lane is not None
+        deadline = time.monotonic() + 2 * BEAT_TTL
+        while time.monotonic() < deadline and not self.stopping.is_set():
+            found = lane.leader()
+            if found is not None:
+                return found
+            time.sleep(0.05)
+        self.skipped(kind, "no beat leads")
+        return None
+
+    def beat_kill(self) -> None:
+        """kill -9 the leading beat; the lane starts it again at once."""
+        found = self._beat_leader("beat_kill")
+        if found is None:
+            return
+        beat, pid = found
+        start = time.monotonic()
+        kill_quietly(pid)
+        self.record("beat_kill", start, beat=beat, beat_pid=pid)
+
+    def beat_pause(self) -> None:
+        """SIGSTOP the leading beat for 1.5-3 of its leases, then SIGCONT: a stand-by
+        leads meanwhile, and the paused one wakes as a stand-by."""
+        found = self._beat_leader("beat_pause")
+        if found is None:
+            return
+        beat, pid = found
+        start = time.monotonic()
+        try:
+            kill_quietly(pid, signal.SIGSTOP)
+            self.stopping.wait(self.rng.uniform(1.5, 3.0) * BEAT_TTL)
+        finally:
+            kill_quietly(pid, signal.SIGCONT)
+        self.record("beat_pause", start, time.monotonic(), beat=beat, beat_pid=pid)
+
+    def _hand_lead_to(self, target: str) -> float | None:
+        """Make beat ``target`` lead: the others are paused until it does, then
+        resumed (a paused leader wakes as a stand-by). When it led, or None."""
+        lane = self.h.beat
+        assert lane is not None
+        pids = lane.pids()
+        if target not in pids:
+            return None
+        found = lane.leader()
+        if found is not None and found[0] == target:
+            return time.monotonic()
+        others = [pid for b, pid in pids.items() if b != target]
+        led = None
+        try:
+            for pid in others:
+                kill_quietly(pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 3 * BEAT_TTL + 3
+            while time.monotonic() < deadline and not self.stopping.is_set():
+                found = lane.leader()
+                if found is not None and found[0] == target:
+                    led = time.monotonic()
+                    break
+                time.sleep(0.05)
+        finally:
+            for pid in others:
+                kill_quietly(pid, signal.SIGCONT)
+        return led
+
+    def beat_drop_reply(self) -> None:
+        """The beat behind the proxy made leader (the others paused until it leads),
+        then the reply of one of its BEAT_DISPATCH calls dropped: the script ran, the
+        answer never came back on that connection."""
+        lane = self.h.beat
+        assert lane is not None
+        start = time.monotonic()
+        led = self._hand_lead_to(lane.proxied)
+        if led is None:
+            self.skipped("beat_drop_reply", f"{lane.proxied} did not lead")
+            return
+        lane.proxy.arm()
+        dropped = lane.proxy.dropped.wait(3.0)
+        lane.proxy.armed.clear()
+        self.record("beat_drop_reply", start, time.monotonic(), beat=lane.proxied, led=led,
+                    dropped=dropped)  # fmt: skip
+
+    def beat_clock_ahead(self) -> None:
+        """The beat whose clock runs ahead made leader, and its clock moved a further
+        15-30 s ahead for 4-6 s, then back: due times follow Redis's clock, so its
+        ticks go out on time all along."""
+        lane = self.h.beat
+        assert lane is not None
+        start = time.monotonic()
+        led = self._hand_lead_to(lane.skewed)
+        if led is None:
+            self.skipped("beat_clock_ahead", f"{lane.skewed} did not lead")
+            return
+        base = lane.base_clock(lane.skewed)
+        ahead = round(base + self.rng.uniform(15, 30), 1)
+        lane.set_clock(lane.skewed, ahead)
+        try:
+            self.stopping.wait(self.rng.uniform(4.0, 6.0))
+        finally:
+            lane.set_clock(lane.skewed, base)
+        self.record("beat_clock_ahead", start, time.monotonic(), beat=lane.skewed, led=led,
+                    ahead=ahead)  # fmt: skip
+
+
+def _last_line(path: Any) -> str:
+    """The last line of a file (empty when it has none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - 400))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
 
 
 def _slots_of(cluster: Any, port: int) -> list[list[int]]:

@@ -9,6 +9,11 @@ held to anything. The first test shows that the checker catches what it should.
 The dedup lane (fenced's Celery options, chaos/dedup_app.py) runs on its own, shorter:
 under every fault with no violation, and broken on purpose (``--broken``) so that its
 checker must fail; its checker is also fed hand-made logs of each violation.
+
+The beat lane (three ``celery beat`` under fenced's scheduler, chaos/beat_app.py) runs
+on its own under its faults (the leader killed, paused, a dispatch reply dropped, a
+clock ahead); a second sender (``--broken beat-sender``) rides the broken dedup run,
+and its checker is fed hand-made logs of each violation.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from chaos import Config  # noqa: E402
+from chaos.beat_check import check_beat  # noqa: E402
 from chaos.checker import Setup, check  # noqa: E402
-from chaos.config import CLUSTER_FAULTS, FAILOVER_FAULTS, FAULTS  # noqa: E402
+from chaos.config import BEAT_FAULTS, CLUSTER_FAULTS, FAILOVER_FAULTS, FAULTS  # noqa: E402
 from chaos.dedup_check import check_dedup  # noqa: E402
 from chaos.harness import Harness  # noqa: E402
 from chaos.stores import Final  # noqa: E402
@@ -101,16 +107,18 @@ def test_fenced_keeps_its_invariants_under_every_fault(tmp_path: Path) -> None:
         # kind of fault comes up in a short run.
         gap=(1.2, 2.0),
         dedup=False,  # test_dedup_lane_keeps_its_invariants_under_every_fault
+        beat=False,  # test_beat_lane_keeps_its_invariants_under_its_faults
     )
     report = Harness(cfg).run()
     print(report.tables())
     fronts = {front.split("/")[0] for front in report.fenced.fronts}
     assert fronts == {"claim", "exclusive", "celery"}, report.tables()
     assert report.run_lane["commands"] > 3, report.tables()
-    # About one of each kind in 25 s (the failovers need --sentinel or --cluster); a loaded
+    # About one of each kind in 25 s (the failovers need --sentinel or --cluster, the
+    # beat faults the beat lane, the debounce sender's kill the dedup lane); a loaded
     # machine may fit fewer.
-    failovers = len(FAILOVER_FAULTS) + len(CLUSTER_FAULTS)
-    assert sum(report.faults.values()) >= len(FAULTS) - failovers - 2, report.tables()
+    others = len(FAILOVER_FAULTS) + len(CLUSTER_FAULTS) + len(BEAT_FAULTS) + 1
+    assert sum(report.faults.values()) >= len(FAULTS) - others - 2, report.tables()
     assert report.ok, "\n" + report.tables()
 
 
@@ -221,7 +229,7 @@ def test_dedup_checker_catches_each_broken_invariant(broken: str) -> None:
 def _dedup_config(tmp_path: Path, **kw: Any) -> Config:
     base: dict[str, Any] = dict(
         workers=2, baseline=False, run_lane=False, celery=False, ttl=TTL,
-        out=str(tmp_path / "run"), dedup=True, dedup_children=4, gap=(1.2, 2.0),
+        out=str(tmp_path / "run"), dedup=True, dedup_children=5, gap=(1.2, 2.0), beat=False,
     )  # fmt: skip
     return Config(**{**base, **kw})
 
@@ -235,14 +243,19 @@ def test_dedup_lane_keeps_its_invariants_under_every_fault(tmp_path: Path) -> No
     assert d.calls > 50 and d.published and d.coalesced, report.tables()
     assert d.max_at_once.get("dd:limit") == 2, report.tables()
     assert d.rerun_triggers and d.reruns and d.retries and d.chords_done, report.tables()
+    # replace (until_started, and with retries): newer calls replaced running ones, and
+    # published through the fenced pointer; debounced calls ran.
+    assert d.replaced and d.publishes.get("accepted"), report.tables()
+    assert d.debounce_calls and d.debounce_runs, report.tables()
     assert report.ok, "\n" + report.tables()
 
 
 @pytest.mark.timeout(120)
 def test_dedup_checker_fails_a_broken_lane(tmp_path: Path) -> None:
     cfg = _dedup_config(
-        tmp_path, seconds=6, seed=1, faults=("client_kill",), broken=("limit", "cooldown", "rerun")
-    )
+        tmp_path, seconds=6, seed=1, faults=("client_kill", "kill_debounce_sender"),
+        broken=("limit", "cooldown", "rerun", "beat-sender"), beat=True,
+    )  # fmt: skip
     report = Harness(cfg).run()
     print(report.tables())
     found = report.by_invariant()
@@ -250,6 +263,10 @@ def test_dedup_checker_fails_a_broken_lane(tmp_path: Path) -> None:
     assert d is not None
     # --broken limit: a third run of dd:limit; cooldown: a run inside the window.
     assert found["dd-limit"] and found["dd-cooldown"], report.tables()
+    # beat-sender: Celery's own scheduler beside fenced's sends ticks under its own ids.
+    assert found["beat-tick"], report.tables()
+    # What was not broken holds: the debounce sender killed, the replace tasks.
+    assert d.sender_kills and not found["dd-debounce"] and not found["dd-replace"], report.tables()
     # rerun: triggers dropped, never rerun; when a call came while a run held the name
     # at all (a loaded machine can space six seconds of calls so that none did: the
     # checker catches a dropped trigger on hand-made logs every time: see above).
@@ -418,3 +435,99 @@ def test_dedup_checker_wants_a_retry_of_its_own_for_a_message_delivered_again() 
     came[-1]["retries"] = 1
     assert _dd_violations([call, retry(1.0, 17), *came]) == set()
     assert _dd_violations([call, retry(1.0, 17), *came, retry(20.0, 19)]) == {"dd-accounted"}
+
+
+@pytest.mark.parametrize("broken", ["replace-ran", "replace-published", "debounce", "healthy"])
+def test_dedup_checker_catches_a_broken_replace_or_debounce(broken: str) -> None:
+    """Hand-made logs: a call its replacer took the name from runs again, or publishes
+    after its replacer did; a debounced call no run follows. Healthy: nothing."""
+    task, name = "dd.replace_retry", "dd:replace_retry"
+    ev = [_dd_call(0.0, task, "a", args=(1,)), _dd_call(0.2, task, "b", args=(2,))]
+    ev += _dd_run(name, task, "a", 10, 0.1, 0.6, args=(1,), policy="replace")
+    ev[-1]["replaced_by"] = "b"
+    ev += _dd_run(name, task, "b", 11, 0.3, 1.0, args=(2,), policy="replace")
+    ev.append(_dd(0.95, "dd-publish", 11, name=name, task=task, id="b", seq=2, fence=3,
+                  accepted=True))  # fmt: skip
+    ev.append(_dd(0.5, "dd-publish", 10, name=name, task=task, id="a", seq=1, fence=1,
+                  accepted=True))  # fmt: skip
+    ev.append(_dd(2.0, "dd-dcall", 2, t1=2.01, seq=7, returned="d1"))
+    ev += _dd_run("dd:debounce", "dd.debounce", "d1", 12, 2.5, 2.6, args=(7,))
+    assert _dd_violations([dict(e) for e in ev]) == set()
+    if broken == "replace-ran":  # its redelivery ran after b had replaced it
+        ev += _dd_run(name, task, "a", 13, 1.5, 1.7, args=(1,), policy="replace")
+    elif broken == "replace-published":  # a's write landed after b's
+        ev.append(_dd(1.1, "dd-publish", 10, name=name, task=task, id="a", seq=1, fence=1,
+                      accepted=True))  # fmt: skip
+    elif broken == "debounce":  # a later call, and no run after it
+        ev.append(_dd(3.0, "dd-dcall", 2, t1=3.01, seq=8, returned="d2"))
+    expected = {"replace-ran": {"dd-replace"}, "replace-published": {"dd-replace"},
+                "debounce": {"dd-debounce"}, "healthy": set()}[broken]  # fmt: skip
+    assert _dd_violations(ev) == expected
+
+
+# -- the beat lane ----------------------------------------------------------------------
+
+#: A due time (ms) on a whole minute, far from any other test's clock.
+_T0 = 1_800_000_000_000 - 1_800_000_000_000 % 60_000
+
+
+def _bt(due: int, entry: str = "tick-1s", late: float = 0.1, tid: str | None = None) -> Any:
+    """A run noted by the beat lane's worker; wall and monotonic clocks 1000 s apart."""
+    t = due / 1000 - 1000 + late
+    return {"t": t, "wall": t + 1000, "ev": "bt-run", "w": "beat-worker-9", "pid": 9,
+            "lane": "beat", "entry": entry, "due": due,
+            "id": tid or f"fenced-beat:chaos:{entry}:{due}"}  # fmt: skip
+
+
+@pytest.mark.parametrize("broken", ["foreign", "lost", "late", "early", "twice", "healthy"])
+def test_beat_checker_catches_each_broken_invariant(broken: str) -> None:
+    """Hand-made logs of the beat lane: ten ticks of an every-second entry, and the
+    uneven-seconds calendar's ticks in that time; one violation each, or none."""
+    from chaos.beat_schedule import SECONDS
+
+    begin = _T0 / 1000 - 1000
+    # The first beat led 1.5 s before the first tick; the beats stopped 11 s after it.
+    ev: list[dict[str, Any]] = [
+        {"t": begin - 1.5, "wall": begin + 998.5, "ev": "beat-leading", "w": "harness", "pid": 1},
+    ]
+    ev += [_bt(_T0 + 1000 * k) for k in range(10)]
+    ev += [_bt(_T0 + 1000 * s, "cron-seconds") for s in SECONDS if s < 10]
+    ev.append(_bt(_T0, "cron-minutes"))
+    ev.append({"t": begin + 11.0, "wall": begin + 1011.0, "ev": "beat-stopped", "w": "harness",
+               "pid": 1})  # fmt: skip
+    if broken == "foreign":  # a second sender, ids of its own
+        ev.append(_bt(_T0 + 3000, tid="6f1c0e4e-0000-4000-8000-000000000000"))
+    elif broken == "lost":
+        ev = [e for e in ev if e.get("due") != _T0 + 4000]
+    elif broken == "late":
+        ev = [e for e in ev if e.get("due") != _T0 + 5000] + [_bt(_T0 + 5000, late=4.0)]
+    elif broken == "early":
+        ev = [e for e in ev if e.get("due") != _T0 + 6000] + [_bt(_T0 + 6000, late=-2.0)]
+    elif broken == "twice":
+        ev.append(_bt(_T0 + 7000, late=0.5))
+    ev.sort(key=lambda e: e["t"])
+    found, stats, _ = check_beat(ev, [], _NoFaults())
+    expected = {"foreign": {"beat-tick"}, "lost": {"beat-every"}, "late": {"beat-late"},
+                "early": {"beat-early"}, "twice": {"beat-once"},
+                "healthy": set()}[broken]  # fmt: skip
+    assert {v.invariant for v in found} == expected, [str(v) for v in found]
+    assert stats.ticks["tick-1s"] >= 9
+
+
+@pytest.mark.timeout(150)
+def test_beat_lane_keeps_its_invariants_under_its_faults(tmp_path: Path) -> None:
+    """Three celery beat processes under fenced's scheduler: the leader killed and
+    restarted, paused, the proxied beat's dispatch reply dropped, the beat whose clock
+    runs ahead made leader and moved further ahead. Every tick runs once, on time."""
+    cfg = Config(
+        seconds=15, workers=2, baseline=False, run_lane=False, celery=False, dedup=False,
+        beat=True, faults=BEAT_FAULTS, gap=(1.0, 1.5), seed=20240503, ttl=TTL,
+        out=str(tmp_path / "run"),
+    )  # fmt: skip
+    report = Harness(cfg).run()
+    print(report.tables())
+    b = report.beat
+    assert b is not None
+    assert sum(report.faults.get(k, 0) for k in BEAT_FAULTS) >= 3, report.tables()
+    assert b.ticks["tick-1s"] >= 10 and b.ticks["cron-seconds"] >= 1, report.tables()
+    assert report.ok, "\n" + report.tables()
