@@ -562,3 +562,29 @@ def test_an_acquire_over_a_rate_still_handles_its_enqueue_marker(
     claim.handle_enqueue_marker("-", False)
     assert not claim.acquire()
     assert rc.get(queued) is None
+
+
+@pytest.mark.parametrize("rate", [None, "1/h"])
+def test_a_refused_acquire_keeps_the_marker_a_granted_one_deletes(
+    rc: redis.Redis, rate: str | None
+) -> None:
+    """``"~"``: the marker goes with the grant only; a call refused (busy, or over the
+    rate) keeps it, for the message it puts back (no gap a duplicate could slip into)."""
+    name = key()
+    queued = ClaimKeys.of(name).queued
+    holder = Claim(rc, name, rate=rate, limit=2, heartbeat=False)
+    assert holder.acquire()  # over the rate now, or (limit 1 below) busy
+    rc.set(queued, "t1", px=3_600_000)
+    refused = Claim(rc, name, rate=rate, limit=1 if rate is None else 2, task_id="t1",
+                    heartbeat=False)  # fmt: skip
+    refused.handle_enqueue_marker("~", False)
+    assert not refused.acquire()
+    assert rc.get(queued) == "t1"
+    holder.release()
+    if rate is not None:
+        _forget_starts(rc, name)
+    granted = Claim(rc, name, rate=rate, task_id="t1", heartbeat=False)
+    granted.handle_enqueue_marker("~", False)
+    assert granted.acquire()  # the plain claim's common grant, or the rate's
+    assert rc.get(queued) is None
+    granted.release()

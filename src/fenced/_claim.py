@@ -385,8 +385,10 @@ class ClaimState(LeaseState):
     def handle_enqueue_marker(self, on_acquire: str, on_release: bool) -> None:
         """Let the lease's own scripts handle the name's enqueue marker while it holds
         this claim's ``task_id`` (``fenced.celery``'s ``claim_enqueue``), sparing the
-        run a round trip for each: on each acquire, ``"-"`` deletes it and a number of
-        ms gives it that expiry (``""``: nothing); with ``on_release``, each renewal
+        run a round trip for each: on each acquire, ``"-"`` deletes it, ``"~"`` deletes
+        it only when the acquire is granted (a call refused keeps it for the message it
+        puts back), and a number of ms gives it that expiry (``""``: nothing); with
+        ``on_release``, each renewal
         keeps it alive one ttl and the release deletes it (``unqueued`` then says it
         was done)."""
         self._queued_op = on_acquire

@@ -355,6 +355,50 @@ end
 
 _APPEND = _TRIM + _ENTRY
 
+
+def _queued_step(op: str, task_id: str, key: str, deferred: bool = False) -> str:
+    """The first step of every script that grants a run its claim (ACQUIRE, REPLACE,
+    TAKEOVER), whatever the answer: the run of ``task_id`` handles the name's enqueue
+    marker (``key``) when it still holds ``task_id``. ``op`` (Lua expressions, all
+    three) is "-" to delete it (the message left the queue), a number of ms to give it
+    that expiry (it now covers the run), "" or nil for nothing; "~" deletes it too, but
+    with ``deferred`` (ACQUIRE) only when the call is granted (:func:`_granted_queued`):
+    a call refused keeps it, for the message it puts back. A marker of another type is
+    left alone. Spliced as text, not a Lua function: a closure made per call costs the
+    server, and ACQUIRE's fast path runs it on every call."""
+    skip = f" and {op} ~= '~'" if deferred else ""
+    return f"""
+if ({op} or '') ~= ''{skip} then
+  local queued = {key}
+  if redis.pcall('GET', queued) == {task_id} then
+    if {op} == '-' or {op} == '~' then
+      redis.call('DEL', queued)
+    else
+      redis.call('PEXPIRE', queued, {op})
+    end
+  end
+end
+"""
+
+
+def _granted_queued(op: str, task_id: str, key: str) -> str:
+    """ACQUIRE's grant, with ``op`` "~" (see :func:`_queued_step`): the run of
+    ``task_id`` deletes the name's enqueue marker (``key``) when it still holds
+    ``task_id``, its message having left the queue for good."""
+    return f"""
+if {op} == '~' and redis.pcall('GET', {key}) == {task_id} then
+  redis.call('DEL', {key})
+end
+"""
+
+
+# ACQUIRE's enqueue marker: the last key but the rate's two.
+_ACQUIRE_MARKER = "KEYS[#KEYS - ((ARGV[13] or '') == '' and 0 or 2)]"
+# ACQUIRE's first step, whatever the answer (A[12]): the run of A[7] handles the name's
+# enqueue marker when it still holds A[7] ("~": at the grant, _granted_queued).
+_ACQUIRE_QUEUED = _queued_step("ARGV[12]", "ARGV[7]", _ACQUIRE_MARKER, deferred=True)
+
+
 # ACQUIRE
 # ARGV as sent: token, ttl, idle, then (each may be left off at its default, when
 # nothing after it is sent) record (""), skip reason (""), rerun trigger (""), task id
@@ -399,7 +443,9 @@ _APPEND = _TRIM + _ENTRY
 # A[12] (optional) what the run of A[7] does to the enqueue marker, first and
 #         whatever the answer, when the marker still holds A[7]: "-" deletes it (the
 #         message left the queue), a number of ms gives it that expiry (it now covers
-#         the run); "" or absent: nothing. A marker of another type is left alone
+#         the run); "~" deletes it only with a grant (a call refused keeps it for the
+#         message it puts back); "" or absent: nothing. A marker of another type is
+#         left alone
 # A[13] (optional) the rate's window: µs within which at most A[15] starts of the name
 #         may be granted, with the rate key and the starts key after the markers: the
 #         starts key (a sorted set) holds each start granted (member: its fence) and
@@ -444,6 +490,7 @@ _APPEND = _TRIM + _ENTRY
 #         would be written to a key of another type; nothing is written then
 #         an error reply naming KEYS[2] (or KEYS[7]) when the claim would be granted on
 #         a fence that is not one (see _FENCE); nothing is granted then
+
 # Every fence is decimal text (a holder's fence as the key holds it, unchecked).
 # ACQUIRE's common grant, before anything but trim_records is defined: one holder, no
 # cooldown window or rate, a token that needs no JSON escape (when it is recorded), and a
@@ -453,7 +500,8 @@ _APPEND = _TRIM + _ENTRY
 # goes on to the whole
 # script below, told by ``taken`` whether the lease is set (false: busy), by
 # ``previous`` what the fence key held and by ``written`` what was written in its place.
-_ACQUIRE_FAST = """
+_ACQUIRE_FAST = (
+    """
 local taken, previous, written
 if (ARGV[9] or '') == '' and (ARGV[10] or '1') == '1' and (ARGV[13] or '') == ''
     and ((ARGV[4] or '') == '' or string.find(ARGV[1], '^[%w:._-]*$')) then
@@ -481,44 +529,17 @@ if (ARGV[9] or '') == '' and (ARGV[10] or '1') == '1' and (ARGV[13] or '') == ''
         -- renewal of the lease), not by the release of a run that held it
         if ARGV[3] ~= '0' then redis.call('PEXPIRE', KEYS[3], ARGV[3]) end
       end
+"""
+    + _granted_queued("ARGV[12]", "ARGV[7]", "KEYS[#KEYS]")
+    + """
       if ARGV[11] == '1' then return {1, now, 0, redis.call('EXISTS', KEYS[done_key])} end
       return now  -- {1, now} as the bare fence: a table reply costs the server more
     end
   end
 end
 """
-
-
-def _queued_step(op: str, task_id: str, key: str) -> str:
-    """The first step of every script that grants a run its claim (ACQUIRE, REPLACE,
-    TAKEOVER), whatever the answer: the run of ``task_id`` handles the name's enqueue
-    marker (``key``) when it still holds ``task_id``. ``op`` (Lua expressions, all
-    three) is "-" to delete it (the message left the queue), a number of ms to give it
-    that expiry (it now covers the run), "" or nil for nothing. A marker of another type
-    is left alone. Spliced as text, not a Lua function: a closure made per call costs the
-    server, and ACQUIRE's fast path runs it on every call."""
-    return f"""
-if ({op} or '') ~= '' then
-  local queued = {key}
-  if redis.pcall('GET', queued) == {task_id} then
-    if {op} == '-' then
-      redis.call('DEL', queued)
-    else
-      redis.call('PEXPIRE', queued, {op})
-    end
-  end
-end
-"""
-
-
-# ACQUIRE's first step, whatever the answer (A[12]): the run of A[7] handles the name's
-# enqueue marker when it still holds A[7]. The marker is the last key but the rate's
-# (two, three with a booking).
-_ACQUIRE_QUEUED = _queued_step(
-    "ARGV[12]",
-    "ARGV[7]",
-    "KEYS[#KEYS - ((ARGV[13] or '') == '' and 0 or 2)]",
 )
+
 
 # The arguments of ACQUIRE in the order its whole script reads them (see ACQUIRE).
 _ACQUIRE_ARGS = """
@@ -569,6 +590,9 @@ end
 -- a grant: {1, fence}, {1, fence, slot} with slots; with the done marker asked for,
 -- {1, fence, slot, 1 when a run of this task id already ended ok, else 0}
 local function granted(fence, slot)
+"""
+    + _granted_queued("A[12]", "A[7]", _ACQUIRE_MARKER)
+    + """
   if done then return {1, fence, slot or 0, redis.call('EXISTS', done)} end
   if limit > 1 then return {1, fence, slot} end
   return {1, fence}
