@@ -39,6 +39,12 @@ start a new burst, so the name may run twice. A burst record whose message never
 (the broker lost it after accepting it) expires ``claim_debounce_max`` plus
 ``claim_enqueue_ttl`` after its first call (without a max, ``claim_debounce`` plus
 ``claim_enqueue_ttl`` after its last): until then, calls join it and wait in vain.
+
+A message carries the caller's ``expires`` when it is published again (the same absolute
+time). One whose wait would end after it is not published again to be discarded then:
+it ends as Celery ends an expired message (``REVOKED``), and its burst record (or the
+call its run took) goes with it, so the next call opens a new burst
+(:func:`expired_by`, :func:`forget`).
 """
 
 from __future__ import annotations
@@ -46,10 +52,12 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import redis
 from celery.exceptions import Retry
+from celery.utils.time import maybe_iso8601, maybe_make_aware
 from kombu.utils.uuid import uuid
 
 from .._audit import claim_fields
@@ -58,7 +66,7 @@ from .._lease import ClaimKeys
 from .._scripts import Script, as_text
 from . import _enqueue, _rerun
 
-__all__ = ["check", "defer", "delivered", "join", "send", "take"]
+__all__ = ["check", "defer", "delivered", "expired_by", "forget", "join", "send", "take"]
 
 log = logging.getLogger("fenced.celery")
 
@@ -201,6 +209,22 @@ return redis.call('DEL', KEYS[1])
 )
 
 
+# KEYS[1] the burst record, KEYS[2] the call taken by ARGV[1]'s run; ARGV[1] the task id
+# of a message that expired before its start. Deletes the record if it is still that
+# message's burst (calls that come next open a new one), and the call it took.
+# Returns how many keys were deleted.
+FORGET = Script(
+    "debounce_forget",
+    """
+local gone = 0
+if redis.call('HGET', KEYS[1], 'id') == ARGV[1] then
+  gone = redis.call('DEL', KEYS[1])
+end
+return gone + redis.call('DEL', KEYS[2])
+""",
+)
+
+
 def seconds(value: Any, option: str) -> float:
     """A duration option: seconds (> 0), or text such as ``"300ms"``, ``"5s"``, ``"1m"``."""
     number: float | None = None
@@ -321,21 +345,75 @@ def take(
     return "own", None
 
 
+def expiry(task: Any) -> datetime | None:
+    """When the running message expires (its ``expires``, timezone-aware, read as the
+    worker reads it); None without one, or for a call run in its caller's process."""
+    request = task.request
+    value = getattr(request, "expires", None)
+    if not value or request.called_directly or request.is_eager:
+        return None
+    try:
+        when = maybe_iso8601(value) if isinstance(value, str) else value
+        if not isinstance(when, datetime):
+            return None
+        aware: datetime = maybe_make_aware(when, task.app.conf.timezone)
+    except (TypeError, ValueError):
+        return None
+    return aware
+
+
+def expired_by(task: Any, seconds: float) -> datetime | None:
+    """The running message's expiry when a start ``seconds`` from now comes after it (a
+    message published again for then would be discarded as expired); else None."""
+    when = expiry(task)
+    if when is None or datetime.now(timezone.utc) + timedelta(seconds=seconds) <= when:
+        return None
+    return when
+
+
+def forget(task: Any, keys: ClaimKeys) -> None:
+    """A message of a debounced task expired before its start: its burst record (if it
+    is still its burst's) and the call its run took go, so the next call opens a new
+    burst. A failure is logged: the record expires by itself."""
+    task_id = task.request.id
+    try:
+        FORGET(_client(task), [keys.debounce, f"{keys.debounce}:{task_id}"], [task_id])
+    except Exception:
+        log.warning(
+            "fenced: could not clear the burst of %r as %s[%s] expired; it expires by itself",
+            keys.name,
+            task.name,
+            task_id,
+            exc_info=True,
+            extra=claim_fields(keys.name),
+        )
+
+
 def send_again(task: Any, seconds: float) -> Any:
     """Publish the running message again under its task id, due in ``seconds``, with its
     retry count unchanged (as ``self.retry`` sends it, canvas options included, but not
-    counted against max_retries); the signature sent."""
+    counted against max_retries); the signature sent. Its ``expires`` stays the one it
+    was published with (the same absolute time): callers first make sure the start
+    comes before it (:func:`expired_by`)."""
     sig = task.signature_from_request(task.request, countdown=seconds)
     sig.apply_async()
     return sig
 
 
-def defer(task: Any, seconds: float, exc: BaseException | None = None) -> Retry:
+def defer(task: Any, seconds: float, keys: ClaimKeys, why: str = "") -> Retry:
     """Publish the running message again (:func:`send_again`); the Retry to raise
-    (Celery then acknowledges this delivery), with ``exc`` as its reason."""
+    (Celery then acknowledges this delivery).
+
+    A message whose wait would end after its ``expires`` is not published again: its
+    burst (``keys``: the claim's) is forgotten and the delivery ends as an expired one
+    (the task's ``_expire`` raises; ``why`` says what it waits for)."""
+    expires = expired_by(task, seconds)
+    if expires is not None:
+        forget(task, keys)
+        task._expire("its debounced start", seconds, expires, why, keys)
     sig = send_again(task, seconds)
     when: Any = seconds  # Celery's stubs ask for a numbers.Real
-    return Retry(exc=exc, when=when, sig=sig)  # type: ignore[arg-type]
+    return Retry(when=when, sig=sig)
 
 
 # -- the task's two ends: a call, a delivery ------------------------------------------
@@ -465,8 +543,10 @@ def delivered(
     except (redis.RedisError, OSError) as exc:
         raise ClaimUnavailable(f"could not read the burst of {name!r}: {exc}", name=name) from exc
     if what == "wait":
+        why = "its burst is not due yet, or its name is held"
+        deferred = defer(task, value, keys, why)
         count("debounce_deferred")
-        raise defer(task, value)
+        raise deferred
     if what == "own":
         return args, kwargs
     key = task._rerun_key()

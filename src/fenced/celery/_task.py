@@ -46,7 +46,10 @@ queued or running (``until_finished``): see ``fenced.celery._enqueue``. With
 with the last call's arguments: see ``fenced.celery._debounce``.
 
 A call over ``claim_rate`` (``delay``) is put back: its message is published again for
-its start and this delivery ignored, which is no retry (``_put_back``).
+its start and this delivery ignored, which is no retry (``_put_back``). A message put
+back keeps its ``expires`` (the same absolute time); one whose start would come after it
+is not put back but ends as Celery ends an expired message, ``REVOKED``, its booking let
+go (``_expire``).
 
 Redis unreachable at acquire: the task retries with exponential backoff; it never runs
 unclaimed. A prefork child killed mid-run: the worker's main process releases that
@@ -77,6 +80,7 @@ from kombu.utils.uuid import uuid
 try:
     from celery import Task
     from celery.exceptions import Ignore, Retry, SoftTimeLimitExceeded
+    from celery.signals import task_revoked
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(f"fenced.celery needs Celery: pip install 'fenced[celery]' ({exc})") from exc
 
@@ -94,7 +98,7 @@ from .._lease import HOST, ClaimKeys, Holder, short_token
 from .._naming import Namer, bounded_label
 from .._options import refuse_unknown
 from .._redact import exception_text
-from .._scripts import RERUN_SENT
+from .._scripts import RERUN_SENT, Script
 from . import _debounce, _enqueue, _rerun, signals
 from ._disabled import SETTING as ENABLED_SETTING
 from ._disabled import LocalClaim, enabled
@@ -127,6 +131,35 @@ BOOKING_HOLD = 2.0
 BOOKED_WAIT = 1.0
 BOOKED_WAITS = 3
 
+# KEYS[1] the name's rate starts (a sorted set: each start granted and booked, scored
+# by its time), KEYS[2] its rate key (when a call without a booking may next start);
+# ARGV[1] the booking's member ("b:" and the task id), ARGV[2] how many starts a window
+# allows, ARGV[3] the window (µs). Removes the booking of a call that will never come
+# for it (its message expired first); the rate key then says again when a call without
+# a booking may start, one window after the ARGV[2]-th latest start left, as ACQUIRE
+# writes it. Returns 1 if the booking was there, else 0.
+RATE_UNBOOK = Script(
+    "rate_unbook",
+    """
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then
+  return 0
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local per = tonumber(ARGV[2])
+local nth = redis.call('ZRANGE', KEYS[1], -per, -per, 'WITHSCORES')
+local free = 0
+if nth[2] then free = tonumber(nth[2]) + tonumber(ARGV[3]) end
+if free > now then
+  redis.call('SET', KEYS[2], string.format('%d', free), 'PX',
+             math.max(1, math.ceil((free - now) / 1000)))
+else
+  redis.call('DEL', KEYS[2])
+end
+return 1
+""",
+)
+
 
 #: In-process counters: runs, ok, failed, lost, replaced (lost runs a newer call took the
 #: claim from: ``claim_on_busy="replace"``), skipped, skips_exceeded, reruns,
@@ -135,9 +168,10 @@ BOOKED_WAITS = 3
 #: aborted, enqueue_skipped (calls not sent: ``claim_enqueue``), throttled (calls put
 #: back until the start ``claim_rate`` allows), debounced (calls that joined a burst:
 #: ``claim_debounce``), debounce_deferred (a burst's message published again),
-#: debounce_dropped (a stored call refused). Per process: a prefork child counts its own
-#: runs, the main process counts ``aborted``, the sending process ``enqueue_skipped``
-#: and ``debounced``.
+#: debounce_dropped (a stored call refused), expired (messages that would have been put
+#: back, or waited for, past their ``expires``: ended ``REVOKED``). Per process: a
+#: prefork child counts its own runs, the main process counts ``aborted``, the sending
+#: process ``enqueue_skipped`` and ``debounced``.
 metrics: Counter[str] = Counter()
 _metrics_lock = threading.Lock()
 
@@ -532,8 +566,11 @@ class ClaimedTask(Task[Any, Any]):
             trigger = self._rerun_trigger(name, args, kwargs) if policy.asks_rerun else False
             action = claim.enter(policy, trigger)
             for _ in range(BOOKED_WAITS):
-                # A start of its own this close is waited for here, not sent back.
+                # A start of its own this close is waited for here, not sent back; but
+                # not past the message's expires (then it ends expired, _throttled).
                 if isinstance(action, Run) or claim.booked is None or claim.booked > BOOKED_WAIT:
+                    break
+                if _debounce.expired_by(self, claim.booked) is not None:
                     break
                 time.sleep(claim.booked)
                 action = claim.enter(policy, trigger)
@@ -1037,7 +1074,8 @@ class ClaimedTask(Task[Any, Any]):
         if isinstance(action, RetryAfter):
             count("conflict_retries")
             if opts.values["claim_debounce"] is not None and _delivered(self.request):
-                raise _debounce.defer(self, action.seconds)  # its burst is taken: wait
+                # its burst is taken: wait (not past its expires)
+                raise _debounce.defer(self, action.seconds, claim.keys, str(action.error))
             raise self.retry(countdown=action.seconds, exc=action.error)
         if not isinstance(action, Skip):
             raise action.error
@@ -1070,6 +1108,11 @@ class ClaimedTask(Task[Any, Any]):
             # Calls put back together come back spread over one interval, not all at once.
             countdown = left + random.uniform(0.0, opts.claim.rate_us / 1e6)
         why = busy_error(claim)
+        request = self.request
+        if _delivered(request):
+            expires = _debounce.expired_by(self, countdown)
+            if expires is not None:  # put back, it would be discarded when it comes
+                self._expire("its rate-limited start", countdown, expires, why, claim.keys, claim)
         log.info(
             "fenced: %s[%s] put back for %.3fs%s by claim_rate=%r: %s",
             self.name,
@@ -1080,7 +1123,6 @@ class ClaimedTask(Task[Any, Any]):
             why,
             extra=claim.log_fields("throttled"),
         )
-        request = self.request
         if request.called_directly or request.is_eager:
             raise self.retry(countdown=countdown, exc=why)  # runs inline: nothing to put back
         self._put_back(countdown, why)
@@ -1112,6 +1154,83 @@ class ClaimedTask(Task[Any, Any]):
                 )
         _debounce.send_again(self, countdown)
         raise Ignore()
+
+    def _expire(
+        self,
+        start: str,
+        countdown: float,
+        expires: datetime,
+        why: Any,
+        keys: ClaimKeys,
+        claim: Claim | None = None,
+    ) -> NoReturn:
+        """End this delivery as Celery ends an expired message: its ``start`` (what it
+        waits for, ``countdown`` seconds from now) comes after its ``expires``, so it is
+        not published again only to be discarded then, and it never starts after it.
+
+        What the call held goes first, so a caller that sees the result and calls again
+        finds the name free of it: its rate booking (``claim``), with ``claim_enqueue``
+        the name's queued mark while it holds this task id (with a debounce, the caller
+        cleared its burst). Then, as Celery does for a message delivered past its
+        expiry: its result reads ``REVOKED`` (``TaskRevokedError('expired')``), the
+        ``task_revoked`` signal is sent with ``expired=True``, and the delivery ends with
+        ``Ignore`` (acknowledged, logged "ignored" after fenced's line).
+        """
+        request = self.request
+        opts = self._options()
+        count("expired")
+        log.info(
+            "fenced: %s[%s] expired before %s: due in %.3fs, after its expires (%s): %s",
+            self.name,
+            request.id,
+            start,
+            countdown,
+            expires.isoformat(),
+            why if why else "it waits",
+            extra=claim_fields(keys.name),
+        )
+        if claim is not None and claim.booked is not None:
+            self._release_booking(claim, keys)
+        if opts.enqueue is not None and request.id:  # (only while it holds its task id)
+            self._clear_queued(keys, request.id, "as its message expired")
+        ignored = request.ignore_result or self.ignore_result
+        try:
+            self.backend.mark_as_revoked(
+                request.id or "",
+                "expired",
+                request=request,
+                store_result=not ignored or self.store_errors_even_if_ignored,
+            )
+        except Exception as exc:
+            log.warning(
+                "fenced: %s[%s] could not store its REVOKED state (%s)",
+                self.name,
+                request.id,
+                exception_text(exc),
+            )
+        task_revoked.send(sender=self, request=request, terminated=False, signum=None, expired=True)
+        raise Ignore()
+
+    def _release_booking(self, claim: Claim, keys: ClaimKeys) -> None:
+        """Let go of the start booked for this call over the rate: it will never come
+        for it. A failure is logged: the booking is void once its hold is over."""
+        rate = claim.options
+        try:
+            RATE_UNBOOK(
+                claim.redis,
+                [keys.rate_starts, keys.rate],
+                [f"b:{claim.task_id}", rate.rate_per, rate.rate_window_us],
+            )
+        except Exception:
+            log.warning(
+                "fenced: could not let go of the start booked for %s[%s] on %r; it is void "
+                "after its hold",
+                self.name,
+                claim.task_id,
+                keys.name,
+                exc_info=True,
+                extra=claim_fields(keys.name),
+            )
 
     def _after_skip(self, claim: Claim, opts: TaskOptions) -> None:
         """Alert when the consecutive skips reach the threshold, and at each multiple."""
