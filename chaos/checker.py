@@ -248,7 +248,8 @@ class Report:
             + (f"; Lock lane: {s.baseline_workers} workers" if self.lock else "")
             + f"; upserts on {s.sql}"
             + (f"; dedup lane: celery prefork, {s.dedup_children} children"
-               + (f", BROKEN: {s.broken}" if s.broken else "") if s.dedup_children else ""),
+               + (f", BROKEN: {s.broken}" if s.broken else "") if s.dedup_children else "")
+            + (f"; beat lane: {s.beats} celery beat" if s.beats else ""),
             f"faults injected: {sum(self.faults.values())} ("
             + ", ".join(f"{k} {n}" for k, n in sorted(self.faults.items(), key=_fault_order))
             + ")",

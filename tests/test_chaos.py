@@ -364,6 +364,10 @@ def test_cluster_and_sentinel_are_one_or_the_other() -> None:
     cfg = parse(["--cluster"])
     assert isinstance(cfg, Config) and cfg.cluster and cfg.dedup_replicas == 1
     assert Config(cluster=True, replicas=0).dedup_replicas == 0
+    cfg = parse(["--no-beat"])
+    assert isinstance(cfg, Config) and not cfg.beat and cfg.beats == 3
+    with pytest.raises(ValueError, match="drop --no-beat"):
+        Config(beat=False, broken=("beat-sender",)).check()
 
 
 def test_dedup_checker_accepts_a_duplicate_ignored_after_a_run_killed_before_its_postrun() -> None:
