@@ -592,3 +592,82 @@ def test_a_run_handles_its_marker_in_its_acquire_and_release(
     # (Another run: the-run ended ok, so a delivery of it again is a duplicate, ignored.)
     assert job.apply((x,), task_id="another-run").get() == "done"
     assert locks.get(marked) == b"newer" and 0 < locks.pttl(marked) <= 5_000
+
+
+def _marker_events(services: Services, k: str) -> tuple[list[str], Any]:
+    """What happens to the marker of ``hold:<k>`` from now on (keyspace notifications of
+    the tests' own server), and how to stop listening."""
+    locks = services.locks()
+    locks.config_set("notify-keyspace-events", "Kg$x")
+    db = locks.connection_pool.connection_kwargs.get("db", 0)
+    pubsub = locks.pubsub()
+    pubsub.subscribe(f"__keyspace@{db}__:fenced:{{hold:{k}}}:queued")
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def listen() -> None:
+        try:
+            while not stop.is_set():
+                message = pubsub.get_message(timeout=0.05)
+                if message and message["type"] == "message":
+                    seen.append(str(message["data"]))
+        except Exception as exc:
+            seen.append(repr(exc))
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    wait_for("the subscription", lambda: pubsub.subscribed)
+
+    def close() -> None:
+        stop.set()
+        thread.join(5)
+        pubsub.close()
+        locks.close()  # (held until now: the client closes its pool, the pubsub's too)
+
+    return seen, close
+
+
+def test_a_call_put_back_under_until_started_keeps_its_marker_throughout(
+    services: Services,
+) -> None:
+    """A call over its rate is put back; its name's marker holds its task id from its
+    send to its start, never deleted between its refused acquire and the put-back (a
+    gap another call's message could be published into)."""
+    app = sender(services)
+    rated = app.tasks["e.rated"]
+    k = key()
+    go(services, k)  # runs end at once
+    with Worker(services, concurrency=1, app=APP) as worker:
+        first = rated.delay(k)
+        assert first.get(timeout=WAIT) == first.id
+        seen, close = _marker_events(services, k)
+        try:
+            second = rated.delay(k)
+            wait_for("the put-back", lambda: f"[{second.id}] put back for" in worker.log())
+            assert marker(services, k) == second.id
+            # Nothing deleted the marker: it was set when sent, and kept.
+            assert "del" not in seen and seen[:1] == ["set"], seen
+            assert rated.delay(k).id == second.id  # no second message meanwhile
+        finally:
+            close()
+
+
+def test_a_call_skipped_as_busy_under_until_started_clears_its_marker(
+    services: Services,
+) -> None:
+    app = sender(services)
+    started = app.tasks["e.started"]
+    k = key()
+    with Worker(services, concurrency=2, app=APP):
+        first = started.delay(k)
+        wait_for("the run to start", lambda: runs(services, k))
+        second = started.delay(k)
+        assert second.id != first.id
+        skipped = second.get(timeout=WAIT)
+        assert skipped["status"] == "skipped"
+        assert marker(services, k) is None  # the call ended: its name is free to send
+        third = started.delay(k)
+        assert third.id not in (first.id, second.id)  # published: a message of its own
+        go(services, k)
+        assert first.get(timeout=WAIT) == first.id
+        third.get(timeout=WAIT)  # (skipped too, or run after the first: either way, sent)

@@ -464,7 +464,7 @@ class ClaimedTask(Task[Any, Any]):
 
     def _enqueue_marker(self, claim: Claim, opts: TaskOptions) -> None:
         """With ``claim_enqueue``: the run's ACQUIRE handles the marker as its message
-        leaves the queue (``until_started`` deletes it). With ``until_finished`` the
+        leaves the queue (``until_started`` deletes it with the grant). With ``until_finished`` the
         marker then lives as the lease does: ACQUIRE gives it the lease's ttl, each
         renewal extends it, and RELEASE deletes it; a release a failover lost (or a run
         that died unreleased) leaves a marker that ends within one ttl, as the lease."""
@@ -474,7 +474,8 @@ class ClaimedTask(Task[Any, Any]):
         if not request.id or request.called_directly:
             return
         until_started = opts.enqueue == "until_started"
-        expiry = "-" if until_started else str(claim.options.ttl_ms)
+        # until_started: deleted by the grant only (a call refused keeps it, _refused)
+        expiry = "~" if until_started else str(claim.options.ttl_ms)
         claim.handle_enqueue_marker(expiry, not until_started)
 
     def _unqueue_after(self, claim: Claim, exc: BaseException | None) -> None:
@@ -584,11 +585,7 @@ class ClaimedTask(Task[Any, Any]):
             )
             raise
         if not isinstance(action, Run):
-            if claim.completed_before and request.id:
-                # Another run holds the name, and this task id already ran to the end:
-                # a duplicate delivery, ignored as when the name is free.
-                self._duplicate(claim, request.id)
-            return self._busy(claim, action, opts)
+            return self._refused(claim, action, opts)
         if action.taken_over:
             count("takeovers")
             log.info(
@@ -1045,6 +1042,40 @@ class ClaimedTask(Task[Any, Any]):
 
     # -- when the claim is not ours -----------------------------------------------------
 
+    def _refused(self, claim: Claim, action: Skip | RetryAfter | Any, opts: TaskOptions) -> Any:
+        """The call did not get its claim: a duplicate of a run that ended, or the busy
+        policy's action (:meth:`_busy`). With ``until_started`` its ACQUIRE kept the
+        name's queued mark (``"~"``): kept while its message is queued again (put back,
+        or retried under the same name), so no duplicate is published meanwhile, and
+        cleared here as the call ends unrun."""
+        request = self.request
+        try:
+            if claim.completed_before and request.id:
+                # Another run holds the name, and this task id already ran to the end:
+                # a duplicate delivery, ignored as when the name is free.
+                self._duplicate(claim, request.id)
+            result = self._busy(claim, action, opts)
+        except Retry as exc:
+            if self._retried_as(exc, claim) != claim.name:
+                self._unqueue_refused(claim, opts)
+            raise
+        except Ignore:
+            if not getattr(request, "fenced_put_back", False):
+                self._unqueue_refused(claim, opts)
+            raise
+        except BaseException:
+            self._unqueue_refused(claim, opts)
+            raise
+        self._unqueue_refused(claim, opts)
+        return result
+
+    def _unqueue_refused(self, claim: Claim, opts: TaskOptions) -> None:
+        """With ``until_started``: a call refused its claim ends unrun, its message gone
+        from the queue; the name's queued mark goes with it while it holds its task id."""
+        request = self.request
+        if opts.enqueue == "until_started" and request.id and not request.called_directly:
+            self._clear_queued(claim.keys, request.id, "as its call ends unrun")
+
     def _busy(self, claim: Claim, action: Skip | RetryAfter | Any, opts: TaskOptions) -> Any:
         """Carry out the busy policy's action: a skipped result, a retry, or ClaimHeld."""
         if claim.throttled is not None:
@@ -1153,6 +1184,8 @@ class ClaimedTask(Task[Any, Any]):
                     exception_text(exc),
                 )
         _debounce.send_again(self, countdown)
+        # queued again under its task id: its queued mark stays (_refused)
+        setattr(request, "fenced_put_back", True)  # noqa: B010 - Context takes any field
         raise Ignore()
 
     def _expire(
