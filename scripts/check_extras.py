@@ -96,6 +96,15 @@ def checks(url: str) -> dict[str, Callable[[Path, Path, dict[str, str]], None]]:
         "web": python("import fenced.web.app; print('web ok')", "web ok"),
         "metrics": python("import fenced.metrics; print('metrics ok')", "metrics ok"),
         "sql": python("from fenced.store import upsert; print('sql ok')", "sql ok"),
+        # An in-memory store honours conditional writes: the probe passes, the swap lands.
+        "objstore": python(
+            "from fenced.store import ObjectPointer, ObjectStore\n"
+            "store = ObjectStore('memory:///')\n"
+            "pointer = ObjectPointer(store, 'latest')\n"
+            "pointer.swap(store.put(b'tile'), fence=1)\n"
+            "print('objstore', pointer.read().fence, store.read_bytes(pointer.read().digest))",
+            "objstore 1 b'tile'",
+        ),
         "hiredis": python("import redis.utils; print(redis.utils.HIREDIS_AVAILABLE)", "True"),
         "demo": demo,
     }

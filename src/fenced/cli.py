@@ -494,6 +494,16 @@ if app is not None:
                 "--app", metavar="APP", help="Celery app to check, named as for celery -A."
             ),
         ] = None,
+        store_url: Annotated[
+            str | None,
+            typer.Option(
+                "--store",
+                metavar="URL",
+                help="Object store to probe for the conditional writes fenced publishes "
+                "with (s3://bucket/prefix, gs://..., az://...; credentials and endpoint "
+                "from AWS_*, GOOGLE_*, AZURE_*). Needs fenced[objstore].",
+            ),
+        ] = None,
         namespace: NamespaceOpt = "fenced",
         as_json: JsonOpt = False,
     ) -> None:
@@ -530,9 +540,9 @@ if app is not None:
                     )
         elif os.environ.get("FENCED_REDIS_URL") or os.environ.get("FENCED_REDIS_CLIENT"):
             client = _client(None)
-        else:
-            _fail("fenced doctor: nothing to check: pass --redis URL and/or --app APP")
-        report = run_doctor(client, app_obj, namespace=namespace)
+        elif store_url is None:
+            _fail("fenced doctor: nothing to check: pass --redis URL, --app APP or --store URL")
+        report = run_doctor(client, app_obj, namespace=namespace, store=store_url)
         if as_json:
             print(report.as_json(), flush=True)
         else:

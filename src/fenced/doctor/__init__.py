@@ -1,10 +1,12 @@
-"""Configuration checks: the Redis, Celery and naming mistakes that quietly break claims.
+"""Configuration checks: the Redis, Celery, naming and object store mistakes that quietly
+break claims and fenced output.
 
 Each check returns :class:`Finding` objects (what is wrong, why it matters, the fix);
 :func:`run_doctor` gathers them into a :class:`Report`, whose exit code is 1 when any
 finding is an error. For a Celery app the Redis checked is the one its claims use
 (:func:`lock_store_url`), never the broker; nothing is imported from Celery until an
-app is given.
+app is given. An object store (``store=URL``) is probed for the conditional writes an
+:class:`~fenced.store.ObjectPointer` relies on (:func:`check_store`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ._celery import DEFAULT_VISIBILITY_TIMEOUT, check_celery, lock_store_url
 from ._finding import Finding, Report, Severity, format_text, render
 from ._naming import CONTENDED_OUTCOMES, check_naming, load_records, name_shape
 from ._redis import MIN_REDIS, check_redis, version_findings
+from ._store import check_store
 
 __all__ = [
     "CONTENDED_OUTCOMES",
@@ -29,6 +32,7 @@ __all__ = [
     "check_celery",
     "check_naming",
     "check_redis",
+    "check_store",
     "format_text",
     "load_records",
     "lock_store_url",
@@ -53,6 +57,7 @@ def run_doctor(
     namespace: str = "fenced",
     max_skew: float = 0.5,
     clock: Callable[[], float] = time.time,
+    store: Any = None,
 ) -> Report:
     """Run every check that has something to look at; records default to those in Redis."""
     found: list[Finding] = []
@@ -81,4 +86,6 @@ def run_doctor(
             )
     if records is not None:
         found += check_naming(records)
+    if store is not None:
+        found += check_store(store)
     return Report(found)
