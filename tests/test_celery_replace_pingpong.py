@@ -6,7 +6,10 @@ Each message is delivered again while its run runs (``visibility_timeout`` 1 s, 
 3.5 s, ``acks_late``). The older call's second copy must not take the name back from
 the newer run (its task id was replaced: REPLACE refuses it), nor the newer call's
 second copy start again: a copy of the running call waits for its own lease, and ends
-as a duplicate once the run has ended ok.
+as a duplicate once the run has ended ok. Once the newest call has finished, its copies
+stop coming: each copy that finds its task id done is a duplicate at once, also while
+another copy of the same task id holds the name for that moment (a retry of it, due past
+the visibility timeout, would be handed out again by the broker, and again).
 
 The runs happen in a ``celery worker`` running tests/celery_replace_app.py.
 """
@@ -65,3 +68,10 @@ def test_two_calls_replace_once_under_a_short_visibility_timeout(services: Servi
     assert starts == {first.id: 1, second.id: 1}, starts
     # The broker did hand the messages out again meanwhile (else this tested nothing).
     assert log.count(f"r.timed[{second.id}] received") >= 2, log[-3000:]
+    # The newest call's copies stop once it finished: a copy already handed out may
+    # still come (as a duplicate), but none is sent back to circulate (7 s of watching:
+    # a copy retried past the visibility timeout would come about once a second).
+    after = log.split(f"r.timed[{second.id}] succeeded", 1)
+    assert len(after) == 2, log[-3000:]
+    late = after[1].count(f"r.timed[{second.id}] received")
+    assert late <= 2, (late, after[1][-3000:])

@@ -269,6 +269,64 @@ def test_a_delivery_of_a_task_id_that_already_ran_ok_replaces_nobody(r: Any) -> 
 # -- the enqueue marker and call order (issue 43) ---------------------------------------
 
 
+def test_a_copy_of_a_finished_task_id_is_a_duplicate_while_another_copy_holds_the_name(
+    r: Any,
+) -> None:
+    # Copies of one delivery whose run ended ok (a broker's short visibility timeout hands
+    # the message out again): the first takes the free name for as long as it needs to
+    # learn it is a duplicate; a copy that arrives meanwhile finds its own task id holding
+    # it, and is a duplicate too, not an earlier attempt to wait for (a retry would come
+    # back, past the visibility timeout, as more copies).
+    def claim(task_id: str) -> Claim:
+        return Claim(r, "copies", ttl=30, task_id=task_id, redelivery_window=60)
+
+    first = claim("t-1")
+    assert first.acquire()
+    first.release()  # ended ok: its done marker is set
+    copy = claim("t-1")
+    assert copy.replace() and copy.completed_before is True
+    for policy in (REPLACE, POLICIES["skip"]()):
+        again = claim("t-1")
+        action = again.enter(policy)
+        assert not isinstance(action, Run), action
+        assert again.completed_before is True, policy
+        assert again.holder is not None and again.holder.task_id == "t-1"
+        assert copy.refresh()  # untouched
+    # A lease kept for a retry of the task id is not taken over by such a copy either.
+    assert copy.hand_over(30) == "retried"
+    kept = r.get(ClaimKeys.of("copies").lock)
+    again = claim("t-1")
+    assert not isinstance(again.enter(REPLACE), Run)
+    assert again.completed_before is True
+    assert not again.take_over() and again.completed_before is True
+    assert r.get(ClaimKeys.of("copies").lock) == kept
+    # Another task id takes a kept lease's name over as ever, and says it did not run.
+    newer = claim("t-2")
+    assert newer.replace() and newer.completed_before is False
+    newer.release()
+
+
+def test_a_copy_of_a_finished_task_id_is_a_duplicate_inside_its_own_cooldown_window(
+    r: Any,
+) -> None:
+    # The run that ended ok started the window: its copy is told it is a duplicate (its
+    # stored result stays), not that the name ran recently (a skipped result stored over it).
+    def claim(task_id: str) -> Claim:
+        return Claim(r, "cooled", ttl=30, task_id=task_id, redelivery_window=60, cooldown=60)
+
+    first = claim("t-1")
+    assert first.acquire()
+    first.release()
+    copy = claim("t-1")
+    assert copy.enter(REPLACE) is RUN and copy.completed_before is True
+    copy.release(outcome="skipped")
+    retried = claim("t-1")
+    assert retried.take_over() and retried.completed_before is True
+    retried.release(outcome="skipped")
+    other = claim("t-2")
+    assert not isinstance(other.enter(REPLACE), Run) and other.ran_recently is not None
+
+
 def test_replace_and_takeover_clear_the_enqueue_marker_as_acquire_does(r: Any) -> None:
     keys = ClaimKeys.of("marked")
     r.set(keys.queued, "t-1")

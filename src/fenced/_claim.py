@@ -675,13 +675,10 @@ class ClaimState(LeaseState):
             name=self.name,
         )
 
-    def _took(
-        self, token: str, res: list[Any], sent: float, takeover: bool = False, replace: bool = False
-    ) -> bool:
-        # ``takeover``: TAKEOVER's answer, which does not read a done marker; REPLACE's
-        # reads it as ACQUIRE's does.
-        """Take in the answer of an ACQUIRE (or a TAKEOVER) sent at ``sent``: True if the
-        claim is ours."""
+    def _took(self, token: str, res: list[Any], sent: float, replace: bool = False) -> bool:
+        """Take in the answer of an ACQUIRE (or a TAKEOVER, a REPLACE) sent at ``sent``:
+        True if the claim is ours."""
+        # TAKEOVER and REPLACE read the done marker as ACQUIRE does, and answer it alike.
         self.superseded = None
         if int(res[0]) == 1:
             slot = self._granted_slot(res)
@@ -692,7 +689,7 @@ class ClaimState(LeaseState):
                 self.ran_recently = self.throttled = self.booked = None
                 self.vanished = False
                 self.rerun_triggers = []
-                asked = not takeover and self._store.asks_done(self.task_id)
+                asked = self._store.asks_done(self.task_id)
                 self.completed_before = bool(int(res[3])) if asked else None
                 self.rerun_sending = []
                 self._hold(token, int(res[1]), sent)
@@ -706,9 +703,7 @@ class ClaimState(LeaseState):
         # Only a busy answer (0) carries the done marker; "ran recently" and "rate
         # limited" (2, 3, 4) never do, and what follows them with replicas is the count
         # of replicas that acknowledged.
-        asked = (
-            not takeover and code in (0, 5) and self._store.asks_done(self.task_id) and len(res) > 6
-        )
+        asked = code in (0, 5) and self._store.asks_done(self.task_id) and len(res) > 6
         self.completed_before = bool(int_or_none(res[6])) if asked else None
         self.skips = int_or_none(skips) or 0
         self.rerun_requested = int_or_none(rerun) or 0
@@ -987,7 +982,7 @@ class Claim(ClaimState):
         if late is not None:
             self._give_back(token, res, _LATE, late)
             raise self._late_error(late)
-        if not self._took(token, res, sent, takeover, replace):
+        if not self._took(token, res, sent, replace):
             return False
         if self.heartbeat:
             _heartbeat().add(self)
@@ -1163,7 +1158,9 @@ class Claim(ClaimState):
                 return RUN
         elif self.acquire(blocking, timeout, request_rerun=rerun):
             return RUN
-        if self._kept_for_us() and self.take_over():
+        # A run of this task id already ended ok (the answer said so, whoever holds the
+        # name: another copy of this delivery too): a duplicate, with no lease to take.
+        if not self.completed_before and self._kept_for_us() and self.take_over():
             return TAKEN_OVER
         return policy.on_busy(self)
 

@@ -918,22 +918,30 @@ class LeaseCalls:
         """TAKEOVER: take the lease kept for ``task_id`` (or a free name, outside a cooldown
         window); read as ACQUIRE's. ``queued``: as for :meth:`acquire_call`; with
         ``replacing`` (``on_busy="replace"``), a ``task_id`` among the name's replaced
-        calls is refused, as REPLACE refuses it."""
+        calls is refused, as REPLACE refuses it. A ``task_id`` whose run ended ok (its
+        done marker, read as ACQUIRE reads it) takes over no lease: the answer says it
+        is a duplicate."""
         k = self.keys
         keys: tuple[str, ...] = (k.lock, k.fence, k.records, k.handover)
         o = self.opts
         args: list[Any] = [token, o.ttl_ms, record, o.max_records, task_id, o.idle_ms]
         if o.cooldown_ms:
             keys += (k.skips, self._cooldown)
+        done = self.asks_done(task_id)
+        if done:
+            keys += (k.done(task_id),)
         queued = queued if task_id else ""
-        if o.cooldown_ms or queued or replacing:
+        if o.cooldown_ms or queued or replacing or done:
             args.append(cooldown_reason if o.cooldown_ms else "")
-        if queued or replacing:
+        if queued or replacing or done:
             args.append(queued)
         if queued:
             keys += (k.queued,)
         if replacing:
             keys += (k.replaced_calls,)
+        if replacing or done:
+            args.append("1" if replacing else "")
+        if done:
             args.append("1")
         return TAKEOVER, keys, args
 

@@ -1393,11 +1393,20 @@ end
 # ARGV[9] (optional, with ARGV[7] and ARGV[8] sent) "1" when the last of KEYS is the
 #         name's replaced calls (see REPLACE): a task id among them is refused as REPLACE
 #         refuses it (a run under ``on_busy="replace"`` taking its kept lease)
-# returns {1, fence}   when the claim is ours (also when ARGV[1] already holds it)
+# ARGV[10] (optional, with ARGV[7] to ARGV[9] sent) "1" with the done marker of ARGV[5]'s
+#         task id (see RELEASE) after the cooldown's keys: a run of it that already ended
+#         ok takes over no lease, kept or not (a duplicate delivery: it is told so by the
+#         busy answer, whoever holds the name), is not refused as replaced, and a free
+#         name is taken whatever the cooldown key says (as ACQUIRE's A[9]); every answer
+#         but "ran recently" then says whether the marker exists
+# returns {1, fence}   when the claim is ours (also when ARGV[1] already holds it);
+#         {1, fence, 0, done} with ARGV[10]
 #         {0, holder token, pttl ms, holder fence, 0, 0}   as ACQUIRE's busy answer
+#                                                       (with ARGV[10], then done)
 #         {2, "", cooldown pttl ms, fence, consecutive skips, 0}   the name is free but
 #                                                       ran recently, as ACQUIRE's
-#         {5, why, 0, fence, 0, 0}   with ARGV[9]: as REPLACE's
+#         {5, why, 0, fence, 0, 0}   with ARGV[9]: as REPLACE's (with ARGV[10], then
+#                                    done)
 #         an error reply naming KEYS[3] when a skip would be written to a key of another
 #         type; nothing is written then; one naming KEYS[2] when it holds what is not a
 #         fence: nothing is granted or taken over then
@@ -1416,21 +1425,35 @@ TAKEOVER = Script(
 local idle = tonumber(ARGV[6])
 local holder = redis.call('GET', KEYS[1])
 local last_fence = redis.call('GET', KEYS[2]) or '0'
+-- the done marker of ARGV[5]'s task id: after the cooldown's keys, when asked for
+local done
+if ARGV[10] == '1' then
+  done = redis.call('EXISTS', KEYS[(ARGV[7] ~= '') and 7 or 5])
+end
+local function granted(fence)
+  if done then return {1, fence, 0, done} end
+  return {1, fence}
+end
 if holder == ARGV[1] then
   if not fence_ok(last_fence) then return not_a_fence(KEYS[2]) end
-  return {1, last_fence}
+  return granted(last_fence)
 end
 if ARGV[9] == '1' then
   local why, bad = replaced_call(KEYS[#KEYS], ARGV[5])
   if bad then return bad end
-  if why then return refused_replaced(why, KEYS[3], ARGV[4], ARGV[3], idle, last_fence) end
+  if why and done ~= 1 then
+    return refused_replaced(why, KEYS[3], ARGV[4], ARGV[3], idle, last_fence, done)
+  end
 end
 if holder then
   local _, _, _, task_id = string.match(holder, TOKEN_PATTERN)
-  if ARGV[5] == '' or task_id ~= ARGV[5] or redis.call('GET', KEYS[4]) ~= holder then
-    return {0, holder, redis.call('PTTL', KEYS[1]), last_fence, 0, 0}
+  if ARGV[5] == '' or task_id ~= ARGV[5] or redis.call('GET', KEYS[4]) ~= holder
+      or done == 1 then
+    local busy = {0, holder, redis.call('PTTL', KEYS[1]), last_fence, 0, 0}
+    if done then busy[7] = done end
+    return busy
   end
-elseif ARGV[7] and ARGV[7] ~= '' then
+elseif ARGV[7] and ARGV[7] ~= '' and done ~= 1 then
   local recently = ran_recently({cooldown = KEYS[6], records = KEYS[3], skips = KEYS[5],
                                  fence = KEYS[2]}, ARGV[7], ARGV[3], ARGV[4], idle)
   if recently then return recently end
@@ -1445,7 +1468,7 @@ if ARGV[3] ~= '' then
                   'event', 'started', 'token', ARGV[1], 'fence', minted)
 end
 touch(idle, KEYS[3])
-return {1, minted}
+return granted(minted)
 """,
 )
 
@@ -1471,8 +1494,11 @@ return {1, minted}
 #         (ARGV[12]: a list, newest first, of the task id, a newline and why, for each task id
 #         REPLACE took the name over from, with the name's idle expiry)
 # ARGV[10] (optional) "1" with the done marker of ARGV[5]'s task id (see RELEASE): a
-#         run of it that already ended ok replaces nobody (a duplicate delivery), and
-#         every answer says whether the marker exists
+#         run of it that already ended ok replaces nobody (a duplicate delivery: the busy
+#         answer says so, whoever holds the name, another copy of the same task id too),
+#         is not refused as replaced, and takes a free name whatever the cooldown key
+#         says (as ACQUIRE's A[9]); every answer but "ran recently" says whether the
+#         marker exists
 # ARGV[11] (optional) what the run of ARGV[5] does to the name's enqueue marker, first
 #         and whatever the answer: as ACQUIRE's A[12] (_queued_step). "" or absent:
 #         nothing
@@ -1540,7 +1566,7 @@ if holder then
     if done then busy[7] = done end
     return busy
   end
-elseif ARGV[9] and ARGV[9] ~= '' then
+elseif ARGV[9] and ARGV[9] ~= '' and done ~= 1 then
   local recently = ran_recently({cooldown = KEYS[6], records = KEYS[3], skips = KEYS[5],
                                  fence = KEYS[2]}, ARGV[9], ARGV[3], ARGV[4], idle)
   if recently then return recently end
