@@ -7,7 +7,7 @@ write with S3's 409 for an object that does not exist.
 
 moto checks a precondition and then writes, without a lock between the two, so it shows
 that the conditions are sent and honoured one request at a time, not how two racing
-writers fare: races are not tested here.
+writers fare: races are tested on Azurite (test_store_object_azurite.py).
 """
 
 from __future__ import annotations

@@ -662,15 +662,12 @@ def _from_url(
     options: Mapping[str, Any],
 ) -> _Backend:
     client = dict(client_options or {})
-    if url.startswith(("s3://", "s3a://")):
-        endpoint = (
-            options.get("endpoint")
-            or (config or {}).get("endpoint")
-            or os.environ.get("AWS_ENDPOINT_URL")
-            or os.environ.get("AWS_ENDPOINT")
-        )
-        if str(endpoint or "").startswith("http://"):
-            client.setdefault("allow_http", True)
+    endpoint = options.get("endpoint") or (config or {}).get("endpoint")
+    if not endpoint and url.startswith(("s3://", "s3a://")):
+        endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
+    if str(endpoint or "").startswith("http://"):
+        # An endpoint named with http:// (a local or in-cluster server) is meant.
+        client.setdefault("allow_http", True)
     kwargs: dict[str, Any] = dict(options)
     if config:
         kwargs["config"] = dict(config)
