@@ -184,8 +184,7 @@ class ObjectStore:
         and one that exists (checked with a HEAD) is not uploaded again.
         """
         if isinstance(source, (bytes, bytearray, memoryview)):
-            data = bytes(source)
-            return self._put(hashlib.sha256(data).hexdigest(), len(data), lambda: data)
+            return self._put(bytes(source))
         if isinstance(source, (str, os.PathLike)):
             path = Path(source)
             if not path.is_file():
@@ -204,10 +203,10 @@ class ObjectStore:
     def _put_file(self, f: IO[bytes]) -> Ref:
         # One PUT carries the whole blob (a conditional write is never multipart), so the
         # bytes are read whole once, hashed, and sent as read.
-        data = b"".join(_chunks(f))
-        return self._put(hashlib.sha256(data).hexdigest(), len(data), lambda: data)
+        return self._put(b"".join(_chunks(f)))
 
-    def _put(self, digest: str, size: int, body: Any) -> Ref:
+    def _put(self, data: bytes) -> Ref:
+        digest, size = hashlib.sha256(data).hexdigest(), len(data)
         key = self.key_of(digest)
         ref = self.ref(digest, size)
         state = self._state(key, size) if size >= self.head_above else "missing"
@@ -218,10 +217,10 @@ class ObjectStore:
                 # Its own bytes again, so gc's grace counts from this put (gc judges by
                 # last_modified, which nothing else moves): a build reusing the blob has
                 # that long to publish. Identical bytes: no condition is needed.
-                obstore.put(self.backend, key, body(), use_multipart=False)
+                obstore.put(self.backend, key, data, use_multipart=False)
                 return ref
             try:
-                obstore.put(self.backend, key, body(), mode="create", use_multipart=False)
+                obstore.put(self.backend, key, data, mode="create", use_multipart=False)
                 return ref
             except _REFUSED:
                 # Refused: maybe it exists, maybe S3's 409 for a racing create-only write
