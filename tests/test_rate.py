@@ -339,6 +339,66 @@ def test_an_unused_booking_voids_and_blocks_no_later_start(rc: redis.Redis) -> N
     wait_for("the starts to expire", lambda: not rc.exists(ClaimKeys.of(name).rate_starts), 5.0)
 
 
+def test_a_booking_let_go_frees_its_start_for_a_later_call(rc: redis.Redis) -> None:
+    """RATE_UNBOOK (a booked call that will never come: its message expired): the
+    booking goes, the rate key is written as ACQUIRE writes it, and the start is free."""
+    name = key()
+    keys = ClaimKeys.of(name)
+    hour = 3_600_000_000
+    _one_start(rc, name, "1/h")
+    first_free = _next_start(rc, name)
+    assert first_free is not None
+    for task_id in ("stays", "goes"):
+        assert not _booker(rc, name, task_id).acquire()
+    assert _booked_at(rc, name, "stays") == first_free
+    assert _booked_at(rc, name, "goes") == first_free + hour
+    assert _next_start(rc, name) == first_free + 2 * hour
+    # The latest booking goes: one window after the start now latest ("stays").
+    assert _booker(rc, name, "goes").unbook()
+    assert "b:goes" not in _starts(rc, name) and _booked_at(rc, name, "stays") == first_free
+    assert _next_start(rc, name) == first_free + hour
+    assert 0 < rc.pttl(keys.rate) <= 2 * 3_600_000
+    # Nothing to let go of a second time: nothing is written.
+    rc.set(keys.rate, "1")
+    assert not _booker(rc, name, "goes").unbook()
+    assert rc.get(keys.rate) == "1"
+    rc.delete(keys.rate)
+    # A later call gets the start freed: booked at it, where "goes" was not.
+    later = _booker(rc, name, "later")
+    assert not later.acquire() and later.booked is not None
+    assert _booked_at(rc, name, "later") == first_free + hour
+    assert _next_start(rc, name) == first_free + 2 * hour
+    # No start left counting ("later" let go, the first start moved two windows back,
+    # then "stays" let go): the rate key is deleted, as ACQUIRE deletes it.
+    assert _booker(rc, name, "later").unbook()
+    _move(rc, name, -2 * hour)
+    rc.set(keys.rate, "1")
+    assert _booker(rc, name, "stays").unbook()
+    assert not rc.exists(keys.rate)
+    assert Claim(rc, name, rate="1/h", limit=2).acquire()
+
+
+def test_a_booking_let_go_leaves_the_next_start_a_window_after_the_nth_latest(
+    rc: redis.Redis,
+) -> None:
+    """3/m: the rate key after a booking goes is one minute after the third-latest start
+    left, as ACQUIRE's publish() writes it."""
+    name = key()
+    second = 1_000_000
+    for _ in range(3):
+        _one_start(rc, name, "3/m")
+    first = min(_starts(rc, name).values())
+    for task_id in ("a", "b", "c", "d", "e"):
+        assert not _booker(rc, name, task_id, rate="3/m").acquire()
+    assert _next_start(rc, name) == first + (100 + 60) * second  # after "c", at 100 s
+    assert _booker(rc, name, "e", rate="3/m").unbook()
+    assert _next_start(rc, name) == first + (80 + 60) * second  # after "b"
+    assert _booker(rc, name, "c", rate="3/m").unbook()
+    assert _next_start(rc, name) == first + (60 + 60) * second  # after "a"
+    assert set(_starts(rc, name)) >= {"b:a", "b:b", "b:d"}
+    assert not {"b:c", "b:e"} & set(_starts(rc, name))
+
+
 def test_the_acquire_call_sends_the_window_and_its_count(rc: redis.Redis) -> None:
     name = key()
     keys = ClaimKeys.of(name)

@@ -1141,6 +1141,14 @@ class Claim(ClaimState):
             return True
         return self.task_id is not None and self._store.finished_ok(self.task_id)
 
+    def unbook(self) -> bool:
+        """Let go of the start the rate booked for this claim's task id (:attr:`booked`),
+        for a call that will never come for it: a later call may take it. True when one
+        was booked. The name's next free start is written again as an acquire writes it."""
+        if not self.task_id or not self.options.rate_us:
+            return False
+        return self._store.unbook(self.task_id)
+
     # -- work under the claim: the drivers of fenced._guard -----------------------------
 
     def enter(self, policy: BusyPolicy = RAISE, trigger: bool | str = True) -> Action:

@@ -36,6 +36,7 @@ from ._printable import printable, readable
 from ._scripts import (
     ACQUIRE,
     HANDOVER,
+    RATE_UNBOOK,
     REFRESH,
     RELEASE,
     REPLACE,
@@ -945,6 +946,14 @@ class LeaseCalls:
             args.append("1")
         return TAKEOVER, keys, args
 
+    def unbook_call(self, task_id: str) -> Call:
+        """RATE_UNBOOK: let go of the start booked for ``task_id`` over the rate (a call
+        that will never come for it); 1 when there was one. The rate key is written
+        again as ACQUIRE writes it."""
+        o = self.opts
+        keys = (self.keys.rate, self.keys.rate_starts)
+        return RATE_UNBOOK, keys, [task_id, o.rate_window_us, o.rate_per]
+
     def abandon_calls(self, token: str) -> list[Call]:
         """RELEASE of a lease a timed-out request may have left (in any slot), recording
         nothing."""
@@ -1205,6 +1214,10 @@ class LeaseStore(LeaseCalls):
     def finished_ok(self, task_id: str) -> bool:
         """Whether a run of ``task_id`` ended ``ok`` within its redelivery window."""
         return bool(self.client.exists(self.keys.done(task_id)))
+
+    def unbook(self, task_id: str) -> bool:
+        """Send RATE_UNBOOK: True when a start was booked for ``task_id`` (now let go)."""
+        return int(self.send(self.unbook_call(task_id))) == 1
 
     def find_corrupt_key(self) -> tuple[str, str] | None:
         """After a failed ACQUIRE: the key whose value stopped it, if one did."""

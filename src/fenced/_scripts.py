@@ -33,6 +33,7 @@ __all__ = [
     "HANDOVER",
     "LOCK_ACQUIRE",
     "LOCK_RELEASE",
+    "RATE_UNBOOK",
     "RECORD",
     "REFRESH",
     "RELEASE",
@@ -399,6 +400,37 @@ _ACQUIRE_MARKER = "KEYS[#KEYS - ((ARGV[13] or '') == '' and 0 or 2)]"
 _ACQUIRE_QUEUED = _queued_step("ARGV[12]", "ARGV[7]", _ACQUIRE_MARKER, deferred=True)
 
 
+# The rate's per-th latest start, granted or booked (false while fewer are counted): a
+# call without a booking may start one window after it; successive bookings so get
+# successive starts, after every one booked before. Needs locals ``starts_key`` (the
+# name's starts, see ACQUIRE's A[13]) and ``per`` (ACQUIRE's A[15]); spliced as text into
+# ACQUIRE (its rate block) and RATE_UNBOOK.
+_RATE_NTH = """
+local function nth_latest()
+  local found = redis.call('ZRANGE', starts_key, -per, -per, 'WITHSCORES')
+  return found[2] and tonumber(found[2]) or false
+end
+"""
+
+
+def _rate_key_step(nth: str) -> str:
+    """The rate key written from ``nth`` (a Lua local: the per-th latest start in µs, or
+    false): when a call without a booking may next start, one window after it, expiring
+    then; deleted when that is not after now, or with fewer starts counted. Needs locals
+    ``rate_key``, ``interval`` (the window, µs) and ``rate_now`` (Redis TIME, µs).
+    Spliced as text into ACQUIRE's ``publish()`` and RATE_UNBOOK, which so write it
+    alike."""
+    return f"""
+local free = {nth} and {nth} + interval or 0
+if free > rate_now then
+  redis.call('SET', rate_key, string.format('%d', free), 'PX',
+             math.max(1, math.ceil((free - rate_now) / 1000)))
+else
+  redis.call('DEL', rate_key)
+end
+"""
+
+
 # ACQUIRE
 # ARGV as sent: token, ttl, idle, then (each may be left off at its default, when
 # nothing after it is sent) record (""), skip reason (""), rerun trigger (""), task id
@@ -648,13 +680,9 @@ if rate_key then
   local function ms_until(time)
     return math.max(1, math.ceil((time - rate_now) / 1000))
   end
-  -- the per-th latest start, granted or booked (false while fewer are counted): a call
-  -- without a booking may start one window after it; successive bookings so get
-  -- successive starts, after every one booked before
-  local function nth_latest()
-    local found = redis.call('ZRANGE', starts_key, -per, -per, 'WITHSCORES')
-    return found[2] and tonumber(found[2]) or false
-  end
+"""
+    + _RATE_NTH
+    + """
   -- After a write to the set: what can no longer count (nor be a booking still held)
   -- goes, the rate key says when a call without a booking may next start, and the set
   -- lives as long as its latest start counts. ``latest`` and ``last``: those starts
@@ -662,12 +690,9 @@ if rate_key then
   local function publish(latest, last)
     redis.call('ZREMRANGEBYSCORE', starts_key, '-inf', string.format('%d', rate_now - keep))
     if last == nil then last = nth_latest() end
-    local free = last and last + interval or 0
-    if free > rate_now then
-      redis.call('SET', rate_key, string.format('%d', free), 'PX', ms_until(free))
-    else
-      redis.call('DEL', rate_key)
-    end
+"""
+    + _rate_key_step("last")
+    + """
     if latest == nil then
       local found = redis.call('ZRANGE', starts_key, -1, -1, 'WITHSCORES')
       latest = tonumber(found[2])
@@ -908,6 +933,36 @@ end
 local pick = own or first
 return lose(holders[pick], redis.call('PTTL', slots[pick]),
             redis.call('HGET', KEYS[7], tostring(pick - 1)) or '0')
+""",
+)
+
+# RATE_UNBOOK: let go of the start booked for a call over the rate (ACQUIRE's A[14]) that
+#              will never come for it (its message expired first)
+# KEYS[1] the name's rate key   KEYS[2] its starts (as ACQUIRE's: the last two of its KEYS)
+# ARGV[1] the task id whose booking goes (its member, "b:" .. task id)
+# ARGV[2] the rate's window in µs (ACQUIRE's A[13])
+# ARGV[3] how many starts the window allows (ACQUIRE's A[15])
+# The booking removed, the rate key is written as ACQUIRE's publish() writes it
+# (_rate_key_step): one window after the ARGV[3]-th latest start left, granted or booked,
+# deleted when there is none or that is not after now. The starts key keeps its expiry
+# (never shorter than what is left in it needs).
+# returns 1 when the booking was there (now gone), else 0 (nothing written)
+RATE_UNBOOK = Script(
+    "rate_unbook",
+    """
+local rate_key, starts_key = KEYS[1], KEYS[2]
+if redis.call('ZREM', starts_key, 'b:' .. ARGV[1]) == 0 then return 0 end
+local interval, per = tonumber(ARGV[2]), tonumber(ARGV[3])
+local t = redis.call('TIME')
+local rate_now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+"""
+    + _RATE_NTH
+    + """
+local last = nth_latest()
+"""
+    + _rate_key_step("last")
+    + """
+return 1
 """,
 )
 

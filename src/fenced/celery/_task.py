@@ -98,7 +98,7 @@ from .._lease import HOST, ClaimKeys, Holder, short_token
 from .._naming import Namer, bounded_label
 from .._options import refuse_unknown
 from .._redact import exception_text
-from .._scripts import RERUN_SENT, Script
+from .._scripts import RERUN_SENT
 from . import _debounce, _enqueue, _rerun, signals
 from ._disabled import SETTING as ENABLED_SETTING
 from ._disabled import LocalClaim, enabled
@@ -130,36 +130,6 @@ BOOKING_HOLD = 2.0
 #: back to the broker; and how many such waits one delivery makes at most.
 BOOKED_WAIT = 1.0
 BOOKED_WAITS = 3
-
-# KEYS[1] the name's rate starts (a sorted set: each start granted and booked, scored
-# by its time), KEYS[2] its rate key (when a call without a booking may next start);
-# ARGV[1] the booking's member ("b:" and the task id), ARGV[2] how many starts a window
-# allows, ARGV[3] the window (µs). Removes the booking of a call that will never come
-# for it (its message expired first); the rate key then says again when a call without
-# a booking may start, one window after the ARGV[2]-th latest start left, as ACQUIRE
-# writes it. Returns 1 if the booking was there, else 0.
-RATE_UNBOOK = Script(
-    "rate_unbook",
-    """
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 0 then
-  return 0
-end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local per = tonumber(ARGV[2])
-local nth = redis.call('ZRANGE', KEYS[1], -per, -per, 'WITHSCORES')
-local free = 0
-if nth[2] then free = tonumber(nth[2]) + tonumber(ARGV[3]) end
-if free > now then
-  redis.call('SET', KEYS[2], string.format('%d', free), 'PX',
-             math.max(1, math.ceil((free - now) / 1000)))
-else
-  redis.call('DEL', KEYS[2])
-end
-return 1
-""",
-)
-
 
 #: In-process counters: runs, ok, failed, lost, replaced (lost runs a newer call took the
 #: claim from: ``claim_on_busy="replace"``), skipped, skips_exceeded, reruns,
@@ -1247,13 +1217,8 @@ class ClaimedTask(Task[Any, Any]):
     def _release_booking(self, claim: Claim, keys: ClaimKeys) -> None:
         """Let go of the start booked for this call over the rate: it will never come
         for it. A failure is logged: the booking is void once its hold is over."""
-        rate = claim.options
         try:
-            RATE_UNBOOK(
-                claim.redis,
-                [keys.rate_starts, keys.rate],
-                [f"b:{claim.task_id}", rate.rate_per, rate.rate_window_us],
-            )
+            claim.unbook()
         except Exception:
             log.warning(
                 "fenced: could not let go of the start booked for %s[%s] on %r; it is void "
