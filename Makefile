@@ -22,8 +22,16 @@ demo: install
 # The suite spread over TEST_WORKERS processes, one file each at a time (a file's
 # servers and workers are started once); most tests wait on servers, not the CPU.
 TEST_WORKERS ?= 4
-test: install
+test: install tests/npm/node_modules/.installed
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# Servers the tests start that pip does not ship (Azurite, for the object store's races),
+# from the npm registry at the versions tests/npm/package-lock.json pins. Without npm
+# they are skipped outside CI (their tests say how to install them).
+tests/npm/node_modules/.installed: tests/npm/package.json tests/npm/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+	  cd tests/npm && npm ci --no-audit --no-fund --loglevel=error && touch node_modules/.installed; \
+	else echo "npm not found: the tests that need Azurite are skipped (see tests/npm)"; fi
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks examples chaos scripts
