@@ -93,6 +93,29 @@ class _Verifying(io.RawIOBase):
         super().close()
 
 
+def put_source(
+    source: Source, put_bytes: Callable[[bytes], Ref], put_file: Callable[[IO[bytes]], Ref]
+) -> Ref:
+    """What a store's ``put`` takes, handed on: bytes to ``put_bytes``, a binary file
+    object (or the file at a path, opened here) to ``put_file``; anything else refused."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return put_bytes(bytes(source))
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(
+                f"nothing to put: {path} is not a file (to store a string's content, "
+                "pass bytes: text.encode())"
+            )
+        with path.open("rb") as f:
+            return put_file(f)
+    if callable(getattr(source, "read", None)):
+        return put_file(source)
+    raise ConfigError(
+        f"cannot put a {type(source).__name__}: pass bytes, a binary file object or a path"
+    )
+
+
 class ContentStore:
     """Immutable objects named by the SHA-256 of their bytes, under one root directory."""
 
@@ -210,24 +233,11 @@ class ContentStore:
 
     def put(self, source: Source) -> Ref:
         """Store bytes, a binary file object or the file at a path; same bytes, same Ref."""
-        if isinstance(source, (bytes, bytearray, memoryview)):
-            data = bytes(source)
-            digest = hashlib.sha256(data).hexdigest()
-            return self._existing(digest, len(data)) or self._write(digest, [data])
-        if isinstance(source, (str, os.PathLike)):
-            path = Path(source)
-            if not path.is_file():
-                raise ConfigError(
-                    f"nothing to put: {path} is not a file (to store a string's content, "
-                    "pass bytes: text.encode())"
-                )
-            with path.open("rb") as f:
-                return self._put_file(f)
-        if callable(getattr(source, "read", None)):
-            return self._put_file(source)
-        raise ConfigError(
-            f"cannot put a {type(source).__name__}: pass bytes, a binary file object or a path"
-        )
+        return put_source(source, self._put_bytes, self._put_file)
+
+    def _put_bytes(self, data: bytes) -> Ref:
+        digest = hashlib.sha256(data).hexdigest()
+        return self._existing(digest, len(data)) or self._write(digest, [data])
 
     def _put_file(self, f: IO[bytes]) -> Ref:
         seekable = False

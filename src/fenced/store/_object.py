@@ -52,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a fresh environmen
 
 from .._errors import ConfigError, CorruptObject, StaleFence, StoreError
 from . import _durable
-from ._content import DEFAULT_GRACE, MANIFEST_PREFIX
+from ._content import DEFAULT_GRACE, MANIFEST_PREFIX, put_source
 from ._published import Pointer, Published, Ref, Target
 
 if TYPE_CHECKING:
@@ -183,22 +183,7 @@ class ObjectStore:
         The same bytes give the same key, written once: a blob is written create-only,
         and one that exists (checked with a HEAD) is not uploaded again.
         """
-        if isinstance(source, (bytes, bytearray, memoryview)):
-            return self._put(bytes(source))
-        if isinstance(source, (str, os.PathLike)):
-            path = Path(source)
-            if not path.is_file():
-                raise ConfigError(
-                    f"nothing to put: {path} is not a file (to store a string's content, "
-                    "pass bytes: text.encode())"
-                )
-            with path.open("rb") as f:
-                return self._put_file(f)
-        if callable(getattr(source, "read", None)):
-            return self._put_file(source)
-        raise ConfigError(
-            f"cannot put a {type(source).__name__}: pass bytes, a binary file object or a path"
-        )
+        return put_source(source, self._put, self._put_file)
 
     def _put_file(self, f: IO[bytes]) -> Ref:
         # One PUT carries the whole blob (a conditional write is never multipart), so the
