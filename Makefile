@@ -70,3 +70,16 @@ CHAOS_SECONDS ?= 300
 .PHONY: chaos
 chaos: install
 	CHAOS_SECONDS=$(CHAOS_SECONDS) $(BIN)/python -m chaos $(CHAOS_ARGS)
+
+# The protocol's model (spec/, docs/model.md): Quint from the npm registry, the version
+# spec/package-lock.json pins, installed in spec/node_modules; its TypeScript evaluator
+# (the default one downloads a binary). At least 10,000 simulated traces with every
+# invariant holding, then a counterexample for each limit the docs state.
+# MODEL_TRACES, MODEL_SEED ("random" for none), MODEL_JOBS: see spec/check.sh.
+.PHONY: model
+model: spec/node_modules/.installed
+	spec/check.sh
+
+spec/node_modules/.installed: spec/package.json spec/package-lock.json
+	cd spec && npm ci --no-audit --no-fund --loglevel=error
+	touch $@
