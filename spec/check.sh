@@ -7,6 +7,7 @@
 #   MODEL_STEPS   steps in each of them (25)
 #   MODEL_SEED    the first seed (each run adds its own offset); "random" for none
 #   MODEL_JOBS    main-run processes side by side (2)
+#   MODEL_REPLAY  traces written to spec/traces/ for tests/test_model_replay.py (200)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -15,6 +16,7 @@ TRACES=${MODEL_TRACES:-10000}
 STEPS=${MODEL_STEPS:-25}
 SEED=${MODEL_SEED:-5}
 JOBS=${MODEL_JOBS:-2}
+REPLAY=${MODEL_REPLAY:-200}
 # The limits search longer traces: their counterexamples take a dozen chosen steps.
 LIMIT_STEPS=40
 LIMIT_SAMPLES=20000
@@ -130,4 +132,17 @@ if [ "$missed" != 0 ]; then
     echo "FAIL: a stated limit gave no counterexample"
     exit 1
 fi
+
+# -- traces for the replay on the real scripts (tests/test_model_replay.py) ---------
+rm -rf traces
+mkdir traces
+# shellcheck disable=SC2046
+if ! quint_run "$out/replay" --init initReplay --invariants "${INVARIANTS[@]}" \
+    --max-samples "$REPLAY" --n-traces "$REPLAY" --max-steps 40 $(seed_for 200) \
+    --mbt --out-itf 'traces/trace{seq}.itf.json' --verbosity 1; then
+    cat "$out/replay"
+    echo "FAIL: an invariant broke in the replay configuration"
+    exit 1
+fi
+echo "== $(find traces -name '*.itf.json' | wc -l) traces of up to 40 steps written to spec/traces/ for the replay"
 echo "ok: $total traces with every invariant holding; ${#LIMITS[@]} of ${#LIMITS[@]} stated limits found; $((SECONDS - started)) s"

@@ -1,0 +1,175 @@
+"""The model's traces replayed on the real scripts, step by step, on a real Redis.
+
+``make model`` simulates spec/fenced.qnt and writes about 200 traces of its replay
+configuration (one Redis, restarts, idle expiry of the fence, operator releases, pauses;
+no replica) to spec/traces/. Each step is sent to Redis as the code sends it (ACQUIRE,
+REFRESH, RELEASE, FORCE_RELEASE, a RedisPointer swap) or to a FilePointer, and after
+every step the replay compares what the model says with what Redis and the stores hold:
+the lease's holder, whether each call was granted, refused or accepted, the order of the
+fences granted, and which holder each pointer last accepted.
+
+What the replay does itself, for want of a clock it can move: a lease the model says
+has expired is deleted (Redis would expire it), a restart deletes the claim's lease and
+fence (what a Redis without persistence forgets of them), and the fence key's idle
+expiry deletes the fence key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fenced import ClaimOptions, StaleFence
+from fenced._lease import ClaimKeys, LeaseCalls, granted_reply, new_token, released
+from fenced._scripts import FORCE_RELEASE, as_text
+from fenced.store import FilePointer, RedisPointer
+from fenced.testing import RedisServer
+from model_itf import action, live_lease, load, picks, trace_files
+
+FILES = trace_files()
+
+pytestmark = pytest.mark.skipif(
+    not FILES, reason="no model traces in spec/traces: run `make model` to write them"
+)
+
+
+class Replay:
+    """One trace's real counterpart: the model's tokens as real ones, their fences."""
+
+    def __init__(self, client: Any, namespace: str, directory: Path) -> None:
+        self.client = client
+        self.keys = ClaimKeys.of("model", namespace=namespace)
+        self.calls = LeaseCalls(self.keys, ClaimOptions(ttl=60))
+        self.tokens: dict[int, str] = {}
+        self.fences: dict[int, int] = {}  # model token -> real fence
+        self.model_fences: dict[int, int] = {}  # model token -> model fence
+        self.directory = directory
+        self.store = FilePointer(directory / "store")
+        self.pointer = RedisPointer(client, "model", namespace=namespace)
+
+    def holder(self) -> str | None:
+        value = self.client.get(self.keys.lock)
+        return None if value is None else as_text(value)
+
+    def token_of(self, real: str | None) -> int:
+        """The model token of a real one (0 for none)."""
+        if real is None:
+            return 0
+        found = [t for t, tok in self.tokens.items() if tok == real]
+        assert found, f"Redis holds a lease of a token the model never granted: {real}"
+        return found[0]
+
+    def step(self, before: dict[str, Any], after: dict[str, Any]) -> None:
+        """Send one step of the model to Redis (or a store) and compare the answer."""
+        name = action(after)
+        chosen = picks(after)
+        p = chosen.get("p", "")
+        me = before["procs"].get(p, {})
+        if name == "acquire":
+            self.acquire(before, after, p)
+        elif name == "renew":
+            token = me["token"]
+            reply = self.send(self.calls.refresh_call(self.tokens[token]))
+            extended = after["procs"][p]["token"] != 0
+            assert (reply == 1) == extended, f"REFRESH answered {reply!r}, model: {extended}"
+        elif name == "landWrite":
+            self.land(before, after, me["pending"])
+        elif name == "release":
+            token = me["token"]
+            call = self.calls.release_call(self.tokens[token], "", "ok", self.fences[token])
+            ours = released(self.send(call))[0]
+            expected = live_lease(before) == token
+            assert ours == expected, f"RELEASE of {token}: {ours}, model: {expected}"
+        elif name == "forceRelease":
+            k = self.keys
+            answer = FORCE_RELEASE(
+                self.client, [k.lock, k.records, k.fence], ["", "", 1000, "", "", "", 0]
+            )
+            deleted = self.token_of(as_text(answer[0]) or None)
+            assert deleted == live_lease(before), "FORCE_RELEASE deleted another lease"
+        elif name == "restart":
+            self.client.delete(self.keys.lock, self.keys.fence)
+        elif name == "idleExpire":
+            self.client.delete(self.keys.fence)
+        elif name in ("failover", "clockBack"):
+            raise AssertionError(f"{name} is not in the replay configuration")
+        # tick, replicate (no replica here), expireLocally, startWrite: nothing to send
+        self.compare(after)
+
+    def send(self, call: Any) -> Any:
+        script, keys, args = call
+        return script(self.client, keys, args)
+
+    def acquire(self, before: dict[str, Any], after: dict[str, Any], p: str) -> None:
+        model_token = int(before["nextToken"])
+        token = new_token()
+        reply = granted_reply(self.send(self.calls.acquire_call(token, "", "", "", None)))
+        granted = after["procs"][p]["token"] != 0
+        assert (int(reply[0]) == 1) == granted, f"ACQUIRE answered {reply!r}, model: {granted}"
+        if not granted:
+            return
+        fence = int(reply[1])
+        model_fence = int(after["procs"][p]["fence"])
+        # The order of the fences is the model's: each new one above every earlier one.
+        for t, earlier in self.fences.items():
+            assert (earlier < fence) == (self.model_fences[t] < model_fence), (
+                f"fence order: {t}@{earlier} then {model_token}@{fence} on Redis, "
+                f"{self.model_fences[t]} then {model_fence} in the model"
+            )
+        self.tokens[model_token] = token
+        self.fences[model_token] = fence
+        self.model_fences[model_token] = model_fence
+
+    def land(self, before: dict[str, Any], after: dict[str, Any], write: dict[str, Any]) -> None:
+        accepted = after["refused"] == before["refused"]
+        target = self.target(write["token"])
+        if not Path(target).exists():
+            Path(target).write_text(target)  # the output, written before its swap
+        fence = self.fences[write["token"]]
+        sink = self.store if write["dest"] == "store" else self.pointer
+        try:
+            sink.swap(target, fence=fence)
+            landed = True
+        except StaleFence:
+            landed = False
+        assert landed == accepted, f"{write['dest']} swap at {fence}: {landed}, model: {accepted}"
+
+    def target(self, token: int) -> str:
+        """What a holder publishes: its own output file."""
+        return str(self.directory / f"t{token}")
+
+    def compare(self, after: dict[str, Any]) -> None:
+        """What Redis and the stores hold, against the model's state."""
+        expected = live_lease(after)
+        real = self.holder()
+        if real is not None and expected == 0:
+            # The model's lease ran out: Redis would have expired the key by now.
+            token = self.token_of(real)
+            assert token == after["master"]["lease"], f"lease {token} held, model: free"
+            assert after["master"]["expires"] <= after["now"], "a live lease is gone"
+            self.client.delete(self.keys.lock)
+            real = None
+        assert self.token_of(real) == expected, f"holder {self.token_of(real)}, model {expected}"
+        stored = self.store.read()
+        want = after["store"]["token"]
+        assert (stored.target if stored else None) == (self.target(want) if want else None)
+        published = self.pointer.read()
+        want = after["master"]["ptrToken"]
+        assert (published.target if published else None) == (self.target(want) if want else None)
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.name.split(".")[0] for p in FILES])
+def test_trace_replays_on_the_scripts(
+    path: Path, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Every step of the trace gets the model's answer from the real scripts."""
+    states = load(path)
+    assert states[0]["cfg"]["replicas"] == 0 and not states[0]["cfg"]["failovers"]
+    replay = Replay(redis_server.client(), f"fm-{path.name.split('.')[0]}", tmp_path)
+    for i in range(1, len(states)):
+        try:
+            replay.step(states[i - 1], states[i])
+        except AssertionError as exc:
+            raise AssertionError(f"{path.name}, step {i} ({action(states[i])}): {exc}") from exc
