@@ -75,7 +75,7 @@ if [ "$failed" != 0 ]; then
     echo "FAIL: an invariant of the design broke (the counterexample is above)"
     exit 1
 fi
-echo "ok: $total traces simulated, no invariant broke: ${INVARIANTS[*]}"
+echo "ok: $total traces simulated in $((SECONDS - started)) s, no invariant broke: ${INVARIANTS[*]}"
 for name in "${WITNESSES[@]}"; do
     echo "   $name: reached in ${seen[$name]:-0} of $total traces"
 done
@@ -128,6 +128,7 @@ for k in "${!LIMITS[@]}"; do
     fi
 done
 echo
+echo "(the limits searched by $((SECONDS - started)) s)"
 if [ "$missed" != 0 ]; then
     echo "FAIL: a stated limit gave no counterexample"
     exit 1
@@ -144,5 +145,5 @@ if ! quint_run "$out/replay" --init initReplay --invariants "${INVARIANTS[@]}" \
     echo "FAIL: an invariant broke in the replay configuration"
     exit 1
 fi
-echo "== $(find traces -name '*.itf.json' | wc -l) traces of up to 40 steps written to spec/traces/ for the replay"
+echo "== $(find traces -name '*.itf.json' | wc -l) traces of up to 40 steps written to spec/traces/ for the replay ($((SECONDS - started)) s so far)"
 echo "ok: $total traces with every invariant holding; ${#LIMITS[@]} of ${#LIMITS[@]} stated limits found; $((SECONDS - started)) s"
