@@ -1,17 +1,22 @@
 """The model's traces replayed on the real scripts, step by step, on a real Redis.
 
 ``make model`` simulates spec/fenced.qnt and writes about 200 traces of its replay
-configuration (one Redis, restarts, idle expiry of the fence, operator releases, pauses;
-no replica) to spec/traces/. Each step is sent to Redis as the code sends it (ACQUIRE,
-REFRESH, RELEASE, FORCE_RELEASE, a RedisPointer swap) or to a FilePointer, and after
-every step the replay compares what the model says with what Redis and the stores hold:
-the lease's holder, whether each call was granted, refused or accepted, the order of the
-fences granted, and which holder each pointer last accepted.
+configuration (restarts, idle expiry of the fence, operator releases, pauses, failovers
+with and without replicas) to spec/traces/. Each step is sent to Redis as the code
+sends it (ACQUIRE, REFRESH, RELEASE, FORCE_RELEASE, a RedisPointer swap) or to a
+FilePointer, and after every step the replay compares what the model says with what
+Redis and the stores hold: the lease's holder, whether each call was granted, refused
+or accepted, the order of the fences granted, and which holder each pointer last
+accepted.
 
-What the replay does itself, for want of a clock it can move: a lease the model says
-has expired is deleted (Redis would expire it), a restart deletes the claim's lease and
-fence (what a Redis without persistence forgets of them), and the fence key's idle
-expiry deletes the fence key.
+What the replay does itself, for want of a clock it can move and of a replica it can
+lose writes on: a lease the model says has expired is deleted (Redis would expire it),
+a restart deletes the claim's lease and fence (what a Redis without persistence forgets
+of them), the fence key's idle expiry deletes the fence key, and the replica is a copy
+of the name's keys (DUMP) taken whenever the model's replica catches up: a failover puts
+that copy back (RESTORE) in place of what the master had since. A grant, renewal, swap
+or release the replica acknowledged (``replicas=1``) takes the copy after it; a grant it
+did not is given back, as the claim gives it back (RELEASE).
 """
 
 from __future__ import annotations
@@ -48,6 +53,23 @@ class Replay:
         self.directory = directory
         self.store = FilePointer(directory / "store")
         self.pointer = RedisPointer(client, "model", namespace=namespace)
+        k = self.keys
+        self.replicated = (k.lock, k.fence, k.pointer, k.pointer_log)
+        self.replica: dict[str, bytes] = {}
+
+    def copy_to_replica(self) -> None:
+        """The replica catches up: a copy of the name's keys as the master has them."""
+        self.replica = {}
+        for key in self.replicated:
+            dumped = self.client.dump(key)
+            if dumped is not None:
+                self.replica[key] = dumped
+
+    def fail_over(self) -> None:
+        """The replica is promoted: the master's keys become the copy."""
+        self.client.delete(*self.replicated)
+        for key, dumped in self.replica.items():
+            self.client.restore(key, 0, dumped)
 
     def holder(self) -> str | None:
         value = self.client.get(self.keys.lock)
@@ -67,13 +89,16 @@ class Replay:
         chosen = picks(after)
         p = chosen.get("p", "")
         me = before["procs"].get(p, {})
+        # With replicas, what the replica acknowledged it has, with all before it.
+        acknowledged = after["cfg"]["replicas"] > 0 and chosen.get("acked", False)
         if name == "acquire":
             self.acquire(before, after, p)
         elif name == "renew":
             token = me["token"]
             reply = self.send(self.calls.refresh_call(self.tokens[token]))
-            extended = after["procs"][p]["token"] != 0
+            extended = live_lease(before) == token
             assert (reply == 1) == extended, f"REFRESH answered {reply!r}, model: {extended}"
+            assert (after["procs"][p]["token"] != 0) == extended
         elif name == "landWrite":
             self.land(before, after, me["pending"])
         elif name == "release":
@@ -91,11 +116,17 @@ class Replay:
             assert deleted == live_lease(before), "FORCE_RELEASE deleted another lease"
         elif name == "restart":
             self.client.delete(self.keys.lock, self.keys.fence)
+            self.replica.pop(self.keys.lock, None)
+            self.replica.pop(self.keys.fence, None)
         elif name == "idleExpire":
             self.client.delete(self.keys.fence)
-        elif name in ("failover", "clockBack"):
+        elif name == "failover":
+            self.fail_over()
+        elif name == "clockBack":
             raise AssertionError(f"{name} is not in the replay configuration")
-        # tick, replicate (no replica here), expireLocally, startWrite: nothing to send
+        # tick, expireLocally, startWrite: nothing to send
+        if name == "replicate" or (acknowledged and after["replica"] == after["master"]):
+            self.copy_to_replica()
         self.compare(after)
 
     def send(self, call: Any) -> Any:
@@ -106,12 +137,17 @@ class Replay:
         model_token = int(before["nextToken"])
         token = new_token()
         reply = granted_reply(self.send(self.calls.acquire_call(token, "", "", "", None)))
-        granted = after["procs"][p]["token"] != 0
-        assert (int(reply[0]) == 1) == granted, f"ACQUIRE answered {reply!r}, model: {granted}"
-        if not granted:
+        free = live_lease(before) == 0
+        assert (int(reply[0]) == 1) == free, f"ACQUIRE answered {reply!r}, model free: {free}"
+        if not free:
             return
         fence = int(reply[1])
-        model_fence = int(after["procs"][p]["fence"])
+        model_fence = int(after["master"]["fence"])
+        if after["procs"][p]["token"] == 0:
+            # Not acknowledged by the replica: the claim gives the grant back.
+            self.tokens[model_token] = token
+            self.send(self.calls.release_call(token, "", "lost", fence))
+            return
         # The order of the fences is the model's: each new one above every earlier one.
         for t, earlier in self.fences.items():
             assert (earlier < fence) == (self.model_fences[t] < model_fence), (
@@ -166,7 +202,6 @@ def test_trace_replays_on_the_scripts(
 ) -> None:
     """Every step of the trace gets the model's answer from the real scripts."""
     states = load(path)
-    assert states[0]["cfg"]["replicas"] == 0 and not states[0]["cfg"]["failovers"]
     replay = Replay(redis_server.client(), f"fm-{path.name.split('.')[0]}", tmp_path)
     for i in range(1, len(states)):
         try:
