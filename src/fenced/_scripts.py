@@ -775,6 +775,11 @@ if rate_key then
 end
 local function started(minted)
   if A[3] ~= '' then
+    if record_time == nil and #minted == 16 then
+      -- the start's "at" is its fence's ms, as the common grant writes it (a TIME of
+      -- its own could fall in the next ms)
+      record_time = {string.sub(minted, 1, 10), string.sub(minted, 11)}
+    end
     append_record(KEYS[3], A[5], A[3], 'event', 'started', 'token', A[1],
                   'fence', minted)
     -- the skip count and rerun triggers are given the expiry when they are written
