@@ -22,7 +22,8 @@ from _wait import wait_for
 from celery_debounce_app import make_app
 from celery_harness import ROOT, WAIT, Services, Worker, key
 from fenced import ConfigError
-from fenced.celery import ClaimedTask, metrics
+from fenced._lease import ClaimKeys
+from fenced.celery import ClaimedTask, _debounce, _rerun, metrics
 from fenced.testing import RedisServer, TcpProxy
 
 APP = "tests.celery_debounce_app"
@@ -349,6 +350,40 @@ def test_a_burst_whose_sender_died_before_publishing_runs_within_debounce_max(
         assert took < 1.5 + 2.5, f"the first run came {took:.1f}s after the later calls began"
         assert ran[0]["task_id"] == dead  # the burst's own id: its callers' result
         assert job.AsyncResult(dead).get(timeout=WAIT) == ran[0]["n"]
+
+
+def test_a_burst_whose_sender_died_runs_when_no_call_comes_after_its_one_joiner(
+    services: Services,
+) -> None:
+    """A sender killed between the burst's record and its message, then one call that
+    joins, then none: the joiner sent a backup of the burst's message (its opener never
+    said it published one), so the burst runs within claim_debounce_max of its opening,
+    with the joiner's call; and the calls of a healthy burst send no backup."""
+    app = sender(services)
+    job: Any = app.tasks["d.job"]
+    k = key()
+    opts = job._options()
+    keys = ClaimKeys(opts.claim.namespace, job.claim_name_for((k, 0), {}))
+    call = _rerun.encode((k, 0), {}, keys.name, job._rerun_key(), job.name, _rerun.DEBOUNCE)
+    debounce, most = opts.values["claim_debounce"], opts.values["claim_debounce_max"]
+    # The opener: its record written, then it died before it published anything.
+    dead, what = _debounce.join(
+        services.locks(), keys, "dead-opener", call, 60.0, debounce, most, job.name
+    )
+    assert (dead, what) == ("dead-opener", _debounce.OPENED)
+    with Worker(services, concurrency=1, app=APP):
+        begun = time.monotonic()
+        joined = job.delay(k, 1)  # the one call after it; then none
+        assert joined.id == dead
+        assert joined.get(timeout=WAIT) == 1  # the joiner's call ran, under the burst's id
+        took = time.monotonic() - begun
+        assert took < (most or debounce) + 2.5, f"the burst ran {took:.1f}s after its joiner"
+        # A healthy burst: its opener confirms its message before a call joins.
+        healthy = key()
+        first = job.delay(healthy, 1)
+        assert job.delay(healthy, 2).id == first.id
+        assert "backup" not in burst(services, healthy)  # one message: no backup sent
+        assert first.get(timeout=WAIT) == 2
 
 
 def test_a_burst_waiting_out_a_long_run_keeps_its_last_call(services: Services) -> None:

@@ -28,9 +28,13 @@ The burst id a join returns is checked as the enqueue marker's is
 (:func:`fenced.celery._enqueue.stored_task_id`).
 
 The record says whether its message was published (the opener marks it once its
-publish returns). A call that joins a burst still unmarked ``claim_debounce_max`` (else
-``claim_debounce``) after it opened publishes the message under the burst's task id:
-a sender that died between its join and its publish delays the burst, never loses it.
+publish returns). The first call that joins a burst still unmarked publishes a backup of
+its message under the burst's task id, due ``claim_debounce_max`` (else
+``claim_debounce``) after the burst opened; a call that joins a burst still unmarked
+that long after it opened publishes the message itself. A sender that died between its
+join and its publish delays the burst, never loses it, whether calls come after it or
+not (a message of the burst's task id that comes twice runs once: the claim's done
+marker). A healthy burst sends no backup: its opener marks it within its own call.
 
 What a Redis restart (or failover to a replica that lags) can lose: a burst record
 not yet persisted. Its message then runs with its own arguments, the first call's of its
@@ -66,7 +70,17 @@ from .._lease import ClaimKeys
 from .._scripts import Script, as_text
 from . import _enqueue, _rerun
 
-__all__ = ["check", "defer", "delivered", "expired_by", "forget", "join", "send", "take"]
+__all__ = [
+    "check",
+    "defer",
+    "delivered",
+    "expired_by",
+    "forget",
+    "join",
+    "join_call",
+    "send",
+    "take",
+]
 
 log = logging.getLogger("fenced.celery")
 
@@ -94,17 +108,23 @@ _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 # it, 2 the open burst is another task's (or names none: an older fenced's), so this
 # call is not joined (send it as it is), 3 it joined a burst whose message its opener
 # never confirmed as published in time (a sender that died or hung): publish it
-# under the burst's task id. The record's ``due`` (when the burst runs if no call joins
-# it, ms) and ``calls`` (how many joined) are for the operator tools: TAKE decides from
-# first and last.
+# under the burst's task id, 4 it joined a burst whose message is not confirmed yet and
+# is the first to: publish a backup of it under the burst's task id, due when a call
+# would take its publishing over (the third item, ms), so that the burst runs even if
+# its opener died and no call comes after (a message of the burst's task id that comes
+# twice runs once: the claim's done marker). The record's ``due`` (when the burst runs if
+# no call joins it, ms) and ``calls`` (how many joined) are for the operator tools: TAKE
+# decides from first and last.
 JOIN = Script(
     "debounce_join",
     """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local b = redis.call('HMGET', KEYS[1], 'id', 'first', 'calls', 'task', 'sent', 'opened')
+local b = redis.call('HMGET', KEYS[1], 'id', 'first', 'calls', 'task', 'sent', 'opened',
+                     'backup')
 local id, first = b[1], tonumber(b[2]) or now
 local new = 0
+local backup_in = 0
 if not id then
   id = ARGV[1]
   first = now
@@ -118,6 +138,12 @@ elseif b[5] ~= '1' and now - (tonumber(b[6]) or first) >= tonumber(ARGV[7]) then
   -- the next one waits as long again for this one to say so
   new = 3
   redis.call('HSET', KEYS[1], 'opened', now)
+elseif b[5] ~= '1' and not b[7] then
+  -- not confirmed yet: the first call to join sends a backup, due when a call would
+  -- take the publishing over (its opener may have died, and no call may come then)
+  new = 4
+  backup_in = math.max(0, (tonumber(b[6]) or first) + tonumber(ARGV[7]) - now)
+  redis.call('HSET', KEYS[1], 'backup', now)
 end
 local due = now + tonumber(ARGV[4])
 if tonumber(ARGV[5]) > 0 then
@@ -135,7 +161,7 @@ if redis.call('PTTL', KEYS[1]) < expiry then
   -- (never shortened: its message keeps it while a run holds the name)
   redis.call('PEXPIRE', KEYS[1], expiry)
 end
-return {id, new}
+return {id, new, backup_in}
 """,
 )
 
@@ -291,8 +317,23 @@ def join(
     task: str = "",
 ) -> tuple[str, int]:
     """Add a call of ``task`` to the name's burst: (the burst's task id, what the call
-    does: OPENED, JOINED, NOT_JOINED or TAKEN_OVER). A burst id that is not one fenced
-    writes raises a DataError (the caller sends its call as it is)."""
+    does: OPENED, JOINED, NOT_JOINED, TAKEN_OVER or BACKUP). A burst id that is not one
+    fenced writes raises a DataError (the caller sends its call as it is)."""
+    burst, what, _backup_in = join_call(client, keys, task_id, call, expiry, debounce, most, task)
+    return burst, what
+
+
+def join_call(
+    client: Any,
+    keys: ClaimKeys,
+    task_id: str,
+    call: str,
+    expiry: float,
+    debounce: float,
+    most: float | None = None,
+    task: str = "",
+) -> tuple[str, int, float]:
+    """:func:`join`, and for BACKUP the seconds its backup message is due in."""
     found = JOIN(
         client,
         [keys.debounce],
@@ -306,11 +347,13 @@ def join(
             max(1, int((most or debounce) * 1000)),
         ],
     )
-    return _enqueue.stored_task_id(found[0], keys.debounce, "the burst record"), int(found[1])
+    burst = _enqueue.stored_task_id(found[0], keys.debounce, "the burst record")
+    backup_in = int(found[2]) / 1000 if len(found) > 2 else 0.0
+    return burst, int(found[1]), backup_in
 
 
 #: What :func:`join` says a call does.
-JOINED, OPENED, NOT_JOINED, TAKEN_OVER = 0, 1, 2, 3
+JOINED, OPENED, NOT_JOINED, TAKEN_OVER, BACKUP = 0, 1, 2, 3, 4
 
 
 def take(
@@ -459,7 +502,9 @@ def send(
     client = _client(task)
     try:
         expiry = (most or debounce) + opts.enqueue_ttl
-        burst, what = join(client, keys, uuid(), call, expiry, debounce, most, task.name)
+        burst, what, backup_in = join_call(
+            client, keys, uuid(), call, expiry, debounce, most, task.name
+        )
     except (redis.RedisError, OSError) as exc:
         log.warning(
             "fenced: could not debounce %r (%s): sending %s as it is",
@@ -480,6 +525,12 @@ def send(
     if what == JOINED:
         count("debounced")
         return task.AsyncResult(burst)
+    countdown = debounce
+    if what == BACKUP:
+        # joined; the burst's message is not confirmed yet: a backup of it, due when a
+        # call would take its publishing over
+        count("debounced")
+        countdown = backup_in
     if what == TAKEN_OVER:
         count("debounced")
         log.warning(
@@ -495,8 +546,12 @@ def send(
     # leave the burst with no message.
     options = {k: v for k, v in options.items() if k not in ("countdown", "eta", "expires")}
     try:
-        sent = publish(args, kwargs, burst, countdown=debounce, expires=None, **options)
-    except BaseException:
+        sent = publish(args, kwargs, burst, countdown=countdown, expires=None, **options)
+    except BaseException as exc:
+        if what == BACKUP and isinstance(exc, Exception):
+            # The call joined: the burst's own message (or a later call) runs it.
+            log.warning("fenced: could not send a backup of the burst of %r", name, exc_info=True)
+            return task.AsyncResult(burst)
         if what == OPENED:
             try:  # the calls that join it would wait for a message that never comes
                 ABANDON(client, [keys.debounce], [burst])
