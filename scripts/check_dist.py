@@ -14,7 +14,7 @@ import tarfile
 import zipfile
 from pathlib import Path
 
-EXTRAS = {"hiredis", "celery", "cli", "sql", "metrics", "demo", "web", "all"}
+EXTRAS = {"hiredis", "celery", "cli", "sql", "metrics", "demo", "web", "objstore", "all"}
 IN_WHEEL = [
     "fenced/__init__.py",
     "fenced/py.typed",
