@@ -6,14 +6,11 @@ children) and two ``fenced run`` runners, and fails on any broken invariant of t
 fenced lane. The redis-py Lock lane runs beside it under the same faults and is not
 held to anything. The first test shows that the checker catches what it should.
 
-The dedup lane (fenced's Celery options, chaos/dedup_app.py) runs on its own, shorter:
-under every fault with no violation, and broken on purpose (``--broken``) so that its
-checker must fail; its checker is also fed hand-made logs of each violation.
-
-The beat lane (three ``celery beat`` under fenced's scheduler, chaos/beat_app.py) runs
-on its own under its faults (the leader killed, paused, a dispatch reply dropped, a
-clock ahead); a second sender (``--broken beat-sender``) rides the broken dedup run,
-and its checker is fed hand-made logs of each violation.
+The dedup lane (fenced's Celery options, chaos/dedup_app.py) and the beat lane (three
+``celery beat`` under fenced's scheduler, chaos/beat_app.py) run on their own, shorter,
+in tests/test_chaos_dedup.py and tests/test_chaos_beat.py (apart, so that the long runs
+spread over the test workers); here their checkers are fed hand-made logs of each
+violation.
 """
 
 from __future__ import annotations
@@ -234,47 +231,6 @@ def _dedup_config(tmp_path: Path, **kw: Any) -> Config:
     return Config(**{**base, **kw})
 
 
-@pytest.mark.timeout(180)
-def test_dedup_lane_keeps_its_invariants_under_every_fault(tmp_path: Path) -> None:
-    report = Harness(_dedup_config(tmp_path, seconds=12, seed=20240502)).run()
-    print(report.tables())
-    d = report.dedup
-    assert d is not None
-    assert d.calls > 50 and d.published and d.coalesced, report.tables()
-    assert d.max_at_once.get("dd:limit") == 2, report.tables()
-    assert d.rerun_triggers and d.reruns and d.retries and d.chords_done, report.tables()
-    # replace (until_started, and with retries): newer calls replaced running ones, and
-    # published through the fenced pointer; debounced calls ran.
-    assert d.replaced and d.publishes.get("accepted"), report.tables()
-    assert d.debounce_calls and d.debounce_runs, report.tables()
-    assert report.ok, "\n" + report.tables()
-
-
-@pytest.mark.timeout(120)
-def test_dedup_checker_fails_a_broken_lane(tmp_path: Path) -> None:
-    cfg = _dedup_config(
-        tmp_path, seconds=6, seed=1, faults=("client_kill", "kill_debounce_sender"),
-        broken=("limit", "cooldown", "rerun", "beat-sender"), beat=True,
-    )  # fmt: skip
-    report = Harness(cfg).run()
-    print(report.tables())
-    found = report.by_invariant()
-    d = report.dedup
-    assert d is not None
-    # --broken limit: a third run of dd:limit; cooldown: a run inside the window.
-    assert found["dd-limit"] and found["dd-cooldown"], report.tables()
-    # beat-sender: Celery's own scheduler beside fenced's sends ticks under its own ids.
-    assert found["beat-tick"], report.tables()
-    # What was not broken holds: the debounce sender killed, the replace tasks.
-    assert d.sender_kills and not found["dd-debounce"] and not found["dd-replace"], report.tables()
-    # rerun: triggers dropped, never rerun; when a call came while a run held the name
-    # at all (a loaded machine can space six seconds of calls so that none did: the
-    # checker catches a dropped trigger on hand-made logs every time: see above).
-    if d.rerun_triggers:
-        assert found["dd-accounted"], report.tables()
-    assert not report.ok
-
-
 def test_dedup_checker_excuses_what_a_failover_forgot_until_the_old_master_is_demoted() -> None:
     """Two runs of a limit-1 name at once while a paused master, resumed, still served
     clients (before the sentinels demoted it): excused and counted; the same after the
@@ -338,20 +294,6 @@ def test_dedup_checker_excuses_what_a_cluster_failover_forgot_until_the_slot_map
         )
         counted = {k: n for k, n in stats.excused.items() if n}
         assert counted == ({"dd-limit": 1, "dd-accounted": 1} if excused else {})
-
-
-@pytest.mark.timeout(90)
-def test_dedup_lane_on_a_cluster_keeps_its_invariants_through_failovers(tmp_path: Path) -> None:
-    """The dedup lane's claims on a Redis Cluster (claim_replicas=1), its masters killed
-    and paused until their replicas are promoted: no violation."""
-    cfg = _dedup_config(tmp_path, seconds=12, seed=5, cluster=True, faults=CLUSTER_FAULTS)
-    report = Harness(cfg).run()
-    print(report.tables())
-    d = report.dedup
-    assert d is not None
-    assert d.calls > 50 and d.published, report.tables()
-    assert sum(report.faults.get(k, 0) for k in CLUSTER_FAULTS) >= 1, report.tables()
-    assert report.ok, "\n" + report.tables()
 
 
 def test_cluster_and_sentinel_are_one_or_the_other() -> None:
@@ -516,22 +458,3 @@ def test_beat_checker_catches_each_broken_invariant(broken: str) -> None:
                 "healthy": set()}[broken]  # fmt: skip
     assert {v.invariant for v in found} == expected, [str(v) for v in found]
     assert stats.ticks["tick-1s"] >= 9
-
-
-@pytest.mark.timeout(150)
-def test_beat_lane_keeps_its_invariants_under_its_faults(tmp_path: Path) -> None:
-    """Three celery beat processes under fenced's scheduler: the leader killed and
-    restarted, paused, the proxied beat's dispatch reply dropped, the beat whose clock
-    runs ahead made leader and moved further ahead. Every tick runs once, on time."""
-    cfg = Config(
-        seconds=15, workers=2, baseline=False, run_lane=False, celery=False, dedup=False,
-        beat=True, faults=BEAT_FAULTS, gap=(1.0, 1.5), seed=20240503, ttl=TTL,
-        out=str(tmp_path / "run"),
-    )  # fmt: skip
-    report = Harness(cfg).run()
-    print(report.tables())
-    b = report.beat
-    assert b is not None
-    assert sum(report.faults.get(k, 0) for k in BEAT_FAULTS) >= 3, report.tables()
-    assert b.ticks["tick-1s"] >= 10 and b.ticks["cron-seconds"] >= 1, report.tables()
-    assert report.ok, "\n" + report.tables()
