@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,7 +25,7 @@ import redis
 
 from fenced._scripts import BEAT_DISPATCH
 from fenced.celery.beat import status
-from fenced.testing import CeleryWorker, RedisServer
+from fenced.testing import CeleryWorker, RedisServer, TcpProxy
 
 from .beat_schedule import BEAT_NAME
 from .events import EventLog
@@ -39,84 +38,25 @@ CLOCK_AHEAD = 4.0
 BEAT_QUEUE = "chaos-beat"
 
 
-class DispatchProxy:
-    """A TCP proxy in front of Redis that, when armed, drops the reply of the next
+class DispatchProxy(TcpProxy):
+    """A TCP proxy in front of Redis that, when armed, holds the reply of the next
     ``BEAT_DISPATCH`` call (an ``EVALSHA`` of its script) that passes through it: the
     call reaches Redis and runs; nothing comes back on that connection any more (the
     client gives up on it after its socket timeout and sends the call again)."""
 
     def __init__(self, target_port: int, log: EventLog) -> None:
-        self.target = ("127.0.0.1", target_port)
+        super().__init__(target_port)
         self.log = log
-        self.sha = str(BEAT_DISPATCH.sha).encode()
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
-        self.armed = threading.Event()
         self.dropped = threading.Event()
-        self._closed = False
-        self._lock = threading.Lock()
-        self._sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, name="chaos-beat-proxy", daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
 
     def arm(self) -> None:
         """Drop the reply of the next BEAT_DISPATCH call."""
         self.dropped.clear()
-        self.armed.set()
+        self.hold_reply_to(str(BEAT_DISPATCH.sha).encode(), self._held)
 
-    def close(self) -> None:
-        self._closed = True
-        with suppress(OSError):
-            self._listener.close()
-        with self._lock:
-            socks, self._sockets = self._sockets, []
-        for s in socks:
-            with suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(self.target, timeout=5)
-                upstream.settimeout(None)
-            except OSError:
-                client.close()
-                continue
-            with self._lock:
-                self._sockets += [client, upstream]
-            state = {"drop": False}
-            for args in ((client, upstream, state, True), (upstream, client, state, False)):
-                threading.Thread(target=self._pump, args=args, daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, state: dict[str, bool],
-              requests: bool) -> None:  # fmt: skip
-        try:
-            while True:
-                data = src.recv(65536)
-                if not data:
-                    break
-                if requests and self.armed.is_set() and self.sha in data:
-                    self.armed.clear()
-                    state["drop"] = True
-                    self.log.emit("beat-reply-dropped")
-                    self.dropped.set()
-                if not requests and state["drop"]:
-                    continue  # the reply, and anything after it on this connection
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
+    def _held(self) -> None:
+        self.log.emit("beat-reply-dropped")
+        self.dropped.set()
 
 
 class BeatLane:

@@ -433,7 +433,7 @@ class Nemesis:
             return
         lane.proxy.arm()
         dropped = lane.proxy.dropped.wait(3.0)
-        lane.proxy.armed.clear()
+        lane.proxy.hold_reply_to(None)  # not passed by then: no longer
         self.record("beat_drop_reply", start, time.monotonic(), beat=lane.proxied, led=led,
                     dropped=dropped)  # fmt: skip
 

@@ -50,3 +50,33 @@ def test_a_given_port_is_never_picked_again() -> None:
             server.start(timeout=5)
         assert server.port == port
         server.stop()
+
+
+def test_a_proxy_holds_the_reply_of_the_one_marked_request() -> None:
+    """``hold_reply_to``: the marked command lands, its reply is held on its connection
+    only (another connection goes on), and delivered when healed; None disarms."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from fenced.testing import TcpProxy
+
+    with RedisServer() as srv, TcpProxy(srv.port) as proxy:
+        direct = srv.client(decode_responses=True)
+        held: list[bool] = []
+        proxy.hold_reply_to(b"marked-key", lambda: held.append(True))
+        once = Retry(NoBackoff(), 0)  # a timeout is the test's answer, not a retry's cue
+        client = redis.Redis(port=proxy.port, socket_timeout=0.5, retry=once, decode_responses=True)
+        other = redis.Redis(port=proxy.port, socket_timeout=5, decode_responses=True)
+        assert client.set("plain", "1")  # not marked: answered
+        with pytest.raises(redis.TimeoutError):
+            client.set("marked-key", "landed")
+        assert held == [True]
+        assert direct.get("marked-key") == "landed"  # the command ran
+        assert other.set("marked-key", "again") and other.get("plain") == "1"
+        proxy.hold_reply_to(b"plain")
+        proxy.hold_reply_to(None)  # disarmed before any request passed
+        assert other.get("plain") == "1"
+        client.close()
+        other.close()
+        direct.close()

@@ -718,6 +718,8 @@ class TcpProxy:
     accepts new connections that go nowhere; ``hold_replies()`` still forwards what
     clients send but holds what the server answers on the connections open now (a
     command that lands and a reply lost on the way back; a new connection works);
+    ``hold_reply_to(marker)`` does so for the one connection on which the next request
+    holding ``marker`` passes (that command's reply lost, say one script's);
     ``heal()`` forwards again; ``cut()`` closes every connection (a reset). Point a
     client at ``proxy.url``.
     """
@@ -732,6 +734,8 @@ class TcpProxy:
         self._closed = False
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
+        # hold_reply_to: the marker to look for, and what to call once it passed
+        self._hold_next: tuple[bytes, Callable[[], None] | None] | None = None
         threading.Thread(target=self._accept, name="fenced-proxy", daemon=True).start()
 
     @property
@@ -749,6 +753,14 @@ class TcpProxy:
         with self._lock:
             for gate in self._replies:
                 gate.clear()
+
+    def hold_reply_to(self, marker: bytes | None, held: Callable[[], None] | None = None) -> None:
+        """Hold the replies of the connection on which the next request holding
+        ``marker`` passes, from that request on (its command lands; its reply and what
+        follows on that connection are delivered only when healed); ``held`` is called
+        once it passed. Other connections, and new ones, go on. None: no longer."""
+        with self._lock:
+            self._hold_next = None if marker is None else (marker, held)
 
     def heal(self) -> None:
         """Forward again."""
@@ -797,10 +809,19 @@ class TcpProxy:
             with self._lock:
                 self._sockets += [client, upstream]
                 self._replies.append(replies)
-            for a, b, gate in ((client, upstream, None), (upstream, client, replies)):
-                threading.Thread(target=self._pump, args=(a, b, gate), daemon=True).start()
+            pumps = ((client, upstream, None, replies), (upstream, client, replies, None))
+            for a, b, gate, answers in pumps:
+                threading.Thread(target=self._pump, args=(a, b, gate, answers), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, gate: threading.Event | None) -> None:
+    def _pump(
+        self,
+        src: socket.socket,
+        dst: socket.socket,
+        gate: threading.Event | None,
+        answers: threading.Event | None = None,
+    ) -> None:
+        """Forward ``src`` to ``dst``: answers when ``gate`` (its connection's reply
+        gate) is given, else requests (``answers``: the gate of their replies)."""
         try:
             while True:
                 data = src.recv(65536)
@@ -809,6 +830,8 @@ class TcpProxy:
                 # A black hole holds the bytes until healed: they are never delivered
                 # while it lasts, and the connection stays open.
                 self._open.wait()
+                if answers is not None and self._hold_next is not None:
+                    self._hold_if_marked(data, answers)
                 if gate is not None:
                     gate.wait()
                 if self._closed:
@@ -819,6 +842,16 @@ class TcpProxy:
         finally:
             _shut(src)
             _shut(dst)
+
+    def _hold_if_marked(self, data: bytes, answers: threading.Event) -> None:
+        with self._lock:
+            hold = self._hold_next
+            if hold is None or hold[0] not in data:
+                return
+            self._hold_next = None
+            answers.clear()  # before the request is forwarded: its reply is held
+        if hold[1] is not None:
+            hold[1]()
 
 
 def _shut(s: socket.socket) -> None:
