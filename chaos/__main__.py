@@ -46,6 +46,15 @@ def parse(argv: list[str] | None = None) -> Config | str:
         "--no-beat", action="store_true", help="no beat lane (celery beat, fenced's scheduler)"
     )
     p.add_argument("--beats", type=int, default=3, help="beat lane: celery beat processes")
+    objects = p.add_mutually_exclusive_group()
+    objects.add_argument(
+        "--objects", action="store_true", default=None,
+        help="the object-store pointer among the stores, on Azurite (default: where Azurite "
+        "is installed: tests/npm or PATH)",
+    )  # fmt: skip
+    objects.add_argument(
+        "--no-objects", dest="objects", action="store_false", help="no object-store pointer"
+    )
     p.add_argument(
         "--sentinel",
         action="store_true",
@@ -114,6 +123,7 @@ def parse(argv: list[str] | None = None) -> Config | str:
         replicas=a.replicas,
         beat=not a.no_beat,
         beats=a.beats,
+        objects=a.objects,
     )
     try:
         cfg.check()

@@ -10,7 +10,7 @@ Invariants of the fenced lane (any violation fails the run):
 - ``store-order``: each store accepted fences in non-decreasing order (the Redis
   pointer's publish stream, the upsert's log table);
 - ``stale-accepted``: no write was accepted after a write under a higher fence had
-  been accepted by the same store (all three stores, from the logs);
+  been accepted by the same store (every store, from the logs);
 - ``final-value``: each store ends with the last write made under the highest fence
   it accepted;
 - ``fence-order``: a grant asked for after another grant arrived has a higher fence,
@@ -101,10 +101,21 @@ class Setup:
     dedup_ttl: float = 3.0
     #: The beat lane's celery beat processes (0: lane off).
     beats: int = 0
+    #: The stores written, comma-separated ("object": the ObjectPointer on Azurite).
+    stores: str = ",".join(STORES[:-1])
+
+    @property
+    def store_names(self) -> tuple[str, ...]:
+        return tuple(self.stores.split(","))
 
     @classmethod
     def of(
-        cls, cfg: Config, sql_url: str, celery: bool, drain: dict[str, Any] | None = None
+        cls,
+        cfg: Config,
+        sql_url: str,
+        celery: bool,
+        drain: dict[str, Any] | None = None,
+        stores: tuple[str, ...] = STORES[:-1],
     ) -> Setup:
         claim = (cfg.workers + 1) // 2
         return cls(
@@ -122,6 +133,7 @@ class Setup:
             drain_seconds=float((drain or {}).get("seconds", 0.0)),
             beats=cfg.beats if cfg.beat else 0,
             dedup_ttl=cfg.dedup_ttl,
+            stores=",".join(stores),
         )
 
 
@@ -387,7 +399,7 @@ class Report:
             "stale writes landed over newer (double-writes)",
             lambda x: sum(x.double_writes.values()),
         )
-        for store in STORES:
+        for store in self.setup.store_names:
             row(f"  {store}", lambda x, s=store: x.double_writes.get(s, 0))
         row(
             "stale writes refused by the store",
@@ -395,7 +407,9 @@ class Report:
         )
         row(
             "final value from the newest holder",
-            lambda x: "/".join(f"{s} {'yes' if x.final_newest.get(s) else 'NO'}" for s in STORES),
+            lambda x: "/".join(
+                f"{s} {'yes' if x.final_newest.get(s) else 'NO'}" for s in self.setup.store_names
+            ),
         )
         row(
             "recovery p50 / max",
@@ -626,6 +640,7 @@ def check(
     setup: Setup,
 ) -> Report:
     """Check one run: every invariant of the fenced lane, and the figures of both lanes."""
+    names = setup.store_names
     faults, skipped, failed = _faults(events)
     timeline = Timeline(faults)
     holdings, writes, last_seen = _holdings(events)
@@ -647,17 +662,17 @@ def check(
             1 for e in events if e.get("lane") == lane and e["ev"] == "unavailable"
         )
         lane_writes = [w for h in mine for w in h.writes]
-        for store in STORES:
+        for store in names:
             stats.writes[store] = dict(
                 Counter(w.result or "unknown" for w in lane_writes if w.store == store)
             )
-        landed = _stale_landed(lane_writes)
-        for store in STORES:
+        landed = _stale_landed(lane_writes, names)
+        for store in names:
             stats.double_writes[store] = sum(1 for w in landed if w.store == store)
         stats.overlaps = dict(_overlaps(mine, {id(w) for w in landed}))
         stats.recovery = _recovery(mine, faults)
         final = finals.get(lane, {})
-        for store in STORES:
+        for store in names:
             stats.final_newest[store], problem = _final_check(
                 final.get(store), [w for w in lane_writes if w.store == store], writes
             )
@@ -680,14 +695,14 @@ def check(
                         timeline.before(w.t0),
                     )
                 )
-            n_acc = {s: stats.writes[s].get("accepted", 0) for s in STORES}
+            n_acc = {s: stats.writes[s].get("accepted", 0) for s in names}
             checked["store-order"] = ", ".join(
                 f"{s} {len(finals[lane][s].accepted or [])}"
-                for s in STORES
+                for s in names
                 if finals.get(lane, {}).get(s) and finals[lane][s].accepted is not None
             )
             checked["stale-accepted"] = ", ".join(f"{s} {n}" for s, n in n_acc.items())
-            checked["final-value"] = ", ".join(STORES)
+            checked["final-value"] = ", ".join(names)
             restarts = [f for f in faults if f.kind == "restart_lock_redis"]
             violations += _fence_order(mine, timeline)
             checked["fence-order"] = f"{len(mine)} grants, {len(restarts)} restarts"
@@ -752,10 +767,10 @@ def _rank(holdings: list[Holding], lane: str) -> None:
         h.rank = float(n)
 
 
-def _stale_landed(lane_writes: list[Write]) -> list[Write]:
+def _stale_landed(lane_writes: list[Write], names: tuple[str, ...]) -> list[Write]:
     """Accepted writes that began after a higher-ranked write to the same store was accepted."""
     out: list[Write] = []
-    for store in STORES:
+    for store in names:
         accepted = [
             w
             for w in lane_writes

@@ -112,6 +112,9 @@ class Config:
     #: scheduler, on a Redis of their own, and a worker noting each tick.
     beat: bool = True
     beats: int = 3
+    #: The object-store pointer among the stores (an ObjectPointer on Azurite): True
+    #: needs Azurite, False leaves it out, None has it where Azurite is installed.
+    objects: bool | None = None
 
     def check(self) -> None:
         """Raise ValueError for settings that cannot work, naming the fix."""

@@ -22,7 +22,15 @@ import redis
 
 import fenced
 from fenced import read_holder
-from fenced.testing import CeleryWorker, RedisCluster, RedisServer, SentinelGroup, TcpProxy
+from fenced.testing import (
+    AzuriteServer,
+    CeleryWorker,
+    RedisCluster,
+    RedisServer,
+    SentinelGroup,
+    TcpProxy,
+    find_azurite,
+)
 
 from . import checker
 from .beat_lane import BeatLane
@@ -30,7 +38,7 @@ from .config import ENV, Config, Shared
 from .events import EventLog, read_events
 from .nemesis import Nemesis
 from .runlane import RunLane, alive_commands, children, kill_quietly, read_lane, stop_processes
-from .stores import create_tables, drop_tables, read_final
+from .stores import CONTAINER, create_tables, drop_tables, read_final, stores_of
 
 __all__ = ["ROOT", "Harness"]
 
@@ -77,6 +85,7 @@ class Harness:
         # faults (a restart would forget the schedule's due times).
         self.beat_server = RedisServer() if cfg.beat else None
         self.beat: BeatLane | None = None
+        self.azurite = self._azurite(cfg)
         self.proxy: TcpProxy | None = None
         self.sentinel: SentinelGroup | None = None
         self.cluster: RedisCluster | None = None
@@ -101,6 +110,22 @@ class Harness:
         self.log: EventLog
         self.shared: Shared
         self.env: dict[str, str] = {}
+
+    @staticmethod
+    def _azurite(cfg: Config) -> AzuriteServer | None:
+        """The object store's server: Azurite from tests/npm (``make test`` installs it)
+        or PATH; None when the run leaves the object store out."""
+        if cfg.objects is False:
+            return None
+        binary = find_azurite(ROOT / "tests" / "npm" / "node_modules" / ".bin")
+        if binary is None:
+            if cfg.objects:
+                raise SystemExit(
+                    "--objects needs Azurite: `cd tests/npm && npm ci` (make test does it), "
+                    "or `npm install -g azurite`"
+                )
+            return None
+        return AzuriteServer(binary)
 
     # -- what the nemesis asks ------------------------------------------------------------
 
@@ -239,7 +264,9 @@ class Harness:
         finally:
             self.stopping.set()
             self._teardown()
-        setup = checker.Setup.of(self.cfg, self.sql_url, self.celery is not None, self.drain)
+        setup = checker.Setup.of(
+            self.cfg, self.sql_url, self.celery is not None, self.drain, stores_of(self.shared)
+        )
         checker.save_inputs(self.out, finals, setup)
         report = checker.check(read_events(self.log_dir), read_lane(self.lane_file), finals, setup)
         report.write(self.out / "report.json")
@@ -253,6 +280,9 @@ class Harness:
             self.broker_server.start()
         if self.beat_server is not None:
             self.beat_server.start()
+        if self.azurite is not None:
+            self.azurite.start()
+            self.azurite.create_container(CONTAINER)
         self.proc_dir.mkdir(parents=True, exist_ok=True)
         if cfg.sentinel:
             self.sentinel = SentinelGroup(down_after_ms=1000, failover_timeout_ms=3000).start()
@@ -278,6 +308,7 @@ class Harness:
                 "broken": ",".join(cfg.broken),
                 "dedup_url": self._dedup_url(),
                 "replicas": str(cfg.dedup_replicas),
+                "object_endpoint": self.azurite.endpoint if self.azurite else "",
             },
         )
         src = str(Path(fenced.__file__).resolve().parent.parent)
@@ -521,6 +552,8 @@ class Harness:
                        self.beat_server):  # fmt: skip
             if server is not None:
                 server.stop()
+        if self.azurite is not None:
+            self.azurite.stop()
         if self.sentinel is not None:
             self.sentinel.stop()
         if self.cluster is not None:

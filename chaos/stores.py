@@ -1,12 +1,13 @@
 """The stores the workers write to, for each lane.
 
 The fenced lane writes through fenced's own stores, each refusing a stale fence:
-``RedisPointer`` on the store Redis, ``FilePointer``, and ``upsert``. The Lock lane
-does the same writes with no fence (what code under redis-py's ``Lock`` can do): a
-hash set in a transaction, a file replaced with ``os.replace``, an unconditional
-upsert. Each store of both lanes also keeps its order of acceptance where it can
-(the pointer's publish stream; a log table written in the upsert's transaction), which
-the checker reads.
+``RedisPointer`` on the store Redis, ``FilePointer``, ``upsert``, and, where Azurite
+runs (the Azure Blob Storage emulator), an ``ObjectPointer`` naming a blob of an
+``ObjectStore``. The Lock lane does the same writes with no fence (what code under
+redis-py's ``Lock`` can do): a hash set in a transaction, a file replaced with
+``os.replace``, an unconditional upsert, a pointer object overwritten. Each store of
+both lanes also keeps its order of acceptance where it can (the pointer's publish
+stream; a log table written in the upsert's transaction), which the checker reads.
 """
 
 from __future__ import annotations
@@ -17,22 +18,49 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import obstore
 import redis
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from fenced import StaleFence
-from fenced.store import FilePointer, RedisPointer, upsert
+from fenced.store import FilePointer, ObjectPointer, ObjectStore, RedisPointer, upsert
+from fenced.testing import AzuriteServer
 
 from .config import LANES, Shared
 
-__all__ = ["KEY", "STORES", "Final", "Stores", "create_tables", "drop_tables", "read_final"]
+__all__ = [
+    "CONTAINER",
+    "KEY",
+    "STORES",
+    "Final",
+    "Stores",
+    "create_tables",
+    "drop_tables",
+    "read_final",
+    "stores_of",
+]
 
-STORES = ("redis", "file", "sql")
+#: Every store a run may write; "object" only where Azurite runs (``stores_of``).
+STORES = ("redis", "file", "sql", "object")
+#: The Azurite container of a run's object stores (a prefix per lane under it).
+CONTAINER = "chaos"
 #: The one row every upsert writes.
 KEY = "current"
 #: Publishes a RedisPointer keeps in its stream: all of them, for the checker.
 HISTORY = 1_000_000
+
+
+def stores_of(shared: Shared) -> tuple[str, ...]:
+    """The stores this run writes."""
+    return STORES if shared.extra.get("object_endpoint") else STORES[:-1]
+
+
+def object_store(endpoint: str, lane: str) -> ObjectStore:
+    """A lane's ObjectStore on the run's Azurite (its account endpoint)."""
+    options = AzuriteServer.options_for(endpoint)
+    # A request that hangs (Azurite paused, a worker stopped mid-request) fails in 10 s.
+    return ObjectStore(f"az://{CONTAINER}/{lane}", client_options={"timeout": "10s"}, **options)
 
 
 def _tables(prefix: str) -> dict[str, sa.Table]:
@@ -101,6 +129,10 @@ class Stores:
         self.file_pointer = FilePointer(self.dir / "pointer")
         self.plain_key = f"chaos:{lane}:pointer"
         self.plain_log = f"chaos:{lane}:log"
+        self.names = stores_of(shared)
+        endpoint = shared.extra.get("object_endpoint")
+        self.objects = object_store(endpoint, lane) if endpoint else None
+        self.object_pointer = ObjectPointer(self.objects, "current") if self.objects else None
 
     def write(self, store: str, wid: str, fence: int | None) -> bool:
         """Write ``wid`` to one store; False when the store refused it as stale."""
@@ -114,6 +146,9 @@ class Stores:
                     target = self.targets / wid
                     target.touch()
                     self.file_pointer.swap(target, fence=fence)
+                elif store == "object":
+                    objects, pointer = self._objects()
+                    pointer.swap(objects.put(wid.encode()), fence=fence)
                 else:
                     return self._upsert(wid, fence)
             except StaleFence:
@@ -129,9 +164,20 @@ class Stores:
             tmp = self.dir / f".pointer.{os.getpid()}"
             tmp.write_text(json.dumps({"target": wid}))
             os.replace(tmp, path)
+        elif store == "object":
+            objects, pointer = self._objects()
+            objects.put(wid.encode())
+            # Overwritten whatever it holds: no read, no condition.
+            body = json.dumps({"target": wid}).encode()
+            obstore.put(objects.backend, pointer.key, body, use_multipart=False)
         else:
             self._plain_upsert(wid)
         return True
+
+    def _objects(self) -> tuple[ObjectStore, ObjectPointer]:
+        if self.objects is None or self.object_pointer is None:
+            raise ValueError("this run has no object store (no Azurite)")
+        return self.objects, self.object_pointer
 
     def _upsert(self, wid: str, fence: int) -> bool:
         with self.engine.begin() as conn:
@@ -193,6 +239,15 @@ def read_final(shared: Shared, lane: str) -> dict[str, Final]:
                 on_file.fence if on_file else None,
                 None,
             )
+            if stores.object_pointer is not None and stores.objects is not None:
+                published = stores.object_pointer.read()
+                # The blob it names holds the write's id: read whole, checked by its digest.
+                out["object"] = Final(
+                    stores.objects.read_bytes(published.digest).decode()
+                    if published and published.digest else None,
+                    published.fence if published else None,
+                    None,
+                )  # fmt: skip
         else:
             client: Any = stores.redis
             raw = client.hget(stores.plain_key, "target")
@@ -205,6 +260,13 @@ def read_final(shared: Shared, lane: str) -> dict[str, Final]:
             path = stores.dir / "pointer"
             value = json.loads(path.read_text())["target"] if path.exists() else None
             out["file"] = Final(value, None, None)
+            if stores.object_pointer is not None and stores.objects is not None:
+                try:
+                    got = obstore.get(stores.objects.backend, stores.object_pointer.key)
+                    target = json.loads(bytes(got.bytes()))["target"]
+                except FileNotFoundError:
+                    target = None
+                out["object"] = Final(target, None, None)
         with stores.engine.connect() as conn:
             row = conn.execute(
                 sa.select(stores.table.c.value, stores.table.c.fence).where(

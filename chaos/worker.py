@@ -45,7 +45,7 @@ from fenced import (
 
 from .config import Shared
 from .events import EventLog
-from .stores import STORES, Stores
+from .stores import Stores
 
 __all__ = ["Work", "main"]
 
@@ -78,7 +78,7 @@ class Work:
             self.log.emit("step", t=before, hold=hold, step=step, fence=fence)
             try:
                 time.sleep(self.rng.uniform(self.shared.step_min, self.shared.step_max))
-                for store in STORES:
+                for store in self.stores.names:
                     self.write(hold, step, store, fence)
             except ClaimLost as exc:
                 # Celery's interrupt (ClaimInterrupted) lands wherever the work is.

