@@ -77,11 +77,13 @@ chaos: install
 # (the default one downloads a binary). At least 10,000 simulated traces with every
 # invariant holding, then a counterexample for each limit the docs state.
 # MODEL_TRACES, MODEL_SEED ("random" for none), MODEL_JOBS: see spec/check.sh. Last, the
-# traces it wrote to spec/traces/ are replayed on the real scripts (tests/test_model_replay.py).
+# traces it wrote to spec/traces/ are replayed on the real scripts (tests/test_model_replay.py),
+# then on copies of the code with a deliberate fault each (spec/mutants.py): each must fail.
 .PHONY: model
 model: install spec/node_modules/.installed
 	spec/check.sh
 	$(BIN)/pytest -q -p no:cacheprovider tests/test_model_replay.py
+	$(BIN)/python spec/mutants.py
 
 spec/node_modules/.installed: spec/package.json spec/package-lock.json
 	cd spec && npm ci --no-audit --no-fund --loglevel=error

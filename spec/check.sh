@@ -8,6 +8,7 @@
 #   MODEL_SEED    the first seed (each run adds its own offset); "random" for none
 #   MODEL_JOBS    main-run processes side by side (2)
 #   MODEL_REPLAY  traces written to spec/traces/ for tests/test_model_replay.py (200)
+#   MODEL_REPLAY_WRITES  more of them, of holders paused past their lease (100)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -17,6 +18,7 @@ STEPS=${MODEL_STEPS:-25}
 SEED=${MODEL_SEED:-5}
 JOBS=${MODEL_JOBS:-2}
 REPLAY=${MODEL_REPLAY:-200}
+REPLAY_WRITES=${MODEL_REPLAY_WRITES:-100}
 # The limits search longer traces: their counterexamples take a dozen chosen steps.
 LIMIT_STEPS=40
 LIMIT_SAMPLES=20000
@@ -145,5 +147,15 @@ if ! quint_run "$out/replay" --init initReplay --invariants "${INVARIANTS[@]}" \
     echo "FAIL: an invariant broke in the replay configuration"
     exit 1
 fi
-echo "== $(find traces -name '*.itf.json' | wc -l) traces of up to 40 steps written to spec/traces/ for the replay ($((SECONDS - started)) s so far)"
+# A second set: holders paused past their lease, their writes landing late (stale
+# writes refused by the stores are common in it, rare in the first set).
+# shellcheck disable=SC2046
+if ! quint_run "$out/writes" --init initReplayWrites --step stepWrites \
+    --invariants "${INVARIANTS[@]}" --max-samples "$REPLAY_WRITES" --n-traces "$REPLAY_WRITES" \
+    --max-steps 80 $(seed_for 300) --mbt --out-itf 'traces/writes{seq}.itf.json' --verbosity 1; then
+    cat "$out/writes"
+    echo "FAIL: an invariant broke in the replay's writes configuration"
+    exit 1
+fi
+echo "== $(find traces -name 'trace*.itf.json' | wc -l) traces of up to 40 steps and $(find traces -name 'writes*.itf.json' | wc -l) of up to 80 (late writes) written to spec/traces/ for the replay ($((SECONDS - started)) s so far)"
 echo "ok: $total traces with every invariant holding; ${#LIMITS[@]} of ${#LIMITS[@]} stated limits found; $((SECONDS - started)) s"

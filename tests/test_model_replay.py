@@ -1,8 +1,9 @@
 """The model's traces replayed on the real scripts, step by step, on a real Redis.
 
-``make model`` simulates spec/fenced.qnt and writes about 200 traces of its replay
+``make model`` simulates spec/fenced.qnt and writes 200 traces of its replay
 configuration (restarts, idle expiry of the fence, operator releases, pauses, failovers
-with and without replicas) to spec/traces/. Each step is sent to Redis as the code
+with and without replicas) and 100 of holders paused past their lease (their writes
+landing late) to spec/traces/. Each step is sent to Redis as the code
 sends it (ACQUIRE, REFRESH, RELEASE, FORCE_RELEASE, a RedisPointer swap) or to a
 FilePointer, and after every step the replay compares what the model says with what
 Redis and the stores hold: the lease's holder, whether each call was granted, refused

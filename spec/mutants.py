@@ -1,0 +1,188 @@
+"""Named mutants of the implementation, each of which the model's replay must catch.
+
+Each mutant is a copy of ``src/fenced`` with one deliberate fault written into it (a
+text replaced in the scripts or the stores; every replacement must match where it is
+expected, or the mutant is refused as not applied). The replay of the model's traces
+(tests/test_model_replay.py, on the traces ``spec/check.sh`` wrote to spec/traces/) is
+run against the copy; a mutant is caught when at least one trace fails. A mutant that
+survives means the model's traces, or the replay's comparisons, cannot see that fault:
+this script then exits 1.
+
+    python spec/mutants.py             # every mutant
+    python spec/mutants.py release     # the ones whose names start with "release"
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SRC = ROOT / "src" / "fenced"
+REPLAY = "tests/test_model_replay.py"
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Replace ``old`` by ``new`` in one file, ``count`` times exactly."""
+
+    path: str
+    old: str
+    new: str
+    count: int = 1
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str
+    edits: tuple[Edit, ...]
+
+
+MUTANTS = (
+    Mutant(
+        "acquire-no-clock-floor",
+        "ACQUIRE mints the last fence + 1, never the server clock: after a restart that "
+        "forgot the fence key, fences start again from 1",
+        (
+            # The common grant writes the clock as the fence: off, so the whole script runs.
+            Edit("_scripts.py", "local taken, previous, written\nif (ARGV[9] or '') == ''",
+                 "local taken, previous, written\nif false and (ARGV[9] or '') == ''"),
+            # The plain grant's mint: last + 1, always.
+            Edit("_scripts.py", "  local minted = fence_after(last_fence)\n"
+                 "  if fence_below(now, minted) then",
+                 "  local minted = fence_after(last_fence)\n  if true then"),
+            # The whole script's mint, and the shared one (TAKEOVER, REPLACE): no floor.
+            Edit("_scripts.py", "  if fence_below(minted, now) then\n    minted = now\n",
+                 "  if false then\n    minted = now\n", count=2),
+        ),
+    ),
+    Mutant(
+        "release-no-token-compare",
+        "RELEASE deletes whatever lease holds the name, not only the caller's",
+        (
+            Edit("_scripts.py", "  if held == ARGV[1] and (ARGV[6] == '0'",
+                 "  if held and (ARGV[6] == '0'"),
+            Edit("_scripts.py", "if held == nil then held = redis.call('GET', KEYS[1]) end\n"
+                 "if held == A[1] then",
+                 "if held == nil then held = redis.call('GET', KEYS[1]) end\nif held then"),
+        ),
+    ),
+    Mutant(
+        "refresh-recreates-lease",
+        "REFRESH sets the caller's lease again when it is already gone (expired, or "
+        "released by an operator), instead of answering that it was lost",
+        (
+            Edit("_scripts.py", "if redis.call('GET', KEYS[1]) == ARGV[1] then\n"
+                 "  local idle = tonumber(ARGV[3] or '0')",
+                 "if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 end\n"
+                 "if redis.call('GET', KEYS[1]) == ARGV[1] then\n"
+                 "  local idle = tonumber(ARGV[3] or '0')"),
+        ),
+    ),
+    Mutant(
+        "redis-pointer-accepts-lower",
+        "a RedisPointer's swap accepts a fence below the one it accepted last",
+        (
+            Edit("store/_pointer.py", "if current and below(ARGV[2], current) then",
+                 "if false and current and below(ARGV[2], current) then"),
+        ),
+    ),
+    Mutant(
+        "file-pointer-accepts-lower",
+        "a FilePointer's swap accepts a fence below the one it accepted last",
+        (
+            Edit("store/_pointer.py", "                if fence < current[\"fence\"]:\n"
+                 "                    raise _stale(",
+                 "                if False:\n                    raise _stale("),
+        ),
+    ),
+)  # fmt: skip
+
+
+def apply(mutant: Mutant, into: Path) -> None:
+    """Write ``mutant`` into a copy of the package under ``into``."""
+    for edit in mutant.edits:
+        path = into / edit.path
+        text = path.read_text()
+        found = text.count(edit.old)
+        if found != edit.count:
+            raise SystemExit(
+                f"mutant {mutant.name}: {edit.path} holds {found} (not {edit.count}) of "
+                f"{edit.old!r}: the code changed; update spec/mutants.py"
+            )
+        path.write_text(text.replace(edit.old, edit.new))
+
+
+def replay(src: Path) -> tuple[int, int, str]:
+    """Run the replay against the package under ``src``: (traces failed, run, output)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(ROOT / "tests")])}
+    where = subprocess.run(
+        [sys.executable, "-c", "import fenced; print(fenced.__file__)"],
+        env=env, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    if not where.startswith(str(src)):
+        raise SystemExit(f"the replay would import fenced from {where}, not from {src}")
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "--tb=line", REPLAY],
+        cwd=ROOT, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    text = out.stdout + out.stderr
+    failed = int(m.group(1)) if (m := re.search(r"(\d+) failed", text)) else 0
+    passed = int(m.group(1)) if (m := re.search(r"(\d+) passed", text)) else 0
+    return failed, failed + passed, text
+
+
+def first_failure(output: str) -> str:
+    """The first failing step the replay reported, on one line."""
+    for line in output.splitlines():
+        if "AssertionError" in line or "assert" in line:
+            return line.strip()[:220]
+    return "(no assertion line)"
+
+
+def main(argv: list[str]) -> int:
+    chosen = [m for m in MUTANTS if not argv or any(m.name.startswith(a) for a in argv)]
+    if not chosen:
+        raise SystemExit(f"no mutant named {argv}: {', '.join(m.name for m in MUTANTS)}")
+    if not any((ROOT / "spec" / "traces").glob("*.itf.json")):
+        raise SystemExit("no traces in spec/traces: run spec/check.sh (make model) first")
+    print(f"== {len(chosen)} mutants, each replayed on the model's traces")
+    survived = []
+    started = time.monotonic()
+    for mutant in chosen:
+        with tempfile.TemporaryDirectory(prefix="fenced-mutant-") as tmp:
+            src = Path(tmp) / "src"
+            shutil.copytree(SRC, src / "fenced", ignore=shutil.ignore_patterns("__pycache__"))
+            apply(mutant, src / "fenced")
+            t0 = time.monotonic()
+            failed, ran, output = replay(src)
+        took = time.monotonic() - t0
+        if ran == 0:
+            print(output[-3000:])
+            raise SystemExit(f"mutant {mutant.name}: the replay ran no trace")
+        verdict = "caught" if failed else "SURVIVED"
+        print(f"-- {mutant.name}: {verdict}, {failed} of {ran} traces failed ({took:.0f} s)")
+        print(f"   {mutant.what}")
+        if failed:
+            print(f"   first failure: {first_failure(output)}")
+        else:
+            survived.append(mutant.name)
+    print(f"(mutants: {time.monotonic() - started:.0f} s)")
+    if survived:
+        print(f"FAIL: the replay did not catch {', '.join(survived)}")
+        return 1
+    print(f"ok: {len(chosen)} of {len(chosen)} mutants caught")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
