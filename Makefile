@@ -41,7 +41,7 @@ lint: install
 
 # Every benchmark runs; the target fails if any of them missed a target (exit 1).
 bench: install
-	@fail=0; for b in claim_cycle lifecycle_cost lock_cycle held_claims records_memory aio_cycle metrics_cost celery_throughput celery_flood upsert_rows beat_side_by_side; do \
+	@fail=0; for b in claim_cycle lifecycle_cost lock_cycle held_claims records_memory aio_cycle metrics_cost celery_throughput celery_flood upsert_rows beat_side_by_side object_publish; do \
 	  $(BIN)/python benchmarks/$$b.py || { echo "benchmarks/$$b.py exited $$?"; fail=1; }; \
 	done; exit $$fail
 
