@@ -82,7 +82,7 @@ chaos: install
 .PHONY: model
 model: install spec/node_modules/.installed
 	spec/check.sh
-	$(BIN)/pytest -q -p no:cacheprovider tests/test_model_replay.py
+	$(BIN)/pytest -q -p no:cacheprovider -n 2 tests/test_model_replay.py
 	$(BIN)/python spec/mutants.py
 
 spec/node_modules/.installed: spec/package.json spec/package-lock.json

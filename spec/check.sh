@@ -9,6 +9,7 @@
 #   MODEL_JOBS    main-run processes side by side (2)
 #   MODEL_REPLAY  traces written to spec/traces/ for tests/test_model_replay.py (200)
 #   MODEL_REPLAY_WRITES  more of them, of holders paused past their lease (100)
+#   MODEL_REPLAY_BEAT    more of them, of beat leaders (100)
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -19,11 +20,12 @@ SEED=${MODEL_SEED:-5}
 JOBS=${MODEL_JOBS:-2}
 REPLAY=${MODEL_REPLAY:-200}
 REPLAY_WRITES=${MODEL_REPLAY_WRITES:-100}
+REPLAY_BEAT=${MODEL_REPLAY_BEAT:-100}
 # The limits search longer traces: their counterexamples take a dozen chosen steps.
 LIMIT_STEPS=40
 LIMIT_SAMPLES=20000
-INVARIANTS=(storeMonotone writesByGrantees releaseOwnOnly fencesIncrease exclusive pointerWithReplicas)
-WITNESSES=(staleWriteRefused twoHolders grantAfterForgetting threeGrants)
+INVARIANTS=(storeMonotone writesByGrantees releaseOwnOnly fencesIncrease exclusive pointerWithReplicas beatGrantedOnce)
+WITNESSES=(staleWriteRefused twoHolders grantAfterForgetting threeGrants twoTicksSent)
 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
@@ -92,6 +94,8 @@ LIMITS=(
     "initOperator|oneHolder|an operator's release (fenced release) ends a live holder's lease: two holders at once"
     "initDrift|oneHolder|a holder whose clock drifts more than the margin trusts a lease Redis already ended: two holders at once"
     "initClockBack|fencesIncrease|a server clock that steps back, then a restart: a fence granted again (the clock-moves-forward assumption)"
+    "initBeatPause|tickSentOnce|a beat leader paused between its last check and its send, past its lease: the next leader sends the same tick too"
+    "initBeatRestart|beatGrantedOnceEver|a restart without persistence forgets the beat's due times: one is granted again"
 )
 echo "== ${#LIMITS[@]} stated limits: each must give a counterexample (traces of up to $LIMIT_STEPS steps)"
 run_limit() {  # run_limit INDEX: one limit's search, its output in $out/limitINDEX
@@ -157,5 +161,14 @@ if ! quint_run "$out/writes" --init initReplayWrites --step stepWrites \
     echo "FAIL: an invariant broke in the replay's writes configuration"
     exit 1
 fi
-echo "== $(find traces -name 'trace*.itf.json' | wc -l) traces of up to 40 steps and $(find traces -name 'writes*.itf.json' | wc -l) of up to 80 (late writes) written to spec/traces/ for the replay ($((SECONDS - started)) s so far)"
+# A third: beat leaders dispatching, sending, taking over each other's ticks, restarts.
+# shellcheck disable=SC2046
+if ! quint_run "$out/beat" --init initReplayBeat --step stepBeat \
+    --invariants "${INVARIANTS[@]}" --max-samples "$REPLAY_BEAT" --n-traces "$REPLAY_BEAT" \
+    --max-steps 60 $(seed_for 400) --mbt --out-itf 'traces/beat{seq}.itf.json' --verbosity 1; then
+    cat "$out/beat"
+    echo "FAIL: an invariant broke in the replay's beat configuration"
+    exit 1
+fi
+echo "== $(find traces -name 'trace*.itf.json' | wc -l) traces of up to 40 steps, $(find traces -name 'writes*.itf.json' | wc -l) of up to 80 (late writes) and $(find traces -name 'beat*.itf.json' | wc -l) of up to 60 (the beat) written to spec/traces/ for the replay ($((SECONDS - started)) s so far)"
 echo "ok: $total traces with every invariant holding; ${#LIMITS[@]} of ${#LIMITS[@]} stated limits found; $((SECONDS - started)) s"

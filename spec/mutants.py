@@ -4,12 +4,13 @@ Each mutant is a copy of ``src/fenced`` with one deliberate fault written into i
 text replaced in the scripts or the stores; every replacement must match where it is
 expected, or the mutant is refused as not applied). The replay of the model's traces
 (tests/test_model_replay.py, on the traces ``spec/check.sh`` wrote to spec/traces/) is
-run against the copy; a mutant is caught when at least one trace fails. A mutant that
-survives means the model's traces, or the replay's comparisons, cannot see that fault:
-this script then exits 1.
+run against the copy, until the first trace that fails (two mutants at a time); a
+mutant is caught when a trace fails. A mutant that survives means the model's traces,
+or the replay's comparisons, cannot see that fault: this script then exits 1.
 
     python spec/mutants.py             # every mutant
     python spec/mutants.py release     # the ones whose names start with "release"
+    python spec/mutants.py --every     # every trace, not until the first that fails
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,6 +98,26 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "beat-dispatch-regrants",
+        "BEAT_DISPATCH grants a due time that is not after the stored one (a tick sent "
+        "twice by two leaders, or by one that read the stored due time before a pause)",
+        (
+            Edit("_scripts.py", "        ok = tonumber(due) >= tonumber(last) + tonumber(gap) "
+                 "and tonumber(due) > tonumber(last)",
+                 "        ok = true"),
+        ),
+    ),
+    Mutant(
+        "beat-dispatch-any-caller",
+        "BEAT_DISPATCH grants to a caller whose token no longer holds the lease, or whose "
+        "fence is not the name's",
+        (
+            Edit("_scripts.py", "if redis.call('GET', KEYS[1]) ~= ARGV[1] or "
+                 "redis.call('GET', KEYS[2]) ~= ARGV[2] then\n  return {0}",
+                 "if false then\n  return {0}"),
+        ),
+    ),
+    Mutant(
         "file-pointer-accepts-lower",
         "a FilePointer's swap accepts a fence below the one it accepted last",
         (
@@ -121,8 +143,9 @@ def apply(mutant: Mutant, into: Path) -> None:
         path.write_text(text.replace(edit.old, edit.new))
 
 
-def replay(src: Path) -> tuple[int, int, str]:
-    """Run the replay against the package under ``src``: (traces failed, run, output)."""
+def replay(src: Path, every: bool = False) -> tuple[int, int, str]:
+    """Run the replay against the package under ``src`` until a trace fails: (traces
+    failed, traces run, output)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(ROOT / "tests")])}
     where = subprocess.run(
         [sys.executable, "-c", "import fenced; print(fenced.__file__)"],
@@ -131,8 +154,8 @@ def replay(src: Path) -> tuple[int, int, str]:
     if not where.startswith(str(src)):
         raise SystemExit(f"the replay would import fenced from {where}, not from {src}")
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "--tb=line", REPLAY],
+        [sys.executable, "-m", "pytest", "-q", *([] if every else ["-x"]), "-p",
+         "no:cacheprovider", "--tb=line", REPLAY],
         cwd=ROOT, env=env, capture_output=True, text=True,
     )  # fmt: skip
     text = out.stdout + out.stderr
@@ -149,33 +172,44 @@ def first_failure(output: str) -> str:
     return "(no assertion line)"
 
 
+def run_mutant(mutant: Mutant, every: bool = False) -> tuple[int, int, str, float]:
+    """Replay the traces on a copy of the package with ``mutant`` written into it."""
+    with tempfile.TemporaryDirectory(prefix="fenced-mutant-") as tmp:
+        src = Path(tmp) / "src"
+        shutil.copytree(SRC, src / "fenced", ignore=shutil.ignore_patterns("__pycache__"))
+        apply(mutant, src / "fenced")
+        t0 = time.monotonic()
+        failed, ran, output = replay(src, every)
+    return failed, ran, output, time.monotonic() - t0
+
+
 def main(argv: list[str]) -> int:
+    every = "--every" in argv
+    argv = [a for a in argv if a != "--every"]
     chosen = [m for m in MUTANTS if not argv or any(m.name.startswith(a) for a in argv)]
     if not chosen:
         raise SystemExit(f"no mutant named {argv}: {', '.join(m.name for m in MUTANTS)}")
     if not any((ROOT / "spec" / "traces").glob("*.itf.json")):
         raise SystemExit("no traces in spec/traces: run spec/check.sh (make model) first")
-    print(f"== {len(chosen)} mutants, each replayed on the model's traces")
-    survived = []
+    print(f"== {len(chosen)} mutants, each replayed on the model's traces until one fails")
     started = time.monotonic()
-    for mutant in chosen:
-        with tempfile.TemporaryDirectory(prefix="fenced-mutant-") as tmp:
-            src = Path(tmp) / "src"
-            shutil.copytree(SRC, src / "fenced", ignore=shutil.ignore_patterns("__pycache__"))
-            apply(mutant, src / "fenced")
-            t0 = time.monotonic()
-            failed, ran, output = replay(src)
-        took = time.monotonic() - t0
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda m: run_mutant(m, every), chosen))
+    survived = []
+    for mutant, (failed, ran, output, took) in zip(chosen, results):
         if ran == 0:
             print(output[-3000:])
             raise SystemExit(f"mutant {mutant.name}: the replay ran no trace")
-        verdict = "caught" if failed else "SURVIVED"
-        print(f"-- {mutant.name}: {verdict}, {failed} of {ran} traces failed ({took:.0f} s)")
+        if failed and every:
+            print(f"-- {mutant.name}: caught, {failed} of {ran} traces failed ({took:.0f} s)")
+        elif failed:
+            print(f"-- {mutant.name}: caught, at trace {ran} of the replay ({took:.0f} s)")
+        else:
+            print(f"-- {mutant.name}: SURVIVED all {ran} traces ({took:.0f} s)")
+            survived.append(mutant.name)
         print(f"   {mutant.what}")
         if failed:
             print(f"   first failure: {first_failure(output)}")
-        else:
-            survived.append(mutant.name)
     print(f"(mutants: {time.monotonic() - started:.0f} s)")
     if survived:
         print(f"FAIL: the replay did not catch {', '.join(survived)}")

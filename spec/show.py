@@ -3,8 +3,9 @@
     python3 spec/show.py TRACE.itf.json
 
 Each line: the step taken and what it picked, the time, what the master and the replica
-hold (lease token and expiry, fence, pointer), each process (the token it believes it
-holds, its fence, its local deadline, a write in flight) and the store outside Redis.
+hold (lease token and expiry, fence, pointer, the beat's due time), each process (the
+token it believes it holds, its fence, its local deadline, a write in flight, a beat
+tick in hand) and the store outside Redis.
 Standard library only: `make model` runs it without the project's environment.
 """
 
@@ -49,7 +50,8 @@ def keys(k: dict[str, Any], now: int) -> str:
         f"lease {k['lease']} until {k['expires']}" if k["lease"] and now < k["expires"] else "free"
     )
     ptr = f"ptr {k['ptrFence']} by {k['ptrToken']}" if k["ptrToken"] else "ptr -"
-    return f"[{lease}, fence {k['fence'] or '-'}, {ptr}]"
+    beat = f", beat {k['beatDue']}@{k['beatFence']} {k['beatState']}" if k["beatState"] else ""
+    return f"[{lease}, fence {k['fence'] or '-'}, {ptr}{beat}]"
 
 
 def proc(name: str, p: dict[str, Any], now: int) -> str:
@@ -61,6 +63,9 @@ def proc(name: str, p: dict[str, Any], now: int) -> str:
     w = p["pending"]
     if w["token"]:
         text += f" writing {w['dest']} {w['token']}@{w['fence']}"
+    t = p["tick"]
+    if t["due"]:
+        text += f" tick {t['due']}@{t['fence']}" + (" checked" if t["checked"] else "")
     return text
 
 
@@ -72,6 +77,10 @@ STEP_PICKS = {
     "tick": ("d",),
     "landWrite": ("p", "acked"),
     "release": ("p", "acked"),
+    "dispatch": ("p", "back"),
+    "takeOver": ("p",),
+    "checkTick": ("p",),
+    "sendTick": ("p",),
 }
 
 
@@ -99,6 +108,12 @@ def main(argv: list[str]) -> int:
         print(f"   grants (token@fence): {grants}")
         print(f"   pointer accepted: {' '.join(_accepted(a) for a in last['ptrLog']) or '-'}")
         print(f"   store accepted:   {' '.join(_accepted(a) for a in last['storeLog']) or '-'}")
+        beat = last["beatLog"]
+        if beat["ever"]:
+            print(
+                f"   beat: due times granted {' '.join(map(str, beat['ever']))}; ticks sent "
+                + (" ".join(f"{x['due']} by {x['token']}" for x in beat["sends"]) or "-")
+            )
     return 0
 
 

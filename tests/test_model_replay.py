@@ -4,11 +4,12 @@
 configuration (restarts, idle expiry of the fence, operator releases, pauses, failovers
 with and without replicas) and 100 of holders paused past their lease (their writes
 landing late) to spec/traces/. Each step is sent to Redis as the code
-sends it (ACQUIRE, REFRESH, RELEASE, FORCE_RELEASE, a RedisPointer swap) or to a
-FilePointer, and after every step the replay compares what the model says with what
-Redis and the stores hold: the lease's holder, whether each call was granted, refused
-or accepted, the order of the fences granted, and which holder each pointer last
-accepted.
+sends it (ACQUIRE, REFRESH, RELEASE, FORCE_RELEASE, a RedisPointer swap, the beat's
+BEAT_DISPATCH and BEAT_SENT) or to a FilePointer, and after every step the replay
+compares what the model says with what Redis and the stores hold: the lease's holder,
+whether each call was granted, refused or accepted, the order of the fences granted,
+which holder each pointer last accepted, and the beat entry's stored due time, fence
+and state.
 
 What the replay does itself, for want of a clock it can move and of a replica it can
 lose writes on: a lease the model says has expired is deleted (Redis would expire it),
@@ -29,12 +30,16 @@ import pytest
 
 from fenced import ClaimOptions, StaleFence
 from fenced._lease import ClaimKeys, LeaseCalls, granted_reply, new_token, released
-from fenced._scripts import FORCE_RELEASE, as_text
+from fenced._scripts import BEAT_DISPATCH, BEAT_SENT, FORCE_RELEASE, as_text
 from fenced.store import FilePointer, RedisPointer
 from fenced.testing import RedisServer
 from model_itf import action, live_lease, load, picks, trace_files
 
 FILES = trace_files()
+#: The beat's entry, and the ms between two of the model's due times (its dispatch asks
+#: for a gap of one step: a due time is granted only after the stored one).
+ENTRY = "e"
+STEP_MS = 1000
 
 pytestmark = pytest.mark.skipif(
     not FILES, reason="no model traces in spec/traces: run `make model` to write them"
@@ -55,8 +60,12 @@ class Replay:
         self.store = FilePointer(directory / "store")
         self.pointer = RedisPointer(client, "model", namespace=namespace)
         k = self.keys
-        self.replicated = (k.lock, k.fence, k.pointer, k.pointer_log)
+        self.replicated = (k.lock, k.fence, k.pointer, k.pointer_log, k.beat)
         self.replica: dict[str, bytes] = {}
+        # Due time 0 of the model, in ms: long enough ago that every due time the trace
+        # asks for is behind Redis's clock (the script refuses one more than 1 s ahead).
+        seconds, micros = client.time()
+        self.base_ms = (seconds * 1000 + micros // 1000) - 10**8
 
     def copy_to_replica(self) -> None:
         """The replica catches up: a copy of the name's keys as the master has them."""
@@ -116,16 +125,25 @@ class Replay:
             deleted = self.token_of(as_text(answer[0]) or None)
             assert deleted == live_lease(before), "FORCE_RELEASE deleted another lease"
         elif name == "restart":
-            self.client.delete(self.keys.lock, self.keys.fence)
-            self.replica.pop(self.keys.lock, None)
-            self.replica.pop(self.keys.fence, None)
+            forgotten = (self.keys.lock, self.keys.fence, self.keys.beat)
+            self.client.delete(*forgotten)
+            for key in forgotten:
+                self.replica.pop(key, None)
         elif name == "idleExpire":
             self.client.delete(self.keys.fence)
         elif name == "failover":
             self.fail_over()
         elif name == "clockBack":
             raise AssertionError(f"{name} is not in the replay configuration")
-        # tick, expireLocally, startWrite: nothing to send
+        elif name == "dispatch":
+            self.dispatch(before, after, p, int(chosen["back"]))
+        elif name == "sendTick":
+            tick = me["tick"]
+            value = f"{self.due_ms(tick['due'])}:{self.real_fence(tick['fence'])}:pending"
+            marked = BEAT_SENT(self.client, [self.keys.beat], [ENTRY, value])
+            expected = after["master"]["beatState"] != before["master"]["beatState"]
+            assert (marked == 1) == expected, f"BEAT_SENT marked {marked}, model: {expected}"
+        # tick, expireLocally, startWrite, takeOver, checkTick: nothing to send
         if name == "replicate" or (acknowledged and after["replica"] == after["master"]):
             self.copy_to_replica()
         self.compare(after)
@@ -158,6 +176,32 @@ class Replay:
         self.tokens[model_token] = token
         self.fences[model_token] = fence
         self.model_fences[model_token] = model_fence
+
+    def due_ms(self, due: int) -> int:
+        return self.base_ms + due * STEP_MS
+
+    def real_fence(self, model_fence: int) -> int:
+        """The real fence of the grant the model gave ``model_fence``."""
+        found = [t for t, f in self.model_fences.items() if f == model_fence]
+        assert found, f"no grant of model fence {model_fence} was replayed"
+        return self.fences[found[0]]
+
+    def dispatch(self, before: dict[str, Any], after: dict[str, Any], p: str, back: int) -> None:
+        """BEAT_DISPATCH of the entry's next due time, as the leader asks for it."""
+        me = before["procs"][p]
+        due = max(1, before["master"]["beatDue"] + 1 - back)
+        token = me["token"]
+        args = [self.tokens[token], str(self.fences[token]), "0", new_token(), ENTRY,
+                str(self.due_ms(due)), str(STEP_MS)]  # fmt: skip
+        k = self.keys
+        answer = BEAT_DISPATCH(self.client, [k.lock, k.fence, k.beat], args)
+        leads = live_lease(before) == token and before["master"]["fence"] == me["fence"]
+        assert (int(answer[0]) == 1) == leads, f"BEAT_DISPATCH answered {answer!r}, leads: {leads}"
+        granted = after["procs"][p]["tick"]["due"] != 0
+        if leads:
+            assert (int(answer[3]) == 1) == granted, (
+                f"BEAT_DISPATCH of due {due} granted {answer[3]}, model: {granted}"
+            )
 
     def land(self, before: dict[str, Any], after: dict[str, Any], write: dict[str, Any]) -> None:
         accepted = after["refused"] == before["refused"]
@@ -195,6 +239,14 @@ class Replay:
         published = self.pointer.read()
         want = after["master"]["ptrToken"]
         assert (published.target if published else None) == (self.target(want) if want else None)
+        beat = after["master"]
+        stored = self.client.hget(self.keys.beat, f"entry:{ENTRY}")
+        if not beat["beatState"]:
+            assert stored is None, f"beat entry {stored!r}, model: none"
+        else:
+            expected = (f"{self.due_ms(beat['beatDue'])}:{self.real_fence(beat['beatFence'])}:"
+                        f"{beat['beatState']}")  # fmt: skip
+            assert as_text(stored) == expected, f"beat entry {stored!r}, model: {expected}"
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.name.split(".")[0] for p in FILES])
