@@ -65,7 +65,7 @@ class Replay:
         # Due time 0 of the model, in ms: long enough ago that every due time the trace
         # asks for is behind Redis's clock (the script refuses one more than 1 s ahead).
         seconds, micros = client.time()
-        self.base_ms = (seconds * 1000 + micros // 1000) - 10**8
+        self.base_ms = int(seconds) * 1000 + int(micros) // 1000 - 10**8
 
     def copy_to_replica(self) -> None:
         """The replica catches up: a copy of the name's keys as the master has them."""
@@ -240,13 +240,13 @@ class Replay:
         want = after["master"]["ptrToken"]
         assert (published.target if published else None) == (self.target(want) if want else None)
         beat = after["master"]
-        stored = self.client.hget(self.keys.beat, f"entry:{ENTRY}")
+        entry = self.client.hget(self.keys.beat, f"entry:{ENTRY}")
         if not beat["beatState"]:
-            assert stored is None, f"beat entry {stored!r}, model: none"
+            assert entry is None, f"beat entry {entry!r}, model: none"
         else:
             expected = (f"{self.due_ms(beat['beatDue'])}:{self.real_fence(beat['beatFence'])}:"
                         f"{beat['beatState']}")  # fmt: skip
-            assert as_text(stored) == expected, f"beat entry {stored!r}, model: {expected}"
+            assert as_text(entry) == expected, f"beat entry {entry!r}, model: {expected}"
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.name.split(".")[0] for p in FILES])
