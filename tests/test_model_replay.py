@@ -244,9 +244,9 @@ class Replay:
         if not beat["beatState"]:
             assert entry is None, f"beat entry {entry!r}, model: none"
         else:
-            expected = (f"{self.due_ms(beat['beatDue'])}:{self.real_fence(beat['beatFence'])}:"
-                        f"{beat['beatState']}")  # fmt: skip
-            assert as_text(entry) == expected, f"beat entry {entry!r}, model: {expected}"
+            value = (f"{self.due_ms(beat['beatDue'])}:{self.real_fence(beat['beatFence'])}:"
+                     f"{beat['beatState']}")  # fmt: skip
+            assert as_text(entry) == value, f"beat entry {entry!r}, model: {value}"
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.name.split(".")[0] for p in FILES])
