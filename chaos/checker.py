@@ -23,6 +23,15 @@ Invariants of the fenced lane (any violation fails the run):
 - ``release``: a front end reports success (``release()`` True, a ``with`` block or an
   ``@exclusive`` call ending without ``ClaimLost``) only when its lease still existed
   when the release was sent;
+- ``model-check``, ``model-refusal``: the run's steps are steps the protocol's model
+  (spec/fenced.qnt, docs/model.md) allows. A check that passed is the model's
+  ``startWrite``, allowed only to a holder that believes it holds the claim, which no
+  holder does once a newer fence was granted unless Redis forgot its lease: so no check
+  passes after a grant of a higher fence arrived, unless the lock Redis restarted
+  between the checking holder's grant and that one. A write refused as stale is the
+  model's ``landWrite`` refusing it, only when the store accepted a higher fence: so
+  every refusal has a write under a higher fence to the same store that began before
+  the refusal came (accepted, or of unknown outcome: its writer killed or failed);
 - ``run-overlap``, ``run-orphan``: two ``fenced run`` commands never ran at once,
   and a command stops within a ttl when its runner is killed. One exception, counted
   apart: a restart of the lock Redis without persistence forgets the lease, the next
@@ -37,6 +46,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import json
 import statistics
 from collections import Counter, defaultdict
@@ -65,6 +75,8 @@ INVARIANTS = {
     "unreachable": "no work started or continued while the lock Redis was unreachable",
     "late-grant": "no grant counted as acquired after its own deadline",
     "release": "success reported only when the lease lasted until the release",
+    "model-check": "model: no check passes once a higher fence was granted (but a restart)",
+    "model-refusal": "model: a store refuses a write only after a higher fence came to it",
     "run-overlap": "fenced run: no two commands at once (after a restart: < 1 ttl)",
     "run-orphan": "fenced run: a command stops when its runner is killed",
 }
@@ -711,6 +723,12 @@ def check(
             checked["unreachable"] = f"{windows} outages"
             violations += _late_grants(mine, faults, ttl, timeline)
             checked["late-grant"] = f"{len(mine)} grants"
+            violations += _model_checks(mine, timeline)
+            checked["model-check"] = f"{sum(len(h.steps) for h in mine)} checks"
+            found = _model_refusals(lane_writes, names, timeline)
+            violations += found
+            refusals = sum(1 for w in lane_writes if w.result == "stale")
+            checked["model-refusal"] = f"{refusals} refusals"
             violations += _releases(mine, faults, timeline)
             checked["release"] = (
                 f"{sum(1 for h in mine if h.released_ok is not None)} releases (not Celery's)"
@@ -915,6 +933,67 @@ def _fence_order(holdings: list[Holding], timeline: Timeline) -> list[Violation]
                     timeline.before(h.acked),
                 )
             )
+    return out
+
+
+def _model_checks(holdings: list[Holding], timeline: Timeline) -> list[Violation]:
+    """Checks that passed after a higher fence's grant arrived, with no restart of the
+    lock Redis between the checking holder's grant and that one (the model's
+    ``startWrite`` needs ``believes``, which a newer grant ends unless Redis forgot)."""
+    out: list[Violation] = []
+    granted = sorted((h for h in holdings if h.fence is not None), key=lambda h: h.acked)
+    for a in granted:
+        if not a.steps:
+            continue
+        # The first grant of a higher fence to arrive: a restart before it excuses it and
+        # every later one (their windows hold it too).
+        newer = next((b for b in granted if b is not a and (b.fence or 0) > (a.fence or 0)
+                      and b.acked > a.sent), None)  # fmt: skip
+        if newer is None or timeline.between(a.sent, newer.acked, "restart_lock_redis"):
+            continue
+        late = [t for t in a.steps if t > newer.acked]
+        if late:
+            out.append(
+                Violation(
+                    "model-check",
+                    late[0],
+                    f"{a.label} passed a check at {late[0]:.3f}, after {newer.label} was "
+                    f"granted a higher fence at {newer.acked:.3f} with no restart between: "
+                    f"a step the model does not allow ({len(late)} such check(s))",
+                    timeline.before(late[0]),
+                )
+            )
+    return out
+
+
+def _model_refusals(
+    lane_writes: list[Write], names: tuple[str, ...], timeline: Timeline
+) -> list[Violation]:
+    """Writes refused as stale with no write under a higher fence to the same store that
+    began before the refusal came (the model's ``landWrite`` refuses only then)."""
+    out: list[Violation] = []
+    for store in names:
+        mine = [w for w in lane_writes if w.store == store and w.holding.fence is not None]
+        # Writes that may have been accepted (accepted, or of unknown outcome), by start,
+        # and the highest fence among the first k of them.
+        maybe = sorted((w for w in mine if w.result != "stale"), key=lambda w: w.t0)
+        starts = [m.t0 for m in maybe]
+        top = list(itertools.accumulate((m.holding.fence or 0 for m in maybe), max))
+        for w in mine:
+            if w.result != "stale" or w.t1 is None:
+                continue
+            k = bisect.bisect_left(starts, w.t1)
+            if k == 0 or top[k - 1] <= (w.holding.fence or 0):
+                out.append(
+                    Violation(
+                        "model-refusal",
+                        w.t1,
+                        f"{store}: {w.holding.label} was refused {w.wid} as stale at "
+                        f"{w.t1:.3f}, but no write under a higher fence had come to it: a "
+                        "step the model does not allow",
+                        timeline.before(w.t1),
+                    )
+                )
     return out
 
 

@@ -103,6 +103,48 @@ def test_checker_names_the_broken_invariant_and_the_fault_before_it() -> None:
     assert report.fenced.overlaps == {"fence": 1}
 
 
+def _finals(wid: str, fence: int) -> dict[str, dict[str, Final]]:
+    """The stores as the hand-made holdings leave them: ``wid`` last, in the pointer."""
+    return {"fenced": {"redis": Final(wid, fence, None), "file": Final(None, None, None),
+                       "sql": Final(None, None, None)}}  # fmt: skip
+
+
+def test_checker_holds_the_run_to_the_models_steps() -> None:
+    """A check passed after a newer grant, and a refusal with no higher fence before it,
+    are steps the model does not allow; a restart of the lock Redis between the two
+    grants allows the first (Redis forgot the lease)."""
+    # w0 (fence 100) passes a check at 2.5, after w1 (fence 101) was granted at 2.0.
+    late_check = _event(2.5, "step", "w0", 10, hold=1, step=1, fence=100)
+    events = [*_holding("w0", 10, 100, 0.5, 0.6, "accepted"), late_check]
+    events += _holding("w1", 11, 101, 2.0, 2.2, "accepted")
+    events.sort(key=lambda e: e["t"])
+    report = check(events, [], _finals("w1.11.1.0", 101), _setup())
+    found = {v.invariant: v for v in report.violations}
+    assert set(found) == {"model-check"}, report.tables()
+    assert "w0 (pid 10, claim fence 100) passed a check at 2.500" in found["model-check"].message
+
+    restart = {"t": 1.0, "wall": 1001.0, "ev": "fault", "w": "harness", "pid": 1,
+               "kind": "restart_lock_redis", "n": 1, "end": 1.2}  # fmt: skip
+    events = sorted([restart, *events], key=lambda e: e["t"])
+    report = check(events, [], _finals("w1.11.1.0", 101), _setup())
+    assert "model-check" not in {v.invariant for v in report.violations}, report.tables()
+
+    # w1 (fence 101) is refused at 2.21 although only fence 100 ever came to the store.
+    events = _holding("w0", 10, 100, 0.5, 0.6, "accepted")
+    events += _holding("w1", 11, 101, 2.0, 2.2, "stale")
+    events.sort(key=lambda e: e["t"])
+    report = check(events, [], _finals("w0.10.1.0", 100), _setup())
+    found = {v.invariant: v for v in report.violations}
+    assert set(found) == {"model-refusal"}, report.tables()
+    assert found["model-refusal"].message.startswith("redis: w1 (pid 11, claim fence 101)")
+    # Refused after a write under a higher fence began: allowed.
+    events = _holding("w0", 10, 102, 0.5, 0.6, "accepted")
+    events += _holding("w1", 11, 101, 2.0, 2.2, "stale")
+    events.sort(key=lambda e: e["t"])
+    report = check(events, [], _finals("w0.10.1.0", 102), _setup())
+    assert "model-refusal" not in {v.invariant for v in report.violations}, report.tables()
+
+
 def test_checker_catches_a_stale_write_to_the_object_store() -> None:
     pause = {"t": 1.0, "wall": 1001.0, "ev": "fault", "w": "harness", "pid": 1,
              "kind": "pause_holder", "n": 1, "end": 3.5,
