@@ -458,3 +458,26 @@ def test_redis_pointer_on_a_real_cluster(cluster_server: RedisServer) -> None:
     finally:
         cluster.close()
         node.close()
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["no-persistence", "appendonly"])
+def test_redis_pointer_keeps_its_fence_over_a_restart_only_with_persistence(
+    persistent: bool,
+) -> None:
+    """The model's finding (docs/model.md), on a real server: a RedisPointer remembers its
+    last fence only as long as its Redis does. Killed and restarted without persistence,
+    it accepts a lower fence; with ``appendonly yes`` (fsync always) it refuses it."""
+    extra = ["--appendonly", "yes", "--appendfsync", "always"] if persistent else []
+    with RedisServer(extra=extra) as server:
+        ptr = RedisPointer(server.client(), "maps:restart")
+        ptr.swap("s3://bucket/v2", fence=BIG + 2)
+        server.restart()  # kill -9, then the same server again
+        ptr = RedisPointer(server.client(), "maps:restart")
+        if persistent:
+            with pytest.raises(StaleFence):
+                ptr.swap("s3://bucket/v1", fence=BIG + 1)
+            assert ptr.read() == Published("s3://bucket/v2", BIG + 2)
+        else:
+            assert ptr.read() is None  # forgotten
+            ptr.swap("s3://bucket/v1", fence=BIG + 1)  # a stale holder's swap: accepted
+            assert ptr.read() == Published("s3://bucket/v1", BIG + 1)
