@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test lint bench dist clean
+.PHONY: install demo test races lint bench dist clean
 
 install: $(STAMP)
 
@@ -33,6 +33,13 @@ tests/npm/node_modules/.installed: tests/npm/package.json tests/npm/package-lock
 	@if command -v npm >/dev/null 2>&1; then \
 	  cd tests/npm && npm ci --no-audit --no-fund --loglevel=error && touch node_modules/.installed; \
 	else echo "npm not found: the tests that need Azurite are skipped (see tests/npm)"; fi
+
+# The object store's race at full scale (tests/test_store_object_races.py): 16 writers,
+# zombies among them stopped past their lease, for RACE_ROUNDS rounds on Azurite; `make
+# test` runs 50 of them. Needs Azurite as `make test` does (tests/npm).
+RACE_ROUNDS ?= 1000
+races: install tests/npm/node_modules/.installed
+	FENCED_RACE_ROUNDS=$(RACE_ROUNDS) $(BIN)/pytest -q -p no:cacheprovider tests/test_store_object_races.py
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks examples chaos scripts

@@ -1,117 +1,43 @@
 """ObjectPointer under racing writers, on Azurite (the Azure Blob Storage emulator).
 
 moto checks a precondition and writes later without a lock, so races are tested here,
-on a server that decides each conditional write atomically. Azurite is an npm package
-that `make test` installs from tests/npm/package.json (at the version its lockfile
-pins) when npm is there; outside CI, without it, these tests are skipped naming the
-fix, and in CI (CI set) they run and fail, so they never stop silently.
+on a server that decides each conditional write atomically (see ``_azurite`` for how
+Azurite is installed, and when its absence skips or fails these tests). The race at
+scale, with claims, zombie processes and a watching reader, is in
+test_store_object_races.py.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
-import http.client
-import os
 import random
-import shutil
-import socket
-import subprocess
 import threading
-import time
 import uuid
 from collections.abc import Iterator
-from email.utils import formatdate
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("obstore")
 
+from _azurite import create_container, needs_azurite, open_store, running_azurite
 from fenced import StaleFence
 from fenced.store import ObjectPointer, ObjectStore
 
-_OWN = Path(__file__).resolve().parent / "npm" / "node_modules" / ".bin" / "azurite-blob"
-AZURITE = str(_OWN) if _OWN.exists() else shutil.which("azurite-blob")
-pytestmark = pytest.mark.skipif(
-    AZURITE is None and not os.environ.get("CI"),
-    reason="Azurite is not installed: `make test` installs it from tests/npm (needs npm), "
-    "or `cd tests/npm && npm ci`; in CI (CI set) these tests run and fail instead",
-)
-
-# Azurite's well-known development account (documented, not a secret).
-ACCOUNT = "devstoreaccount1"
-KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+pytestmark = needs_azurite
 WRITERS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture(scope="module")
 def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    assert AZURITE is not None, "Azurite is not installed: `cd tests/npm && npm ci`"
-    port = free_port()
-    where = tmp_path_factory.mktemp("azurite")
-    log = (where / "azurite.log").open("wb")
-    proc = subprocess.Popen(
-        [AZURITE, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location",
-         str(where), "--silent", "--disableTelemetry", "--skipApiVersionCheck"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.flush()
-                    pytest.fail(f"azurite did not start: {(where / 'azurite.log').read_text()}")
-                time.sleep(0.1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
-
-
-def create_container(endpoint: str, name: str) -> None:
-    """Create a container with a SharedKey-signed request (obstore makes no containers)."""
-    headers = {"x-ms-date": formatdate(usegmt=True), "x-ms-version": "2021-08-06"}
-    signed = "".join(f"{k}:{v}\n" for k, v in sorted(headers.items()))
-    # The verb, then eleven standard headers, all empty (a Content-Length of 0 too).
-    text = "PUT\n" + "\n" * 11 + signed + f"/{ACCOUNT}/{ACCOUNT}/{name}\nrestype:container"
-    mac = hmac.new(base64.b64decode(KEY), text.encode(), hashlib.sha256).digest()
-    headers["Authorization"] = f"SharedKey {ACCOUNT}:{base64.b64encode(mac).decode()}"
-    headers["Content-Length"] = "0"
-    host = endpoint.removeprefix("http://")
-    conn = http.client.HTTPConnection(host, timeout=10)
-    try:
-        conn.request("PUT", f"/{ACCOUNT}/{name}?restype=container", headers=headers)
-        resp = conn.getresponse()
-        assert resp.status == 201, (resp.status, resp.read())
-    finally:
-        conn.close()
+    with running_azurite(tmp_path_factory.mktemp("azurite")) as endpoint:
+        yield endpoint
 
 
 @pytest.fixture
 def store(azurite: str) -> ObjectStore:
     name = f"maps{uuid.uuid4().hex[:12]}"
     create_container(azurite, name)
-    return ObjectStore(
-        f"az://{name}/out",
-        account_name=ACCOUNT,
-        access_key=KEY,
-        endpoint=f"{azurite}/{ACCOUNT}",
-    )
+    return open_store(azurite, name)
 
 
 def counting(pointer: ObjectPointer, reads: list[int]) -> None:
