@@ -28,8 +28,8 @@ WRITERS = 8
 
 
 @pytest.fixture(scope="module")
-def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with running_azurite(tmp_path_factory.mktemp("azurite")) as endpoint:
+def azurite() -> Iterator[str]:
+    with running_azurite() as endpoint:
         yield endpoint
 
 

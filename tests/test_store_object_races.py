@@ -68,8 +68,8 @@ CHILD = Path(__file__).resolve().parent / "object_race.py"
 
 
 @pytest.fixture(scope="module")
-def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with running_azurite(tmp_path_factory.mktemp("azurite"), memory=True) as endpoint:
+def azurite() -> Iterator[str]:
+    with running_azurite(memory=True) as endpoint:
         yield endpoint
 
 

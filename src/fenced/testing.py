@@ -46,6 +46,7 @@ __all__ = [
     "SentinelGroup",
     "TcpProxy",
     "available_binaries",
+    "azurite_container",
     "cluster_port",
     "find_azurite",
     "find_binary",
@@ -982,7 +983,9 @@ class AzuriteServer:
             store = ObjectStore("az://maps/out", **az.options())
     """
 
-    def __init__(self, binary: str | None = None, *, port: int | None = None) -> None:
+    def __init__(
+        self, binary: str | None = None, *, port: int | None = None, memory: bool = False
+    ) -> None:
         found = binary or find_azurite()
         if found is None:
             raise RuntimeError(
@@ -993,6 +996,8 @@ class AzuriteServer:
         self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="fenced-azurite-")
         self.log_path = os.path.join(self.dir, "azurite.log")
+        #: Blobs kept in memory (faster; only the log is written to ``dir``).
+        self.memory = memory
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -1018,11 +1023,11 @@ class AzuriteServer:
         """Start, and wait until the port accepts connections."""
         if _alive(self.proc):
             return self
+        keep = ["--inMemoryPersistence"] if self.memory else ["--location", self.dir]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [self.binary, "--blobHost", "127.0.0.1", "--blobPort", str(self.port),
-                 "--location", self.dir, "--silent", "--disableTelemetry",
-                 "--skipApiVersionCheck"],
+                [self.binary, "--blobHost", "127.0.0.1", "--blobPort", str(self.port), *keep,
+                 "--silent", "--disableTelemetry", "--skipApiVersionCheck"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
         deadline = time.monotonic() + timeout
@@ -1043,32 +1048,8 @@ class AzuriteServer:
             return "(no log)"
 
     def create_container(self, name: str) -> None:
-        """Create a container (obstore makes none): one SharedKey-signed request."""
-        import base64
-        import hashlib
-        import hmac
-        import http.client
-        from email.utils import formatdate
-
-        headers = {"x-ms-date": formatdate(usegmt=True), "x-ms-version": "2021-08-06"}
-        signed = "".join(f"{k}:{v}\n" for k, v in sorted(headers.items()))
-        # The verb, then eleven standard headers, all empty (a Content-Length of 0 too).
-        text = (
-            "PUT\n" + "\n" * 11 + signed
-            + f"/{AZURITE_ACCOUNT}/{AZURITE_ACCOUNT}/{name}\nrestype:container"
-        )  # fmt: skip
-        mac = hmac.new(base64.b64decode(AZURITE_KEY), text.encode(), hashlib.sha256).digest()
-        headers["Authorization"] = f"SharedKey {AZURITE_ACCOUNT}:{base64.b64encode(mac).decode()}"
-        headers["Content-Length"] = "0"
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
-        try:
-            conn.request("PUT", f"/{AZURITE_ACCOUNT}/{name}?restype=container", headers=headers)
-            resp = conn.getresponse()
-            body = resp.read()
-            if resp.status != 201:
-                raise RuntimeError(f"azurite: creating container {name!r}: {resp.status} {body!r}")
-        finally:
-            conn.close()
+        """Create a container (obstore makes none)."""
+        azurite_container(self.url, name)
 
     def _send(self, sig: int) -> None:
         assert self.proc is not None
@@ -1084,3 +1065,35 @@ class AzuriteServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def azurite_container(url: str, name: str) -> None:
+    """Create a container on the Azurite blob service at ``url`` (``http://host:port``):
+    one request signed with the development account's key."""
+    import base64
+    import hashlib
+    import hmac
+    import http.client
+    from email.utils import formatdate
+    from urllib.parse import urlsplit
+
+    headers = {"x-ms-date": formatdate(usegmt=True), "x-ms-version": "2021-08-06"}
+    signed = "".join(f"{k}:{v}\n" for k, v in sorted(headers.items()))
+    # The verb, then eleven standard headers, all empty (a Content-Length of 0 too).
+    text = (
+        "PUT\n" + "\n" * 11 + signed
+        + f"/{AZURITE_ACCOUNT}/{AZURITE_ACCOUNT}/{name}\nrestype:container"
+    )  # fmt: skip
+    mac = hmac.new(base64.b64decode(AZURITE_KEY), text.encode(), hashlib.sha256).digest()
+    headers["Authorization"] = f"SharedKey {AZURITE_ACCOUNT}:{base64.b64encode(mac).decode()}"
+    headers["Content-Length"] = "0"
+    where = urlsplit(url)
+    conn = http.client.HTTPConnection(where.hostname or "127.0.0.1", where.port, timeout=10)
+    try:
+        conn.request("PUT", f"/{AZURITE_ACCOUNT}/{name}?restype=container", headers=headers)
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status != 201:
+            raise RuntimeError(f"azurite: creating container {name!r}: {resp.status} {body!r}")
+    finally:
+        conn.close()
