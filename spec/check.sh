@@ -24,7 +24,7 @@ REPLAY_BEAT=${MODEL_REPLAY_BEAT:-100}
 # The limits search longer traces: their counterexamples take a dozen chosen steps.
 LIMIT_STEPS=40
 LIMIT_SAMPLES=20000
-INVARIANTS=(storeMonotone writesByGrantees releaseOwnOnly fencesIncrease exclusive pointerWithReplicas beatGrantedOnce)
+INVARIANTS=(storeMonotone writesByGrantees releaseOwnOnly fencesIncrease exclusive pointerWithReplicas beatGrantedOnce releaseAnswerKept)
 WITNESSES=(staleWriteRefused twoHolders grantAfterForgetting threeGrants twoTicksSent)
 
 out=$(mktemp -d)

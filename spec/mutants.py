@@ -78,6 +78,15 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        "release-no-note",
+        "RELEASE keeps no note of its answer: a retry of a release whose reply was lost "
+        "answers that the lease was not released",
+        (
+            Edit("_scripts.py", "  local noted = redis.call('GET', KEYS[6])",
+                 "  local noted = false"),
+        ),
+    ),
+    Mutant(
         "refresh-recreates-lease",
         "REFRESH sets the caller's lease again when it is already gone (expired, or "
         "released by an operator), instead of answering that it was lost",

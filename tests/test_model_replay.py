@@ -60,24 +60,30 @@ class Replay:
         self.store = FilePointer(directory / "store")
         self.pointer = RedisPointer(client, "model", namespace=namespace)
         k = self.keys
-        self.replicated = (k.lock, k.fence, k.pointer, k.pointer_log, k.beat)
+        self.replicated = [k.lock, k.fence, k.pointer, k.pointer_log, k.beat]
+        # Tokens whose grant the replay gave back (RELEASE wrote a note the model has not).
+        self.given_back: set[int] = set()
         self.replica: dict[str, bytes] = {}
         # Due time 0 of the model, in ms: long enough ago that every due time the trace
         # asks for is behind Redis's clock (the script refuses one more than 1 s ahead).
         seconds, micros = client.time()
         self.base_ms = int(seconds) * 1000 + int(micros) // 1000 - 10**8
 
+    def notes(self) -> list[str]:
+        """The release notes' keys, one per token granted."""
+        return [self.keys.released(token) for token in self.tokens.values()]
+
     def copy_to_replica(self) -> None:
         """The replica catches up: a copy of the name's keys as the master has them."""
         self.replica = {}
-        for key in self.replicated:
+        for key in [*self.replicated, *self.notes()]:
             dumped = self.client.dump(key)
             if dumped is not None:
                 self.replica[key] = dumped
 
     def fail_over(self) -> None:
         """The replica is promoted: the master's keys become the copy."""
-        self.client.delete(*self.replicated)
+        self.client.delete(*self.replicated, *self.notes())
         for key, dumped in self.replica.items():
             self.client.restore(key, 0, dumped)
 
@@ -111,12 +117,13 @@ class Replay:
             assert (after["procs"][p]["token"] != 0) == extended
         elif name == "landWrite":
             self.land(before, after, me["pending"])
-        elif name == "release":
-            token = me["token"]
+        elif name in ("release", "releaseRetry"):
+            # A retry (its first reply lost) is the same call again: the note answers it.
+            token = me["token"] if name == "release" else me["retry"]
             call = self.calls.release_call(self.tokens[token], "", "ok", self.fences[token])
             ours = released(self.send(call))[0]
-            expected = live_lease(before) == token
-            assert ours == expected, f"RELEASE of {token}: {ours}, model: {expected}"
+            expected = after["lastRelease"]["answer"]
+            assert ours == expected, f"{name.upper()} of {token}: {ours}, model: {expected}"
         elif name == "forceRelease":
             k = self.keys
             answer = FORCE_RELEASE(
@@ -125,7 +132,7 @@ class Replay:
             deleted = self.token_of(as_text(answer[0]) or None)
             assert deleted == live_lease(before), "FORCE_RELEASE deleted another lease"
         elif name == "restart":
-            forgotten = (self.keys.lock, self.keys.fence, self.keys.beat)
+            forgotten = (self.keys.lock, self.keys.fence, self.keys.beat, *self.notes())
             self.client.delete(*forgotten)
             for key in forgotten:
                 self.replica.pop(key, None)
@@ -165,6 +172,7 @@ class Replay:
         if after["procs"][p]["token"] == 0:
             # Not acknowledged by the replica: the claim gives the grant back.
             self.tokens[model_token] = token
+            self.given_back.add(model_token)
             self.send(self.calls.release_call(token, "", "lost", fence))
             return
         # The order of the fences is the model's: each new one above every earlier one.
@@ -239,6 +247,11 @@ class Replay:
         published = self.pointer.read()
         want = after["master"]["ptrToken"]
         assert (published.target if published else None) == (self.target(want) if want else None)
+        noted = {t for t in self.tokens if t not in self.given_back
+                 and self.client.exists(self.keys.released(self.tokens[t]))}  # fmt: skip
+        assert noted == set(after["master"]["notes"]), (
+            f"release notes of {sorted(noted)}, model: {after['master']['notes']}"
+        )
         beat = after["master"]
         entry = self.client.hget(self.keys.beat, f"entry:{ENTRY}")
         if not beat["beatState"]:
