@@ -63,6 +63,8 @@ def proc(name: str, p: dict[str, Any], now: int) -> str:
     w = p["pending"]
     if w["token"]:
         text += f" writing {w['dest']} {w['token']}@{w['fence']}"
+    if p["retry"]:
+        text += f" re-releasing {p['retry']}"
     t = p["tick"]
     if t["due"]:
         text += f" tick {t['due']}@{t['fence']}" + (" checked" if t["checked"] else "")
@@ -76,7 +78,8 @@ STEP_PICKS = {
     "startWrite": ("p", "dest"),
     "tick": ("d",),
     "landWrite": ("p", "acked"),
-    "release": ("p", "acked"),
+    "release": ("p", "acked", "lost"),
+    "releaseRetry": ("p",),
     "dispatch": ("p", "back"),
     "takeOver": ("p",),
     "checkTick": ("p",),
