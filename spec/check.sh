@@ -94,6 +94,7 @@ LIMITS=(
     "initOperator|oneHolder|an operator's release (fenced release) ends a live holder's lease: two holders at once"
     "initDrift|oneHolder|a holder whose clock drifts more than the margin trusts a lease Redis already ended: two holders at once"
     "initClockBack|fencesIncrease|a server clock that steps back, then a restart: a fence granted again (the clock-moves-forward assumption)"
+    "initFailoverClockBack|fencesIncrease|a failover to a master whose clock is behind the old one's by more than the failover took, without replicas: a fence granted again"
     "initBeatPause|tickSentOnce|a beat leader paused between its last check and its send, past its lease: the next leader sends the same tick too"
     "initBeatRestart|beatGrantedOnceEver|a restart without persistence forgets the beat's due times: one is granted again"
 )
