@@ -39,7 +39,7 @@ tests/npm/node_modules/.installed: tests/npm/package.json tests/npm/package-lock
 # test` runs 50 of them. Needs Azurite as `make test` does (tests/npm).
 RACE_ROUNDS ?= 1000
 races: install tests/npm/node_modules/.installed
-	FENCED_RACE_ROUNDS=$(RACE_ROUNDS) $(BIN)/pytest -q -p no:cacheprovider tests/test_store_object_races.py
+	FENCED_RACE_ROUNDS=$(RACE_ROUNDS) $(BIN)/pytest -q -p no:cacheprovider -o timeout=1800 tests/test_store_object_races.py
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks examples chaos scripts
@@ -90,7 +90,7 @@ chaos: install
 model: install spec/node_modules/.installed
 	spec/check.sh
 	$(BIN)/pytest -q -p no:cacheprovider -n 2 tests/test_model_replay.py
-	$(BIN)/python spec/mutants.py
+	$(BIN)/python spec/mutants.py --replayed
 
 spec/node_modules/.installed: spec/package.json spec/package-lock.json
 	cd spec && npm ci --no-audit --no-fund --loglevel=error

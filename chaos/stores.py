@@ -23,7 +23,7 @@ import redis
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from fenced import StaleFence
+from fenced import CorruptObject, StaleFence, StoreError
 from fenced.store import FilePointer, ObjectPointer, ObjectStore, RedisPointer, upsert
 from fenced.testing import AzuriteServer
 
@@ -111,7 +111,8 @@ def drop_tables(url: str, prefix: str) -> None:
 
 
 class Stores:
-    """The three stores of one lane, as one worker process writes them."""
+    """The stores of one lane (three, or four with the object store), as one worker
+    process writes them."""
 
     def __init__(self, shared: Shared, lane: str) -> None:
         if lane not in LANES:
@@ -241,13 +242,16 @@ def read_final(shared: Shared, lane: str) -> dict[str, Final]:
             )
             if stores.object_pointer is not None and stores.objects is not None:
                 published = stores.object_pointer.read()
-                # The blob it names holds the write's id: read whole, checked by its digest.
-                out["object"] = Final(
-                    stores.objects.read_bytes(published.digest).decode()
-                    if published and published.digest else None,
-                    published.fence if published else None,
-                    None,
-                )  # fmt: skip
+                # The blob it names holds the write's id: read whole, checked by its digest
+                # (a pointer naming a missing or damaged blob is a final value no write
+                # made: the checker reports it).
+                value = None
+                if published and published.digest:
+                    try:
+                        value = stores.objects.read_bytes(published.digest).decode()
+                    except (StoreError, CorruptObject) as exc:
+                        value = f"(blob {published.digest[:12]} unreadable: {exc})"[:200]
+                out["object"] = Final(value, published.fence if published else None, None)
         else:
             client: Any = stores.redis
             raw = client.hget(stores.plain_key, "target")

@@ -22,10 +22,10 @@ REPLAY=${MODEL_REPLAY:-200}
 REPLAY_WRITES=${MODEL_REPLAY_WRITES:-100}
 REPLAY_BEAT=${MODEL_REPLAY_BEAT:-100}
 # The limits search longer traces: their counterexamples take a dozen chosen steps.
-LIMIT_STEPS=40
+LIMIT_STEPS=60
 LIMIT_SAMPLES=20000
 INVARIANTS=(storeMonotone writesByGrantees releaseOwnOnly fencesIncrease exclusive pointerWithReplicas beatGrantedOnce releaseAnswerKept)
-WITNESSES=(staleWriteRefused twoHolders grantAfterForgetting threeGrants twoTicksSent)
+WITNESSES=(staleWriteRefused twoHolders grantAfterForgetting threeGrants twoTicksSent takenOverTickSent)
 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
@@ -165,10 +165,19 @@ fi
 # A third: beat leaders dispatching, sending, taking over each other's ticks, restarts.
 # shellcheck disable=SC2046
 if ! quint_run "$out/beat" --init initReplayBeat --step stepBeat \
-    --invariants "${INVARIANTS[@]}" --max-samples "$REPLAY_BEAT" --n-traces "$REPLAY_BEAT" \
+    --invariants "${INVARIANTS[@]}" --witnesses takenOverTickSent \
+    --max-samples "$REPLAY_BEAT" --n-traces "$REPLAY_BEAT" \
     --max-steps 60 $(seed_for 400) --mbt --out-itf 'traces/beat{seq}.itf.json' --verbosity 1; then
     cat "$out/beat"
     echo "FAIL: an invariant broke in the replay's beat configuration"
+    exit 1
+fi
+# The take-over path (a successor sends its predecessor's tick, BEAT_SENT marks it) must
+# be among the replayed traces, or the replay does not exercise it.
+taken=$(sed -n 's/^takenOverTickSent was witnessed in \([0-9]*\) .*/\1/p' "$out/beat")
+if [ "${taken:-0}" -lt 1 ]; then
+    cat "$out/beat"
+    echo "FAIL: no beat trace sends a tick a predecessor was granted (takenOverTickSent)"
     exit 1
 fi
 echo "== $(find traces -name 'trace*.itf.json' | wc -l) traces of up to 40 steps, $(find traces -name 'writes*.itf.json' | wc -l) of up to 80 (late writes) and $(find traces -name 'beat*.itf.json' | wc -l) of up to 60 (the beat) written to spec/traces/ for the replay ($((SECONDS - started)) s so far)"

@@ -11,6 +11,8 @@ or the replay's comparisons, cannot see that fault: this script then exits 1.
     python spec/mutants.py             # every mutant
     python spec/mutants.py release     # the ones whose names start with "release"
     python spec/mutants.py --every     # every trace, not until the first that fails
+    python spec/mutants.py --replayed  # the replay just passed on the code as it is
+                                       # (make model runs it first): not again here
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from xml.etree import ElementTree
 
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "fenced"
@@ -152,9 +155,24 @@ def apply(mutant: Mutant, into: Path) -> None:
         path.write_text(text.replace(edit.old, edit.new))
 
 
-def replay(src: Path, every: bool = False) -> tuple[int, int, str]:
-    """Run the replay against the package under ``src`` until a trace fails: (traces
-    failed, traces run, output)."""
+#: How the replay reports a step the code answered otherwise than the model (its own
+#: AssertionError, raised with the trace's name and the step): only these catch a mutant.
+STEP_FAILED = re.compile(r"AssertionError: \S+\.itf\.json, step \d+ \(\w+\): ")
+
+
+@dataclass
+class Outcome:
+    """A replay's result: the traces run, the steps the code got wrong, other failures."""
+
+    ran: int
+    caught: list[str]
+    broken: list[str]
+    output: str
+
+
+def replay(src: Path, every: bool = False) -> Outcome:
+    """Run the replay against the package under ``src`` (until a trace fails, unless
+    ``every``), and read each test's result from its JUnit XML report."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), str(ROOT / "tests")])}
     where = subprocess.run(
         [sys.executable, "-c", "import fenced; print(fenced.__file__)"],
@@ -162,39 +180,48 @@ def replay(src: Path, every: bool = False) -> tuple[int, int, str]:
     ).stdout.strip()  # fmt: skip
     if not where.startswith(str(src)):
         raise SystemExit(f"the replay would import fenced from {where}, not from {src}")
+    report = src.parent / "replay.xml"
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", *([] if every else ["-x"]), "-p",
-         "no:cacheprovider", "--tb=line", REPLAY],
+         "no:cacheprovider", "--tb=line", f"--junitxml={report}", REPLAY],
         cwd=ROOT, env=env, capture_output=True, text=True,
     )  # fmt: skip
     text = out.stdout + out.stderr
-    failed = int(m.group(1)) if (m := re.search(r"(\d+) failed", text)) else 0
-    passed = int(m.group(1)) if (m := re.search(r"(\d+) passed", text)) else 0
-    return failed, failed + passed, text
+    if not report.exists():
+        return Outcome(0, [], [text[-2000:]], text)
+    ran, caught, broken = 0, [], []
+    for case in ElementTree.parse(report).iter("testcase"):
+        if case.find("skipped") is not None:
+            continue
+        ran += 1
+        for bad in [*case.iter("failure"), *case.iter("error")]:
+            message = f"{bad.get('message', '')}\n{bad.text or ''}"
+            found = STEP_FAILED.search(message)
+            if bad.tag == "failure" and found:
+                line = message[found.start() :].splitlines()[0]
+                caught.append(line.removeprefix("AssertionError: ")[:220])
+            else:
+                broken.append(f"{case.get('name')}: {message.strip()[:300]}")
+    return Outcome(ran, caught, broken, text)
 
 
-def first_failure(output: str) -> str:
-    """The first failing step the replay reported, on one line."""
-    for line in output.splitlines():
-        if "AssertionError" in line or "assert" in line:
-            return line.strip()[:220]
-    return "(no assertion line)"
-
-
-def run_mutant(mutant: Mutant, every: bool = False) -> tuple[int, int, str, float]:
-    """Replay the traces on a copy of the package with ``mutant`` written into it."""
+def run_mutant(mutant: Mutant | None, every: bool = False) -> tuple[Outcome, float]:
+    """Replay the traces on a copy of the package with ``mutant`` written into it (none:
+    the copy as it is, which must pass)."""
     with tempfile.TemporaryDirectory(prefix="fenced-mutant-") as tmp:
         src = Path(tmp) / "src"
         shutil.copytree(SRC, src / "fenced", ignore=shutil.ignore_patterns("__pycache__"))
-        apply(mutant, src / "fenced")
+        if mutant is not None:
+            apply(mutant, src / "fenced")
         t0 = time.monotonic()
-        failed, ran, output = replay(src, every)
-    return failed, ran, output, time.monotonic() - t0
+        outcome = replay(src, every)
+    return outcome, time.monotonic() - t0
 
 
 def main(argv: list[str]) -> int:
     every = "--every" in argv
-    argv = [a for a in argv if a != "--every"]
+    replayed = "--replayed" in argv
+    argv = [a for a in argv if a not in ("--every", "--replayed")]
     chosen = [m for m in MUTANTS if not argv or any(m.name.startswith(a) for a in argv)]
     if not chosen:
         raise SystemExit(f"no mutant named {argv}: {', '.join(m.name for m in MUTANTS)}")
@@ -202,23 +229,40 @@ def main(argv: list[str]) -> int:
         raise SystemExit("no traces in spec/traces: run spec/check.sh (make model) first")
     print(f"== {len(chosen)} mutants, each replayed on the model's traces until one fails")
     started = time.monotonic()
+    # The copy as it is too (first in line), unless the replay just passed on the code:
+    # every trace must pass on it, or a mutant's failures show nothing (the traces are
+    # stale, or the replay is broken).
     with ThreadPoolExecutor(2) as pool:
+        plain_run = None if replayed else pool.submit(run_mutant, None, True)
         results = list(pool.map(lambda m: run_mutant(m, every), chosen))
+    if plain_run is not None:
+        plain, _took = plain_run.result()
+        if plain.caught or plain.broken or plain.ran == 0:
+            print(plain.output[-3000:])
+            raise SystemExit("the replay fails on the code as it is: run `make model` first")
+        print(f"-- the code as it is: {plain.ran} traces replayed, none failed")
     survived = []
-    for mutant, (failed, ran, output, took) in zip(chosen, results):
-        if ran == 0:
-            print(output[-3000:])
+    for mutant, (outcome, took) in zip(chosen, results):
+        if outcome.broken:
+            print(outcome.output[-3000:])
+            raise SystemExit(
+                f"mutant {mutant.name}: the replay failed otherwise than on a step "
+                f"({outcome.broken[0]}): the mutant breaks more than it names"
+            )
+        if outcome.ran == 0:
+            print(outcome.output[-3000:])
             raise SystemExit(f"mutant {mutant.name}: the replay ran no trace")
-        if failed and every:
-            print(f"-- {mutant.name}: caught, {failed} of {ran} traces failed ({took:.0f} s)")
-        elif failed:
-            print(f"-- {mutant.name}: caught, at trace {ran} of the replay ({took:.0f} s)")
+        if outcome.caught and every:
+            print(f"-- {mutant.name}: caught, {len(outcome.caught)} of {outcome.ran} traces "
+                  f"failed ({took:.0f} s)")  # fmt: skip
+        elif outcome.caught:
+            print(f"-- {mutant.name}: caught, at trace {outcome.ran} of the replay ({took:.0f} s)")
         else:
-            print(f"-- {mutant.name}: SURVIVED all {ran} traces ({took:.0f} s)")
+            print(f"-- {mutant.name}: SURVIVED all {outcome.ran} traces ({took:.0f} s)")
             survived.append(mutant.name)
         print(f"   {mutant.what}")
-        if failed:
-            print(f"   first failure: {first_failure(output)}")
+        if outcome.caught:
+            print(f"   first failure: {outcome.caught[0]}")
     print(f"(mutants: {time.monotonic() - started:.0f} s)")
     if survived:
         print(f"FAIL: the replay did not catch {', '.join(survived)}")

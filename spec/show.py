@@ -80,6 +80,7 @@ STEP_PICKS = {
     "landWrite": ("p", "acked"),
     "release": ("p", "acked", "lost"),
     "releaseRetry": ("p",),
+    "crash": ("p",),
     "dispatch": ("p", "back"),
     "takeOver": ("p",),
     "checkTick": ("p",),

@@ -150,7 +150,7 @@ class Replay:
             marked = BEAT_SENT(self.client, [self.keys.beat], [ENTRY, value])
             expected = after["master"]["beatState"] != before["master"]["beatState"]
             assert (marked == 1) == expected, f"BEAT_SENT marked {marked}, model: {expected}"
-        # tick, expireLocally, startWrite, takeOver, checkTick: nothing to send
+        # tick, expireLocally, startWrite, takeOver, checkTick, crash: nothing to send
         if name == "replicate" or (acknowledged and after["replica"] == after["master"]):
             self.copy_to_replica()
         self.compare(after)
@@ -191,7 +191,7 @@ class Replay:
     def real_fence(self, model_fence: int) -> int:
         """The real fence of the grant the model gave ``model_fence``."""
         found = [t for t, f in self.model_fences.items() if f == model_fence]
-        assert found, f"no grant of model fence {model_fence} was replayed"
+        assert len(found) == 1, f"grants of model fence {model_fence} replayed: {found}"
         return self.fences[found[0]]
 
     def dispatch(self, before: dict[str, Any], after: dict[str, Any], p: str, back: int) -> None:
@@ -199,8 +199,9 @@ class Replay:
         me = before["procs"][p]
         due = max(1, before["master"]["beatDue"] + 1 - back)
         token = me["token"]
-        args = [self.tokens[token], str(self.fences[token]), "0", new_token(), ENTRY,
-                str(self.due_ms(due)), str(STEP_MS)]  # fmt: skip
+        # As the beat sends it: the name's idle expiry (the script gives the beat's key it).
+        args = [self.tokens[token], str(self.fences[token]), str(self.calls.opts.idle_ms),
+                new_token(), ENTRY, str(self.due_ms(due)), str(STEP_MS)]  # fmt: skip
         k = self.keys
         answer = BEAT_DISPATCH(self.client, [k.lock, k.fence, k.beat], args)
         leads = live_lease(before) == token and before["master"]["fence"] == me["fence"]

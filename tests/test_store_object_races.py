@@ -63,6 +63,8 @@ pytestmark = needs_azurite
 ROUNDS = int(os.environ.get("FENCED_RACE_ROUNDS", "50"))
 CONTROL_ROUNDS = 5
 WRITERS = 16
+#: Rounds whose blobs are kept before they are deleted (see Race._forget).
+KEEP_ROUNDS = 20
 PROCESSES = 4
 CHILD = Path(__file__).resolve().parent / "object_race.py"
 
@@ -194,6 +196,7 @@ class Race:
     """Sixteen writers, a reader, a claim and a pointer in a container of their own."""
 
     def __init__(self, azurite: str, redis_url: str, where: Path, *, blind: bool = False) -> None:
+        self.blind = blind
         self.container = f"race{uuid.uuid4().hex[:12]}"
         create_container(azurite, self.container)
         self.store = open_store(azurite, self.container)
@@ -284,8 +287,11 @@ class Race:
         for w in others:
             if w is not paused:
                 played.swaps[w.index] = w.reply()
-        # Both stay stopped longer than a lease, then both resume at once.
-        time.sleep(max(0.0, stops[paused.index] + LEASE * 1.5 - time.monotonic()))
+        # Both stay stopped longer than a lease, then both resume at once. With the blind
+        # write (the negative control), long enough for the reader (every 5 ms) to see
+        # the top fence before a zombie's write takes the pointer back.
+        stay = LEASE * 1.5 + (0.2 if self.blind else 0.0)
+        time.sleep(max(0.0, stops[paused.index] + stay - time.monotonic()))
         for w in (paused, expired):
             assert w.pid is not None
             os.kill(w.pid, signal.SIGCONT)
@@ -298,11 +304,12 @@ class Race:
 
     def _forget(self, played: Round) -> None:
         # Azurite finds a blob by scanning every blob of the account, so each request
-        # slows down as blobs pile up: the blobs of two rounds ago are deleted (the pointer
-        # cannot name them unless its fence went back, which the reader would report).
-        # They are deleted in the background, during the next round.
+        # slows down as blobs pile up: the blobs of KEEP_ROUNDS rounds ago are deleted (the
+        # pointer cannot name them unless its fence went back, which the reader would
+        # report; a reader that stalls after reading a pointer has that many rounds to
+        # read its blob). They are deleted in the background, during the next round.
         self.old.append(list(played.digests.values()))
-        if len(self.old) > 2:
+        if len(self.old) > KEEP_ROUNDS:
             if self.deleting is not None:
                 self.deleting.result()
             self.deleting = self.deleter.submit(self._delete, self.old.popleft())

@@ -994,6 +994,8 @@ class AzuriteServer:
             )
         self.binary = found
         self.port = port or free_port()
+        # A port picked here may be taken before the server binds it: picked again then.
+        self._picked = port is None
         self.dir = tempfile.mkdtemp(prefix="fenced-azurite-")
         self.log_path = os.path.join(self.dir, "azurite.log")
         #: Blobs kept in memory (faster; only the log is written to ``dir``).
@@ -1019,27 +1021,42 @@ class AzuriteServer:
         """The same options for an Azurite account ``endpoint`` (another process's)."""
         return {"account_name": AZURITE_ACCOUNT, "access_key": AZURITE_KEY, "endpoint": endpoint}
 
-    def start(self, timeout: float = 30.0) -> AzuriteServer:
-        """Start, and wait until the port accepts connections."""
-        if _alive(self.proc):
-            return self
+    def _launch(self) -> None:
         keep = ["--inMemoryPersistence"] if self.memory else ["--location", self.dir]
-        with open(self.log_path, "ab") as log:
+        with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [self.binary, "--blobHost", "127.0.0.1", "--blobPort", str(self.port), *keep,
                  "--silent", "--disableTelemetry", "--skipApiVersionCheck"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
+
+    def start(self, timeout: float = 30.0) -> AzuriteServer:
+        """Start, and wait until this process says it listens (another server that took
+        the port first is not taken for it: a port picked here is picked again)."""
+        if _alive(self.proc):
+            return self
+        os.makedirs(self.dir, exist_ok=True)
+        picks = 3 if self._picked else 0
         deadline = time.monotonic() + timeout
+        self._launch()
+        assert self.proc is not None
         while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+            tail = self._log_tail()
+            if self.proc.poll() is not None:
+                if picks and "EADDRINUSE" in tail:
+                    picks -= 1
+                    self.port = free_port()
+                    self._launch()
+                    continue
+                self.stop()
+                raise RuntimeError(f"azurite exited at start: {tail}")
+            if f"listens on {self.url}" in tail:
+                self._picked = False  # its address now: kept by a later start
                 return self
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"azurite did not start: {self._log_tail()}") from None
-                time.sleep(0.1)
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"azurite did not start within {timeout}s: {tail}")
+            time.sleep(0.05)
 
     def _log_tail(self) -> str:
         try:
