@@ -58,5 +58,9 @@ def test_beat_lane_keeps_its_invariants_under_its_faults(tmp_path: Path) -> None
     b = report.beat
     assert b is not None
     assert sum(report.faults.get(k, 0) for k in BEAT_FAULTS) >= 3, report.tables()
-    assert b.ticks["tick-1s"] >= 10 and b.ticks["cron-seconds"] >= 1, report.tables()
+    # The cron entry is due a few times in 15 s: each ran, or fell in a fault's window
+    # and was passed over there (the catch-up skip, which the checker holds to the
+    # windows): either way the calendar was followed.
+    cron = b.ticks["cron-seconds"] + b.passed_over.get("cron-seconds", 0)
+    assert b.ticks["tick-1s"] >= 10 and cron >= 1, report.tables()
     assert report.ok, "\n" + report.tables()
