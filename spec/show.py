@@ -12,6 +12,7 @@ Standard library only: `make model` runs it without the project's environment.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -33,7 +34,7 @@ def plain(value: Any) -> Any:
     return value
 
 
-def states(path: str) -> list[dict[str, Any]]:
+def states(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The states of an ITF trace, as plain Python."""
     with open(path) as f:
         return [plain(s) for s in json.load(f)["states"]]

@@ -7,34 +7,19 @@ state carries the step that led to it (``mbt::actionTaken``) and what that step 
 
 from __future__ import annotations
 
-import json
+import sys
 from pathlib import Path
 from typing import Any
 
-TRACES = Path(__file__).resolve().parent.parent / "spec" / "traces"
+SPEC = Path(__file__).resolve().parent.parent / "spec"
+TRACES = SPEC / "traces"
+# spec/show.py reads ITF for `make model` with the standard library only: the same
+# reading here, not a copy.
+sys.path.insert(0, str(SPEC))
+from show import picks, plain  # noqa: E402
+from show import states as load  # noqa: E402
 
-
-def plain(value: Any) -> Any:
-    """An ITF value as plain Python: ints, lists, dicts; a set as a sorted list."""
-    if isinstance(value, dict):
-        if "#bigint" in value:
-            return int(value["#bigint"])
-        if "#map" in value:
-            return {plain(k): plain(v) for k, v in value["#map"]}
-        if "#set" in value:
-            return sorted(plain(v) for v in value["#set"])
-        if "#tup" in value:
-            return [plain(v) for v in value["#tup"]]
-        return {k: plain(v) for k, v in value.items() if k != "#meta"}
-    if isinstance(value, list):
-        return [plain(v) for v in value]
-    return value
-
-
-def load(path: Path) -> list[dict[str, Any]]:
-    """The states of one trace, first to last."""
-    with path.open() as f:
-        return [plain(state) for state in json.load(f)["states"]]
+__all__ = ["TRACES", "action", "live_lease", "load", "picks", "plain", "trace_files"]
 
 
 def trace_files() -> list[Path]:
@@ -47,12 +32,6 @@ def trace_files() -> list[Path]:
 def action(state: dict[str, Any]) -> str:
     """The step that led to this state."""
     return str(state.get("mbt::actionTaken", ""))
-
-
-def picks(state: dict[str, Any]) -> dict[str, Any]:
-    """What the step that led to this state chose (process, acknowledgement, ...)."""
-    chosen = state.get("mbt::nondetPicks", {})
-    return {k: v["value"] for k, v in chosen.items() if v.get("tag") == "Some"}
 
 
 def live_lease(state: dict[str, Any]) -> int:

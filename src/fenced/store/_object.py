@@ -52,7 +52,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a fresh environmen
 
 from .._errors import ConfigError, CorruptObject, StaleFence, StoreError
 from . import _durable
-from ._content import DEFAULT_GRACE, MANIFEST_PREFIX, put_source
+from ._content import DEFAULT_GRACE, MANIFEST_PREFIX, _chunks, put_source
 from ._published import Pointer, Published, Ref, Target
 
 if TYPE_CHECKING:
@@ -81,7 +81,6 @@ SWAP_ATTEMPTS = 50
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z0-9._\-][A-Za-z0-9._\-/]*")
-_CHUNK = 1 << 20
 _FIX = (
     "use a store that honours If-None-Match and If-Match on PUT (AWS S3, Google Cloud "
     "Storage, Azure Blob Storage, or an S3-compatible server that implements conditional "
@@ -673,16 +672,3 @@ def _from_url(
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
-
-
-def _chunks(f: IO[bytes]) -> Iterator[bytes]:
-    while True:
-        chunk = f.read(_CHUNK)
-        if not chunk:
-            return
-        if not isinstance(chunk, (bytes, bytearray, memoryview)):
-            raise ConfigError(
-                f"the file object gave {type(chunk).__name__}, not bytes: "
-                "open it in binary mode ('rb')"
-            )
-        yield bytes(chunk)
